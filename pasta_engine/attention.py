@@ -1,0 +1,185 @@
+"""Attention backends over the paged KV cache.
+
+A decode step's batch is a list of *sequences*: each is one thread's new tokens (1 for a
+decode row, several for a prefill chunk or an inserted tag) and its KV view (pages with
+per-page visible lengths, see :mod:`pasta_engine.kv_cache`). The new tokens' K/V are written
+into the cache first, every layer, and then each query attends over its thread's whole view:
+the view's last ``q_len`` tokens are the sequence's own new tokens, masked causally among
+themselves, and everything before them is visible.
+
+A backend implements two operations per layer (:class:`AttentionBackend`):
+
+* ``rope_and_write(q, k, v, cos, sin, k_cache, v_cache, meta)``: rotate q and k by RoPE at the
+  logical positions, write k and v into their slots, return the rotated q;
+* ``attend(q, k_cache, v_cache, meta)``: the attention output for every query row.
+
+and ``plan(meta)`` once per step to build whatever index tensors it needs (shared by all
+layers). :class:`TorchAttention` is the reference: gathers each sequence's view into a padded
+dense tensor and calls ``scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "apply_rope", "get_backend"]
+
+
+@dataclass
+class AttentionMetadata:
+    """What one step's attention needs, built by the scheduler.
+
+    Host-side lists (one entry per sequence ``b`` of ``B``):
+        q_lens[b]: new tokens of the sequence (query rows, consecutive in the batch).
+        pages[b], page_lens[b]: its KV view (page ids, visible slots of each page).
+        kv_lens[b]: ``sum(page_lens[b])``, including its new tokens.
+    Device tensors:
+        positions: ``[T]`` int64 logical position of every new token.
+        slot_mapping: ``[T]`` int64 cache slot (``page * page_size + offset``) of every new token.
+    ``plan`` holds the backend's per-step index tensors (set by :meth:`AttentionBackend.plan`).
+    """
+
+    page_size: int
+    q_lens: list[int]
+    pages: list[list[int]]
+    page_lens: list[list[int]]
+    kv_lens: list[int]
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    plan: Any = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.q_lens))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` by RoPE with ``cos``/``sin`` ``[T, D]`` (the "rotate half"
+    convention of HF Llama; Su et al. 2021, RoFormer, section 3.4.2)."""
+    d = x.shape[-1] // 2
+    rot = torch.cat((-x[..., d:], x[..., :d]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class AttentionBackend:
+    """Interface of an attention backend; see the module docstring."""
+
+    name = "abstract"
+
+    def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def rope_and_write(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``, cos/sin ``[T, D]``, caches
+        ``[num_pages, page_size, Hkv, D]``. Writes rotated k and v at ``meta.slot_mapping``;
+        returns rotated q ``[T, Hq, D]``. Default: torch ops."""
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        hkv, d = k.shape[1], k.shape[2]
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        return q
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q ``[T, Hq, D]`` -> output ``[T, Hq, D]`` (softmax(q k^T * scale) v over each
+        row's visible keys)."""
+        raise NotImplementedError
+
+
+@dataclass
+class _TorchPlan:
+    gather: torch.Tensor  # [B, Lmax] slot ids (padded with 0)
+    mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool
+    q_index: torch.Tensor  # [B, Qmax] row of T (padded with 0)
+    q_valid: torch.Tensor  # [B, Qmax] bool
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend: gather every sequence's view into a padded dense tensor, then
+    ``torch.nn.functional.scaled_dot_product_attention`` with an explicit mask."""
+
+    name = "torch"
+
+    def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
+        b = len(meta.q_lens)
+        lmax = max(meta.kv_lens)
+        qmax = max(meta.q_lens)
+        ps = meta.page_size
+        gather = torch.zeros(b, lmax, dtype=torch.long)
+        for i, (pages, lens) in enumerate(zip(meta.pages, meta.page_lens)):
+            p = torch.tensor(pages, dtype=torch.long)
+            n = torch.tensor(lens, dtype=torch.long)
+            starts = torch.repeat_interleave(p * ps, n)
+            offs = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+            gather[i, : meta.kv_lens[i]] = starts + offs
+        kv_len = torch.tensor(meta.kv_lens)
+        q_len = torch.tensor(meta.q_lens)
+        qi = torch.arange(qmax)
+        kj = torch.arange(lmax)
+        # query i of sequence b sees key j iff j <= kv_len - q_len + i
+        limit = (kv_len - q_len)[:, None] + qi[None, :]  # [B, Qmax]
+        mask = kj[None, None, :] <= limit[:, :, None]
+        q_valid = qi[None, :] < q_len[:, None]
+        mask &= q_valid[:, :, None]
+        mask[:, :, 0] |= ~q_valid  # padded rows attend to one key (discarded) to avoid NaN
+        starts = torch.cumsum(q_len, 0) - q_len
+        q_index = torch.where(q_valid, starts[:, None] + qi[None, :], torch.zeros_like(qi)[None, :])
+        meta.plan = _TorchPlan(
+            gather=gather.to(device),
+            mask=mask[:, None].to(device),
+            q_index=q_index.to(device),
+            q_valid=q_valid.to(device),
+        )
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        pl: _TorchPlan = meta.plan
+        t, hq, d = q.shape
+        hkv = k_cache.shape[2]
+        k = k_cache.view(-1, hkv, d)[pl.gather]  # [B, L, Hkv, D]
+        v = v_cache.view(-1, hkv, d)[pl.gather]
+        qd = q[pl.q_index]  # [B, Qmax, Hq, D]
+        out = F.scaled_dot_product_attention(
+            qd.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=pl.mask, scale=scale, enable_gqa=hq != hkv,
+        ).transpose(1, 2)  # [B, Qmax, Hq, D]
+        res = torch.empty_like(q)
+        res[pl.q_index[pl.q_valid]] = out[pl.q_valid]
+        return res
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+
+
+def register_backend(name: str, cls: type[AttentionBackend]) -> None:
+    """Make ``cls`` available as ``attention_backend=name``."""
+    _BACKENDS[name] = cls
+
+
+def get_backend(name: str | AttentionBackend) -> AttentionBackend:
+    """An attention backend by name (``"torch"``; ``"triton"`` once its kernels are built).
+
+    Raises ValueError naming the known backends."""
+    if isinstance(name, AttentionBackend):
+        return name
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: known {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
