@@ -1,0 +1,51 @@
+"""Prompts: the PASTA-LANG system prompt that teaches an un-finetuned instruct model the tags,
+and the project's sample prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["PastaPrompt", "DEFAULT_PASTA_PROMPT", "SAMPLE_PROMPT"]
+
+SAMPLE_PROMPT = "What are different drawers I should have for clothes?"
+
+_SYSTEM = (
+    "You are a helpful assistant. You write answers in PASTA-LANG. When a list has independent "
+    "items, write a promise tag for each item instead of the item itself, like "
+    '<promise topic="short topic" tokens="30"/>, where tokens is the item\'s length in tokens '
+    "(10, 20, 30, 40 or 50). Each promised item is then written in parallel after <async> and ends "
+    "with </async>, for example: <async>Go to bed at the same time every day.</async> Write <sync/> "
+    "after the last promise, then finish the answer."
+)
+
+_EXAMPLE = (
+    "Give me three tips for better sleep.",
+    "Here are three tips for better sleep:\n"
+    '1. <promise topic="regular schedule" tokens="40"/>\n'
+    '2. <promise topic="avoid screens" tokens="20"/>\n'
+    '3. <promise topic="quiet dark room" tokens="30"/>\n'
+    "<sync/>\n"
+    "These habits will help you sleep better.",
+)
+
+
+@dataclass(frozen=True)
+class PastaPrompt:
+    """A system prompt plus example exchanges (user, assistant) placed before the user's
+    message in pasta mode. An example turn teaches a small model the format far better than
+    instructions alone: SmolLM2-135M-Instruct writes well-formed promise tags with it (and,
+    like the paper's un-finetuned baselines, often forgets ``<sync/>``; end of sequence syncs)."""
+
+    system: str = _SYSTEM
+    examples: tuple[tuple[str, str], ...] = field(default_factory=lambda: (_EXAMPLE,))
+
+    def messages(self, user: str) -> list[dict[str, str]]:
+        """Chat messages for ``user``'s request."""
+        msgs = [{"role": "system", "content": self.system}]
+        for q, a in self.examples:
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        msgs.append({"role": "user", "content": user})
+        return msgs
+
+
+DEFAULT_PASTA_PROMPT = PastaPrompt()
