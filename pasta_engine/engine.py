@@ -329,7 +329,7 @@ class Engine:
         sp = it.spliced()
         st = it.structure()
         cp = metrics.critical_path(st)
-        annotated = sp.text
+        annotated = it.annotated_text()
         forks = sum(1 for t in it.threads[1:] if t.finish != "not_run")
         stats = RequestStats(
             decode_steps=req.steps,

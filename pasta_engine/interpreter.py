@@ -210,6 +210,7 @@ class Thread:
     next_pos: int
     promise: Promise | None = None
     fork_at: int = 0  # main tokens before the chunk in the spliced response
+    fork_char: int = 0  # main-thread characters before the chunk in the annotated text
     cap: int | None = None
     forced: deque | None = None
     status: ThreadStatus = ThreadStatus.RUNNING
@@ -470,6 +471,7 @@ class Interpreter:
             forced=chunk,
             promise=p,
             fork_at=len(main.tokens),
+            fork_char=p.end,
             cap=None if self.replay else self.limits.chunk_cap(p.tokens),
             status=ThreadStatus.QUEUED,
         )
@@ -518,8 +520,14 @@ class Interpreter:
             thread.released = True
             self.events.append(Release(thread))
 
+    def _flush_text(self, thread: Thread) -> None:
+        tail = thread.detok.flush()
+        if tail and thread.pieces:
+            thread.pieces[-1] += tail
+
     def _end_thread(self, thread: Thread, reason: str, flush: bool) -> None:
         thread.finish = reason
+        self._flush_text(thread)
         if thread.is_main:
             if reason == "eos" or reason == "trace_end":
                 # implicit sync: the request ends once every child has ended
@@ -560,41 +568,49 @@ class Interpreter:
         for t in self.threads:
             t.status = ThreadStatus.DONE
             t.pending, t.pending_pos = [], []
-        for t in self.threads:
+            self._flush_text(t)
             self._release(t)
         self.finish = reason
 
     # ------------------------------------------------------------------ results
 
+    def _ran(self) -> list[Thread]:
+        return [c for c in self.threads[1:] if c.finish != "not_run"]
+
     def spliced(self) -> "Spliced":
-        """The response in spliced order: each child's tokens right after the main token that
-        completed its promise. Interpreter-closed chunks get ``</async>`` as text only (it was
-        never decoded); a child's EOS is left out (it is counted in ``n_sampled``)."""
+        """The response's tokens in spliced order: each child's tokens right after the main
+        token that completed its promise (token granularity: if that token also holds the
+        next characters, they come before the chunk here but after it in
+        :meth:`annotated_text`). A child's EOS is left out (it counts in ``n_sampled``)."""
         out = Spliced()
-        by_pos: dict[int, list[Thread]] = {}
-        for c in self.threads[1:]:
-            if c.finish != "not_run":
-                by_pos.setdefault(c.fork_at, []).append(c)
+        by_tok: dict[int, list[Thread]] = {}
+        for c in self._ran():
+            by_tok.setdefault(c.fork_at, []).append(c)
 
         def add(t: Thread, lo: int, hi: int) -> None:
             out.ids += t.tokens[lo:hi]
-            out.pieces += t.pieces[lo:hi]
             out.logprobs += t.logprobs[lo:hi]
             out.positions += t.positions[lo:hi]
             out.threads += [t.tid] * (hi - lo)
 
         main = self.main
         for i in range(len(main.tokens) + 1):
-            for c in by_pos.get(i, []):
+            for c in by_tok.get(i, []):
                 add(c, 0, len(c.tokens))
-                tail = c.detok.flush() + (ASYNC_CLOSE if c.closed_by_interpreter else "")
-                out.pieces[-1] += tail
             if i < len(main.tokens):
                 add(main, i, i + 1)
-        tail = main.detok.flush()
-        if tail and out.pieces:
-            out.pieces[-1] += tail
         return out
+
+    def annotated_text(self) -> str:
+        """The main thread's text with each chunk (``<async>`` + content, and ``</async>`` when
+        the interpreter closed it) spliced right after its promise tag."""
+        text = "".join(self.main.pieces)
+        parts, at = [], 0
+        for c in sorted(self._ran(), key=lambda c: (c.fork_char, c.tid)):
+            parts += [text[at : c.fork_char], "".join(c.pieces), ASYNC_CLOSE if c.closed_by_interpreter else ""]
+            at = c.fork_char
+        parts.append(text[at:])
+        return "".join(parts)
 
     def structure(self) -> ResponseStructure:
         """Token counts of the response for the critical-path simulation."""
@@ -605,18 +621,13 @@ class Interpreter:
 
 @dataclass
 class Spliced:
-    """A response in spliced order, one entry per token: id, text, logprob (None for
-    inserted tokens or when not asked), logical position and owning thread id."""
+    """A response in spliced order, one entry per token: id, logprob (None for inserted
+    tokens or when not asked), logical position and owning thread id."""
 
     ids: list[int] = field(default_factory=list)
-    pieces: list[str] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     threads: list[int] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
 
 
 # --------------------------------------------------------------------------- replay plans

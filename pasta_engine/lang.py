@@ -22,7 +22,7 @@ response into the main thread's text and each promise's chunk) and :func:`splice
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 __all__ = [
@@ -77,26 +77,33 @@ class Text:
 
 @dataclass(frozen=True)
 class Promise:
-    """A completed ``<promise topic=.. tokens=../>`` tag; ``tokens`` is the predicted length."""
+    """A completed ``<promise topic=.. tokens=../>`` tag; ``tokens`` is the predicted length.
+
+    ``end`` (on every tag event): offset in the parser's input just past the tag's last
+    character (not compared: equal tags at different places are equal events)."""
 
     topic: str
     tokens: int
     raw: str
+    end: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
 class AsyncOpen:
     raw: str = ASYNC_OPEN
+    end: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
 class AsyncClose:
     raw: str = ASYNC_CLOSE
+    end: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
 class Sync:
     raw: str = SYNC
+    end: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -232,6 +239,7 @@ class TagParser:
 
     special_tokens: Mapping[int, str] = field(default_factory=dict)
     _buf: str = ""
+    _count: int = 0  # characters consumed
 
     def feed(self, piece: str | int) -> list[Event]:
         """Consume one piece (text, or a special-token id). Returns completed events.
@@ -240,7 +248,8 @@ class TagParser:
         text = self.special_tokens[piece] if isinstance(piece, int) else piece
         out: list[Event] = []
         for ch in text:
-            self._push(ch, out)
+            self._push(ch, out, self._count)
+            self._count += 1
         return _merge_text(out)
 
     def finish(self) -> list[Event]:
@@ -249,7 +258,7 @@ class TagParser:
         out: list[Event] = []
         if self._buf:
             buf, self._buf = self._buf, ""
-            self._fail(buf, out, reason="unterminated tag at end of text")
+            self._fail(buf, out, "unterminated tag at end of text", self._count - 1)
         return _merge_text(out)
 
     @property
@@ -257,7 +266,8 @@ class TagParser:
         """Characters held back because they may still become a tag."""
         return self._buf
 
-    def _push(self, ch: str, out: list[Event]) -> None:
+    def _push(self, ch: str, out: list[Event], at: int) -> None:
+        """Consume character ``ch`` found at offset ``at`` of the input."""
         if not self._buf:
             if ch == "<":
                 self._buf = ch
@@ -268,14 +278,14 @@ class TagParser:
         status, tag = _scan(buf)
         if status == "done":
             self._buf = ""
-            out.append(tag)
+            out.append(replace(tag, end=at + 1))
         elif status == "partial":
             self._buf = buf
         else:
             self._buf = ""
-            self._fail(buf, out, reason="malformed tag")
+            self._fail(buf, out, "malformed tag", at)
 
-    def _fail(self, buf: str, out: list[Event], reason: str) -> None:
+    def _fail(self, buf: str, out: list[Event], reason: str, at: int) -> None:
         # buf[0] is '<' and buf[:-1] was a viable prefix; emit text up to the next '<' and
         # re-scan the rest (it may hold the start of a real tag, e.g. "<prom<sync/>").
         if buf.startswith(_KNOWN_HEADS):
@@ -285,8 +295,9 @@ class TagParser:
             out.append(Text(buf))
             return
         out.append(Text(buf[:nxt]))
-        for c in buf[nxt:]:
-            self._push(c, out)
+        first = at - (len(buf) - 1)  # input offset of buf[0]
+        for k in range(nxt, len(buf)):
+            self._push(buf[k], out, first + k)
 
 
 def _merge_text(events: list[Event]) -> list[Event]:

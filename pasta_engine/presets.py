@@ -1,0 +1,140 @@
+"""Random-weight checkpoints at published model shapes, for timing and tests.
+
+Speed does not depend on weight values, so replay at the paper's model scale needs no
+download: :func:`build_checkpoint` writes a ``transformers`` checkpoint (config, safetensors,
+tokenizer) with random weights at a preset's shape into a cache folder, and the engine loads
+it through the same loader as a real checkpoint.
+
+Tokenizers: tiny presets get a byte-level BPE tokenizer trained in milliseconds on a few
+PASTA-LANG sentences (320 tokens, tags split into several tokens, multi-byte characters split
+across tokens); full-size presets use the embedded SmolLM2 tokenizer when the model package is
+installed (realistic token counts), else the same tiny one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .model import cache_root
+
+__all__ = ["PRESETS", "tiny_tokenizer", "build_checkpoint"]
+
+_CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=4096,
+             rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+#: name -> transformers config fields (published shapes; weights are random).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(model_type="llama", rope_theta=10000.0, **_TINY),
+    "tiny-qwen2": dict(model_type="qwen2", rope_theta=1000000.0, **{**_TINY, "num_key_value_heads": 1,
+                                                                     "tie_word_embeddings": True}),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         tie_word_embeddings=True),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         tie_word_embeddings=True,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       tie_word_embeddings=False),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
+                       max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       tie_word_embeddings=False),
+}
+
+_CORPUS = [
+    'Here are three tips:\n1. <promise topic="sleep" tokens="30"/><async>Go to bed early.</async>\n'
+    '2. <promise topic="screens" tokens="20"/><async>Avoid screens.</async>\n<sync/>\nDone.',
+    "The quick brown fox jumps over the lazy dog. Sleep well, eat well, and walk every day.",
+]
+
+
+def tiny_tokenizer() -> Any:
+    """A 320-token byte-level BPE ``PreTrainedTokenizerFast`` with a ChatML template and
+    ``<|im_end|>`` as EOS (id 2). Deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = _CHATML
+    return fast
+
+
+def _preset_tokenizer(name: str) -> Any:
+    if name.startswith("tiny-"):
+        return tiny_tokenizer()
+    try:
+        from transformers import AutoTokenizer
+
+        from .model import embedded_model_dir
+
+        return AutoTokenizer.from_pretrained(embedded_model_dir())
+    except FileNotFoundError:
+        return tiny_tokenizer()
+
+
+def build_checkpoint(
+    name: str,
+    out_dir: str | Path | None = None,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a random-weight checkpoint of preset ``name`` (config + safetensors + tokenizer).
+
+    Args:
+        name: a key of :data:`PRESETS`.
+        out_dir: target folder (default ``cache_root()/presets/NAME-SEED``); reused when it
+            already holds a checkpoint with the same config.
+        seed: torch seed for the weights.
+        dtype: storage dtype of the weights.
+        overrides: config fields replacing the preset's.
+
+    Returns the folder. Raises KeyError naming the known presets for an unknown name."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}: known {sorted(PRESETS)}")
+    fields = {**PRESETS[name], **(overrides or {})}
+    out = Path(out_dir) if out_dir is not None else cache_root() / "presets" / f"{name}-{seed}"
+    stamp = json.dumps({"fields": fields, "seed": seed, "dtype": str(dtype)}, sort_keys=True)
+    if (out / "preset.json").exists() and (out / "preset.json").read_text() == stamp:
+        return out
+    fields = dict(fields)
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    cfg.eos_token_id = 2
+    cfg.bos_token_id = 1
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    _preset_tokenizer(name).save_pretrained(out)
+    (out / "preset.json").write_text(stamp)
+    return out

