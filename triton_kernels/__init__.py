@@ -2,4 +2,49 @@
 
 This folder is mapped onto that package name by pyproject.toml; never import it as a
 top-level ``triton_kernels`` (the name collides with other projects' packages).
+
+On a machine without a CUDA GPU the kernels run under Triton's interpreter: importing this
+package sets ``TRITON_INTERPRET=1`` unless the variable is already set (Triton reads it when a
+``@triton.jit`` function is defined, so it must be set before the kernel modules are
+imported). The interpreter has gaps (DESIGN.md section 5): bfloat16 ``tl.dot`` is wrong, so CPU
+tests use float16/float32.
+
+Every kernel module registers how to compile its kernels for a real GPU target with
+:func:`register_compile_spec`; ``python -m pasta_engine.triton_kernels.compile_check`` compiles
+them all for ``GPUTarget("cuda", 90, 32)`` (no GPU needed), so a kernel that only a GPU can run
+cannot rot unnoticed.
 """
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+@dataclass
+class CompileSpec:
+    """One specialization of a kernel to compile ahead of time.
+
+    ``signature`` maps every argument name to a Triton type string (``"*fp16"``, ``"i32"``,
+    ``"fp32"``, ``"constexpr"``); ``constexprs`` gives the constexpr values."""
+
+    name: str
+    fn: Any
+    signature: dict[str, str]
+    constexprs: dict[str, Any] = field(default_factory=dict)
+
+
+COMPILE_SPECS: list[CompileSpec] = []
+
+
+def register_compile_spec(name: str, fn: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> None:
+    """Record a specialization of ``fn`` for the GPU-target compile check."""
+    COMPILE_SPECS.append(CompileSpec(name, fn, signature, constexprs))
