@@ -3,19 +3,21 @@
 Storage: one tensor ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` (K then
 V; FlashInfer's "NHD" page layout). A token's *slot* is ``page * page_size + offset``.
 
-A thread's view (:class:`KVView`) is a list of pages and, per page, how many of its first
-slots the thread sees (``lens``). Pages are shared by reference count, never copied:
+A thread's view (:class:`KVView`) is a list of *segments*: runs of pages one thread wrote
+between forks and joins, each page with how many of its first slots are used. Segments (and
+their pages, by reference count) are shared, never copied:
 
-* fork: the child's view is the parent's view (every page's refcount + 1); the parent's last
-  page is *sealed* for both (its visible length is frozen), and each thread's next token starts
-  a fresh page. Chosen over copying the partial page so a fork moves no data and every page
-  is either shared with a fixed length or private to one writer; the cost is at most one
-  partly empty page per fork.
-* join (sync): the children's own pages (those after the shared prefix they were forked with)
-  are inserted into the parent's view just before its last page, so the parent's newest
-  tokens stay at the end of its view (needed for causal masking of a multi-token chunk).
-  Order elsewhere in a view does not matter to attention: only visibility and the positions
-  baked into the keys do.
+* fork: the child's view holds the parent's segments (every page's refcount + 1); the parent's
+  open segment is *sealed* (its last page's length is frozen for both), and each thread's next
+  token starts a segment and page of its own. Chosen over copying the partly filled page so a
+  fork moves no data and every page is either shared with a fixed length or private to one
+  writer; the cost is at most one partly empty page per fork.
+* join (sync): the children's own segments (those after the ones they were forked with) are
+  inserted into the parent's view just before its open segment, so the parent's newest tokens
+  stay at the end of its view (needed for causal masking of a multi-token chunk). Order
+  elsewhere in a view does not matter to attention: only visibility and the positions baked
+  into the keys do. Which threads see a segment changes only at forks and joins, which is what
+  the tree-attention backend groups its work by.
 * release: a thread's references are dropped; a page returns to the free list at refcount 0.
 
 Pages in the middle of a view can be partly filled (a sealed fork point, a spliced child's
@@ -41,20 +43,39 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 
 @dataclass(eq=False)
-class KVView:
-    """One thread's view: ``pages[i]`` with its first ``lens[i]`` slots visible.
+class Segment:
+    """A run of pages one thread wrote between two forks/joins (``lens[i]`` slots of
+    ``pages[i]`` are used). Views share segments by reference: once sealed (after a fork) a
+    segment never changes, so every view sees a page with the same length."""
 
-    ``open_tail``: the thread may append into its last page. ``n_shared``: leading pages it got
-    at fork time (the rest are its own, handed to the parent at join)."""
-
+    id: int
     pages: list[int] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)
-    open_tail: bool = False
+
+
+@dataclass(eq=False)
+class KVView:
+    """One thread's view: a list of segments (shared ones first), the last of which may be
+    ``open`` for this thread's appends. ``n_shared``: leading segments received at fork (the rest
+    are its own, handed to the parent at join)."""
+
+    segments: list[Segment] = field(default_factory=list)
+    open: Segment | None = None
     n_shared: int = 0
 
     @property
+    def pages(self) -> list[int]:
+        """Every page of the view, in view order."""
+        return [p for s in self.segments for p in s.pages]
+
+    @property
+    def lens(self) -> list[int]:
+        """Visible slots of each page of :attr:`pages`."""
+        return [n for s in self.segments for n in s.lens]
+
+    @property
     def num_tokens(self) -> int:
-        return sum(self.lens)
+        return sum(sum(s.lens) for s in self.segments)
 
 
 class PagePool:
@@ -128,6 +149,7 @@ class KVCache:
         self.budget_bytes = int(budget_bytes)
         self.page_size = page_size
         self.pool = PagePool(num_pages, page_size)
+        self._next_segment = 0
         self.kv = torch.zeros(
             (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
@@ -148,7 +170,8 @@ class KVCache:
 
     def pages_needed(self, view: KVView, n: int) -> int:
         """New pages an append of ``n`` tokens to ``view`` would take."""
-        room = self.page_size - view.lens[-1] if (view.pages and view.open_tail) else 0
+        seg = view.open
+        room = self.page_size - seg.lens[-1] if (seg is not None and seg.pages) else 0
         return max(0, -(-(n - room) // self.page_size))
 
     def append(self, view: KVView, n: int) -> list[int]:
@@ -156,43 +179,48 @@ class KVCache:
 
         Returns their slot indices. Raises KVCacheExhausted (naming the budget) when the pool
         runs dry; the view is left unchanged in that case."""
-        if self.pages_needed(view, n) > self.pool.num_free:
+        need = self.pages_needed(view, n)
+        if need > self.pool.num_free:
             raise KVCacheExhausted(
-                f"KV cache exhausted: {n} more tokens need {self.pages_needed(view, n)} pages but "
+                f"KV cache exhausted: {n} more tokens need {need} pages but "
                 f"{self.pool.num_free} of {self.describe()} are free; raise kv_cache_bytes or lower the load"
             )
+        if view.open is None:
+            view.open = Segment(self._new_id())
+            view.segments.append(view.open)
+        seg = view.open
         slots: list[int] = []
         while n > 0:
-            if not (view.pages and view.open_tail and view.lens[-1] < self.page_size):
-                view.pages.append(self.pool.alloc())
-                view.lens.append(0)
-                view.open_tail = True
-            page, used = view.pages[-1], view.lens[-1]
+            if not seg.pages or seg.lens[-1] == self.page_size:
+                seg.pages.append(self.pool.alloc())
+                seg.lens.append(0)
+            page, used = seg.pages[-1], seg.lens[-1]
             take = min(n, self.page_size - used)
             slots.extend(range(page * self.page_size + used, page * self.page_size + used + take))
-            view.lens[-1] = used + take
+            seg.lens[-1] = used + take
             n -= take
         return slots
 
+    def _new_id(self) -> int:
+        self._next_segment += 1
+        return self._next_segment
+
     def fork(self, parent: KVView) -> KVView:
-        """A child view sharing every page of ``parent``; both tails are sealed."""
+        """A child view sharing every segment of ``parent``; the parent's open segment is
+        sealed, so each thread's next token starts a segment (and page) of its own."""
         self.pool.incref(parent.pages)
-        parent.open_tail = False
-        return KVView(pages=list(parent.pages), lens=list(parent.lens), open_tail=False, n_shared=len(parent.pages))
+        parent.open = None
+        return KVView(segments=list(parent.segments), open=None, n_shared=len(parent.segments))
 
     def join(self, parent: KVView, children: list[KVView]) -> None:
-        """Insert each child's own pages into ``parent`` before its last page (no copy)."""
-        pages: list[int] = []
-        lens: list[int] = []
-        for c in children:
-            pages += c.pages[c.n_shared :]
-            lens += c.lens[c.n_shared :]
-        self.pool.incref(pages)
-        at = max(len(parent.pages) - 1, 0)
-        parent.pages[at:at] = pages
-        parent.lens[at:at] = lens
+        """Insert each child's own segments into ``parent`` (no copy): before the parent's open
+        segment, which holds its newest tokens, else at the end."""
+        own = [seg for c in children for seg in c.segments[c.n_shared :]]
+        self.pool.incref([p for seg in own for p in seg.pages])
+        at = len(parent.segments) - 1 if parent.open is not None else len(parent.segments)
+        parent.segments[at:at] = own
 
     def release(self, view: KVView) -> None:
         """Drop ``view``'s page references (pages at refcount 0 become free)."""
         self.pool.decref(view.pages)
-        view.pages, view.lens, view.open_tail = [], [], False
+        view.segments, view.open = [], None

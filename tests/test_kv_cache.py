@@ -44,10 +44,13 @@ def test_fork_shares_and_seals_join_splices_release_frees():
     kv.append(child, 3)
     assert main.lens == [4, 2, 1] and child.lens == [4, 2, 3]
     c_own = child.pages[2]
+    shared = main.segments[0]
+    assert child.segments[0] is shared and len(child.segments) == len(main.segments) == 2
     kv.join(main, [child])
-    # the child's own page goes before the main thread's newest page
+    # the child's own segment goes before the main thread's open segment (its newest tokens)
     assert main.pages == [a, b, c_own, main.pages[-1]]
     assert main.lens == [4, 2, 3, 1]
+    assert main.segments[1] is child.segments[1]
     kv.release(child)
     assert kv.pool.refcount[c_own] == 1 and kv.pool.refcount[a] == 1
     kv.release(main)
