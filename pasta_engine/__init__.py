@@ -4,6 +4,16 @@ A model marks independent chunks of its answer with PASTA-LANG tags; the interpr
 decoding thread per chunk and the scheduler advances all threads in one forward per step.
 """
 
+import os as _os
+
+if "TRITON_INTERPRET" not in _os.environ:
+    # No CUDA GPU: Triton kernels run under Triton's interpreter, which must be chosen before
+    # triton is first imported (its own helpers such as tl.sum are decorated at import time).
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        _os.environ["TRITON_INTERPRET"] = "1"
+
 from .engine import Engine, RequestResult, RequestStats
 from .interpreter import Limits, PositionPolicy
 from .kv_cache import KVCacheExhausted

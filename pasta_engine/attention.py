@@ -37,7 +37,10 @@ class AttentionMetadata:
         q_lens[b]: new tokens of the sequence (query rows, consecutive in the batch).
         pages[b], page_lens[b]: its KV view (page ids, visible slots of each page).
         kv_lens[b]: ``sum(page_lens[b])``, including its new tokens.
-    Device tensors:
+        segments[b]: ``(segment id, page count)`` runs of ``pages[b]``: a segment is shared
+            by every sequence whose list has its id (see :mod:`pasta_engine.kv_cache`); None
+            when unknown (each sequence is then one private run).
+    Device tensors (set before an eager forward; a CUDA-graph replay uses its own buffers):
         positions: ``[T]`` int64 logical position of every new token.
         slot_mapping: ``[T]`` int64 cache slot (``page * page_size + offset``) of every new token.
     ``plan`` holds the backend's per-step index tensors (set by :meth:`AttentionBackend.plan`).
@@ -48,8 +51,9 @@ class AttentionMetadata:
     pages: list[list[int]]
     page_lens: list[list[int]]
     kv_lens: list[int]
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
+    positions: torch.Tensor | None
+    slot_mapping: torch.Tensor | None
+    segments: list[list[tuple[int, int]]] | None = None
     plan: Any = None
     extra: dict = field(default_factory=dict)
 
@@ -70,6 +74,9 @@ class AttentionBackend:
     """Interface of an attention backend; see the module docstring."""
 
     name = "abstract"
+
+    def configure(self, num_heads: int, num_kv_heads: int) -> None:
+        """Learn the model's head counts (called once by the engine)."""
 
     def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
         raise NotImplementedError
@@ -175,11 +182,16 @@ def register_backend(name: str, cls: type[AttentionBackend]) -> None:
 
 
 def get_backend(name: str | AttentionBackend) -> AttentionBackend:
-    """An attention backend by name (``"torch"``; ``"triton"`` once its kernels are built).
+    """An attention backend by name: ``"torch"`` (reference) or ``"triton"`` (the kernels of
+    :mod:`pasta_engine.triton_kernels`; under Triton's interpreter on a CPU).
 
     Raises ValueError naming the known backends."""
     if isinstance(name, AttentionBackend):
         return name
+    if name == "triton" and name not in _BACKENDS:
+        from .attention_triton import TritonAttention
+
+        register_backend("triton", TritonAttention)
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}: known {sorted(_BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}: known {sorted({*_BACKENDS, 'triton'})}")
     return _BACKENDS[name]()

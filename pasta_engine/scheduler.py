@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -66,6 +66,8 @@ class Scheduler:
         max_running_requests: requests decoded together (>= 1).
         logits_hook: testing aid, called as ``hook(request, thread, logits_row)`` for every
             sampled row (float32 ``[vocab]``) before sampling.
+        graphs: a :class:`~pasta_engine.graphs.CudaGraphRunner` to replay pure decode steps
+            (None: every step runs eagerly).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class Scheduler:
         backend: AttentionBackend,
         max_running_requests: int = 8,
         logits_hook: Callable | None = None,
+        graphs: Any = None,
     ):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -83,6 +86,7 @@ class Scheduler:
         self.backend = backend
         self.max_running = max_running_requests
         self.logits_hook = logits_hook
+        self.graphs = graphs
         self.device = model.device
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -184,6 +188,7 @@ class Scheduler:
         q_lens: list[int] = []
         pages: list[list[int]] = []
         page_lens: list[list[int]] = []
+        segments: list[list[tuple[int, int]]] = []
         logits_rows: list[int] = []
         for _, rows in work:
             for row in rows:
@@ -199,6 +204,7 @@ class Scheduler:
                 q_lens.append(n)
                 pages.append(rec.view.pages)
                 page_lens.append(rec.view.lens)
+                segments.append([(seg.id, len(seg.pages)) for seg in rec.view.segments])
                 if row.sample:
                     logits_rows.append(len(ids) - 1)
         dev = self.device
@@ -208,17 +214,27 @@ class Scheduler:
             pages=pages,
             page_lens=page_lens,
             kv_lens=[sum(x) for x in page_lens],
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            positions=None,
+            slot_mapping=None,
+            segments=segments,
         )
-        self.backend.plan(meta, dev)
-        logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            meta,
-            self.kv.kv,
-            self.backend,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
-        )
+        logits = None
+        if self.graphs is not None:
+            every_row = self.graphs.run(meta, ids, positions, slots)
+            if every_row is not None:
+                rows_t = torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True)
+                logits = every_row.index_select(0, rows_t)
+        if logits is None:
+            meta.positions = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+            meta.slot_mapping = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+            self.backend.plan(meta, dev)
+            logits = self.model.forward(
+                torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+                meta,
+                self.kv.kv,
+                self.backend,
+                torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True),
+            )
         self.total_steps += 1
 
         at = 0

@@ -3,10 +3,10 @@
 This folder is mapped onto that package name by pyproject.toml; never import it as a
 top-level ``triton_kernels`` (the name collides with other projects' packages).
 
-On a machine without a CUDA GPU the kernels run under Triton's interpreter: importing this
-package sets ``TRITON_INTERPRET=1`` unless the variable is already set (Triton reads it when a
-``@triton.jit`` function is defined, so it must be set before the kernel modules are
-imported). The interpreter has gaps (DESIGN.md section 5): bfloat16 ``tl.dot`` is wrong, so CPU
+On a machine without a CUDA GPU the kernels run under Triton's interpreter: importing
+``pasta_engine`` sets ``TRITON_INTERPRET=1`` unless the variable is already set (Triton reads it
+when a ``@triton.jit`` function is defined, its own helpers included, so it must be set before
+triton is first imported; this package raises a clear error when that was missed). The interpreter has gaps (DESIGN.md section 5): bfloat16 ``tl.dot`` is wrong, so CPU
 tests use float16/float32.
 
 Every kernel module registers how to compile its kernels for a real GPU target with
@@ -27,6 +27,15 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+if INTERPRET:
+    import triton.language.standard as _std
+
+    if type(_std.sum).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            "triton was imported before TRITON_INTERPRET=1 was set, so its helpers cannot run under the "
+            "interpreter: import pasta_engine before triton, or export TRITON_INTERPRET=1"
+        )
 
 
 @dataclass
