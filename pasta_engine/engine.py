@@ -104,6 +104,8 @@ class Engine:
             replaced by each call's SamplingParams).
         position_policy: ``predicted`` | ``constant:K`` | ``none`` | ``oracle`` (replay only).
         pasta_prompt: system prompt and example used for string prompts in pasta mode.
+        cuda_graphs: replay captured decode steps (default: on when the model is on CUDA and
+            the backend is ``triton``; eager otherwise). Needs both.
 
     Raises ValueError for bad settings (naming them)."""
 
@@ -120,6 +122,7 @@ class Engine:
         limits: Limits | None = None,
         position_policy: str | PositionPolicy = "predicted",
         pasta_prompt: PastaPrompt = DEFAULT_PASTA_PROMPT,
+        cuda_graphs: bool | None = None,
     ):
         if tokenizer is None:
             raise ValueError("the engine needs a tokenizer: the checkpoint has none, pass tokenizer=")
@@ -127,6 +130,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.hf_config = hf_config
         self.backend = get_backend(attention_backend)
+        self.backend.configure(model.config.num_heads, model.config.num_kv_heads)
         self.limits = limits or Limits()
         self.position_policy = PositionPolicy.parse(position_policy)
         self.pasta_prompt = pasta_prompt
@@ -141,6 +145,13 @@ class Engine:
         self.eos_ids = _eos_ids(tokenizer, hf_config)
         self.open_ids = self.encode("<async>")
         self.close_len = len(self.encode(ASYNC_CLOSE))
+        if cuda_graphs is None:
+            cuda_graphs = model.device.type == "cuda" and self.backend.name == "triton"
+        self.graphs = None
+        if cuda_graphs:
+            from .graphs import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(model, self.kv, self.backend)
         self.logits_hook = None  # testing aid, see Scheduler
         self.source: str | os.PathLike | None = None  # what from_pretrained loaded
 
@@ -192,6 +203,10 @@ class Engine:
             ids = [int(t) for t in prompt]
             if not ids:
                 raise ValueError("empty prompt")
+            vocab = self.model.config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the model's vocabulary of {vocab}")
             return ids
         msgs = self.pasta_prompt.messages(prompt) if mode == "pasta" else [{"role": "user", "content": prompt}]
         if getattr(self.tokenizer, "chat_template", None):
@@ -301,7 +316,8 @@ class Engine:
 
     def _run(self, reqs: list[Request], progress: bool) -> list[RequestResult]:
         sched = Scheduler(
-            self.model, self.kv, self.backend, self.max_running_requests, logits_hook=self.logits_hook
+            self.model, self.kv, self.backend, self.max_running_requests, logits_hook=self.logits_hook,
+            graphs=self.graphs,
         )
         for r in reqs:
             sched.add(r)

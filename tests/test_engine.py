@@ -218,6 +218,8 @@ def test_bad_inputs_are_named(tiny_engine):
         tiny_engine.replay(["a", "b"], [ANNOTATED])
     with pytest.raises(ValueError, match="empty prompt"):
         tiny_engine.generate([[]])
+    with pytest.raises(ValueError, match="token id 999 is outside"):
+        tiny_engine.generate([[1, 999]])
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="oracle"):
@@ -232,3 +234,21 @@ def test_generate_results_are_consistent(tiny_engine):
     assert r.text == r.annotated_text or "<" in r.annotated_text
     d = r.to_dict()
     assert set(d) >= {"text", "annotated_text", "token_ids", "logprobs", "stats", "diagnostics"}
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
+def test_triton_backend_replays_like_the_torch_reference(ckpt, request):
+    """The Triton kernels (under the interpreter here) give the same forced tokens, decode steps
+    and logprobs as the torch reference, through forks, a sync and a fork after the join."""
+    path = request.getfixturevalue(ckpt)
+    prompt = [[3 + (7 * i) % 250 for i in range(30)]]
+    params = SamplingParams(return_logprobs=True)
+    ref = Engine.from_pretrained(path, kv_cache_bytes=8 * 2**20, page_size=4).replay(prompt, [ANNOTATED], params=params)[0]
+    tri = Engine.from_pretrained(path, kv_cache_bytes=8 * 2**20, page_size=4, attention_backend="triton")
+    got = tri.replay(prompt, [ANNOTATED], params=params)[0]
+    assert got.token_ids == ref.token_ids
+    assert got.stats.decode_steps == ref.stats.decode_steps == ref.stats.critical_path
+    torch.testing.assert_close(
+        torch.tensor([x for x in got.logprobs if x is not None]),
+        torch.tensor([x for x in ref.logprobs if x is not None]), rtol=1e-4, atol=1e-4,
+    )
