@@ -43,17 +43,22 @@ class CompileSpec:
     """One specialization of a kernel to compile ahead of time.
 
     ``signature`` maps every argument name to a Triton type string (``"*fp16"``, ``"i32"``,
-    ``"fp32"``, ``"constexpr"``); ``constexprs`` gives the constexpr values."""
+    ``"fp32"``, ``"constexpr"``); ``constexprs`` gives the constexpr values; ``options`` the
+    launch options the wrapper uses (``num_warps``, ``num_stages``)."""
 
     name: str
     fn: Any
     signature: dict[str, str]
     constexprs: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 COMPILE_SPECS: list[CompileSpec] = []
 
 
-def register_compile_spec(name: str, fn: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> None:
-    """Record a specialization of ``fn`` for the GPU-target compile check."""
-    COMPILE_SPECS.append(CompileSpec(name, fn, signature, constexprs))
+def register_compile_spec(
+    name: str, fn: Any, signature: dict[str, str], constexprs: dict[str, Any], options: dict[str, Any] | None = None
+) -> None:
+    """Record a specialization of ``fn`` (with the wrapper's launch ``options``) for the
+    GPU-target compile check."""
+    COMPILE_SPECS.append(CompileSpec(name, fn, signature, constexprs, dict(options or {})))

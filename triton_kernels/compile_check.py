@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in pkg.COMPILE_SPECS:
         t = time.perf_counter()
         try:
-            k = compile(ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs), target=target)
+            src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs)
+            k = compile(src, target=target, options=spec.options or None)
             ok = "cubin" in k.asm
             print(f"ok   {spec.name}: sm_{arch} cubin {len(k.asm['cubin'])} bytes, {time.perf_counter() - t:.1f} s")
             failed += not ok
