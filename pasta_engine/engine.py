@@ -153,6 +153,7 @@ class Engine:
 
             self.graphs = CudaGraphRunner(model, self.kv, self.backend)
         self.logits_hook = None  # testing aid, see Scheduler
+        self.profile: list | None = None  # set to [] to collect a StepProfile per step (benchmarks)
         self.source: str | os.PathLike | None = None  # what from_pretrained loaded
 
     @classmethod
@@ -317,7 +318,7 @@ class Engine:
     def _run(self, reqs: list[Request], progress: bool) -> list[RequestResult]:
         sched = Scheduler(
             self.model, self.kv, self.backend, self.max_running_requests, logits_hook=self.logits_hook,
-            graphs=self.graphs,
+            graphs=self.graphs, profile=self.profile,
         )
         for r in reqs:
             sched.add(r)

@@ -27,7 +27,23 @@ from .kv_cache import KVCache, KVCacheExhausted, KVView
 from .model import LlamaModel
 from .sampling import SamplingParams, sample
 
-__all__ = ["Request", "Scheduler"]
+__all__ = ["Request", "Scheduler", "StepProfile"]
+
+
+@dataclass
+class StepProfile:
+    """One step's numbers: rows forwarded, rows sampled, whether a CUDA graph ran, host
+    seconds (everything but waiting for the device), device-wait seconds, total seconds, the
+    distinct KV tokens the step's attention read, and the tokens forwarded."""
+
+    rows: int
+    sampled: int
+    graphed: bool
+    host_s: float
+    gpu_wait_s: float
+    total_s: float
+    kv_tokens: int
+    tokens: int
 
 
 @dataclass(eq=False)
@@ -68,6 +84,8 @@ class Scheduler:
             sampled row (float32 ``[vocab]``) before sampling.
         graphs: a :class:`~pasta_engine.graphs.CudaGraphRunner` to replay pure decode steps
             (None: every step runs eagerly).
+        profile: a list to append one :class:`StepProfile` per step to (benchmarks; it adds
+            one device synchronization per step to split host time from GPU time).
     """
 
     def __init__(
@@ -78,6 +96,7 @@ class Scheduler:
         max_running_requests: int = 8,
         logits_hook: Callable | None = None,
         graphs: Any = None,
+        profile: list | None = None,
     ):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -87,6 +106,7 @@ class Scheduler:
         self.max_running = max_running_requests
         self.logits_hook = logits_hook
         self.graphs = graphs
+        self.profile = profile
         self.device = model.device
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -164,6 +184,7 @@ class Scheduler:
 
     def step(self) -> list[Request]:
         """Run one forward for all running requests; return the requests that finished."""
+        t_start = time.perf_counter()
         self._admit()
         work: list[tuple[Request, list[Row]]] = [(r, r.interp.rows()) for r in self.running]
         while True:
@@ -219,8 +240,10 @@ class Scheduler:
             segments=segments,
         )
         logits = None
+        graphed = False
         if self.graphs is not None:
             every_row = self.graphs.run(meta, ids, positions, slots)
+            graphed = every_row is not None
             if every_row is not None:
                 rows_t = torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True)
                 logits = every_row.index_select(0, rows_t)
@@ -236,6 +259,11 @@ class Scheduler:
                 torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True),
             )
         self.total_steps += 1
+        gpu_wait = 0.0
+        if self.profile is not None and dev.type == "cuda":
+            t_launched = time.perf_counter()
+            torch.cuda.synchronize(dev)
+            gpu_wait = time.perf_counter() - t_launched
 
         at = 0
         for req, rows in work:
@@ -258,6 +286,13 @@ class Scheduler:
             for i, (row, tok) in enumerate(zip(sampling, tokens.tolist())):
                 req.interp.on_token(row.thread, tok, lps[i] if want_lp else None)
             self._apply_events(req)
+        if self.profile is not None:
+            seen: dict[int, int] = {}
+            for pl, ln in zip(pages, page_lens):
+                seen.update(zip(pl, ln))
+            total = time.perf_counter() - t_start
+            self.profile.append(StepProfile(len(q_lens), len(logits_rows), graphed, total - gpu_wait, gpu_wait, total,
+                                            sum(seen.values()), sum(q_lens)))
         return self._collect_finished()
 
     def _choose(self, req: Request, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:

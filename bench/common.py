@@ -1,0 +1,72 @@
+"""Shared helpers of the GPU benchmarks: device facts, measured copy bandwidth, timing, JSON."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_info() -> dict:
+    """Device name, SM count, versions (torch, triton, CUDA, driver), host."""
+    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda)
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    else:
+        info["device"] = "cpu"
+    return info
+
+
+def copy_bandwidth(n_bytes: int = 2 << 30, reps: int = 20) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus written
+    (the limit every benchmark reports against, DESIGN.md section 5)."""
+    a = torch.empty(n_bytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * reps / (start.elapsed_time(end) / 1e3)
+
+
+def bench_us(fn, warmup: int = 5, rep: int = 50) -> float:
+    """Median microseconds of ``fn`` (triton.testing.do_bench: CUDA events, L2 flushed)."""
+    from triton.testing import do_bench
+
+    return 1e3 * do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Write ``bench/results/<name>.json`` with the command line and a timestamp added."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"command": " ".join([Path(sys.executable).name] + sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+               **payload}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {path}")
+    return path

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every GPU run of the kernels issue, in order, for a session that has the device tool.
+# Run from the repository root on the GPU machine (torch/triton/transformers come from its image):
+#   bash bench/run_gpu.sh [tests|tree|decode|csrc|all]
+# It installs this package without dependencies (the machine has no network), plus any wheels
+# carried in .whl/ (e.g. flashinfer-python and its needs, downloaded here with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl NAME==VERSION`),
+# builds the CUDA extension, runs the GPU-marked tests, the microbenchmarks and the plots.
+# Results land in bench/results/ (and $OUT when set, so the device tool brings them back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+$PY -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+out=${OUT:-bench/results}
+mkdir -p "$out"
+if [ "$what" = csrc ] || [ "$what" = all ] || [ "$what" = tests ]; then
+  cmake -S . -B build -DPython3_EXECUTABLE="$(command -v $PY)" >"$out/csrc_build.log" 2>&1 \
+    && cmake --build build -j >>"$out/csrc_build.log" 2>&1 && echo "csrc extension built" || echo "csrc build failed (see csrc_build.log)"
+fi
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  $PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" | tail -25
+fi
+if [ "$what" = tree ] || [ "$what" = all ]; then
+  $PY bench/bench_tree_attention.py ${QUICK:+--quick} 2>&1 | tee "$out/tree_attention.log" | tail -5
+fi
+if [ "$what" = decode ] || [ "$what" = all ]; then
+  $PY bench/bench_decode_step.py 2>&1 | tee "$out/decode_step.log" | tail -5
+fi
+if [ "$what" = csrc ] || [ "$what" = all ]; then
+  $PY bench/bench_csrc_ops.py 2>&1 | tee "$out/csrc_ops.log" | tail -5
+fi
+$PY bench/plot.py bench/results/tree_attention_*.json bench/results/decode_step_*.json 2>/dev/null
+[ "$out" != bench/results ] && cp bench/results/*.json bench/results/*.png "$out"/ 2>/dev/null
+exit 0
