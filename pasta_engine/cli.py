@@ -15,20 +15,15 @@ from typing import Any, Sequence
 
 from .prompts import SAMPLE_PROMPT
 
-DTYPES = ("float32", "float16", "bfloat16")
-
-
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    from .bench import add_model_args
+
+    add_model_args(p)  # --model/--preset, --device, --dtype, --attention-backend, --cuda-graphs, --kv-cache-mb
     p.add_argument("--mode", choices=("pasta", "sequential", "both"), default="pasta",
                    help="both: run each prompt sequentially, then with PASTA, and report realized speedup")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--attention-backend", default="torch", help="torch (reference) or triton")
     p.add_argument("--position-policy", default="predicted", help="predicted | constant:K | none | oracle (replay only)")
     p.add_argument("--max-threads", type=int, default=16, help="threads of one request decoding together (0 = unlimited)")
     p.add_argument("--max-forks", type=int, default=64, help="forks per request; later promises are text")
-    p.add_argument("--kv-cache-mb", type=int, default=None, help="KV cache budget in MiB")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     p.add_argument("--seed", type=int, default=0)
@@ -54,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--traces", type=Path, required=True,
                    help="JSONL, one object per line with 'prompt' and 'annotated_response' (or 'annotated'/'response')")
     _add_common(r)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
     return ap
 
 
@@ -75,41 +74,17 @@ def read_prompts(path: Path) -> list[str]:
 
 
 def read_traces(path: Path) -> tuple[list[str], list[str]]:
-    """(prompts, annotated responses) from a JSONL trace file. Raises SystemExit naming the
-    file and line when a line is not a JSON object with a prompt and a response."""
-    prompts, responses = [], []
+    """(prompts, annotated responses) of a JSONL trace file (see
+    :func:`pasta_engine.annotate.read_traces`). Raises SystemExit naming the file and line of
+    a bad line."""
+    from .annotate import TraceFileError
+    from .annotate import read_traces as read_rows
+
     try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise SystemExit(f"pasta-engine: cannot read traces file {path}: {e.strerror}")
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            resp = next(row[k] for k in ("annotated_response", "annotated", "response") if k in row)
-            prompts.append(row["prompt"])
-            responses.append(resp)
-        except (json.JSONDecodeError, KeyError, StopIteration, TypeError):
-            raise SystemExit(f"pasta-engine: {path}:{n} is not a JSON object with 'prompt' and 'annotated_response'")
-    return prompts, responses
-
-
-def _engine(args: argparse.Namespace):
-    import torch
-
-    from . import Engine, Limits
-
-    dtype_name = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
-    kw: dict[str, Any] = dict(
-        attention_backend=args.attention_backend,
-        position_policy=args.position_policy,
-        limits=Limits(max_threads=args.max_threads or None, max_forks=args.max_forks),
-        max_running_requests=1,  # one prompt at a time: wall times are per-request latencies
-    )
-    if args.kv_cache_mb:
-        kw["kv_cache_bytes"] = args.kv_cache_mb * 2**20
-    return Engine.from_pretrained(args.model, device=args.device, dtype=getattr(torch, dtype_name), **kw)
+        rows = read_rows(path)
+    except TraceFileError as e:
+        raise SystemExit(f"pasta-engine: {e}")
+    return [r.prompt for r in rows], [r.annotated_response for r in rows]
 
 
 def _print_result(res: Any, label: str) -> None:
@@ -190,7 +165,9 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
         prompts, responses = prompts[: args.limit], (responses[: args.limit] if responses is not None else None)
     if not prompts:
         raise SystemExit("pasta-engine: no prompts")
-    engine = _engine(args)
+    from .bench import build_engine
+
+    engine, _ = build_engine(args)
     modes = ["sequential", "pasta"] if args.mode == "both" else [args.mode]
     if responses is None:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -242,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "bench":
+            from .bench import run_bench
+
+            return run_bench(args, argv)
         if args.command == "generate":
             if args.prompts_file is not None:
                 prompts = read_prompts(args.prompts_file)
