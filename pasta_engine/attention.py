@@ -110,50 +110,87 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+def _slots(pages: list[int], lens: list[int], page_size: int) -> torch.Tensor:
+    """Slot ids ``[sum(lens)]`` of the used part of each page, in view order."""
+    p = torch.tensor(pages, dtype=torch.long)
+    n = torch.tensor(lens, dtype=torch.long)
+    starts = torch.repeat_interleave(p * page_size, n)
+    return starts + torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+
+
 @dataclass
 class _TorchPlan:
-    gather: torch.Tensor  # [B, Lmax] slot ids (padded with 0)
-    mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool
-    q_index: torch.Tensor  # [B, Qmax] row of T (padded with 0)
-    q_valid: torch.Tensor  # [B, Qmax] bool
+    # single-token rows: attend over the union of their views' tokens, each KV token gathered once
+    dec_rows: torch.Tensor | None = None  # [R] rows of T
+    dec_gather: torch.Tensor | None = None  # [N] slot ids of the distinct tokens
+    dec_mask: torch.Tensor | None = None  # [1, 1, R, N] bool: row r sees token n
+    # multi-token rows: each sequence's view padded to a dense tensor, causal inside the chunk
+    gather: torch.Tensor | None = None  # [B, Lmax] slot ids (padded with 0)
+    mask: torch.Tensor | None = None  # [B, 1, Qmax, Lmax] bool
+    q_index: torch.Tensor | None = None  # [B, Qmax] row of T (padded with 0)
+    q_valid: torch.Tensor | None = None  # [B, Qmax] bool
 
 
 class TorchAttention(AttentionBackend):
-    """Reference backend: gather every sequence's view into a padded dense tensor, then
-    ``torch.nn.functional.scaled_dot_product_attention`` with an explicit mask."""
+    """Reference backend built on ``torch.nn.functional.scaled_dot_product_attention`` with
+    explicit masks.
+
+    Single-token rows (decode steps) attend over the union of their views: every distinct KV
+    token of the step is gathered once and a row-by-token visibility mask (from the views'
+    shared segments) selects each row's keys, so threads sharing a prompt do not re-gather it.
+    Multi-token rows (prefill chunks, inserted tags) gather their view into a padded dense
+    tensor, with the chunk's tokens masked causally."""
 
     name = "torch"
 
     def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
-        b = len(meta.q_lens)
-        lmax = max(meta.kv_lens)
-        qmax = max(meta.q_lens)
+        pl = _TorchPlan()
+        starts, t = [], 0
+        for n in meta.q_lens:
+            starts.append(t)
+            t += n
+        dec = [b for b, n in enumerate(meta.q_lens) if n == 1]
+        ext = [b for b, n in enumerate(meta.q_lens) if n > 1]
         ps = meta.page_size
-        gather = torch.zeros(b, lmax, dtype=torch.long)
-        for i, (pages, lens) in enumerate(zip(meta.pages, meta.page_lens)):
-            p = torch.tensor(pages, dtype=torch.long)
-            n = torch.tensor(lens, dtype=torch.long)
-            starts = torch.repeat_interleave(p * ps, n)
-            offs = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-            gather[i, : meta.kv_lens[i]] = starts + offs
-        kv_len = torch.tensor(meta.kv_lens)
-        q_len = torch.tensor(meta.q_lens)
-        qi = torch.arange(qmax)
-        kj = torch.arange(lmax)
-        # query i of sequence b sees key j iff j <= kv_len - q_len + i
-        limit = (kv_len - q_len)[:, None] + qi[None, :]  # [B, Qmax]
-        mask = kj[None, None, :] <= limit[:, :, None]
-        q_valid = qi[None, :] < q_len[:, None]
-        mask &= q_valid[:, :, None]
-        mask[:, :, 0] |= ~q_valid  # padded rows attend to one key (discarded) to avoid NaN
-        starts = torch.cumsum(q_len, 0) - q_len
-        q_index = torch.where(q_valid, starts[:, None] + qi[None, :], torch.zeros_like(qi)[None, :])
-        meta.plan = _TorchPlan(
-            gather=gather.to(device),
-            mask=mask[:, None].to(device),
-            q_index=q_index.to(device),
-            q_valid=q_valid.to(device),
-        )
+        if dec:
+            seg_index: dict[int, int] = {}
+            seg_slots: list[torch.Tensor] = []
+            row_segs: list[list[int]] = []
+            for b in dec:
+                runs = meta.segments[b] if meta.segments is not None else [(-1 - b, len(meta.pages[b]))]
+                mine, at = [], 0
+                for sid, n in runs:
+                    if sid not in seg_index:
+                        seg_index[sid] = len(seg_slots)
+                        seg_slots.append(_slots(meta.pages[b][at : at + n], meta.page_lens[b][at : at + n], ps))
+                    mine.append(seg_index[sid])
+                    at += n
+                row_segs.append(mine)
+            sees = torch.zeros(len(dec), len(seg_slots), dtype=torch.bool)
+            for r, mine in enumerate(row_segs):
+                sees[r, mine] = True
+            token_seg = torch.repeat_interleave(torch.arange(len(seg_slots)), torch.tensor([len(x) for x in seg_slots]))
+            pl.dec_rows = torch.tensor([starts[b] for b in dec], dtype=torch.long).to(device)
+            pl.dec_gather = torch.cat(seg_slots).to(device)
+            pl.dec_mask = sees[:, token_seg][None, None].to(device)
+        if ext:
+            q_len = torch.tensor([meta.q_lens[b] for b in ext])
+            kv_len = torch.tensor([meta.kv_lens[b] for b in ext])
+            qmax, lmax = int(q_len.max()), int(kv_len.max())
+            gather = torch.zeros(len(ext), lmax, dtype=torch.long)
+            for i, b in enumerate(ext):
+                gather[i, : meta.kv_lens[b]] = _slots(meta.pages[b], meta.page_lens[b], ps)
+            qi, kj = torch.arange(qmax), torch.arange(lmax)
+            # query i of a sequence sees key j iff j <= kv_len - q_len + i
+            limit = (kv_len - q_len)[:, None] + qi[None, :]
+            q_valid = qi[None, :] < q_len[:, None]
+            mask = (kj[None, None, :] <= limit[:, :, None]) & q_valid[:, :, None]
+            mask[:, :, 0] |= ~q_valid  # padded rows attend to one key (discarded) to avoid NaN
+            first = torch.tensor([starts[b] for b in ext])
+            q_index = torch.where(q_valid, first[:, None] + qi[None, :], torch.zeros_like(qi)[None, :])
+            pl.gather, pl.mask = gather.to(device), mask[:, None].to(device)
+            pl.q_index, pl.q_valid = q_index.to(device), q_valid.to(device)
+        meta.plan = pl
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -161,15 +198,21 @@ class TorchAttention(AttentionBackend):
         pl: _TorchPlan = meta.plan
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
-        k = k_cache.view(-1, hkv, d)[pl.gather]  # [B, L, Hkv, D]
-        v = v_cache.view(-1, hkv, d)[pl.gather]
-        qd = q[pl.q_index]  # [B, Qmax, Hq, D]
-        out = F.scaled_dot_product_attention(
-            qd.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=pl.mask, scale=scale, enable_gqa=hq != hkv,
-        ).transpose(1, 2)  # [B, Qmax, Hq, D]
+        kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
         res = torch.empty_like(q)
-        res[pl.q_index[pl.q_valid]] = out[pl.q_valid]
+        if pl.dec_rows is not None:
+            k = kf[pl.dec_gather].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, N, D]
+            v = vf[pl.dec_gather].transpose(0, 1)[None].to(q.dtype)
+            qd = q[pl.dec_rows].transpose(0, 1)[None]  # [1, Hq, R, D]
+            out = F.scaled_dot_product_attention(qd, k, v, attn_mask=pl.dec_mask, scale=scale, enable_gqa=hq != hkv)
+            res[pl.dec_rows] = out[0].transpose(0, 1)
+        if pl.gather is not None:
+            k = kf[pl.gather].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+            v = vf[pl.gather].transpose(1, 2).to(q.dtype)
+            qd = q[pl.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
+            out = F.scaled_dot_product_attention(qd, k, v, attn_mask=pl.mask, scale=scale,
+                                                 enable_gqa=hq != hkv).transpose(1, 2)
+            res[pl.q_index[pl.q_valid]] = out[pl.q_valid]
         return res
 
 
