@@ -26,7 +26,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "apply_rope", "get_backend"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "apply_rope", "get_backend", "to_device"]
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list (or CPU tensor) as a tensor on ``device`` without a host-device sync: on
+    CUDA it is staged in pinned memory (torch's caching host allocator keeps the block until
+    the copy is done) and copied asynchronously; copies from pageable memory may wait for the
+    stream, which would stall the decode loop."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.as_tensor(values, dtype=dtype)
+    host = torch.empty(len(values), dtype=dtype, pin_memory=True)
+    host.copy_(torch.as_tensor(values, dtype=dtype))
+    return host.to(device, non_blocking=True)
 
 
 @dataclass
@@ -170,8 +183,8 @@ class TorchAttention(AttentionBackend):
             for r, mine in enumerate(row_segs):
                 sees[r, mine] = True
             token_seg = torch.repeat_interleave(torch.arange(len(seg_slots)), torch.tensor([len(x) for x in seg_slots]))
-            pl.dec_rows = torch.tensor([starts[b] for b in dec], dtype=torch.long).to(device)
-            pl.dec_gather = torch.cat(seg_slots).to(device)
+            pl.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
+            pl.dec_gather = to_device(torch.cat(seg_slots), torch.long, device)
             pl.dec_mask = sees[:, token_seg][None, None].to(device)
         if ext:
             q_len = torch.tensor([meta.q_lens[b] for b in ext])

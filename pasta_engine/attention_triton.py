@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend, AttentionMetadata, to_device
 from .triton_kernels.extend_attention import extend_attention, extend_indices
 from .triton_kernels.kv_write import rope_and_write as _rope_and_write
 from .triton_kernels.tree_attention import DecodePlan, _Buffers, build_plan, tree_decode_attention
@@ -97,10 +97,10 @@ class TritonAttention(AttentionBackend):
             p.decode = build_plan(decode_views(meta, dec), group=self.group, num_kv_heads=self.num_kv_heads, device=device,
                                   mode=self.decode_mode, merge=self.merge)
             if len(dec) != len(meta.q_lens):
-                p.dec_rows = torch.tensor([starts[b] for b in dec], dtype=torch.long).to(device, non_blocking=True)
+                p.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
         if ext:
             rows = [r for b in ext for r in range(starts[b], starts[b] + meta.q_lens[b])]
-            p.ext_rows = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+            p.ext_rows = to_device(rows, torch.long, device)
             p.ext_index = extend_indices([meta.q_lens[b] for b in ext], [meta.pages[b] for b in ext],
                                          [meta.page_lens[b] for b in ext], device)
             p.ext_max_q = max(meta.q_lens[b] for b in ext)

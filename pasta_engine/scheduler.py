@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend, AttentionMetadata, to_device
 from .interpreter import Append, Fork, Interpreter, Join, Release, Row, Thread
 from .kv_cache import KVCache, KVCacheExhausted, KVView
 from .model import LlamaModel
@@ -245,18 +245,14 @@ class Scheduler:
             every_row = self.graphs.run(meta, ids, positions, slots)
             graphed = every_row is not None
             if every_row is not None:
-                rows_t = torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True)
-                logits = every_row.index_select(0, rows_t)
+                sampled_all = len(logits_rows) == len(q_lens)
+                logits = every_row if sampled_all else every_row.index_select(0, to_device(logits_rows, torch.long, dev))
         if logits is None:
-            meta.positions = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
-            meta.slot_mapping = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+            meta.positions = to_device(positions, torch.long, dev)
+            meta.slot_mapping = to_device(slots, torch.long, dev)
             self.backend.plan(meta, dev)
             logits = self.model.forward(
-                torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-                meta,
-                self.kv.kv,
-                self.backend,
-                torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True),
+                to_device(ids, torch.long, dev), meta, self.kv.kv, self.backend, to_device(logits_rows, torch.long, dev)
             )
         self.total_steps += 1
         gpu_wait = 0.0
@@ -265,26 +261,35 @@ class Scheduler:
             torch.cuda.synchronize(dev)
             gpu_wait = time.perf_counter() - t_launched
 
+        # choose every request's tokens on the device, then bring them back in one transfer
         at = 0
+        chosen: list[tuple[Request, list[Row], list[Row]]] = []
+        picks: list[torch.Tensor] = []
         for req, rows in work:
             for row in rows:
                 row.thread.kv.pending_slots = []
             sampling = [r for r in rows if r.sample]
+            chosen.append((req, rows, sampling))
+            if not sampling:
+                continue
             lg = logits[at : at + len(sampling)]
             at += len(sampling)
-            req.interp.step_done(rows)
-            if not sampling:
-                self._apply_events(req)
-                continue
-            req.steps += 1
-            req.max_width = max(req.max_width, len(sampling))
-            req.prefill_tokens += sum(len(r.tokens) for r in rows if r.sample and not r.thread.n_sampled)
             tokens = self._choose(req, sampling, lg)
-            want_lp = req.params.return_logprobs
-            if want_lp:
-                lps = torch.log_softmax(lg, dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
-            for i, (row, tok) in enumerate(zip(sampling, tokens.tolist())):
-                req.interp.on_token(row.thread, tok, lps[i] if want_lp else None)
+            lps = torch.log_softmax(lg, dim=-1).gather(1, tokens[:, None]).squeeze(1) if req.params.return_logprobs \
+                else torch.zeros(len(sampling), device=lg.device)
+            picks.append(torch.stack([tokens.double(), lps.double()]))
+        host = torch.cat(picks, dim=1).tolist() if picks else [[], []]
+        at = 0
+        for req, rows, sampling in chosen:
+            req.interp.step_done(rows)
+            if sampling:
+                req.steps += 1
+                req.max_width = max(req.max_width, len(sampling))
+                req.prefill_tokens += sum(len(r.tokens) for r in sampling if not r.thread.n_sampled)
+                want_lp = req.params.return_logprobs
+                for row, tok, lp in zip(sampling, host[0][at:], host[1][at:]):
+                    req.interp.on_token(row.thread, int(tok), lp if want_lp else None)
+                at += len(sampling)
             self._apply_events(req)
         if self.profile is not None:
             seen: dict[int, int] = {}
@@ -301,12 +306,11 @@ class Scheduler:
                 self.logits_hook(req, row.thread, lg)
         forced = [req.interp.forced_token(r.thread) for r in rows]
         if all(f is not None for f in forced):
-            return torch.tensor(forced, dtype=torch.long, device=logits.device)
+            return to_device(forced, torch.long, logits.device)
         tokens = sample(logits, req.params, req.generator)
         if any(f is not None for f in forced):
-            tokens = torch.tensor(
-                [f if f is not None else t for f, t in zip(forced, tokens.tolist())], device=logits.device
-            )
+            is_forced = to_device([f is not None for f in forced], torch.bool, logits.device)
+            tokens = torch.where(is_forced, to_device([f or 0 for f in forced], torch.long, logits.device), tokens)
         return tokens
 
     def _collect_finished(self) -> list[Request]:

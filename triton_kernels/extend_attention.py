@@ -37,6 +37,8 @@ from __future__ import annotations
 import pasta_engine.triton_kernels as _pkg  # sets TRITON_INTERPRET on CPU before triton.jit runs
 
 import torch
+
+from ..attention import to_device
 import triton
 import triton.language as tl
 
@@ -366,7 +368,7 @@ def extend_indices(
         p_indptr.append(p_indptr[-1] + len(p))
 
     def i32(x):
-        return torch.tensor(x, dtype=torch.int32, device=device)
+        return to_device(x, torch.int32, device)
 
     return (i32(q_indptr), i32(p_indptr), i32([x for p in pages for x in p]),
             i32([x for n in page_lens for x in n]), i32([sum(n) for n in page_lens]))

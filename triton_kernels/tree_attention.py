@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import INTERPRET, register_compile_spec  # sets TRITON_INTERPRET on CPU before triton kernels are defined
+from ..attention import to_device
+from . import INTERPRET, register_compile_spec  # noqa: F401  (INTERPRET: the mode the kernels run in)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -299,7 +300,7 @@ def build_plan(
     dev = torch.device(device)
 
     def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x if x else [0], dtype=torch.int32).to(dev, non_blocking=True)
+        return to_device(x if x else [0], torch.int32, dev)
 
     return DecodePlan(**{k: t(v) for k, v in arrays.items()}, **info)
 
