@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU run of the kernels issue, in order, for a session that has the device tool.
 # Run from the repository root on the GPU machine (torch/triton/transformers come from its image):
-#   bash bench/run_gpu.sh [tests|tree|decode|csrc|all]
+#   bash bench/run_gpu.sh [tests|tree|decode|csrc|speedup|all]
 # It installs this package without dependencies (the machine has no network), plus any wheels
 # carried in .whl/ (e.g. flashinfer-python and its needs, downloaded here with
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl NAME==VERSION`),
 # builds the CUDA extension, runs the GPU-marked tests, the microbenchmarks and the plots.
+# `speedup` (not part of `all`: it takes about an hour at the Llama-3-8B shape; rerun it, it
+# resumes) replays all 805 AlpacaEval answers annotated by `sot`; the device machine cannot see
+# ../shared, so copy ../shared/data/alpaca_eval/gpt4_1106_preview_outputs.json into .data/
+# (ignored by git) and carry .data with the call, or point ALPACA_OUTPUTS at the file.
 # Results land in bench/results/ (and $OUT when set, so the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +39,14 @@ if [ "$what" = decode ] || [ "$what" = all ]; then
 fi
 if [ "$what" = csrc ] || [ "$what" = all ]; then
   $PY bench/bench_csrc_ops.py 2>&1 | tee "$out/csrc_ops.log" | tail -5
+fi
+if [ "$what" = speedup ]; then
+  resume=""
+  [ -f bench/results/speedup-llama3-8b-sot-gpu/prompts.jsonl ] && resume=--resume
+  $PY -m pasta_engine.cli bench speedup --annotator sot \
+    --responses "${ALPACA_OUTPUTS:-.data/gpt4_1106_preview_outputs.json}" ${LIMIT:+--limit $LIMIT} \
+    --preset llama-3-8b --device cuda --dtype bfloat16 --attention-backend triton --cuda-graphs on \
+    --max-threads 0 $resume --out bench/results/speedup-llama3-8b-sot-gpu 2>&1 | tail -5
 fi
 $PY bench/plot.py bench/results/tree_attention_*.json bench/results/decode_step_*.json 2>/dev/null
 [ "$out" != bench/results ] && cp bench/results/*.json bench/results/*.png "$out"/ 2>/dev/null

@@ -224,6 +224,10 @@ def test_bad_inputs_are_named(tiny_engine):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="oracle"):
         Engine(tiny_engine.model, tiny_engine.tokenizer, position_policy="oracle", kv_cache_bytes=2**20).generate(["x"])
+    with pytest.raises(ValueError, match="CUDA graphs need"):
+        Engine(tiny_engine.model, tiny_engine.tokenizer, kv_cache_bytes=2**20, cuda_graphs=True)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        Engine(tiny_engine.model, tiny_engine.tokenizer, kv_cache_bytes=2**20, attention_backend="flash")
 
 
 def test_generate_results_are_consistent(tiny_engine):
