@@ -95,7 +95,7 @@ class TritonAttention(AttentionBackend):
         ext = [b for b, n in enumerate(meta.q_lens) if n > 1]
         if dec:
             p.decode = build_plan(decode_views(meta, dec), group=self.group, num_kv_heads=self.num_kv_heads, device=device,
-                                  mode=self.decode_mode, merge=self.merge)
+                                  mode=self.decode_mode)
             if len(dec) != len(meta.q_lens):
                 p.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
         if ext:

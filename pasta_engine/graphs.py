@@ -132,7 +132,7 @@ class CudaGraphRunner:
         arrays, info = plan_lists(
             decode_views(meta, list(range(n))), group=self.group, num_kv_heads=self.hkv, device=self.model.device,
             mode=self.backend.decode_mode, target_work=self.target_work, max_rows_per_item=self.rows_per_item,
-            merge="inline", block_m=entry.block_m,
+            block_m=entry.block_m,
         )
         if not entry.static.load(arrays, info):
             self.fallbacks += 1

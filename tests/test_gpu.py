@@ -36,7 +36,7 @@ def test_tree_attention_bf16_matches_the_reference(hq, hkv, d, merge):
         kc, vc = (x.cuda() for x in kv.layer(0))
         for mode in ("tree", "plain"):
             plan = build_plan(plan_views(views), group=hq // hkv, num_kv_heads=hkv, device="cuda", mode=mode,
-                              merge=merge, target_work=11)
+                              target_work=11)
             got = tree_decode_attention(q.cuda(), kc, vc, plan, d**-0.5, merge=merge)
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 

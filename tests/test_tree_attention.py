@@ -87,7 +87,7 @@ def test_tree_plain_and_merges_match_the_reference(hq, hkv, d, page_size, dtype,
     for mode, merge, target in [("tree", "inline", 1), ("tree", "inline", 7), ("tree", "separate", 5),
                                 ("plain", "inline", 3), ("auto", "inline", 64)]:
         plan = build_plan(pv, group=hq // hkv, num_kv_heads=hkv, device="cpu", mode=mode, target_work=target,
-                          max_rows_per_item=4, merge=merge)
+                          max_rows_per_item=4)
         got = tree_decode_attention(q, k, v, plan, scale, merge=merge, block_n=32)
         torch.testing.assert_close(got.float(), want, **tol, msg=f"{mode}/{merge}/{target}")
 
@@ -135,5 +135,7 @@ def test_bad_inputs_are_named():
         tree_decode_attention(torch.zeros(1, 3, 64), k, k, plan, 1.0)
     with pytest.raises(ValueError, match="empty KV view"):
         build_plan([[(1, [], [])]], group=1, num_kv_heads=1, device="cpu")
-    with pytest.raises(ValueError, match="merge"):
-        build_plan([[(1, [0], [1])]], group=1, num_kv_heads=1, device="cpu", merge="later")
+    with pytest.raises(ValueError, match="mode must be"):
+        build_plan([[(1, [0], [1])]], group=1, num_kv_heads=1, device="cpu", mode="later")
+    with pytest.raises(ValueError, match="merge must be"):
+        tree_decode_attention(torch.zeros(1, 2, 64), k[:, :, :1], k[:, :, :1], plan, 1.0, merge="later")

@@ -265,44 +265,13 @@ def choose_mode(views: list[View]) -> str:
     return "tree" if tree <= 0.8 * plain else "plain"
 
 
-def build_plan(
-    views: list[View],
-    *,
-    group: int,
-    num_kv_heads: int,
-    device: torch.device | str,
-    mode: str = "auto",
-    target_work: int | None = None,
-    max_rows_per_item: int = 16,
-    merge: str = "inline",
-    block_m: int | None = None,
-) -> DecodePlan:
-    """Describe a step's decode attention for :func:`tree_decode_attention`.
-
-    Args:
-        views: per query row, its KV view as ``(segment id, pages, used slots per page)``
-            runs; runs with the same id are the same pages (shared by those rows).
-        group: query heads per KV head (GQA group); num_kv_heads: KV heads.
-        mode: ``tree`` (group pages by the rows that see them), ``plain`` (each row alone), or
-            ``auto`` (:func:`choose_mode`).
-        target_work: work items to aim for (default: 4 per SM / KV head on a GPU, 4 on CPU);
-            a group's pages are split into chunks of equal size to reach it (split-KV).
-        max_rows_per_item: rows of one work item (larger groups are cut into row chunks).
-        merge: ``inline`` (fold partials in the same launch), ``separate`` (second kernel) or
-            ``csrc`` (the CUDA extension's ``lse_merge``).
-        block_m: query-tile rows to use (at least what the largest row group needs; a CUDA
-            graph fixes it per bucket).
-
-    Raises ValueError for an empty batch, a row with no page or bad options."""
-    arrays, info = plan_lists(views, group=group, num_kv_heads=num_kv_heads, device=device, mode=mode,
-                              target_work=target_work, max_rows_per_item=max_rows_per_item, merge=merge,
-                              block_m=block_m)
+def build_plan(views: list[View], *, device: torch.device | str, **options) -> DecodePlan:
+    """Describe a step's decode attention for :func:`tree_decode_attention`: the lists of
+    :func:`plan_lists` (same arguments) as int32 tensors on ``device``, copied without a
+    host-device sync. Raises what :func:`plan_lists` raises."""
+    arrays, info = plan_lists(views, device=device, **options)
     dev = torch.device(device)
-
-    def t(x: list[int]) -> torch.Tensor:
-        return to_device(x if x else [0], torch.int32, dev)
-
-    return DecodePlan(**{k: t(v) for k, v in arrays.items()}, **info)
+    return DecodePlan(**{k: to_device(v if v else [0], torch.int32, dev) for k, v in arrays.items()}, **info)
 
 
 def plan_lists(
@@ -314,15 +283,29 @@ def plan_lists(
     mode: str = "auto",
     target_work: int | None = None,
     max_rows_per_item: int = 16,
-    merge: str = "inline",
     block_m: int | None = None,
 ) -> tuple[dict[str, list[int]], dict]:
-    """The host-side lists of :func:`build_plan` (named as :data:`PLAN_ARRAYS`) and its
-    scalar fields; see :func:`build_plan` for the arguments."""
+    """Host-side plan of a step's decode attention: int lists named as :data:`PLAN_ARRAYS`
+    (work items, row groups, pages, per-row partial slots) and the scalar fields of
+    :class:`DecodePlan`.
+
+    Args:
+        views: per query row, its KV view as ``(segment id, pages, used slots per page)``
+            runs; runs with the same id are the same pages (shared by those rows).
+        group: query heads per KV head (GQA group); num_kv_heads: KV heads.
+        device: where the kernel will run (sets the default ``target_work``).
+        mode: ``tree`` (group pages by the rows that see them), ``plain`` (each row alone), or
+            ``auto`` (:func:`choose_mode`).
+        target_work: work items to aim for (default: 4 per SM / KV head on a GPU, 4 on CPU);
+            a group's pages are split into chunks of equal size to reach it (split-KV).
+        max_rows_per_item: rows of one work item (larger groups are cut into row chunks).
+        block_m: query-tile rows to use (at least what the largest row group needs; a CUDA
+            graph fixes it per bucket).
+
+    Raises ValueError for an empty batch, a row with no page, a too small ``block_m`` or an
+    unknown mode."""
     if not views:
         raise ValueError("no decode rows")
-    if merge not in ("inline", "separate", "csrc"):
-        raise ValueError(f"merge must be 'inline', 'separate' or 'csrc', got {merge!r}")
     if mode == "auto":
         mode = choose_mode(views)
     if mode not in ("tree", "plain"):
@@ -479,6 +462,8 @@ def tree_decode_attention(
         raise ValueError("the last (head_dim) dimension of q and the caches must be contiguous")
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    if merge not in ("inline", "separate", "csrc"):
+        raise ValueError(f"merge must be 'inline', 'separate' or 'csrc', got {merge!r}")
     if out is None:
         out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
     group = hq // hkv
