@@ -42,17 +42,19 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
     return host.to(device, non_blocking=True)
 
 
+Run = tuple[int, list[int], list[int]]  # (segment id, pages, used slots of each page)
+
+
 @dataclass
 class AttentionMetadata:
     """What one step's attention needs, built by the scheduler.
 
-    Host-side lists (one entry per sequence ``b`` of ``B``):
+    Host-side, one entry per sequence ``b`` of ``B``:
         q_lens[b]: new tokens of the sequence (query rows, consecutive in the batch).
-        pages[b], page_lens[b]: its KV view (page ids, visible slots of each page).
-        kv_lens[b]: ``sum(page_lens[b])``, including its new tokens.
-        segments[b]: ``(segment id, page count)`` runs of ``pages[b]``: a segment is shared
-            by every sequence whose list has its id (see :mod:`pasta_engine.kv_cache`); None
-            when unknown (each sequence is then one private run).
+        runs[b]: its KV view as ``(segment id, pages, used slots of each page)`` runs, in view
+            order. A run is shared (the same lists, not a copy) by every sequence whose view
+            holds that segment id (see :mod:`pasta_engine.kv_cache`); the scheduler does no
+            per-page work to build this, so backends that group by segment never flatten.
     Device tensors (set before an eager forward; a CUDA-graph replay uses its own buffers):
         positions: ``[T]`` int64 logical position of every new token.
         slot_mapping: ``[T]`` int64 cache slot (``page * page_size + offset``) of every new token.
@@ -61,14 +63,31 @@ class AttentionMetadata:
 
     page_size: int
     q_lens: list[int]
-    pages: list[list[int]]
-    page_lens: list[list[int]]
-    kv_lens: list[int]
-    positions: torch.Tensor | None
-    slot_mapping: torch.Tensor | None
-    segments: list[list[tuple[int, int]]] | None = None
+    runs: list[list[Run]]
+    positions: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
     plan: Any = None
     extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_pages(
+        cls, page_size: int, q_lens: list[int], pages: list[list[int]], page_lens: list[list[int]], **kw: Any
+    ) -> "AttentionMetadata":
+        """Metadata whose every sequence is one private run (tests, benchmarks)."""
+        runs = [[(-1 - b, list(p), list(n))] for b, (p, n) in enumerate(zip(pages, page_lens))]
+        return cls(page_size=page_size, q_lens=list(q_lens), runs=runs, **kw)
+
+    def pages(self, b: int) -> list[int]:
+        """Pages of sequence ``b``'s view, in view order."""
+        return [p for _, ps, _ in self.runs[b] for p in ps]
+
+    def page_lens(self, b: int) -> list[int]:
+        """Used slots of each page of :meth:`pages`."""
+        return [n for _, _, ns in self.runs[b] for n in ns]
+
+    def kv_len(self, b: int) -> int:
+        """Tokens in sequence ``b``'s view, its new tokens included."""
+        return sum(sum(ns) for _, _, ns in self.runs[b])
 
     @property
     def num_tokens(self) -> int:
@@ -170,14 +189,12 @@ class TorchAttention(AttentionBackend):
             seg_slots: list[torch.Tensor] = []
             row_segs: list[list[int]] = []
             for b in dec:
-                runs = meta.segments[b] if meta.segments is not None else [(-1 - b, len(meta.pages[b]))]
-                mine, at = [], 0
-                for sid, n in runs:
+                mine = []
+                for sid, pages, lens in meta.runs[b]:
                     if sid not in seg_index:
                         seg_index[sid] = len(seg_slots)
-                        seg_slots.append(_slots(meta.pages[b][at : at + n], meta.page_lens[b][at : at + n], ps))
+                        seg_slots.append(_slots(pages, lens, ps))
                     mine.append(seg_index[sid])
-                    at += n
                 row_segs.append(mine)
             sees = torch.zeros(len(dec), len(seg_slots), dtype=torch.bool)
             for r, mine in enumerate(row_segs):
@@ -188,11 +205,11 @@ class TorchAttention(AttentionBackend):
             pl.dec_mask = sees[:, token_seg][None, None].to(device)
         if ext:
             q_len = torch.tensor([meta.q_lens[b] for b in ext])
-            kv_len = torch.tensor([meta.kv_lens[b] for b in ext])
+            kv_len = torch.tensor([meta.kv_len(b) for b in ext])
             qmax, lmax = int(q_len.max()), int(kv_len.max())
             gather = torch.zeros(len(ext), lmax, dtype=torch.long)
             for i, b in enumerate(ext):
-                gather[i, : meta.kv_lens[b]] = _slots(meta.pages[b], meta.page_lens[b], ps)
+                gather[i, : int(kv_len[i])] = _slots(meta.pages(b), meta.page_lens(b), ps)
             qi, kj = torch.arange(qmax), torch.arange(lmax)
             # query i of a sequence sees key j iff j <= kv_len - q_len + i
             limit = (kv_len - q_len)[:, None] + qi[None, :]

@@ -16,7 +16,7 @@ from .triton_kernels.extend_attention import extend_attention, extend_indices
 from .triton_kernels.kv_write import rope_and_write as _rope_and_write
 from .triton_kernels.tree_attention import DecodePlan, _Buffers, build_plan, tree_decode_attention
 
-__all__ = ["TritonAttention", "decode_views"]
+__all__ = ["TritonAttention"]
 
 
 @dataclass
@@ -27,20 +27,6 @@ class _Plan:
     ext_index: tuple | None = None
     ext_max_q: int = 0
     buffers: _Buffers | None = None  # partial-result buffers (a CUDA graph owns its own)
-
-
-def decode_views(meta: AttentionMetadata, seqs: list[int]) -> list[list[tuple[int, list[int], list[int]]]]:
-    """Per sequence ``b`` in ``seqs``, its view as ``(segment id, pages, used slots)`` runs
-    (one private run per sequence when ``meta.segments`` is None)."""
-    views = []
-    for b in seqs:
-        runs = meta.segments[b] if meta.segments is not None else [(-1 - b, len(meta.pages[b]))]
-        view, at = [], 0
-        for sid, n in runs:
-            view.append((sid, meta.pages[b][at : at + n], meta.page_lens[b][at : at + n]))
-            at += n
-        views.append(view)
-    return views
 
 
 class TritonAttention(AttentionBackend):
@@ -94,15 +80,15 @@ class TritonAttention(AttentionBackend):
         dec = [b for b, n in enumerate(meta.q_lens) if n == 1]
         ext = [b for b, n in enumerate(meta.q_lens) if n > 1]
         if dec:
-            p.decode = build_plan(decode_views(meta, dec), group=self.group, num_kv_heads=self.num_kv_heads, device=device,
+            p.decode = build_plan([meta.runs[b] for b in dec], group=self.group, num_kv_heads=self.num_kv_heads, device=device,
                                   mode=self.decode_mode)
             if len(dec) != len(meta.q_lens):
                 p.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
         if ext:
             rows = [r for b in ext for r in range(starts[b], starts[b] + meta.q_lens[b])]
             p.ext_rows = to_device(rows, torch.long, device)
-            p.ext_index = extend_indices([meta.q_lens[b] for b in ext], [meta.pages[b] for b in ext],
-                                         [meta.page_lens[b] for b in ext], device)
+            p.ext_index = extend_indices([meta.q_lens[b] for b in ext], [meta.pages(b) for b in ext],
+                                         [meta.page_lens(b) for b in ext], device)
             p.ext_max_q = max(meta.q_lens[b] for b in ext)
         meta.plan = p
 

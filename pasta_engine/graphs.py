@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionMetadata
-from .attention_triton import TritonAttention, _Plan, decode_views
+from .attention_triton import TritonAttention, _Plan
 from .kv_cache import KVCache
 from .model import LlamaModel
 from .triton_kernels.tree_attention import StaticDecodePlan, _Buffers, plan_lists
@@ -98,10 +98,8 @@ class CudaGraphRunner:
         bm = self._block_m(b)
         static = StaticDecodePlan(b, self.max_work, self.max_slots, self.max_pages, bm, dev)
         plan = _Plan(decode=static.plan, buffers=_Buffers())
-        meta = AttentionMetadata(
-            page_size=self.kv.page_size, q_lens=[1] * b, pages=[[0]] * b, page_lens=[[1]] * b, kv_lens=[1] * b,
-            positions=self.positions[:b], slot_mapping=self.slots[:b], plan=plan,
-        )
+        meta = AttentionMetadata.from_pages(self.kv.page_size, [1] * b, [[0]] * b, [[1]] * b,
+                                            positions=self.positions[:b], slot_mapping=self.slots[:b], plan=plan)
         # size the partial buffers to capacity and compile every kernel before capture
         plan.buffers.get(self.max_slots, b, self.model.config.num_heads, self.hkv, self.model.config.head_dim, dev)
         stream = torch.cuda.Stream()
@@ -130,7 +128,7 @@ class CudaGraphRunner:
             return None
         entry = self.graphs.get(b) or self._capture(b)
         arrays, info = plan_lists(
-            decode_views(meta, list(range(n))), group=self.group, num_kv_heads=self.hkv, device=self.model.device,
+            meta.runs, group=self.group, num_kv_heads=self.hkv, device=self.model.device,
             mode=self.backend.decode_mode, target_work=self.target_work, max_rows_per_item=self.rows_per_item,
             block_m=entry.block_m,
         )

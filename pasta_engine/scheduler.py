@@ -207,9 +207,7 @@ class Scheduler:
         positions: list[int] = []
         slots: list[int] = []
         q_lens: list[int] = []
-        pages: list[list[int]] = []
-        page_lens: list[list[int]] = []
-        segments: list[list[tuple[int, int]]] = []
+        runs: list[list[tuple[int, list[int], list[int]]]] = []
         logits_rows: list[int] = []
         for _, rows in work:
             for row in rows:
@@ -223,22 +221,11 @@ class Scheduler:
                 positions += row.positions
                 slots += rec.pending_slots
                 q_lens.append(n)
-                pages.append(rec.view.pages)
-                page_lens.append(rec.view.lens)
-                segments.append([(seg.id, len(seg.pages)) for seg in rec.view.segments])
+                runs.append([(seg.id, seg.pages, seg.lens) for seg in rec.view.segments])
                 if row.sample:
                     logits_rows.append(len(ids) - 1)
         dev = self.device
-        meta = AttentionMetadata(
-            page_size=self.kv.page_size,
-            q_lens=q_lens,
-            pages=pages,
-            page_lens=page_lens,
-            kv_lens=[sum(x) for x in page_lens],
-            positions=None,
-            slot_mapping=None,
-            segments=segments,
-        )
+        meta = AttentionMetadata(page_size=self.kv.page_size, q_lens=q_lens, runs=runs)
         logits = None
         graphed = False
         if self.graphs is not None:
@@ -255,6 +242,13 @@ class Scheduler:
                 to_device(ids, torch.long, dev), meta, self.kv.kv, self.backend, to_device(logits_rows, torch.long, dev)
             )
         self.total_steps += 1
+        kv_tokens = 0
+        if self.profile is not None:  # distinct KV tokens the step read (before the views grow)
+            used: dict[int, int] = {}
+            for row_runs in runs:
+                for _, pl, ln in row_runs:
+                    used.update(zip(pl, ln))
+            kv_tokens = sum(used.values())
         gpu_wait = 0.0
         if self.profile is not None and dev.type == "cuda":
             t_launched = time.perf_counter()
@@ -292,12 +286,9 @@ class Scheduler:
                 at += len(sampling)
             self._apply_events(req)
         if self.profile is not None:
-            seen: dict[int, int] = {}
-            for pl, ln in zip(pages, page_lens):
-                seen.update(zip(pl, ln))
             total = time.perf_counter() - t_start
             self.profile.append(StepProfile(len(q_lens), len(logits_rows), graphed, total - gpu_wait, gpu_wait, total,
-                                            sum(seen.values()), sum(q_lens)))
+                                            kv_tokens, sum(q_lens)))
         return self._collect_finished()
 
     def _choose(self, req: Request, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:

@@ -267,8 +267,8 @@ def _rope_problem(t, hq, hkv, d, dtype, device, *, seed=0, misaligned=False, pad
 def test_rope_kv_write_reference_equals_attention_backend(dtype):
     q, k, v, cos, sin, kv, slots = _rope_problem(9, 4, 2, 16, dtype, "cpu", pad=False)  # no padding rule there
     kv_a, kv_b = kv.clone(), kv.clone()
-    meta = AttentionMetadata(page_size=16, q_lens=[9], pages=[[0]], page_lens=[[9]], kv_lens=[9],
-                             positions=torch.zeros(9, dtype=torch.long), slot_mapping=slots)
+    meta = AttentionMetadata.from_pages(16, [9], [[0]], [[9]], positions=torch.zeros(9, dtype=torch.long),
+                                        slot_mapping=slots)
     q_a = TorchAttention().rope_and_write(q, k, v, cos, sin, kv_a[1, 0], kv_a[1, 1], meta)
     q_b = csrc_ops.rope_kv_write_reference(q, k, v, cos, sin, kv_b[1, 0], kv_b[1, 1], slots)
     assert torch.equal(q_a, q_b)

@@ -70,7 +70,8 @@ class ScriptedModel:
         assert len(set(slots)) == len(slots), "two new tokens share a slot"
         now = self.written | set(slots)
         at = 0
-        for q_len, pages, lens in zip(meta.q_lens, meta.pages, meta.page_lens):
+        for b, q_len in enumerate(meta.q_lens):
+            pages, lens = meta.pages(b), meta.page_lens(b)
             flat = [p * meta.page_size + o for p, n in zip(pages, lens) for o in range(n)]
             assert flat[-q_len:] == slots[at : at + q_len], "new tokens are not the end of the view"
             missing = set(flat) - now

@@ -48,11 +48,8 @@ def random_forest(rng: random.Random, n_requests: int, page_size: int, hkv: int,
 
 
 def reference(q, kv, views, scale):
-    meta = AttentionMetadata(
-        page_size=kv.page_size, q_lens=[1] * len(views), pages=[v.pages for v in views],
-        page_lens=[v.lens for v in views], kv_lens=[v.num_tokens for v in views],
-        positions=torch.zeros(len(views), dtype=torch.long), slot_mapping=torch.zeros(len(views), dtype=torch.long),
-    )
+    meta = AttentionMetadata.from_pages(kv.page_size, [1] * len(views), [v.pages for v in views],
+                                        [v.lens for v in views])
     backend = TorchAttention()
     backend.plan(meta, torch.device("cpu"))
     k, v = kv.layer(0)

@@ -51,12 +51,8 @@ def fused_qkv(t: int, hq: int, hkv: int, d: int, dtype, device, gen) -> tuple[to
 
 def make_meta(page_size, q_lens, pages, page_lens, slots, positions, device) -> AttentionMetadata:
     """AttentionMetadata as the scheduler builds it (host lists + device positions/slots)."""
-    return AttentionMetadata(
-        page_size=page_size,
-        q_lens=list(q_lens),
-        pages=[list(p) for p in pages],
-        page_lens=[list(n) for n in page_lens],
-        kv_lens=[sum(n) for n in page_lens],
+    return AttentionMetadata.from_pages(
+        page_size, q_lens, pages, page_lens,
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
     )
@@ -126,8 +122,7 @@ def check_kv_write(hq, hkv, d, dtype, device, seed):
     k_cache = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype).to(device)
     v_cache = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(dtype).to(device)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    meta = AttentionMetadata(page_size=page_size, q_lens=[t], pages=[[0]], page_lens=[[1]], kv_lens=[1],
-                             positions=positions, slot_mapping=slots)
+    meta = AttentionMetadata.from_pages(page_size, [t], [[0]], [[1]], positions=positions, slot_mapping=slots)
     ref_q = AttentionBackend().rope_and_write(q, k, v, cos, sin, ref_k, ref_v, meta)
     out_k, out_v = k_cache.clone(), v_cache.clone()
     q_rot = rope_and_write(q, k, v, cos, sin, out_k, out_v, slots)
