@@ -111,6 +111,8 @@ class AttentionBackend:
         """Learn the model's head counts (called once by the engine)."""
 
     def plan(self, meta: AttentionMetadata, device: torch.device) -> None:
+        """Build this step's index tensors on ``device`` into ``meta.plan`` (once per step,
+        shared by all layers; must not read the views after the forward starts)."""
         raise NotImplementedError
 
     def rope_and_write(

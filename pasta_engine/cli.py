@@ -30,6 +30,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``pasta-engine`` argument parser (generate, replay, bench)."""
     ap = argparse.ArgumentParser(prog="pasta-engine", description="PASTA learned asynchronous decoding")
     sub = ap.add_subparsers(dest="command", required=True)
 

@@ -136,10 +136,13 @@ class Limits:
                 raise ValueError(f"invalid limit {name}={value!r}")
 
     def chunk_cap(self, predicted: int) -> int:
+        """Most tokens a child forked for ``tokens="predicted"`` may sample."""
         return max(self.async_min_cap, math.ceil(self.cap_factor * min(predicted, self.max_promise_tokens)))
 
 
 class ThreadStatus(enum.Enum):
+    """Where a thread is in its life (see :meth:`Interpreter.rows`)."""
+
     QUEUED = "queued"  # forked, waiting for width
     RUNNING = "running"
     STALLED = "stalled"  # main thread at a sync

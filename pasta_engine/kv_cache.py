@@ -102,12 +102,15 @@ class PagePool:
         return p
 
     def incref(self, pages: list[int]) -> None:
+        """One more view holds each of ``pages``. Raises RuntimeError for a freed page."""
         for p in pages:
             if self.refcount[p] <= 0:
                 raise RuntimeError(f"KV page {p} referenced after it was freed")
             self.refcount[p] += 1
 
     def decref(self, pages: list[int]) -> None:
+        """One view fewer holds each of ``pages``; a page at zero is freed. Raises RuntimeError
+        when a page is released more times than it was held."""
         for p in pages:
             if self.refcount[p] <= 0:
                 raise RuntimeError(f"KV page {p} released more times than referenced")
@@ -159,6 +162,7 @@ class KVCache:
         return self.pool.num_pages
 
     def describe(self) -> str:
+        """The cache's size in pages, tokens and MiB (for error messages)."""
         return (
             f"{self.num_pages} pages x {self.page_size} tokens = {self.num_pages * self.page_size} tokens "
             f"({self.budget_bytes / 2**20:.0f} MiB budget)"

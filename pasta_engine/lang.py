@@ -90,18 +90,24 @@ class Promise:
 
 @dataclass(frozen=True)
 class AsyncOpen:
+    """A completed ``<async>`` tag."""
+
     raw: str = ASYNC_OPEN
     end: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
 class AsyncClose:
+    """A completed ``</async>`` tag."""
+
     raw: str = ASYNC_CLOSE
     end: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
 class Sync:
+    """A completed ``<sync/>`` tag."""
+
     raw: str = SYNC
     end: int = field(default=0, compare=False)
 
