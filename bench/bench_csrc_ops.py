@@ -5,7 +5,7 @@
 Times, at T in {1, 16, 64} new tokens and the head shapes of Llama-3-8B (32 q / 8 KV heads,
 D=128) and SmolLM2-135M (9 / 3, D=64):
 
-* ``rope_kv_write``: the extension (``pasta_engine.csrc_ops.rope_kv_write``) against the torch
+* ``rope_kv_write``: the extension (``pasta_engine.layers.csrc_ops.rope_kv_write``) against the torch
   default (``AttentionBackend.rope_and_write``: 2 RoPEs + 2 ``index_copy_``) and the Triton
   kernel (``pasta_engine.triton_kernels.kv_write.rope_and_write``, when importable);
 * ``lse_merge`` of ``--splits`` partials per row (R = T rows, H = Hq heads): the extension
@@ -33,7 +33,6 @@ import re
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -144,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_csrc_ops: needs a CUDA GPU (run it on the GPU machine)", file=sys.stderr)
         return 2
-    from pasta_engine import csrc_ops
-    from pasta_engine.attention import TorchAttention
+    from pasta_engine.layers import csrc_ops
+    from pasta_engine.layers.attention import TorchAttention
 
     if not csrc_ops.available():
         print(f"bench_csrc_ops: the extension is not available: {csrc_ops.unavailable_reason()}\n"
@@ -168,10 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             kc, vc = kv[0], kv[1]
             kv_ref = kv.clone()
             q_ref = csrc_ops.rope_kv_write_reference(q, k, v, cos, sin, kv_ref[0], kv_ref[1], slots)
-            meta = SimpleNamespace(slot_mapping=slots)  # all rope_and_write reads from the metadata
             impls = {
                 "csrc": lambda: csrc_ops.rope_kv_write(q, k, v, cos, sin, kc, vc, slots),
-                "torch": lambda: torch_backend.rope_and_write(q, k, v, cos, sin, kc, vc, meta),
+                "torch": lambda: torch_backend.rope_and_write(q, k, v, cos, sin, kc, vc, slots),
             }
             if triton_rope_and_write is not None:
                 impls["triton"] = lambda: triton_rope_and_write(q, k, v, cos, sin, kc, vc, slots)

@@ -1,10 +1,10 @@
 """Full-model decode step at widths 1-16, with and without CUDA graphs, vs the roofline (GPU).
 
 For each model shape (random weights at SmolLM2-135M's and Llama-3-8B's published configs,
-built once by :func:`pasta_engine.presets.build_checkpoint` and loaded through the normal
+built once by :func:`pasta_engine.tools.presets.build_checkpoint` and loaded through the normal
 loader) and each width W, the engine replays a synthetic annotated response whose main thread
 forks W-1 chunks right away, so W threads decode together for most steps. Every step is
-profiled (:class:`pasta_engine.scheduler.StepProfile`); we report, over the steps that sampled
+profiled (:class:`pasta_engine.engine.model_runner.StepProfile`); we report, over the steps that sampled
 exactly W rows, the median step time, host time (everything but waiting for the GPU) and the
 roofline ``(weight bytes + distinct KV bytes read) / measured copy bandwidth``.
 
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth, device_info, write_json  # noqa: E402
 
 from pasta_engine import Engine, Limits  # noqa: E402
-from pasta_engine.kv_cache import kv_bytes_per_token  # noqa: E402
-from pasta_engine.lang import promise_tag  # noqa: E402
-from pasta_engine.presets import build_checkpoint  # noqa: E402
+from pasta_engine.engine.model_runner import kv_bytes_per_token  # noqa: E402
+from pasta_engine.lang.tags import promise_tag  # noqa: E402
+from pasta_engine.tools.presets import build_checkpoint  # noqa: E402
 
 
 def synthetic_trace(width: int, chunk: int) -> str:

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_us, copy_bandwidth, device_info, write_json  # noqa: E402
 
-from pasta_engine.kv_cache import KVCache, KVView, kv_bytes_per_token  # noqa: E402
+from pasta_engine.engine.block_manager import BlockManager, KVView  # noqa: E402
 from pasta_engine.triton_kernels.tree_attention import build_plan, tree_decode_attention  # noqa: E402
 
 SHAPES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -32,16 +32,18 @@ PAGE = 16
 
 
 def make_forest(threads: int, prefix: int, suffix: int, hkv: int, d: int):
-    tokens = prefix + threads * (suffix + PAGE) + 4 * PAGE
-    kv = KVCache(1, hkv, d, dtype=torch.bfloat16, device="cuda",
-                 budget_bytes=tokens * kv_bytes_per_token(1, hkv, d, torch.bfloat16), page_size=PAGE)
+    """Pages of a prefix shared by ``threads`` threads that each own a suffix, and one layer's
+    K and V caches ``[pages, PAGE, hkv, d]`` bf16 filled with noise."""
+    pages = (prefix + threads * (suffix + PAGE)) // PAGE + 4
+    bm = BlockManager(pages, PAGE)
     main = KVView()
-    kv.append(main, prefix)
-    views = [main] + [kv.fork(main) for _ in range(threads - 1)]
+    bm.append(main, prefix)
+    views = [main] + [bm.fork(main) for _ in range(threads - 1)]
     for v in views:
-        kv.append(v, suffix)
-    kv.kv.normal_()
-    return kv, views
+        bm.append(v, suffix)
+    k = torch.randn(pages, PAGE, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(pages, PAGE, hkv, d, dtype=torch.bfloat16, device="cuda")
+    return (k, v), views
 
 
 def flashinfer_cascade(q, k, v, views, prefix_pages, hq, hkv, d):
@@ -73,8 +75,7 @@ def flashinfer_cascade(q, k, v, views, prefix_pages, hq, hkv, d):
 
 def run_case(name, threads, prefix, suffix, bw):
     hq, hkv, d = SHAPES[name]
-    kv, views = make_forest(threads, prefix, suffix, hkv, d)
-    k, v = kv.layer(0)
+    (k, v), views = make_forest(threads, prefix, suffix, hkv, d)
     q = torch.randn(threads, hq, d, dtype=torch.bfloat16, device="cuda")
     scale = d**-0.5
     pv = [[(s.id, s.pages, s.lens) for s in vw.segments] for vw in views]

@@ -43,7 +43,7 @@ fi
 if [ "$what" = speedup ]; then
   resume=""
   [ -f bench/results/speedup-llama3-8b-sot-gpu/prompts.jsonl ] && resume=--resume
-  $PY -m pasta_engine.cli bench speedup --annotator sot \
+  $PY -m pasta_engine.entrypoints.cli bench speedup --annotator sot \
     --responses "${ALPACA_OUTPUTS:-.data/gpt4_1106_preview_outputs.json}" ${LIMIT:+--limit $LIMIT} \
     --preset llama-3-8b --device cuda --dtype bfloat16 --attention-backend triton --cuda-graphs on \
     --max-threads 0 $resume --out bench/results/speedup-llama3-8b-sot-gpu 2>&1 | tail -5

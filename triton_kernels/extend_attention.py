@@ -9,7 +9,7 @@ Layout (per sequence ``b`` of ``B``; all index tensors int32 on the device):
 * KV view: pages ``kv_pages[kv_page_indptr[b]:kv_page_indptr[b+1]]`` in view order, page ``i``
   of the list showing its first ``kv_page_lens[i]`` slots (1..page_size; ANY page may be
   partial, not only the last: a sealed fork point or a spliced child's last page, see
-  :mod:`pasta_engine.kv_cache`); ``kv_lens[b]`` = the view's total visible tokens;
+  the engine's block manager); ``kv_lens[b]`` = the view's total visible tokens;
 * the sequence's ``q_len`` new tokens are the LAST ``q_len`` tokens of the view, causal among
   themselves: query ``i`` sees view tokens ``j <= kv_len - q_len + i``;
 * GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
@@ -34,13 +34,12 @@ into ``log2(e)``, as in the Triton fused-attention tutorial and FlashInfer):
 
 from __future__ import annotations
 
-import pasta_engine.triton_kernels as _pkg  # sets TRITON_INTERPRET on CPU before triton.jit runs
-
 import torch
 
-from ..attention import to_device
-import triton
-import triton.language as tl
+from . import register_compile_spec, upload_int32  # the package sets TRITON_INTERPRET on CPU first
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 __all__ = ["extend_attention", "extend_attention_reference", "extend_indices"]
 
@@ -351,7 +350,7 @@ def extend_indices(
     q_lens: list[int], pages: list[list[int]], page_lens: list[list[int]], device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The int32 index tensors of :func:`extend_attention` from per-sequence host lists (the
-    fields of :class:`pasta_engine.attention.AttentionMetadata`).
+    fields of the engine's attention metadata).
 
     Returns ``(q_indptr [B+1], kv_page_indptr [B+1], kv_pages [N], kv_page_lens [N], kv_lens [B])``
     on ``device``. Raises ValueError if the lists disagree in length."""
@@ -368,7 +367,7 @@ def extend_indices(
         p_indptr.append(p_indptr[-1] + len(p))
 
     def i32(x):
-        return to_device(x, torch.int32, device)
+        return upload_int32(x, device)
 
     return (i32(q_indptr), i32(p_indptr), i32([x for p in pages for x in p]),
             i32([x for n in page_lens for x in n]), i32([sum(n) for n in page_lens]))
@@ -388,7 +387,7 @@ def _register() -> None:
     for d, group in ((128, 4), (64, 3)):
         for rows in (4096, 12):
             bm, bn, _ = _tile_config(d, rows, torch.bfloat16)
-            _pkg.register_compile_spec(
+            register_compile_spec(
                 f"extend_attn bf16 D={d} group={group} BLOCK_M={bm} BLOCK_N={bn}", _extend_attn_kernel, sig,
                 {"GROUP": group, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_M": bm, "BLOCK_N": bn, "PAGE_BLOCK": 16,
                  "SCAN": 128, "IEEE": False},

@@ -1,6 +1,6 @@
 """Fused RoPE + paged KV-cache write: one launch per layer for every new token of a step.
 
-:func:`rope_and_write` does what :meth:`pasta_engine.attention.AttentionBackend.rope_and_write`
+:func:`rope_and_write` does what :meth:`pasta_engine.layers.attention.AttentionBackend.rope_and_write`
 does with torch ops (rotate q and k by RoPE, store rotated k and raw v in their cache slots,
 return rotated q), in a single kernel that reads q/k/v straight out of the fused qkv projection
 (strided views, no copies).
@@ -23,7 +23,7 @@ be captured in a CUDA graph; a negative slot means "padding row: rotate q, write
 
 from __future__ import annotations
 
-import pasta_engine.triton_kernels as _pkg  # sets TRITON_INTERPRET on CPU before triton.jit runs
+from . import register_compile_spec  # the package sets TRITON_INTERPRET on CPU before triton.jit runs
 
 import torch
 import triton
@@ -126,7 +126,7 @@ def rope_and_write(
     Returns:
         Rotated q ``[T, Hq, D]`` in q's dtype (``out`` if given, else a new contiguous tensor).
         Arithmetic is float32, cast once at the store; equals
-        :meth:`pasta_engine.attention.AttentionBackend.rope_and_write` exactly (up to GPU FMA
+        :meth:`pasta_engine.layers.attention.AttentionBackend.rope_and_write` exactly (up to GPU FMA
         contraction) in float32 and within one rounding in float16/bfloat16.
 
     Raises:
@@ -194,7 +194,7 @@ def _register() -> None:
     }
     # Llama-3-8B (32 q heads, 8 KV heads, D=128) and SmolLM2-135M (9 q heads, 3 KV heads, D=64)
     for d, group in ((128, 4), (64, 3)):
-        _pkg.register_compile_spec(
+        register_compile_spec(
             f"rope_kv_write bf16 D={d} group={group}", _rope_kv_write_kernel, sig,
             {"GROUP": group, "GROUP_PAD": triton.next_power_of_2(group), "HALF": d // 2,
              "BLOCK_HALF": triton.next_power_of_2(d // 2)},

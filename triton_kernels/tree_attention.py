@@ -19,8 +19,10 @@ folded in the same launch: after storing its partials a program increments a per
 counter; the program that brings it to the row's partial count merges them by the log-sum-exp
 rule (as FlashInfer's ``merge_state``), writes the output and resets the counter to zero for
 the next launch. Rows with a single partial are written directly. ``merge="separate"`` instead
-runs a second small kernel for the merge, and ``merge="csrc"`` the CUDA extension's
-``lse_merge`` over every row's partials (both kept to measure which is cheapest on the GPU).
+runs a second small kernel for the merge, and a callable ``merge`` (the CUDA extension's
+``lse_merge``, say) is handed every row's partials (both kept to measure which is cheapest on
+the GPU). The partial buffers and counters are scratch memory the caller owns
+(:class:`DecodeWorkspace`), as SGLang's decode kernel takes them.
 
 The same kernel is the *plain* path: with ``mode="plain"`` every row is its own group over its
 whole view, which is FlashDecoding-style per-thread paged attention. ``mode="auto"`` picks
@@ -35,16 +37,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from ..attention import to_device
-from . import INTERPRET, register_compile_spec  # noqa: F401  (INTERPRET: the mode the kernels run in)
+from . import INTERPRET, register_compile_spec, upload_int32  # noqa: F401  (INTERPRET: the mode the kernels run in)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-__all__ = ["DecodePlan", "StaticDecodePlan", "build_plan", "plan_lists", "choose_mode", "tree_decode_attention"]
+__all__ = [
+    "DecodePlan",
+    "StaticDecodePlan",
+    "DecodeWorkspace",
+    "build_plan",
+    "plan_lists",
+    "choose_mode",
+    "tree_decode_attention",
+]
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -271,7 +281,7 @@ def build_plan(views: list[View], *, device: torch.device | str, **options) -> D
     host-device sync. Raises what :func:`plan_lists` raises."""
     arrays, info = plan_lists(views, device=device, **options)
     dev = torch.device(device)
-    return DecodePlan(**{k: to_device(v if v else [0], torch.int32, dev) for k, v in arrays.items()}, **info)
+    return DecodePlan(**{k: upload_int32(v if v else [0], dev) for k, v in arrays.items()}, **info)
 
 
 def plan_lists(
@@ -400,9 +410,12 @@ class StaticDecodePlan:
         return True
 
 
-class _Buffers:
-    """Partial-result buffers and merge counters, reused across launches (grown on demand).
-    The counters are left at zero by every in-launch merge."""
+class DecodeWorkspace:
+    """Scratch memory of :func:`tree_decode_attention`: split-KV partial results (float32
+    outputs ``[slots, Hq, D]`` and natural-log LSEs ``[slots, Hq]``) and per-(row, KV head)
+    merge counters ``[rows, Hkv]`` int32. Owned by the caller and reused across launches (grown
+    on demand; a CUDA graph sizes it to capacity before capture). The counters are left at zero
+    by every in-launch merge."""
 
     def __init__(self) -> None:
         self.part_o: torch.Tensor | None = None
@@ -410,6 +423,7 @@ class _Buffers:
         self.counters: torch.Tensor | None = None
 
     def get(self, n_slots: int, n_rows: int, hq: int, hkv: int, d: int, device: torch.device):
+        """The buffers, grown to ``n_slots`` partials and ``n_rows`` rows when smaller."""
         if self.part_o is None or self.part_o.shape[0] < n_slots or self.part_o.shape[1:] != (hq, d) \
                 or self.part_o.device != device:
             self.part_o = torch.empty((max(n_slots, 1), hq, d), dtype=torch.float32, device=device)
@@ -420,8 +434,6 @@ class _Buffers:
         return self.part_o, self.part_lse, self.counters
 
 
-_BUFFERS = _Buffers()
-
 
 def tree_decode_attention(
     q: torch.Tensor,
@@ -430,10 +442,10 @@ def tree_decode_attention(
     plan: DecodePlan,
     scale: float,
     out: torch.Tensor | None = None,
-    merge: str = "inline",
+    merge: str | Callable = "inline",
     block_n: int = 64,
     grid_work: int | None = None,
-    buffers: _Buffers | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """Attention of single-token queries over their paged KV views, in one launch.
 
@@ -444,9 +456,12 @@ def tree_decode_attention(
         plan: :func:`build_plan` for these rows.
         scale: softmax scale (``head_dim ** -0.5`` for Llama).
         out: ``[R, Hq, D]`` output (allocated when None).
-        merge: ``inline``, ``separate`` or ``csrc`` (see the module docstring).
+        merge: ``inline``, ``separate``, or a callable
+            ``merge(part_o, part_lse, row_indptr, row_slots, out)`` given every row's partials
+            (see the module docstring).
         block_n: KV tokens per inner iteration (a multiple of 16 and of the page size or a divisor).
         grid_work: launch this many work programs (a capacity for CUDA graphs; default the plan's).
+        workspace: scratch buffers (:class:`DecodeWorkspace`); None allocates them for this call.
 
     Returns ``out``: softmax(q k^T * scale) v per row and head. Raises ValueError on shape or
     dtype mismatches."""
@@ -462,15 +477,14 @@ def tree_decode_attention(
         raise ValueError("the last (head_dim) dimension of q and the caches must be contiguous")
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
-    if merge not in ("inline", "separate", "csrc"):
-        raise ValueError(f"merge must be 'inline', 'separate' or 'csrc', got {merge!r}")
+    if not (merge in ("inline", "separate") or callable(merge)):
+        raise ValueError(f"merge must be 'inline', 'separate' or a callable, got {merge!r}")
     if out is None:
         out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
     group = hq // hkv
     gp2 = _next_pow2(group)
-    bufs = buffers or _BUFFERS
-    part_o, part_lse, counters = bufs.get(plan.n_slots, r, hq, hkv, d, q.device)
-    if merge == "csrc":
+    part_o, part_lse, counters = (workspace or DecodeWorkspace()).get(plan.n_slots, r, hq, hkv, d, q.device)
+    if callable(merge):
         merge_code = 3
     else:
         merge_code = 0 if not plan.partials else (1 if merge == "inline" else 2)
@@ -494,9 +508,7 @@ def tree_decode_attention(
             plan.row_slots, plan.num_rows, HKV=hkv, GROUP=group, GROUP_P2=gp2, D=d,
         )
     elif merge_code == 3:
-        from .. import csrc_ops
-
-        csrc_ops.lse_merge(part_o, part_lse, plan.row_indptr, plan.row_slots, out)
+        merge(part_o, part_lse, plan.row_indptr, plan.row_slots, out)
     return out
 
 

@@ -1,0 +1,257 @@
+"""Every option of the engine, validated in one place (no torch).
+
+* :class:`SamplingParams`: per request, how to pick tokens and when to stop;
+* :class:`Limits`: per request, how far PASTA's threads may go (width, forks, chunk caps);
+* :class:`PositionPolicy`: how many logical positions the main thread skips after a promise;
+* :class:`EngineConfig`: the engine's settings (KV cache, batching, backend, defaults of the
+  two above).
+
+Each class checks its fields when it is built and raises
+:class:`~pasta_engine.errors.ParameterError` naming the first bad field and its value, so a bad
+request fails before it takes any resource. Booleans are not integers here (``top_k=True`` is
+an error), and strings are not numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import ParameterError
+from .lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
+
+__all__ = [
+    "SamplingParams",
+    "Limits",
+    "PositionPolicy",
+    "EngineConfig",
+    "GREEDY_TEMPERATURE",
+    "MAX_SEED",
+    "check_int",
+    "check_float",
+    "check_bool",
+]
+
+#: Temperatures below this mean greedy decoding (as vLLM's ``_SAMPLING_EPS``): dividing
+#: logits by a smaller number overflows to inf and the softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
+#: Largest seed a ``torch.Generator`` takes.
+MAX_SEED = 2**64 - 1
+
+
+def check_int(param: str, value: Any, lo: int | None = None, hi: int | None = None, *, none_ok: bool = False) -> None:
+    """Raise ParameterError unless ``value`` is an ``int`` (not a bool) in ``[lo, hi]``."""
+    if value is None and none_ok:
+        return
+    rng = (f" >= {lo}" if hi is None else f" in [{lo}, {hi}]") if lo is not None else ""
+    expected = f"an integer{rng}" + (" or None" if none_ok else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ParameterError(param, value, expected)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ParameterError(param, value, expected)
+
+
+def check_float(param: str, value: Any, lo: float | None = None, hi: float | None = None, *,
+                lo_open: bool = False) -> None:
+    """Raise ParameterError unless ``value`` is a finite real number (not a bool) with
+    ``lo <= value`` (``lo < value`` when ``lo_open``) and ``value <= hi``."""
+    parts = []
+    if lo is not None:
+        parts.append(f"{'>' if lo_open else '>='} {lo}")
+    if hi is not None:
+        parts.append(f"<= {hi}")
+    expected = "a finite number" + (" " + " and ".join(parts) if parts else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ParameterError(param, value, expected)
+    v = float(value)
+    if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        raise ParameterError(param, value, expected)
+
+
+def check_bool(param: str, value: Any) -> None:
+    """Raise ParameterError unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise ParameterError(param, value, "True or False")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick a request's tokens, and when to stop.
+
+    Attributes:
+        max_new_tokens: tokens the response may hold, all threads together (>= 1).
+        temperature: logits are divided by it; below ``1e-5`` (0 included) decoding is greedy
+            (argmax), as in vLLM.
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens (0 = all).
+        seed: seed of the request's own ``torch.Generator`` (same seed, same tokens), an
+            integer in ``[0, 2**64 - 1]``.
+        return_logprobs: fill ``result.logprobs`` with the natural-log probability of each
+            sampled token under the model's (untempered) distribution.
+
+    Raises ParameterError naming the first bad field and its value."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    return_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_float("temperature", self.temperature, 0.0)
+        check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_int("top_k", self.top_k, 0)
+        check_int("seed", self.seed, 0, MAX_SEED)
+        check_bool("return_logprobs", self.return_logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are picked by argmax (temperature below ``GREEDY_TEMPERATURE``)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class PositionPolicy:
+    """How many logical positions the main thread skips after a promise.
+
+    The child's tokens take positions right after the promise's last token; the main thread
+    continues after a reserved range of ``open + size + close`` positions, where ``open`` and
+    ``close`` are the token counts of ``<async>`` and ``</async>`` and ``size`` is:
+
+    * ``predicted`` (default): the promise's ``tokens="N"`` (PASTA's Pred-10x scheme, Jin et al.
+      2025, section 4);
+    * ``constant:K``: K for every promise;
+    * ``none``: nothing is reserved (not even the tags): positions collide;
+    * ``oracle``: the chunk's true length (replay only; positions then equal those of
+      sequential decoding of the spliced response).
+    """
+
+    kind: str = "predicted"
+    constant: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("predicted", "none", "oracle", "constant"):
+            raise ParameterError("position_policy", self.kind, "'predicted', 'none', 'oracle' or 'constant:K'")
+        check_int("position_policy constant", self.constant, 0)
+
+    @classmethod
+    def parse(cls, spec: "str | PositionPolicy") -> "PositionPolicy":
+        """Parse ``predicted``, ``none``, ``oracle`` or ``constant:K`` (K >= 0).
+
+        Raises ParameterError naming the bad spec."""
+        if isinstance(spec, PositionPolicy):
+            return spec
+        if not isinstance(spec, str):
+            raise ParameterError("position_policy", spec, "'predicted', 'none', 'oracle' or 'constant:K' with K >= 0")
+        s = spec.strip().lower()
+        if s in ("predicted", "none", "oracle"):
+            return cls(kind=s)
+        if s.startswith("constant:"):
+            k = s.split(":", 1)[1].strip()
+            if k.isdigit():
+                return cls(kind="constant", constant=int(k))
+        raise ParameterError("position_policy", spec, "'predicted', 'none', 'oracle' or 'constant:K' with K >= 0")
+
+    def __str__(self) -> str:
+        return f"constant:{self.constant}" if self.kind == "constant" else self.kind
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How far one request's threads may go (counts in tokens or threads).
+
+    Attributes:
+        max_threads: threads of one request that decode in the same step, main included;
+            further children wait in fork order. ``None`` = unlimited width.
+        max_forks: forks per request; later promises are text (generate) or decoded inline
+            by the main thread (replay). Caps runaway forking.
+        async_min_cap, cap_factor: a child samples at most
+            ``max(async_min_cap, ceil(cap_factor * N))`` tokens (DESIGN.md section 2, rule 4).
+        max_promise_tokens: ``N`` above this is clamped (positions and caps).
+
+    The response's total length is :attr:`SamplingParams.max_new_tokens`."""
+
+    max_threads: int | None = 16
+    max_forks: int = 64
+    async_min_cap: int = 64
+    cap_factor: float = 2.0
+    max_promise_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        check_int("max_threads", self.max_threads, 1, none_ok=True)
+        check_int("max_forks", self.max_forks, 0)
+        check_int("async_min_cap", self.async_min_cap, 1)
+        check_float("cap_factor", self.cap_factor, 0.0, lo_open=True)
+        check_int("max_promise_tokens", self.max_promise_tokens, 0)
+
+    def chunk_cap(self, predicted: int) -> int:
+        """Most tokens a child forked for ``tokens="predicted"`` may sample."""
+        return max(self.async_min_cap, math.ceil(self.cap_factor * min(predicted, self.max_promise_tokens)))
+
+
+PROMPT_SPECIAL_TOKENS = ("text", "control")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings (every option, one object).
+
+    Attributes:
+        attention_backend: ``"torch"`` (reference), ``"triton"``, or a backend instance.
+        kv_cache_bytes: KV cache budget in bytes (None: 512 MiB on CPU, 40% of free GPU memory
+            on CUDA).
+        page_size: KV page size in tokens (1 to 1024).
+        max_running_requests: requests decoded together (continuous batching).
+        limits: default :class:`Limits` of a request.
+        position_policy: default :class:`PositionPolicy` (or its string).
+        pasta_prompt: system prompt and examples put before a string prompt in pasta mode
+            (:class:`~pasta_engine.lang.prompts.PastaPrompt`).
+        cuda_graphs: replay captured decode steps (None: on when the model is on CUDA and the
+            backend is ``triton``).
+        prompt_special_tokens: how special-token text inside a user's prompt string (for
+            example ``<|im_end|>``) is tokenized: ``"text"`` (default; DESIGN.md section 7: user
+            text is always text) or ``"control"`` (it becomes the control token, as
+            ``transformers``' ``apply_chat_template(..., tokenize=True)`` does). The chat
+            template's own markers are control tokens either way; annotated responses are
+            always tokenized as text.
+
+    Raises ParameterError naming the first bad field."""
+
+    attention_backend: Any = "torch"
+    kv_cache_bytes: int | None = None
+    page_size: int = 16
+    max_running_requests: int = 8
+    limits: Limits = field(default_factory=Limits)
+    position_policy: PositionPolicy | str = "predicted"
+    pasta_prompt: PastaPrompt = DEFAULT_PASTA_PROMPT
+    cuda_graphs: bool | None = None
+    prompt_special_tokens: str = "text"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attention_backend, str) and not self.attention_backend:
+            raise ParameterError("attention_backend", self.attention_backend, "'torch', 'triton' or a backend")
+        check_int("kv_cache_bytes", self.kv_cache_bytes, 1, none_ok=True)
+        check_int("page_size", self.page_size, 1, 1024)
+        check_int("max_running_requests", self.max_running_requests, 1)
+        if not isinstance(self.limits, Limits):
+            raise ParameterError("limits", self.limits, "a pasta_engine.Limits")
+        object.__setattr__(self, "position_policy", PositionPolicy.parse(self.position_policy))
+        if not isinstance(self.pasta_prompt, PastaPrompt):
+            raise ParameterError("pasta_prompt", self.pasta_prompt, "a pasta_engine.lang.prompts.PastaPrompt")
+        if self.cuda_graphs is not None:
+            check_bool("cuda_graphs", self.cuda_graphs)
+        if self.prompt_special_tokens not in PROMPT_SPECIAL_TOKENS:
+            raise ParameterError("prompt_special_tokens", self.prompt_special_tokens, "'text' or 'control'")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments; an unknown one is a ParameterError listing the known."""
+        known = {f.name for f in fields(cls)}
+        for k in kwargs:
+            if k not in known:
+                raise ParameterError(k, kwargs[k], message=f"unknown engine option {k!r}: known {sorted(known)}")
+        return cls(**kwargs)

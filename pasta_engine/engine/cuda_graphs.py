@@ -1,0 +1,125 @@
+"""CUDA-graph decode steps: one graph per bucket of live-thread count, captured once at start.
+
+A pure decode step (every sequence one token) of up to ``max(buckets)`` sequences replays the
+graph of the smallest bucket that holds it. Everything the graph reads lives in static device
+buffers sized for that bucket: token ids, logical positions, KV slots (padding rows get slot
+-1, which the KV-write kernel skips, and are in no attention row group, so they touch
+nothing), and the attention plan, held by the bucket's graph-mode attention backend
+(:meth:`~pasta_engine.layers.attention.AttentionBackend.for_cuda_graph`: its launch grid is a
+capacity and its programs exit early past the device-side work count). Per step the host
+only plans and copies in; the sampled tokens are the one transfer back. Steps with
+multi-token sequences (prompt prefill, forks' inserted tags), more sequences than the largest
+bucket, or a plan over capacity run eagerly with the same code.
+
+Nothing inside capture syncs with the host, autotunes, JIT-compiles (two warm-up forwards
+compile each bucket's kernels first) or reads a Python value that changes between steps.
+(After nano-vllm's ``capture_cudagraph``, vLLM's and SGLang's CUDA-graph runners, and gpt-fast's
+``torch.compile`` decode.) Owned by the :class:`~pasta_engine.engine.model_runner.ModelRunner`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..models.llama import LlamaModel
+
+__all__ = ["CudaGraphs", "DEFAULT_BUCKETS"]
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    backend: AttentionBackend
+
+
+class CudaGraphs:
+    """Captured decode steps, one per bucket.
+
+    Args:
+        model: the model (on a CUDA device).
+        kv_cache: the KV tensor ``[num_layers, 2, num_pages, page_size, Hkv, D]``.
+        backend: an attention backend with ``supports_cuda_graphs``.
+        buckets: live-thread counts to capture (ascending powers of two are typical).
+
+    Raises ValueError when the model is not on a CUDA device or the backend cannot be captured."""
+
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, backend: AttentionBackend,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS):
+        if model.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        if not backend.supports_cuda_graphs:
+            raise ValueError(f"CUDA graphs need an attention backend that supports them (attention_backend='triton'), "
+                             f"not {backend.name!r}")
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.buckets = tuple(sorted(buckets))
+        self.max_rows = self.buckets[-1]
+        self.page_size = kv_cache.shape[3]
+        self.num_pages = kv_cache.shape[2]
+        dev = model.device
+        self.input_ids = torch.zeros(self.max_rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(self.max_rows, dtype=torch.long, device=dev)
+        self.slots = torch.full((self.max_rows,), -1, dtype=torch.long, device=dev)
+        self.logits_idx = torch.arange(self.max_rows, dtype=torch.long, device=dev)
+        self._host = torch.zeros(3, self.max_rows, dtype=torch.long, pin_memory=True)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.replays = 0
+        self.fallbacks = 0
+        # largest first, as nano-vllm: smaller graphs reuse the memory pool
+        self.entries: dict[int, _Entry] = {b: self._capture(b) for b in reversed(self.buckets)}
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket holding ``n`` sequences (None when none does)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _capture(self, b: int) -> _Entry:
+        gb = self.backend.for_cuda_graph(b, self.num_pages)
+        meta = AttentionMetadata.from_pages(self.page_size, [1] * b, [[0]] * b, [[1]] * b)
+        if not gb.plan(meta):
+            raise RuntimeError(f"the graph-mode attention backend cannot plan a {b}-row warm-up step")
+
+        def forward() -> torch.Tensor:
+            return self.model.forward(self.input_ids[:b], self.positions[:b], self.slots[:b], self.kv_cache, gb,
+                                      self.logits_idx[:b])
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile every kernel before capture
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = forward()
+        return _Entry(graph, logits, gb)
+
+    def run(self, meta: AttentionMetadata, input_ids: list[int], positions: list[int], slots: list[int]
+            ) -> torch.Tensor | None:
+        """Replay the decode step for ``meta`` (host lists of the sequences' token ids, logical
+        positions and KV slots); returns float32 logits ``[n, vocab]`` of every sequence, or
+        None when the step must run eagerly (multi-token sequences, too many, plan over capacity)."""
+        n = len(meta.q_lens)
+        b = self.bucket(n)
+        if b is None or any(q != 1 for q in meta.q_lens):
+            self.fallbacks += 1
+            return None
+        entry = self.entries[b]
+        if not entry.backend.plan(meta):
+            self.fallbacks += 1
+            return None
+        host = self._host
+        host[:, :n] = torch.tensor([input_ids, positions, slots], dtype=torch.long)
+        host[0, n:b] = 0
+        host[1, n:b] = 0
+        host[2, n:b] = -1
+        self.input_ids[:b].copy_(host[0, :b], non_blocking=True)
+        self.positions[:b].copy_(host[1, :b], non_blocking=True)
+        self.slots[:b].copy_(host[2, :b], non_blocking=True)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.logits[:n]

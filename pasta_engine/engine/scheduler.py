@@ -1,0 +1,298 @@
+"""Scheduler: which threads of which requests run this step (no torch).
+
+After nano-vllm's scheduler: :meth:`Scheduler.schedule` admits waiting requests, asks each
+running request's :class:`~pasta_engine.engine.interpreter.Interpreter` for its thread steps,
+makes sure the KV pages they can take are free (preempting the newest request if not), and
+returns a :class:`ScheduledBatch`: per thread, its tokens, logical positions, KV slots and KV
+view. The model runner turns that into tensors and samples; :meth:`Scheduler.postprocess` hands
+the tokens back to the interpreters and applies their KV operations (append, fork, join,
+release) to the :class:`~pasta_engine.engine.block_manager.BlockManager`.
+
+KV memory: before a step the scheduler checks that the free pages cover the worst case the
+step can allocate; if not, it preempts the most recently admitted request (its pages are freed
+and it restarts from its prompt later, with the same seed, so its output is unchanged). A
+request that cannot get a page even alone ends with ``finish_reason="error"``; the others go
+on. Every way a request ends (finish, abort, error, an exception escaping a step) releases
+every page it held.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..errors import KVCacheExhausted
+from .block_manager import BlockManager, KVView, Run
+from .interpreter import KVAppend, KVFork, KVJoin, KVRelease, ThreadStep
+from .request import Request, RequestStatus
+
+__all__ = ["Scheduler", "ScheduledThread", "ScheduledBatch", "SampledTokens"]
+
+
+@dataclass
+class ScheduledThread:
+    """One thread's work this step: its interpreter step, the KV slots its tokens are written
+    to, and its KV view as attention metadata runs (the view ends with those slots)."""
+
+    request: Request
+    step: ThreadStep
+    slots: list[int]
+    runs: list[Run]
+
+
+@dataclass
+class ScheduledBatch:
+    """Every thread that runs this step, grouped by request in running order."""
+
+    threads: list[ScheduledThread] = field(default_factory=list)
+
+    @property
+    def sampling(self) -> list[ScheduledThread]:
+        """The threads that sample a token after their forward, in batch order."""
+        return [t for t in self.threads if t.step.sample]
+
+    def __bool__(self) -> bool:
+        return bool(self.threads)
+
+
+@dataclass
+class SampledTokens:
+    """What the model runner picked: ``token_ids[i]`` and ``logprobs[i]`` for the i-th sampling
+    thread of the batch (logprobs are 0.0 when the request did not ask for them), and
+    ``errors``: request id -> message for requests whose sampling failed (their entries are
+    placeholders)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Continuous batching of PASTA requests over one block manager.
+
+    Args:
+        block_manager: the KV cache's pages.
+        max_running_requests: requests decoded together (>= 1)."""
+
+    def __init__(self, block_manager: BlockManager, max_running_requests: int = 8):
+        self.block_manager = block_manager
+        self.max_running = max_running_requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.ended: list[Request] = []  # ended outside postprocess (abort, error) since take_ended()
+        self.total_steps = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def check_fits(self, req: Request) -> str | None:
+        """Why ``req`` could never run in this KV cache (None when it could): its prompt alone
+        needs more pages than the cache has."""
+        bm = self.block_manager
+        n = len(req.interp.prompt_ids)
+        pages = math.ceil(n / bm.page_size) + 1
+        if pages > bm.num_pages:
+            return (f"the prompt's {n} tokens need {pages} KV pages but the cache has {bm.describe()}; "
+                    f"raise kv_cache_bytes or shorten the prompt")
+        return None
+
+    def add(self, req: Request) -> None:
+        """Queue a request (it takes no resource until admitted)."""
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def take_ended(self) -> list[Request]:
+        """Requests that ended by abort or error outside a step's postprocess, since the last call."""
+        out, self.ended = self.ended, []
+        return out
+
+    def abort(self, request_id: str) -> Request | None:
+        """End the request now with ``finish_reason="abort"``, freeing every page it holds.
+        Returns it, or None when no unfinished request has that id."""
+        req = self._find(request_id)
+        if req is None:
+            return None
+        self._end(req, "abort")
+        self.ended.append(req)
+        return req
+
+    def fail(self, req: Request, message: str) -> None:
+        """End ``req`` with ``finish_reason="error"`` and ``message``, freeing its pages."""
+        self._end(req, "error", message)
+        self.ended.append(req)
+
+    def fail_running(self, message: str) -> list[Request]:
+        """End every running request with an error (after an exception escaped a step, so
+        none of their pages is left behind). Waiting requests hold no page and stay queued."""
+        failed = list(self.running)
+        for req in failed:
+            self.fail(req, message)
+        return failed
+
+    def _find(self, request_id: str) -> Request | None:
+        for req in self.running:
+            if req.request_id == request_id:
+                return req
+        for req in self.waiting:
+            if req.request_id == request_id:
+                return req
+        return None
+
+    def _free(self, req: Request) -> None:
+        """Release every KV view ``req`` still holds (whatever its interpreter says)."""
+        for view in req.views.values():
+            self.block_manager.release(view)
+        req.views.clear()
+        req.pending_slots.clear()
+
+    def _end(self, req: Request, reason: str, error: str | None = None) -> None:
+        self._free(req)
+        if not req.interp.done:
+            req.interp.cancel(reason)
+            req.interp.take_kv_ops()  # the pages are freed above
+        if req in self.running:
+            self.running.remove(req)
+            req.wall_s = time.perf_counter() - req.start_s
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+
+    # ------------------------------------------------------------------ admission, preemption
+
+    def _admit(self) -> None:
+        bm = self.block_manager
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            need = math.ceil(len(req.interp.prompt_ids) / bm.page_size) + 2 * (len(self.running) + 1)
+            if self.running and need > bm.num_free:
+                return
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.start_s = time.perf_counter()
+            self.running.append(req)
+            try:
+                self._apply_kv_ops(req)
+            except KVCacheExhausted as e:
+                self.fail(req, str(e))
+
+    def _preempt(self, req: Request) -> None:
+        """Free every page of ``req`` and queue it to restart from its prompt."""
+        self._free(req)
+        self.running.remove(req)
+        req.preemptions += 1
+        req.reset()
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _pages_bound(self, req: Request, steps: list[ThreadStep]) -> int:
+        """Pages the postprocess of a step can take for ``req`` at most: one per sampled
+        token, plus a forked child's inserted tag (two promises per token at most)."""
+        it = req.interp
+        open_pages = math.ceil(len(it.open_ids) / self.block_manager.page_size) if it.mode == "pasta" else 0
+        return sum(1 + (2 * open_pages if s.tid == 0 else 0) for s in steps if s.sample)
+
+    # ------------------------------------------------------------------ KV operations
+
+    def _apply_kv_ops(self, req: Request) -> None:
+        """Apply the interpreter's KV operations to the block manager. Raises
+        KVCacheExhausted when an append finds no page (the caller fails the request)."""
+        bm = self.block_manager
+        for op in req.interp.take_kv_ops():
+            if isinstance(op, KVAppend):
+                view = req.views.setdefault(op.tid, KVView())
+                req.pending_slots.setdefault(op.tid, []).extend(bm.append(view, op.n))
+            elif isinstance(op, KVFork):
+                req.views[op.child] = bm.fork(req.views[op.parent])
+            elif isinstance(op, KVJoin):
+                bm.join(req.views[op.parent], [req.views[c] for c in op.children])
+            elif isinstance(op, KVRelease):
+                view = req.views.pop(op.tid, None)
+                if view is not None:
+                    bm.release(view)
+                req.pending_slots.pop(op.tid, None)
+
+    # ------------------------------------------------------------------ stepping
+
+    def schedule(self) -> ScheduledBatch:
+        """Admit, check pages (preempting or failing requests that cannot get them), and
+        return the threads that run this step (an empty batch when none has work)."""
+        self._admit()
+        work: list[tuple[Request, list[ThreadStep]]] = [(r, r.interp.schedule_threads()) for r in self.running]
+        bm = self.block_manager
+        while work:
+            need = sum(self._pages_bound(r, steps) for r, steps in work)
+            if need <= bm.num_free:
+                break
+            if len(work) == 1:
+                req = work.pop()[0]
+                self.fail(req, f"KV cache exhausted: request {req.request_id} needs up to {need} more pages but only "
+                               f"{bm.num_free} of {bm.describe()} are free; raise kv_cache_bytes or lower "
+                               f"max_new_tokens / max_threads")
+                break
+            self._preempt(work.pop()[0])
+        batch = ScheduledBatch()
+        for req, steps in work:
+            for s in steps:
+                slots = req.pending_slots.get(s.tid, [])
+                if len(slots) != len(s.tokens):
+                    raise RuntimeError(f"request {req.request_id} thread {s.tid}: {len(s.tokens)} pending tokens but "
+                                       f"{len(slots)} reserved KV slots")
+                batch.threads.append(ScheduledThread(req, s, slots, BlockManager.runs(req.views[s.tid])))
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch, sampled: SampledTokens | None) -> list[tuple[Request, list[int]]]:
+        """Hand the sampled tokens to the interpreters, apply their KV operations, and end the
+        requests that finished.
+
+        Returns ``(request, new token ids)`` for every request that ran this step, in batch
+        order (a request that failed here comes back too, finished with an error)."""
+        self.total_steps += 1
+        by_req: dict[int, tuple[Request, list[ScheduledThread]]] = {}
+        for st in batch.threads:
+            by_req.setdefault(id(st.request), (st.request, []))[1].append(st)
+        at = 0
+        out: list[tuple[Request, list[int]]] = []
+        errors = sampled.errors if sampled is not None else {}
+        for req, threads in by_req.values():
+            n_sample = sum(1 for st in threads if st.step.sample)
+            toks = sampled.token_ids[at : at + n_sample] if sampled is not None else []
+            lps = sampled.logprobs[at : at + n_sample] if sampled is not None else []
+            at += n_sample
+            if req.finished:
+                continue
+            if req.request_id in errors:
+                self.fail(req, errors[req.request_id])
+                self.ended.remove(req)
+                out.append((req, []))
+                continue
+            it = req.interp
+            for st in threads:
+                req.pending_slots.pop(st.step.tid, None)
+            steps = [st.step for st in threads]
+            it.step_done(steps)
+            sampling = [st.step for st in threads if st.step.sample]
+            if sampling:
+                req.steps += 1
+                req.max_width = max(req.max_width, len(sampling))
+                req.prefill_tokens += sum(len(s.tokens) for s in sampling if not it.threads[s.tid].n_sampled)
+                want_lp = req.params.return_logprobs
+                for s, tok, lp in zip(sampling, toks, lps):
+                    it.on_token(s.tid, tok, lp if want_lp else None)
+            try:
+                self._apply_kv_ops(req)
+            except KVCacheExhausted as e:
+                self.fail(req, str(e))
+                self.ended.remove(req)
+                out.append((req, list(toks)))
+                continue
+            if it.done:
+                self._end(req, it.finish)
+            out.append((req, list(toks)))
+        return out

@@ -1,0 +1,1 @@
+"""Entry points: the ``pasta-engine`` command line (and the flags every command shares)."""

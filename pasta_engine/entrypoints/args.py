@@ -1,0 +1,178 @@
+"""Command-line flags shared by every command that builds an engine, and the engine they build.
+
+One definition per flag: ``generate``, ``replay`` and ``bench`` (and later ``serve``) add the
+groups they need with :func:`add_model_args`, :func:`add_pasta_args`, :func:`add_sampling_args`
+and :func:`add_run_args`, so help texts and checks never drift apart. Counts are checked by
+argparse itself (``--kv-cache-mb 0`` or ``--limit -1`` is a one-line usage error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any, Sequence
+
+from ..tools.presets import PRESETS
+
+__all__ = [
+    "positive_int",
+    "nonneg_int",
+    "add_model_args",
+    "add_pasta_args",
+    "add_sampling_args",
+    "add_run_args",
+    "build_engine",
+    "sampling_params",
+    "command_line",
+    "DTYPES",
+]
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Which model, where, and the engine's memory and kernels."""
+    g = p.add_argument_group("model and engine")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--model", default=None,
+                   help="local HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--preset", default=None, choices=sorted(PRESETS), metavar="NAME",
+                   help="random-weight checkpoint at a published shape, built once into the cache: "
+                   + ", ".join(sorted(PRESETS)))
+    g.add_argument("--preset-seed", type=nonneg_int, default=0, help="seed of the preset's random weights")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--attention-backend", default="torch", choices=("torch", "triton"),
+                   help="torch (reference) or triton (kernels; Triton's interpreter on a CPU)")
+    g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="replay captured decode steps (auto: on with --device cuda and the triton backend)")
+    g.add_argument("--kv-cache-mb", type=positive_int, default=None,
+                   help="KV cache budget in MiB (default: 512 on CPU, 40%% of free GPU memory on CUDA)")
+    g.add_argument("--page-size", type=positive_int, default=16, help="KV page size in tokens")
+
+
+def add_pasta_args(p: argparse.ArgumentParser) -> None:
+    """How far PASTA's threads may go."""
+    g = p.add_argument_group("PASTA")
+    g.add_argument("--position-policy", default="predicted",
+                   help="predicted | constant:K | none | oracle (replay only)")
+    g.add_argument("--max-threads", type=nonneg_int, default=16,
+                   help="threads of one request decoding together (0 = unlimited)")
+    g.add_argument("--max-forks", type=nonneg_int, default=64, help="forks per request; later promises are text")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -> None:
+    """How tokens are picked (see :class:`pasta_engine.config.SamplingParams`)."""
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+                   help="tokens a response may hold, all threads together")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (or below 1e-5) = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=nonneg_int, default=0, help="0 = all tokens")
+    g.add_argument("--seed", type=nonneg_int, default=0)
+
+
+def add_run_args(p: argparse.ArgumentParser, timing: bool = False) -> None:
+    """Which inputs, and (``timing``) how runs are repeated and resumed."""
+    g = p.add_argument_group("run")
+    g.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
+    if timing:
+        g.add_argument("--warmup", type=nonneg_int, default=1,
+                       help="untimed runs in each mode before timing (speedup: of the first trace and of the one "
+                       "with the most promises; pareto: of the first prompt)")
+        g.add_argument("--repeats", type=positive_int, default=1,
+                       help="runs per prompt and mode; the fastest counts (>1 on a shared or noisy machine)")
+        g.add_argument("--resume", action="store_true",
+                       help="keep the rows already in OUT/prompts.jsonl (same prompts, same order) and run the rest")
+
+
+def command_line(argv: Sequence[str] | None) -> str:
+    """The command as typed (for records)."""
+    return "pasta-engine " + shlex.join(list(sys.argv[1:] if argv is None else argv))
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    """:class:`~pasta_engine.config.SamplingParams` from the sampling flags (raises
+    ParameterError naming a bad one)."""
+    from ..config import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def _dtype_name(args: argparse.Namespace) -> str:
+    return args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
+
+
+def build_engine(args: argparse.Namespace, max_running_requests: int = 1) -> tuple[Any, dict[str, Any]]:
+    """The engine the flags describe and the settings to record. The device is checked first
+    (before a preset is built).
+
+    Raises what :meth:`Engine.from_pretrained` raises (FileNotFoundError,
+    UnsupportedModelError, ParameterError), naming the problem."""
+    import torch
+
+    from ..config import Limits
+    from ..engine.llm_engine import Engine, check_device
+    from ..models.loader import EMBEDDED_MODEL
+    from ..tools.bench import device_name
+
+    device = check_device(args.device)
+    dtype_name = _dtype_name(args)
+    if args.preset:
+        from ..tools.presets import build_checkpoint
+
+        path: Any = build_checkpoint(args.preset, seed=args.preset_seed, dtype=getattr(torch, dtype_name))
+        label = f"preset {args.preset} (random weights, seed {args.preset_seed})"
+    elif args.model:
+        path, label = args.model, str(args.model)
+    else:
+        path, label = None, f"embedded {EMBEDDED_MODEL}"
+    options: dict[str, Any] = dict(
+        attention_backend=args.attention_backend, max_running_requests=max_running_requests,
+        cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs], page_size=args.page_size,
+    )
+    if hasattr(args, "max_threads"):
+        options["limits"] = Limits(max_threads=args.max_threads or None, max_forks=args.max_forks)
+        options["position_policy"] = args.position_policy
+    if args.kv_cache_mb is not None:
+        options["kv_cache_bytes"] = args.kv_cache_mb * 2**20
+    engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, dtype_name), **options)
+    settings = {
+        "model": label,
+        "model_path": None if path is None else str(path),
+        "preset": args.preset,
+        "device": str(device),
+        "device_name": device_name(str(device)),
+        "dtype": dtype_name,
+        "torch_version": torch.__version__,
+        "weight_bytes": engine.model.weight_bytes,
+        **engine.model_runner.describe(),
+    }
+    if hasattr(args, "max_threads"):
+        settings.update(position_policy=str(engine.config.position_policy), max_threads=args.max_threads or None,
+                        max_forks=args.max_forks)
+    return engine, settings

@@ -1,0 +1,372 @@
+"""Command line: ``pasta-engine generate | replay | bench {speedup, pareto, annotate}``.
+
+Human-readable output goes to stdout (or one JSON object per prompt with ``--json``); the
+progress bar and the run's summary go to stderr. Any error a user can cause (a bad flag, file,
+model path or device) is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..lang.prompts import SAMPLE_PROMPT
+from .args import (
+    add_model_args,
+    add_pasta_args,
+    add_run_args,
+    add_sampling_args,
+    build_engine,
+    command_line,
+    sampling_params,
+)
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pasta-engine`` argument parser (generate, replay, bench)."""
+    ap = argparse.ArgumentParser(prog="pasta-engine", description="PASTA learned asynchronous decoding")
+    sub = ap.add_subparsers(dest="command", required=True)
+    modes = ("pasta", "sequential", "both")
+    mode_help = "both: run each prompt sequentially, then with PASTA, and report the realized speedup"
+
+    g = sub.add_parser("generate", help="decode responses to prompts")
+    g.add_argument("prompt", nargs="?", default=None, help=f"the prompt (default: {SAMPLE_PROMPT!r})")
+    g.add_argument("--prompts-file", type=Path, default=None,
+                   help="one prompt per line, or JSON: a list of strings or AlpacaEval objects with 'instruction'")
+    g.add_argument("--mode", choices=modes, default="pasta", help=mode_help)
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    g.add_argument("--compare-transformers", action="store_true",
+                   help="also time transformers' greedy generate on the same prompt ids (sequential mode)")
+    add_sampling_args(g)
+    add_model_args(g)
+    add_pasta_args(g)
+    add_run_args(g)
+
+    r = sub.add_parser("replay", help="forced decoding of annotated traces (JSONL: prompt, annotated response)")
+    r.add_argument("--traces", type=Path, required=True,
+                   help="JSONL, one object per line with 'prompt' and 'annotated_response' (or 'annotated'/'response')")
+    r.add_argument("--mode", choices=modes, default="pasta", help=mode_help)
+    r.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    add_model_args(r)
+    add_pasta_args(r)
+    add_run_args(r)
+
+    b = sub.add_parser("bench", help="speedup benchmarks: speedup (replay), pareto (generate), annotate (traces)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    s = bsub.add_parser(
+        "speedup", help="realized vs theoretical speedup: replay annotated traces in pasta and sequential mode",
+        description="Replay each annotated response in pasta mode and the same content in sequential mode "
+        "(same model, same tokens), one prompt at a time; write summary.json, prompts.jsonl and speedup.png into --out.",
+    )
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--traces", type=Path, help="trace file (JSONL: prompt, annotated_response, annotator)")
+    src.add_argument("--annotator", choices=("sot", "apar", "model"), help="annotate --responses on the fly")
+    s.add_argument("--responses", type=Path, default=None,
+                   help="AlpacaEval-format JSON (list of {instruction, output}) to annotate with --annotator")
+    s.add_argument("--out", type=Path, required=True, help="output folder")
+    add_sampling_args(s)  # the model annotator's
+    add_model_args(s)
+    add_pasta_args(s)
+    add_run_args(s, timing=True)
+
+    p = bsub.add_parser(
+        "pareto", help="generate mode: sequential vs pasta on the same prompts; speedup, length ratio, AlpacaEval exports",
+        description="Answer each prompt sequentially and with PASTA (generate mode); write summary.json, "
+        "prompts.jsonl, model_outputs_sequential.json and model_outputs_pasta.json (AlpacaEval format) into --out.",
+    )
+    p.add_argument("--prompts", type=Path, required=True,
+                   help="AlpacaEval JSON (a list of objects with 'instruction') or a text file with one prompt per line")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    add_sampling_args(p)
+    add_model_args(p)
+    add_pasta_args(p)
+    add_run_args(p, timing=True)
+
+    a = bsub.add_parser(
+        "annotate", help="write a trace file: annotate AlpacaEval responses with sot, apar or the model",
+        description="Annotate each response of --responses with PASTA-LANG and write one JSONL row per prompt "
+        "(prompt, annotated_response, annotator, response, promises, note) to --out.",
+    )
+    a.add_argument("--annotator", choices=("sot", "apar", "model"), required=True)
+    a.add_argument("--responses", type=Path, required=True, help="AlpacaEval-format JSON (list of {instruction, output})")
+    a.add_argument("--out", type=Path, required=True, help="trace file to write (JSONL)")
+    a.add_argument("--tokenizer", default=None,
+                   help="sot/apar: tokenizer (HF dir) for promise lengths, or 'approx' (default: --model/--preset's, "
+                   "else the embedded model's, else approx)")
+    add_sampling_args(a)  # the model annotator's
+    add_model_args(a)
+    add_run_args(a)
+    return ap
+
+
+# --------------------------------------------------------------------------- generate / replay
+
+
+def _print_result(res: Any, label: str) -> None:
+    s = res.stats
+    print(f"--- {label} ---")
+    print(res.text.strip())
+    if res.mode == "pasta" and res.annotated_text != res.text:
+        print(f"--- {label}: annotated ---")
+        print(res.annotated_text.strip())
+    print(
+        f"[{label}] tokens {s.tokens_decoded}, decode steps {s.decode_steps}, threads {s.threads}, "
+        f"critical path {s.critical_path}, theoretical speedup {s.theoretical_speedup:.2f}x, "
+        f"{s.wall_s:.2f} s ({s.tokens_decoded / max(s.wall_s, 1e-9):.1f} tokens/s), finish {s.finish_reason}"
+    )
+    if res.error:
+        print(f"[{label}] error: {res.error}")
+    for d in res.diagnostics[:10]:
+        print(f"[{label}] note: {d}")
+    if len(res.diagnostics) > 10:
+        print(f"[{label}] ... {len(res.diagnostics) - 10} more notes")
+
+
+def _hf_generate(engine: Any, prompt_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """transformers' greedy generate on the same checkpoint, for a side-by-side speed
+    comparison (loaded once, cached on the engine)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..models.loader import resolve_model_path
+
+    hf = getattr(engine, "_hf_model", None)
+    if hf is None:
+        path, gguf = resolve_model_path(engine.source)
+        kw = {"gguf_file": gguf} if gguf else {}
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=engine.model.dtype, **kw).to(engine.model.device)
+        hf.eval()
+        engine._hf_model = hf
+    ids = torch.tensor([prompt_ids], device=engine.model.device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          do_sample=False, pad_token_id=engine.eos_ids[0])
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    toks = out[0, ids.shape[1]:].tolist()
+    return {"wall_s": wall, "tokens": len(toks), "tokens_per_s": len(toks) / wall, "token_ids": toks}
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    from ..metrics import geomean
+
+    out: dict[str, Any] = {"prompts": len(rows)}
+    pasta = [r["pasta"] for r in rows if "pasta" in r]
+    seq = [r["sequential"] for r in rows if "sequential" in r]
+    if pasta:
+        out["forked_responses"] = sum(1 for p in pasta if p["stats"]["forks"] > 0)
+        out["mean_threads"] = sum(p["stats"]["threads"] for p in pasta) / len(pasta)
+        out["geomean_theoretical_speedup"] = geomean(p["stats"]["theoretical_speedup"] for p in pasta)
+        out["pasta_tokens_per_s"] = sum(p["stats"]["tokens_decoded"] for p in pasta) / sum(p["stats"]["wall_s"] for p in pasta)
+    if seq:
+        out["sequential_tokens_per_s"] = sum(s["stats"]["tokens_decoded"] for s in seq) / sum(s["stats"]["wall_s"] for s in seq)
+    if pasta and seq:
+        out["geomean_realized_speedup"] = geomean(r["realized_speedup"] for r in rows)
+        out["geomean_realized_over_theoretical"] = geomean(
+            r["realized_speedup"] / r["pasta"]["stats"]["theoretical_speedup"] for r in rows
+        )
+    hf = [r["transformers"] for r in rows if "transformers" in r]
+    if hf:
+        out["transformers_tokens_per_s"] = sum(h["tokens"] for h in hf) / sum(h["wall_s"] for h in hf)
+        out["transformers_same_tokens"] = sum(1 for r in rows if r["transformers"]["same_tokens"])
+    return out
+
+
+def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[str] | None) -> int:
+    from ..config import SamplingParams
+    from ..metrics import realized_speedup
+
+    if args.limit is not None:
+        prompts, responses = prompts[: args.limit], (responses[: args.limit] if responses is not None else None)
+    params = sampling_params(args) if responses is None else SamplingParams(max_new_tokens=1)
+    engine, _ = build_engine(args)
+    modes = ["sequential", "pasta"] if args.mode == "both" else [args.mode]
+    bar = None
+    if len(prompts) > 1:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), unit="prompt", file=sys.stderr)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        row: dict[str, Any] = {"index": i, "prompt": prompt}
+        for mode in modes:
+            if responses is None:
+                [res] = engine.generate([prompt], params, mode=mode)
+            else:
+                [res] = engine.replay([prompt], [responses[i]], mode=mode, params=params)
+            row[mode] = res.to_dict()
+            if not args.json:
+                _print_result(res, f"prompt {i} {mode}")
+            if mode == "sequential" and getattr(args, "compare_transformers", False):
+                hf = _hf_generate(engine, res.prompt_ids, args.max_new_tokens)
+                hf["same_tokens"] = hf.pop("token_ids") == res.token_ids
+                row["transformers"] = hf
+                if not args.json:
+                    print(f"[prompt {i} transformers] {hf['tokens']} tokens in {hf['wall_s']:.2f} s "
+                          f"({hf['tokens_per_s']:.1f} tokens/s), same tokens: {hf['same_tokens']}")
+        if len(modes) == 2:
+            row["realized_speedup"] = realized_speedup(row["sequential"]["stats"]["wall_s"], row["pasta"]["stats"]["wall_s"])
+            if not args.json:
+                print(f"[prompt {i}] realized speedup {row['realized_speedup']:.2f}x")
+        if args.json:
+            print(json.dumps(row), flush=True)
+        rows.append(row)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    print("summary: " + json.dumps(_summary(rows)), file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def _limit(rows: list, limit: int | None) -> list:
+    return rows[:limit] if limit is not None else rows
+
+
+def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from ..tools.bench import BenchError, annotate_rows, run_speedup
+    from ..tools.traces import read_prompts, read_traces, write_traces
+
+    if args.traces is not None:
+        if args.responses is not None:
+            raise BenchError("--responses goes with --annotator, not with --traces")
+        traces, to_annotate = _limit(read_traces(args.traces), args.limit), None
+    else:
+        if args.responses is None:
+            raise BenchError(f"--annotator {args.annotator} needs --responses FILE (AlpacaEval JSON)")
+        traces, to_annotate = None, _limit(read_prompts(args.responses, need_output=args.annotator != "model"),
+                                           args.limit)
+    engine, settings = build_engine(args)
+    out: Path = args.out
+    if traces is None:
+        traces = annotate_rows(to_annotate, args.annotator, lambda text: len(engine.encode(text)), engine=engine,
+                               params=sampling_params(args))
+        out.mkdir(parents=True, exist_ok=True)
+        write_traces(out / "traces.jsonl", traces)
+    from ..tools.bench import run_info
+
+    settings.update(run_info(command_line(argv)), limit=args.limit,
+                    traces=str(args.traces) if args.traces else str(out / "traces.jsonl"),
+                    responses=str(args.responses) if args.responses else None)
+    result = run_speedup(engine, traces, out, settings, warmup=args.warmup, repeats=args.repeats, resume=args.resume)
+    s = result["summary"]
+    print(f"bench speedup: {s['prompts']} prompts, {s['forked_responses']} forked; geomean theoretical "
+          f"{s['geomean_theoretical_speedup']:.3f}x, realized {s['geomean_realized_speedup']:.3f}x, "
+          f"realized/theoretical {s['geomean_realized_over_theoretical']:.3f}", file=sys.stderr)
+    print(f"wrote {out / 'summary.json'}, {out / 'prompts.jsonl'}, {out / 'speedup.png'}")
+    return 0
+
+
+def _bench_pareto(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from ..tools.bench import run_info, run_pareto
+    from ..tools.traces import read_prompts
+
+    prompts = _limit(read_prompts(args.prompts), args.limit)
+    params = sampling_params(args)
+    engine, settings = build_engine(args)
+    settings.update(run_info(command_line(argv)), prompts_file=str(args.prompts), limit=args.limit,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed)
+    result = run_pareto(engine, prompts, params, args.out, settings, warmup=args.warmup, repeats=args.repeats,
+                        resume=args.resume)
+    s = result["summary"]
+    print(f"bench pareto: {s['prompts']} prompts, {s['forked_responses']} forked; geomean realized speedup "
+          f"{s['geomean_realized_speedup']:.3f}x, length ratio {s['geomean_length_ratio']:.3f}", file=sys.stderr)
+    out = args.out
+    print(f"wrote {out / 'summary.json'}, {out / 'prompts.jsonl'}, {out / 'model_outputs_sequential.json'}, "
+          f"{out / 'model_outputs_pasta.json'}")
+    return 0
+
+
+def _annotate_tokenizer(args: argparse.Namespace) -> tuple[Any, str]:
+    """The tokenizer that measures promise lengths for sot/apar, and its label."""
+    from transformers import AutoTokenizer
+
+    from ..tools.bench import BenchError
+
+    if args.tokenizer == "approx":
+        return None, "approx"
+    if args.tokenizer:
+        try:
+            return AutoTokenizer.from_pretrained(args.tokenizer), str(args.tokenizer)
+        except (OSError, ValueError) as e:
+            raise BenchError(f"cannot load tokenizer {args.tokenizer!r}: {e}") from None
+    if args.preset:
+        from ..tools.presets import preset_tokenizer
+
+        return preset_tokenizer(args.preset), f"preset {args.preset}"
+    from ..models.loader import resolve_model_path
+
+    try:
+        path, gguf = resolve_model_path(args.model)
+    except FileNotFoundError:
+        if args.model is not None:
+            raise
+        return None, "approx (embedded model not installed)"
+    kw = {"gguf_file": gguf} if gguf else {}
+    return AutoTokenizer.from_pretrained(path, **kw), str(args.model or "embedded model")
+
+
+def _bench_annotate(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from ..tools.bench import annotate_rows, count_tokens_fn
+    from ..tools.traces import read_prompts, write_traces
+
+    rows = _limit(read_prompts(args.responses, need_output=args.annotator != "model"), args.limit)
+    if args.annotator == "model":
+        engine, settings = build_engine(args)
+        traces = annotate_rows(rows, "model", engine=engine, params=sampling_params(args))
+        source = settings["model"]
+    else:
+        tok, source = _annotate_tokenizer(args)
+        traces = annotate_rows(rows, args.annotator, count_tokens_fn(tok))
+    n = write_traces(args.out, traces)
+    forked = sum(1 for t in traces if (t.promises or 0) > 0)
+    left = sum(1 for t in traces if t.note and "left unannotated" in t.note)
+    print(f"bench annotate: {n} rows ({args.annotator}, tokens from {source}): {forked} with promises, "
+          f"{sum(t.promises or 0 for t in traces)} promises, {left} left unannotated", file=sys.stderr)
+    print(f"wrote {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pasta-engine`` command. Returns the exit status (2 for any error a
+    user can cause, printed on one stderr line)."""
+    from ..errors import KVCacheExhausted, PastaEngineError, UnsupportedModelError
+    from ..tools.bench import BenchError
+    from ..tools.traces import TraceFileError, read_prompts, read_traces
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "bench":
+            commands = {"speedup": _bench_speedup, "pareto": _bench_pareto, "annotate": _bench_annotate}
+            return commands[args.bench_command](args, argv)
+        if args.command == "generate":
+            if args.prompts_file is not None:
+                prompts = [r.instruction for r in read_prompts(args.prompts_file)]
+            else:
+                prompts = [args.prompt or SAMPLE_PROMPT]
+            return _run(args, prompts, None)
+        rows = read_traces(args.traces)
+        return _run(args, [r.prompt for r in rows], [r.annotated_response for r in rows])
+    except (FileNotFoundError, UnsupportedModelError, KVCacheExhausted, PastaEngineError, TraceFileError, BenchError,
+            ValueError) as e:
+        print(f"pasta-engine: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""PASTA-LANG: the tags (:mod:`.tags`), tokenizing prompts and annotated responses
+(:mod:`.tokenization`), incremental detokenization (:mod:`.detokenizer`) and the prompts that
+teach a model the tags (:mod:`.prompts`). Text only: no torch, no engine."""
+
+from .tags import ASYNC_CLOSE, ASYNC_OPEN, SYNC, parse, promise_tag, splice, split_threads, strip_tags
+
+__all__ = ["ASYNC_OPEN", "ASYNC_CLOSE", "SYNC", "parse", "promise_tag", "splice", "split_threads", "strip_tags"]

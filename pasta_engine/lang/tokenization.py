@@ -1,0 +1,199 @@
+"""Tokenizing prompts and annotated responses, one way for everyone (no torch).
+
+Replay (both modes), the sequential baseline and training all turn an annotated response into
+tokens with :func:`tokenize_annotated` (DESIGN.md section 3, "Tokenizing an annotated
+response"):
+
+* text segments and tag sources are tokenized apart, so a tag never shares a BPE token with
+  its neighbours (SmolLM2's tokenizer merges ``/><`` into one token otherwise, which moves
+  text across a tag);
+* special-token text inside a response (``<|im_end|>``) is encoded as text, never as a control
+  token; a tag the tokenizer has as an added special token (``<sync/>`` say) is that token;
+* whitespace stays where it was: whitespace between a promise and its ``<async>`` starts the
+  chunk (:func:`~pasta_engine.lang.tags.split_threads` with ``lead_whitespace="chunk"``), so
+  the chunk follows its promise directly and the clean text keeps the whitespace in place.
+
+Then the decoded text of the spliced tokens, tags stripped, equals ``strip_tags(annotated)``
+exactly, in pasta and in sequential mode.
+
+Prompts: :func:`encode_prompt` applies the chat template and tokenizes the users' text as text
+(or, on request, lets special-token text in it become control tokens).
+
+A *tokenizer* here is a ``transformers`` tokenizer (``encode``/``decode``/``apply_chat_template``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .tags import ASYNC_CLOSE, ASYNC_OPEN, Malformed, Promise, Text, parse, splice, split_threads
+
+__all__ = [
+    "encode_text",
+    "encode_tag",
+    "decode",
+    "encode_prompt",
+    "AnnotatedTokens",
+    "tokenize_annotated",
+]
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` with every character taken as text: no special tokens added, and
+    special-token text (``<|im_end|>``) split into ordinary tokens.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer.
+        text: any string (empty gives ``[]``)."""
+    if not text:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def encode_tag(tokenizer: Any, source: str) -> list[int]:
+    """Token ids of a tag's source (``<sync/>``, ``<promise topic="a" tokens="10"/>``): the
+    added special token whose text it is when the tokenizer has one, else its text's tokens.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer.
+        source: the tag exactly as written."""
+    return list(tokenizer.encode(source, add_special_tokens=False))
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """Text of ``ids`` with special tokens kept (tags may be special tokens) and no clean-up of
+    spaces, so decoding is the inverse of :func:`encode_text` on byte-level BPE tokenizers."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _markers(n: int, messages: Sequence[dict[str, str]]) -> list[str]:
+    """Strings that occur in no message, one per message, to find contents in a template."""
+    taken = "".join(m.get("content", "") for m in messages)
+    base = "\u2063PASTA{}\u2063"
+    salt = 0
+    while True:
+        out = [base.format(f"{salt}_{i}") for i in range(n)]
+        if not any(m in taken for m in out):
+            return out
+        salt += 1
+
+
+def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], special_tokens: str = "text") -> list[int]:
+    """Token ids of a chat: the tokenizer's chat template with the generation prompt added.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer; without a chat template the contents are
+            joined by blank lines and end with one.
+        messages: ``[{"role": ..., "content": ...}, ...]``.
+        special_tokens: ``"text"``: special-token text inside a message's content stays text
+            (the template is rendered with a marker for each content, its own parts are
+            tokenized with control tokens, each content with :func:`encode_text`); ``"control"``:
+            the rendered string is tokenized whole, so such text becomes control tokens (what
+            ``apply_chat_template(..., tokenize=True)`` does).
+
+    Raises ValueError for an unknown ``special_tokens``."""
+    if special_tokens not in ("text", "control"):
+        raise ValueError(f"special_tokens must be 'text' or 'control', got {special_tokens!r}")
+    contents = [m["content"] for m in messages]
+    if not getattr(tokenizer, "chat_template", None):
+        joined = "\n\n".join(contents) + "\n\n"
+        if special_tokens == "control":
+            return list(tokenizer.encode(joined, add_special_tokens=False))
+        return encode_text(tokenizer, joined)
+    if special_tokens == "control":
+        rendered = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    marks = _markers(len(messages), messages)
+    marked = [{**m, "content": mk} for m, mk in zip(messages, marks)]
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    ids: list[int] = []
+    rest = rendered
+    for mk, content in zip(marks, contents):
+        head, sep, rest_after = rest.partition(mk)
+        if not sep:  # the template transformed the content: tokenize the real rendering as text parts
+            real = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return list(tokenizer.encode(real, add_special_tokens=False))
+        ids += list(tokenizer.encode(head, add_special_tokens=False)) if head else []
+        ids += encode_text(tokenizer, content)
+        rest = rest_after
+    if rest:
+        ids += list(tokenizer.encode(rest, add_special_tokens=False))
+    return ids
+
+
+@dataclass
+class AnnotatedTokens:
+    """An annotated response in tokens, canonically (see the module docstring).
+
+    Attributes:
+        main_ids: the main thread's tokens: the response without its chunks (promise and sync
+            tags kept), no end-of-sequence token.
+        chunk_ids: per promise, in order: the child's tokens (content then ``</async>`` when the
+            chunk is closed), without the ``<async>`` the interpreter inserts; None for a
+            promise without a chunk.
+        open_ids: the tokens of ``<async>``.
+        promise_ends: per promise, the number of main tokens up to and including its tag.
+        spliced_ids: the same content in reading order (each chunk's ``open_ids + chunk_ids``
+            right after its promise's tokens): what one thread decodes sequentially.
+        canonical: the annotated text these tokens decode to (the input, with whitespace
+            between a promise and its ``<async>`` moved into the chunk).
+        diagnostics: what :func:`~pasta_engine.lang.tags.split_threads` noted (stray or
+            malformed tags, kept as text)."""
+
+    main_ids: list[int]
+    chunk_ids: list[list[int] | None]
+    open_ids: list[int]
+    promise_ends: list[int]
+    spliced_ids: list[int]
+    canonical: str
+    diagnostics: list[str] = field(default_factory=list)
+
+
+def _encode_segments(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+    """Tokens of ``text`` with each tag source tokenized apart from the text around it, and
+    the token counts at which each promise tag ends."""
+    ids: list[int] = []
+    promise_ends: list[int] = []
+    for item in parse(text):
+        if isinstance(item, Malformed):
+            continue  # a diagnostic: its characters also come as Text
+        if isinstance(item, Text):
+            ids += encode_text(tokenizer, item.text)
+        else:
+            ids += encode_tag(tokenizer, item.raw)
+            if isinstance(item, Promise):
+                promise_ends.append(len(ids))
+    return ids, promise_ends
+
+
+def tokenize_annotated(tokenizer: Any, annotated: str) -> AnnotatedTokens:
+    """Tokenize an annotated response canonically (see the module docstring).
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer.
+        annotated: a response with PASTA-LANG tags; anything malformed is text.
+
+    Returns :class:`AnnotatedTokens`. Never raises on content."""
+    th = split_threads(annotated, lead_whitespace="chunk")
+    main_ids, promise_ends = _encode_segments(tokenizer, th.main)
+    open_ids = encode_tag(tokenizer, ASYNC_OPEN)
+    close_ids = encode_tag(tokenizer, ASYNC_CLOSE)
+    chunk_ids: list[list[int] | None] = []
+    for c in th.chunks:
+        if c.content is None:
+            chunk_ids.append(None)
+            continue
+        ids, _ = _encode_segments(tokenizer, c.content)
+        chunk_ids.append(ids + (close_ids if c.closed else []))
+    spliced: list[int] = []
+    at = 0
+    for end, chunk in zip(promise_ends, chunk_ids):
+        spliced += main_ids[at:end]
+        at = end
+        if chunk is not None:
+            spliced += open_ids + chunk
+    spliced += main_ids[at:]
+    canonical = splice(th.main, th.chunks)
+    return AnnotatedTokens(main_ids, chunk_ids, open_ids, promise_ends[: len(chunk_ids)], spliced, canonical,
+                           list(th.diagnostics))

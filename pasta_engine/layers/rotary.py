@@ -1,0 +1,70 @@
+"""Rotary position embedding (RoPE) at explicit logical positions.
+
+PASTA positions are logical and decoupled from KV storage (DESIGN.md section 2): a forked
+thread's tokens take positions right after its promise while the main thread skips a reserved
+range, so every token carries its own position id and RoPE is applied with it when its key is
+written to the cache (a key is never re-rotated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedModelError
+
+__all__ = ["apply_rope", "rope_inv_freq", "RotaryEmbedding"]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` by RoPE with ``cos``/``sin`` ``[T, D]`` (the "rotate half"
+    convention of HF Llama; Su et al. 2021, RoFormer, section 3.4.2). Returns ``[T, H, D]``."""
+    d = x.shape[-1] // 2
+    rot = torch.cat((-x[..., d:], x[..., :d]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim/2]`` float32 and the cos/sin scaling (attention factor)
+    of a checkpoint's RoPE (default, linear, llama3, yarn, ...), computed by ``transformers``'
+    own RoPE helpers so they match its forward exactly.
+
+    Raises UnsupportedModelError for a RoPE type that depends on the sequence length
+    (``dynamic``) or that transformers does not know."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if not params:  # transformers < 5 keeps rope_theta / rope_scaling as attributes
+        scaling = getattr(hf_config, "rope_scaling", None) or {}
+        params = {"rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+                  "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        raise UnsupportedModelError(f"RoPE type {rope_type!r} is not supported")
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for logical positions.
+
+    Args:
+        inv_freq: ``[head_dim/2]`` inverse frequencies; scale: cos/sin multiplier.
+        device, dtype: where the tables live and their dtype (the model's)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float, device: torch.device, dtype: torch.dtype):
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.scale = scale
+        self.dtype = dtype
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, head_dim]`` (model dtype) for int64 ``positions`` ``[T]`` (computed in
+        float32 as HF does)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(self.dtype), (emb.sin() * self.scale).to(self.dtype)

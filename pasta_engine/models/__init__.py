@@ -1,0 +1,9 @@
+"""Models: checkpoint shapes (:mod:`.config`), the Llama-family forward (:mod:`.llama`) and
+checkpoint loading (:mod:`.loader`). They know nothing of the engine."""
+
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .llama import LlamaModel
+from .loader import EMBEDDED_MODEL, embedded_model_dir, load_model, resolve_model_path
+
+__all__ = ["ModelConfig", "LlamaModel", "SUPPORTED_ARCHITECTURES", "load_model", "resolve_model_path",
+           "embedded_model_dir", "EMBEDDED_MODEL"]

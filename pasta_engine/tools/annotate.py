@@ -1,0 +1,495 @@
+"""Annotators: turn a plain response into PASTA-LANG, and the trace files that carry the result.
+
+An annotated trace is what :meth:`pasta_engine.Engine.replay` forces: the same content decoded
+sequentially and with PASTA's threads, so realized speedup can be measured at any model shape
+(DESIGN.md section 3). Three annotators:
+
+``sot``
+    Skeleton-of-Thought style (Ning et al., 2023, "Skeleton-of-Thought: Prompting LLMs for
+    Efficient Parallel Generation", arXiv 2307.15337): each point of a numbered or bulleted list
+    becomes a promise whose chunk is the point's content; the list markers, the intro, headers
+    and everything outside list points stay on the main thread (the skeleton). A ``<sync/>`` is
+    placed before any text that follows forked points (a conclusion may refer to them).
+``apar``
+    APAR style (Liu et al., 2024, "APAR: LLMs Can Do Auto-Parallel Auto-Regressive Decoding",
+    arXiv 2401.06761): the model forks at the boundaries of list items and of paragraphs; every
+    list item and every paragraph after the opening one forks (titles, headers, code and
+    paragraphs that introduce what follows with a colon stay on the main thread). No sync: as in
+    APAR, the end of the response waits for all threads.
+``model``
+    the model itself, prompted with the PASTA-LANG system prompt (what
+    :meth:`~pasta_engine.Engine.generate` does in pasta mode); its response replaces the
+    original one.
+
+Guarantees of ``sot`` and ``apar`` (checked on every output, see :func:`verify_annotation`):
+only tags are inserted, so ``strip_tags(annotated) == response``; each ``<async>`` directly
+follows its promise, so :func:`~pasta_engine.lang.split_threads` and
+:func:`~pasta_engine.lang.splice` round-trip; topics hold no ``"``, ``<``, ``>`` or newline;
+nothing is forked inside a code fence, a single-item list never forks, and neither annotator
+raises on any input. A response that itself contains text that parses as a PASTA-LANG tag is
+left unannotated (its stripped form could never equal it) and the result says so in ``note``;
+an annotation that would fail a check falls back the same way.
+
+Promise lengths: ``tokens`` is the chunk's measured length (``count_tokens``, a tokenizer's
+count when one is given, else :func:`approx_token_count`) rounded to tens, as in PASTA's
+Pred-10x scheme (Jin et al., ICML 2025, arXiv 2502.11517, section 4).
+
+Trace files (:mod:`pasta_engine.tools.traces`) carry the results.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..lang.tags import (
+    ASYNC_CLOSE, ASYNC_OPEN, SYNC, Malformed, Promise, Sync, Text, parse, promise_tag, splice, split_threads,
+)
+
+__all__ = [
+    "ANNOTATORS",
+    "TEXT_ANNOTATORS",
+    "Annotation",
+    "annotate",
+    "annotate_sot",
+    "annotate_apar",
+    "annotate_with_model",
+    "approx_token_count",
+    "verify_annotation",
+]
+
+#: Annotators working on text alone.
+TEXT_ANNOTATORS = ("sot", "apar")
+#: Every annotator name (``model`` needs an engine).
+ANNOTATORS = ("sot", "apar", "model")
+
+#: Items or paragraphs shorter than this many tokens are not forked by default.
+MIN_CHUNK_TOKENS = 10
+#: A topic keeps at most this many words and characters.
+TOPIC_WORDS = 6
+TOPIC_CHARS = 48
+
+CountTokens = Callable[[str], int]
+
+
+@dataclass
+class Annotation:
+    """One annotated response.
+
+    ``annotated``: the response with PASTA-LANG tags inserted (the response itself when it
+    was left unannotated); ``promises``/``syncs``: tags inserted; ``note``: why the response
+    was left unannotated or kept whole, None otherwise."""
+
+    annotated: str
+    promises: int = 0
+    syncs: int = 0
+    note: str | None = None
+
+
+def approx_token_count(text: str) -> int:
+    """Tokens of ``text`` estimated without a tokenizer: words (``\\w+`` runs) plus other
+    non-space characters, each counted as one token (close to a BPE count for English)."""
+    return len(re.findall(r"\w+|[^\w\s]", text))
+
+
+# --------------------------------------------------------------------------- markdown structure
+
+
+_ITEM = re.compile(r"([ \t]*)([-*+]|\d{1,9}[.)])([ \t]+|$)")
+_HEADER = re.compile(r"[ \t]{0,3}#{1,6}([ \t]|$)")
+_FENCE = re.compile(r"[ \t]*(`{3,}|~{3,})")
+
+
+@dataclass
+class _Line:
+    start: int  # offset of the first character
+    end: int  # offset of the newline (or the end of the text)
+    text: str
+    kind: str  # blank | code | item | header | text
+    indent: int = 0
+    marker: str = ""  # item: "ordered" or "bullet"
+    content: int = 0  # item: offset where the item's text starts (after marker and spaces)
+    fence_end: int = -1  # code: index of the last line of this fenced block (on its first line)
+
+
+@dataclass
+class _Item:
+    content_start: int
+    content_end: int  # offset just past the item's last non-space character
+
+
+@dataclass
+class _Unit:
+    """A top-level piece of the response: a list (with items), a paragraph, a header or code."""
+
+    kind: str  # list | para | header | code
+    start: int
+    end: int  # just past the last non-space character
+    items: list[_Item] = field(default_factory=list)
+
+
+def _indent(s: str) -> int:
+    return len(s.expandtabs(4)) - len(s.expandtabs(4).lstrip(" "))
+
+
+def _lines(text: str) -> list[_Line]:
+    """Lines (split at ``\\n`` only), classified; lines inside fenced code are ``code``."""
+    out: list[_Line] = []
+    pos = 0
+    for raw in text.split("\n"):
+        out.append(_Line(pos, pos + len(raw), raw, "text"))
+        pos += len(raw) + 1
+    i = 0
+    while i < len(out):
+        ln = out[i]
+        m = _FENCE.match(ln.text)
+        if m:
+            fence = m.group(1)
+            j = i + 1
+            while j < len(out):
+                close = out[j].text.strip()
+                if close.startswith(fence[0] * len(fence)) and close.strip(fence[0]) == "":
+                    break
+                j += 1
+            last = min(j, len(out) - 1)
+            for k in range(i, last + 1):
+                out[k].kind = "code"
+                out[k].indent = _indent(ln.text)
+            ln.fence_end = last
+            i = last + 1
+            continue
+        if not ln.text.strip():
+            ln.kind = "blank"
+        elif _HEADER.match(ln.text):
+            ln.kind = "header"
+            ln.indent = _indent(ln.text)
+        else:
+            im = _ITEM.match(ln.text)
+            ln.indent = _indent(ln.text)
+            if im:
+                ln.kind = "item"
+                ln.marker = "bullet" if im.group(2) in "-*+" else "ordered"
+                ln.content = ln.start + im.end()
+        i += 1
+    return out
+
+
+def _last_nonspace(text: str, start: int, end: int) -> int:
+    """Offset just past the last non-whitespace character of ``text[start:end]`` (``start``
+    when there is none)."""
+    seg = text[start:end].rstrip()
+    return start + len(seg)
+
+
+def _units(text: str) -> list[_Unit]:
+    """Top-level units of a markdown-ish response, in order."""
+    lines = _lines(text)
+    units: list[_Unit] = []
+    i = 0
+    n = len(lines)
+    while i < n:
+        ln = lines[i]
+        if ln.kind == "blank":
+            i += 1
+        elif ln.kind == "code":
+            last = ln.fence_end
+            units.append(_Unit("code", ln.start, _last_nonspace(text, ln.start, lines[last].end)))
+            i = last + 1
+        elif ln.kind == "header":
+            units.append(_Unit("header", ln.start, _last_nonspace(text, ln.start, ln.end)))
+            i += 1
+        elif ln.kind == "item":
+            i = _list_unit(text, lines, i, units)
+        else:  # a paragraph: text lines up to a blank line, header, fence or list item
+            j = i
+            while j + 1 < n and lines[j + 1].kind == "text":
+                j += 1
+            units.append(_Unit("para", ln.start, _last_nonspace(text, ln.start, lines[j].end)))
+            i = j + 1
+    return units
+
+
+def _list_unit(text: str, lines: list[_Line], i: int, units: list[_Unit]) -> int:
+    """Collect the list block starting at item line ``i``; return the index after it.
+
+    Siblings are item lines of the same marker kind indented at most one column more than the
+    first item; deeper items, indented lines, fences right after a non-blank line and lazy
+    continuation lines belong to the current item. A blank line followed by an unindented
+    paragraph, header or fence, or an item of the other kind, ends the block."""
+    base = lines[i].indent
+    kind = lines[i].marker
+    items: list[tuple[int, int]] = [(i, i)]  # (first line, last non-blank line)
+    j = i + 1
+    n = len(lines)
+    prev_blank = False
+    while j < n:
+        ln = lines[j]
+        if ln.kind == "blank":
+            prev_blank = True
+            j += 1
+            continue
+        if ln.kind == "item" and ln.indent <= base + 1:
+            if ln.marker != kind:
+                break
+            items.append((j, j))
+            prev_blank = False
+            j += 1
+            continue
+        if ln.kind == "code":
+            last = ln.fence_end
+            if ln.indent > base or not prev_blank:
+                items[-1] = (items[-1][0], last)
+                prev_blank = False
+                j = last + 1
+                continue
+            break
+        # a nested item, a header, or a text line
+        if ln.indent > base or (ln.kind == "text" and not prev_blank):
+            items[-1] = (items[-1][0], j)
+            prev_blank = False
+            j += 1
+            continue
+        break
+    unit = _Unit("list", lines[i].start, 0)
+    for first, last in items:
+        start = lines[first].content
+        end = _last_nonspace(text, start, lines[last].end)
+        # content may begin on the next line ("1.\n   text"): skip to its first character
+        while start < end and text[start].isspace():
+            start += 1
+        unit.items.append(_Item(start, end))
+    unit.end = max(it.content_end for it in unit.items)
+    units.append(unit)
+    # j is the first line not in the block; blank lines before it are not part of the block
+    return j
+
+
+# --------------------------------------------------------------------------- topics and tags
+
+
+_BOLD_LEAD = re.compile(r"\s*(\*\*|__)(.+?)\1")
+_LEAD_END = re.compile(r":|\s[-\u2013\u2014]\s|[.;?!](\s|$)")
+_TOPIC_DROP = re.compile(r"[*_`#\[\](){}<>\"\\|]")
+
+
+def _topic(content: str, n: int) -> str:
+    """The point's lead words: a bold title when the point starts with one, else the words up
+    to the first colon, dash or sentence end; at most :data:`TOPIC_WORDS` words and
+    :data:`TOPIC_CHARS` characters; never holds ``"``, ``<``, ``>`` or a newline."""
+    first = content.lstrip().split("\n", 1)[0]
+    m = _BOLD_LEAD.match(first)
+    lead = m.group(2) if m else _LEAD_END.split(first, maxsplit=1)[0]
+    lead = "".join(c if c.isprintable() else " " for c in _TOPIC_DROP.sub(" ", lead))
+    words: list[str] = []
+    for w in lead.split()[:TOPIC_WORDS]:
+        if len(" ".join([*words, w])) > TOPIC_CHARS:
+            break
+        words.append(w)
+    topic = " ".join(words).strip(" :,.;-'")
+    return topic or f"point {n}"
+
+
+def _round10(n: int) -> int:
+    """Length rounded to the nearest ten (halves up), at least 10 (PASTA's Pred-10x convention)."""
+    return max(10, (n + 5) // 10 * 10)
+
+
+@dataclass
+class _Fork:
+    start: int  # the chunk's first character (the promise goes right before it)
+    end: int  # just past its last character (</async> goes here)
+
+
+def _render(response: str, forks: Sequence[_Fork], syncs: Sequence[int], count: CountTokens) -> str:
+    inserts: list[tuple[int, int, str]] = []  # (offset, order, text)
+    for k, f in enumerate(forks, 1):
+        content = response[f.start : f.end]
+        tag = promise_tag(_topic(content, k), _round10(count(content)))
+        inserts.append((f.start, 1, tag + ASYNC_OPEN))
+        inserts.append((f.end, 0, ASYNC_CLOSE))
+    inserts += [(s, 2, SYNC) for s in syncs]
+    inserts.sort(key=lambda x: (x[0], x[1]))
+    out, at = [], 0
+    for off, _, tag in inserts:
+        out += [response[at:off], tag]
+        at = off
+    out.append(response[at:])
+    return "".join(out)
+
+
+def _has_tags(response: str) -> bool:
+    if "<" not in response:
+        return False
+    return any(not isinstance(e, (Text, Malformed)) for e in parse(response))
+
+
+def verify_annotation(response: str, annotated: str) -> str | None:
+    """Check the annotator guarantees; returns None when they hold, else what failed.
+
+    Checks: ``strip_tags(annotated) == response``; no Malformed tag beyond those already in
+    ``response``; every chunk closed and directly after its promise (split_threads then
+    splice gives ``annotated`` back, with one chunk per promise); topics without newlines."""
+    events = parse(annotated)
+    stripped = "".join(e.text for e in events if isinstance(e, Text))
+    if stripped != response:
+        return "stripping the tags does not give the response back"
+    before = sum(isinstance(e, Malformed) for e in parse(response)) if "<" in response else 0
+    if sum(isinstance(e, Malformed) for e in events) != before:
+        return "a malformed tag appeared"
+    th = split_threads(annotated)
+    promises = [e for e in events if isinstance(e, Promise)]
+    if len(th.chunks) != len(promises) or any(c.content is None or not c.closed for c in th.chunks):
+        return "a promise without a closed chunk right after it"
+    if splice(th.main, th.chunks) != annotated:
+        return "split_threads/splice does not round-trip"
+    if any("\n" in p.topic for p in promises):
+        return "a topic holds a newline"
+    return None
+
+
+def _finish(response: str, forks: list[_Fork], syncs: list[int], count: CountTokens, name: str) -> Annotation:
+    if not forks:
+        return Annotation(response, note=f"{name}: nothing to fork")
+    annotated = _render(response, forks, syncs, count)
+    problem = verify_annotation(response, annotated)
+    if problem is not None:
+        return Annotation(response, note=f"{name}: left unannotated ({problem})")
+    return Annotation(annotated, promises=len(forks), syncs=len(syncs))
+
+
+def _precheck(response: str, name: str) -> Annotation | None:
+    if not isinstance(response, str):
+        raise TypeError(f"a response must be a string, got {type(response).__name__}")
+    if _has_tags(response):
+        return Annotation(
+            response,
+            note=f"{name}: response contains text that parses as a PASTA-LANG tag; left unannotated "
+            "(stripping it would not give the response back)",
+        )
+    return None
+
+
+def _list_forks(response: str, unit: _Unit, count: CountTokens, min_tokens: int) -> list[_Fork]:
+    if len(unit.items) < 2:
+        return []  # a single-item list: nothing runs beside it
+    return [
+        _Fork(it.content_start, it.content_end)
+        for it in unit.items
+        if it.content_end > it.content_start and count(response[it.content_start : it.content_end]) >= min_tokens
+    ]
+
+
+# --------------------------------------------------------------------------- annotators
+
+
+def annotate_sot(
+    response: str, count_tokens: CountTokens | None = None, *, min_chunk_tokens: int = MIN_CHUNK_TOKENS
+) -> Annotation:
+    """Skeleton-of-Thought style annotation (Ning et al., 2023, arXiv 2307.15337).
+
+    Each point of a list with two or more points becomes ``<promise topic=LEAD tokens=N/>``
+    followed by ``<async>point</async>`` (nested sub-lists, continuation lines and code inside
+    the point belong to it); the marker, intro, headers and other text stay on the main thread.
+    A ``<sync/>`` goes before the first paragraph, code block or unforked list that follows
+    forked points (headers and further forked lists do not need it).
+
+    Args:
+        response: the plain response.
+        count_tokens: ``text -> tokens`` for the promise lengths (default
+            :func:`approx_token_count`); N is the point's length rounded to tens (min 10).
+        min_chunk_tokens: points shorter than this are not forked.
+
+    Returns an :class:`Annotation`; never raises on content (TypeError for a non-string)."""
+    pre = _precheck(response, "sot")
+    if pre is not None:
+        return pre
+    count = count_tokens or approx_token_count
+    forks: list[_Fork] = []
+    syncs: list[int] = []
+    outstanding = False
+    for unit in _units(response):
+        unit_forks = _list_forks(response, unit, count, min_chunk_tokens) if unit.kind == "list" else []
+        if unit.kind == "header" or unit_forks:
+            forks += unit_forks
+            outstanding |= bool(unit_forks)
+            continue
+        if outstanding:
+            syncs.append(unit.start)
+            outstanding = False
+    return _finish(response, forks, syncs, count, "sot")
+
+
+def _is_title(text: str) -> bool:
+    """A paragraph that introduces what follows (ends with a colon) or is one bold line."""
+    t = text.strip().rstrip("*_ ").rstrip()
+    one_bold = "\n" not in text.strip() and bool(re.fullmatch(r"\s*(\*\*|__).+(\*\*|__)\s*:?\s*", text))
+    return t.endswith(":") or one_bold
+
+
+def annotate_apar(
+    response: str, count_tokens: CountTokens | None = None, *, min_chunk_tokens: int = MIN_CHUNK_TOKENS
+) -> Annotation:
+    """APAR style annotation (Liu et al., 2024, arXiv 2401.06761): fork at the boundaries of
+    list items and paragraphs.
+
+    Every item of a list with two or more items forks (whole item, nested content included);
+    every paragraph forks except the opening one (the response's first unit after any headers:
+    the rest follows from it), titles (a paragraph ending with a colon, or one bold line), headers
+    and code. No ``<sync/>`` is written: the end of the response joins every thread.
+
+    Args and returns: as :func:`annotate_sot`."""
+    pre = _precheck(response, "apar")
+    if pre is not None:
+        return pre
+    count = count_tokens or approx_token_count
+    forks: list[_Fork] = []
+    opening = True  # no unit but headers seen yet
+    for unit in _units(response):
+        first, opening = opening, opening and unit.kind == "header"
+        if unit.kind == "list":
+            forks += _list_forks(response, unit, count, min_chunk_tokens)
+        elif unit.kind == "para" and not first:
+            body = response[unit.start : unit.end]
+            if not _is_title(body) and count(body) >= min_chunk_tokens:
+                # the promise goes at the paragraph's first non-space character
+                start = unit.start + (len(body) - len(body.lstrip()))
+                forks.append(_Fork(start, unit.end))
+    return _finish(response, forks, [], count, "apar")
+
+
+def annotate(response: str, annotator: str, count_tokens: CountTokens | None = None) -> Annotation:
+    """Annotate with a text annotator by name (``sot`` or ``apar``).
+
+    Raises ValueError naming the known annotators for an unknown name, and for ``model``
+    (which needs an engine: use :func:`annotate_with_model`)."""
+    if annotator == "sot":
+        return annotate_sot(response, count_tokens)
+    if annotator == "apar":
+        return annotate_apar(response, count_tokens)
+    if annotator == "model":
+        raise ValueError("the 'model' annotator needs an engine: use annotate_with_model(engine, prompts)")
+    raise ValueError(f"unknown annotator {annotator!r}: known {list(ANNOTATORS)}")
+
+
+def annotate_with_model(
+    engine: Any, prompts: Sequence[str], params: Any = None, progress: bool = False
+) -> list[Annotation]:
+    """The ``model`` annotator: the engine's model answers each prompt in pasta mode (with the
+    PASTA-LANG system prompt, as :meth:`~pasta_engine.Engine.generate` does); its annotated
+    response (chunks spliced after their promises) is the annotation. The original response is
+    not used: the model writes its own.
+
+    Args:
+        engine: a :class:`pasta_engine.Engine`.
+        prompts: the instructions.
+        params: :class:`~pasta_engine.SamplingParams` (default greedy, 256 tokens).
+
+    Returns one :class:`Annotation` per prompt (``note`` lists the interpreter's diagnostics)."""
+    results = engine.generate(list(prompts), params, mode="pasta", progress=progress)
+    out = []
+    for r in results:
+        note = "; ".join(r.diagnostics[:5]) + (f"; ... {len(r.diagnostics) - 5} more" if len(r.diagnostics) > 5 else "")
+        syncs = sum(isinstance(e, Sync) for e in parse(r.annotated_text))
+        out.append(Annotation(r.annotated_text, promises=r.stats.forks, syncs=syncs, note=note or None))
+    return out

@@ -1,0 +1,499 @@
+"""Speedup benchmarks: realized versus theoretical speedup, and the quality side.
+
+Used by ``pasta-engine bench`` (:mod:`pasta_engine.entrypoints.cli`) and reusable from Python:
+
+:func:`run_speedup`
+    replays annotated traces (forced decoding) in pasta mode and the same content in sequential
+    mode, one prompt at a time (batch 1, as in Jin et al., ICML 2025, arXiv 2502.11517,
+    section 5), and reports per prompt and in aggregate tokens, decode steps, critical path,
+    theoretical speedup and parallelism, realized speedup (wall time sequential / pasta) and
+    realized/theoretical ratio; aggregates are geometric means over prompts, as in the paper.
+    Definitions: :mod:`pasta_engine.metrics` (DESIGN.md section 3).
+:func:`run_pareto`
+    generate mode on a real model: each prompt answered sequentially and with PASTA; realized
+    speedup, response length ratio and fork statistics per prompt, plus both modes' responses
+    in AlpacaEval's ``model_outputs.json`` format, so that a judge can compute length-controlled
+    win rates the paper's way (quality versus speedup).
+:func:`annotate_rows`
+    trace rows from prompts and answers with an annotator of :mod:`pasta_engine.tools.annotate`.
+
+The runners write what they measure as they go (``prompts.jsonl`` grows one line per prompt),
+then ``summary.json`` with the aggregates and the run's settings (also after an interruption,
+marked ``complete: false``); ``resume=True`` keeps the rows of an earlier run of the same prompts
+and runs the rest. Before timing, ``warmup`` untimed runs in each mode prepare the engine
+(speedup: the first trace and the one with the most promises, so that every thread-count bucket
+the run reaches, e.g. its CUDA graphs, exists before the clock starts). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..config import SamplingParams
+from ..lang.tags import strip_tags
+from ..metrics import geomean, realized_speedup
+from .annotate import annotate, annotate_with_model, approx_token_count
+from .traces import PromptRow, TraceRow, write_traces
+
+__all__ = [
+    "BenchError",
+    "annotate_rows",
+    "run_speedup",
+    "run_pareto",
+    "speedup_row",
+    "summarize_speedup",
+    "pareto_row",
+    "summarize_pareto",
+    "plot_speedup",
+    "device_name",
+    "run_info",
+]
+
+
+class BenchError(ValueError):
+    """Bad input to a benchmark (the message says what and where)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's model with its core and torch-thread counts."""
+    import torch
+
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads)"
+
+
+def run_info(command_line: str) -> dict[str, Any]:
+    """What to record about a run: the command line, versions, platform, start time."""
+    from .. import __version__
+
+    return {
+        "command_line": command_line,
+        "pasta_engine_version": __version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="prompt", desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _geo(values: Sequence[float]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return geomean(vals) if vals else None
+
+
+def count_tokens_fn(tokenizer: Any) -> Callable[[str], int]:
+    """Token counter for promise lengths: the tokenizer's, or :func:`approx_token_count`."""
+    if tokenizer is None:
+        return approx_token_count
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def annotate_rows(rows: Sequence[PromptRow], name: str, count_tokens: Callable[[str], int] | None = None,
+                  engine: Any = None, params: SamplingParams | None = None) -> list[TraceRow]:
+    """Trace rows for ``rows`` annotated with ``name`` (``sot``/``apar`` annotate each row's
+    ``output``, which must be present; ``model`` lets ``engine``'s model answer in pasta mode
+    with ``params``)."""
+    out: list[TraceRow] = []
+    if name == "model":
+        if engine is None:
+            raise BenchError("the model annotator needs an engine")
+        anns = annotate_with_model(engine, [r.instruction for r in rows], params, progress=True)
+        for i, (r, a) in enumerate(zip(rows, anns)):
+            out.append(TraceRow(r.instruction, a.annotated, "model", response=strip_tags(a.annotated),
+                                promises=a.promises, index=i, dataset=r.dataset, note=a.note))
+        return out
+    bar = _bar(len(rows), f"annotating ({name})")
+    try:
+        for i, r in enumerate(rows):
+            if r.output is None:
+                raise BenchError(f"row {i} has no 'output' to annotate")
+            a = annotate(r.output, name, count_tokens or approx_token_count)
+            out.append(TraceRow(r.instruction, a.annotated, name, response=r.output, promises=a.promises,
+                                index=i, dataset=r.dataset, note=a.note))
+            bar.update(1)
+    finally:
+        bar.close()
+    return out
+
+
+def _fastest(results: Sequence[Any]) -> Any:
+    """The run with the least wall time among repeats of the same request (the minimum is
+    the estimate least disturbed by other work on the machine)."""
+    return min(results, key=lambda r: r.stats.wall_s)
+
+
+def resumed_rows(out: Path, prompts: Sequence[str], resume: bool) -> list[dict[str, Any]]:
+    """With ``resume``: the rows of ``out/prompts.jsonl`` from an earlier run of the same
+    prompts (checked in order; a truncated last line is dropped). Raises BenchError naming
+    the file and row when they do not match."""
+    path = out / "prompts.jsonl"
+    if not resume or not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # the line an interrupted run was writing
+    if len(rows) > len(prompts):
+        raise BenchError(f"--resume: {path} has {len(rows)} rows but this run has {len(prompts)} prompts")
+    for i, row in enumerate(rows):
+        got = row.get("prompt", row.get("instruction"))
+        if got != prompts[i]:
+            raise BenchError(f"--resume: {path} row {i + 1} is for another prompt than this run's prompt {i + 1}")
+    return rows
+
+
+def warmup_traces(traces: Sequence[TraceRow]) -> list[TraceRow]:
+    """The first trace and the one with the most promises: replaying both before timing warms
+    up whatever the engine prepares per shape or per thread count (kernel compilation, CUDA
+    graph capture for each bucket of live threads up to the widest the run reaches)."""
+    widest = max(traces, key=lambda t: t.annotated_response.count("<promise"))
+    return [traces[0]] if widest is traces[0] else [traces[0], widest]
+
+
+# --------------------------------------------------------------------------- speedup (replay)
+
+
+def speedup_row(seq: Any, pasta: Any) -> dict[str, Any]:
+    """Per-prompt numbers from a sequential and a pasta replay of the same trace
+    (:class:`~pasta_engine.RequestResult` each).
+
+    ``tokens``: tokens of the content one thread decodes (the spliced response with the
+    inserted ``<async>`` tags and EOS; = sequential decode steps); ``tokens_decoded``: tokens
+    sampled by all threads in pasta mode; ``step_speedup``: sequential / pasta decode steps
+    (equals the theoretical speedup at unlimited width); ``realized_speedup``: sequential /
+    pasta wall seconds; ``realized_over_theoretical``: realized / theoretical speedup
+    (DESIGN.md section 3)."""
+    s, q = pasta.stats, seq.stats
+    realized = realized_speedup(q.wall_s, s.wall_s)
+    return {
+        "tokens": q.tokens_decoded,
+        "tokens_decoded": s.tokens_decoded,
+        "decode_steps": s.decode_steps,
+        "decode_steps_sequential": q.decode_steps,
+        "critical_path": s.critical_path,
+        "theoretical_speedup": s.theoretical_speedup,
+        "theoretical_parallelism": s.theoretical_parallelism,
+        "step_speedup": q.decode_steps / s.decode_steps,
+        "realized_speedup": realized,
+        "realized_over_theoretical": realized / s.theoretical_speedup,
+        "wall_s": s.wall_s,
+        "wall_s_sequential": q.wall_s,
+        "threads": s.threads,
+        "forks": s.forks,
+        "max_width": s.max_width,
+        "prefill_tokens": s.prefill_tokens,
+        "prefill_tokens_sequential": q.prefill_tokens,
+        "preemptions": s.preemptions + q.preemptions,
+        "same_tokens": list(seq.token_ids) == list(pasta.token_ids),
+        "diagnostics": list(pasta.diagnostics[:10]),
+    }
+
+
+def summarize_speedup(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregates of :func:`speedup_row` rows: geometric means over prompts (the paper's
+    aggregate, Jin et al. 2025, section 5) of the speedups, parallelism and ratio; totals and
+    throughputs (tokens / second) per mode; the same geometric means over forked responses
+    only. Raises ValueError for no rows."""
+    if not rows:
+        raise ValueError("no rows to summarize")
+    forked = [r for r in rows if r["forks"] > 0]
+
+    def geos(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "geomean_theoretical_speedup": _geo([r["theoretical_speedup"] for r in rs]),
+            "geomean_theoretical_parallelism": _geo([r["theoretical_parallelism"] for r in rs]),
+            "geomean_step_speedup": _geo([r["step_speedup"] for r in rs]),
+            "geomean_realized_speedup": _geo([r["realized_speedup"] for r in rs]),
+            "geomean_realized_over_theoretical": _geo([r["realized_over_theoretical"] for r in rs]),
+        }
+
+    wall_p = sum(r["wall_s"] for r in rows)
+    wall_s = sum(r["wall_s_sequential"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    return {
+        "prompts": len(rows),
+        "forked_responses": len(forked),
+        "mean_threads": sum(r["threads"] for r in rows) / len(rows),
+        "max_threads_seen": max(r["threads"] for r in rows),
+        **geos(rows),
+        "tokens_total": tokens,
+        "wall_s_total": wall_p,
+        "wall_s_total_sequential": wall_s,
+        "tokens_per_s": tokens / wall_p if wall_p > 0 else None,
+        "tokens_per_s_sequential": tokens / wall_s if wall_s > 0 else None,
+        "token_mismatches": sum(1 for r in rows if not r["same_tokens"]),
+        "forked_only": geos(forked) if forked else None,
+    }
+
+
+def plot_speedup(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """PNG with two panels: realized vs theoretical speedup per prompt (with the y = x line),
+    and a histogram of threads per response. Uses matplotlib's Agg canvas (no display, no
+    global pyplot state). Raises ImportError with the install command when matplotlib is
+    missing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise ImportError("the speedup plot needs matplotlib: pip install 'pasta-engine[bench]'") from e
+
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+    th = [r["theoretical_speedup"] for r in rows]
+    re_ = [r["realized_speedup"] for r in rows]
+    forked = [r["forks"] > 0 for r in rows]
+    ax1.scatter([t for t, f in zip(th, forked) if f], [r for r, f in zip(re_, forked) if f], s=14, alpha=0.7,
+                label="forked")
+    ax1.scatter([t for t, f in zip(th, forked) if not f], [r for r, f in zip(re_, forked) if not f], s=14,
+                alpha=0.7, marker="x", label="no promise")
+    hi = max([1.0, *th, *re_]) * 1.05
+    lo = min([1.0, *th, *re_]) * 0.95
+    ax1.plot([lo, hi], [lo, hi], "k--", lw=1, label="y = x")
+    ax1.set_xlabel("theoretical speedup (sequential steps / critical path)")
+    ax1.set_ylabel("realized speedup (sequential / pasta wall time)")
+    ax1.set_title("realized vs theoretical speedup per prompt")
+    ax1.text(0.98, 0.03, f"geomean: theoretical {_geo(th):.2f}x, realized {_geo(re_):.2f}x\n{len(rows)} prompts",
+             transform=ax1.transAxes, ha="right", va="bottom", fontsize=8)
+    ax1.legend(loc="upper left", fontsize=8)
+    threads = [r["threads"] for r in rows]
+    bins = [b - 0.5 for b in range(1, max(threads) + 2)]
+    ax2.hist(threads, bins=bins, edgecolor="black")
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.set_xlabel("threads per response (main + forks)")
+    ax2.set_ylabel("responses")
+    ax2.set_title("threads per response")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_or_warn(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    """:func:`plot_speedup`, or a warning on stderr when matplotlib is missing."""
+    try:
+        plot_speedup(rows, path, title)
+    except ImportError as e:
+        print(f"pasta-engine: warning: no plot written: {e}", file=sys.stderr)
+
+
+def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: dict[str, Any], *, warmup: int = 1,
+                repeats: int = 1, resume: bool = False) -> dict[str, Any]:
+    """Replay every trace sequentially and in pasta mode (see the module docstring); write
+    ``prompts.jsonl``, ``summary.json`` and ``speedup.png`` into ``out``.
+
+    Args:
+        engine: a :class:`pasta_engine.Engine` (batch 1: ``max_running_requests=1`` for timing).
+        traces: the annotated traces.
+        out: output folder (created).
+        settings: what to record about the run (model, device, command line, ...); updated.
+        warmup: untimed replays of :func:`warmup_traces` in each mode first.
+        repeats: runs per prompt and mode; the fastest counts.
+        resume: keep the rows of an earlier run in ``out`` and run the rest.
+
+    Returns ``{"summary": ..., "settings": ...}`` as written to ``summary.json``."""
+    if not traces:
+        raise BenchError("no traces to run")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = resumed_rows(out, [t.prompt for t in traces], resume)
+    settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, batch_size=1,
+                    annotators=sorted({t.annotator for t in traces}))
+    for t in warmup_traces(traces) * (warmup if len(rows) < len(traces) else 0):
+        for mode in ("sequential", "pasta"):
+            engine.replay([t.prompt], [t.annotated_response], mode=mode)
+    bar = _bar(len(traces), "bench speedup")
+    bar.update(len(rows))
+    result: dict[str, Any] = {}
+    try:
+        with (out / "prompts.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)  # kept by resume (a truncated last line dropped)
+            f.flush()
+            for i, t in list(enumerate(traces))[len(rows):]:
+                seq = _fastest([engine.replay([t.prompt], [t.annotated_response], mode="sequential")[0]
+                                for _ in range(repeats)])
+                pas = _fastest([engine.replay([t.prompt], [t.annotated_response], mode="pasta")[0]
+                                for _ in range(repeats)])
+                row = {"index": t.index if t.index is not None else i, "prompt": t.prompt, "annotator": t.annotator,
+                       "promises": t.promises, "note": t.note, **speedup_row(seq, pas)}
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                bar.update(1)
+                bar.set_postfix(realized=f"{row['realized_speedup']:.2f}x",
+                                theoretical=f"{row['theoretical_speedup']:.2f}x")
+    finally:
+        bar.close()
+        if rows:  # an interrupted run still leaves the aggregates of what it measured
+            settings.update(prompts_planned=len(traces), complete=len(rows) == len(traces))
+            result = {"summary": summarize_speedup(rows), "settings": settings}
+            _write_json(out / "summary.json", result)
+    plot_or_warn(rows, out / "speedup.png",
+                 f"{settings.get('model', '')} on {settings.get('device_name', '')} ({settings.get('dtype', '')})")
+    return result
+
+
+# --------------------------------------------------------------------------- pareto (generate)
+
+
+def _count(diags: Sequence[str], needle: str) -> int:
+    return sum(1 for d in diags if needle in d)
+
+
+def pareto_row(seq: Any, pasta: Any) -> dict[str, Any]:
+    """Per-prompt numbers from generate-mode sequential and pasta responses to one prompt.
+
+    ``length_ratio``: pasta / sequential tokens sampled (EOS included); ``text_length_ratio``:
+    the same in characters of the clean responses; ``realized_speedup``: sequential / pasta
+    wall seconds (different responses: an end-to-end latency ratio); ``throughput_ratio``:
+    pasta / sequential tokens per second (= realized speedup x length ratio); fork statistics: forks,
+    threads, chunks capped or cut off by the interpreter, malformed tags."""
+    s, q = pasta.stats, seq.stats
+    return {
+        "tokens_sequential": q.tokens_decoded,
+        "tokens_pasta": s.tokens_decoded,
+        "length_ratio": s.tokens_decoded / q.tokens_decoded,
+        "text_length_ratio": len(pasta.text) / len(seq.text) if seq.text else None,
+        "decode_steps_sequential": q.decode_steps,
+        "decode_steps": s.decode_steps,
+        "critical_path": s.critical_path,
+        "theoretical_speedup": s.theoretical_speedup,
+        "step_speedup": q.decode_steps / s.decode_steps,
+        "realized_speedup": realized_speedup(q.wall_s, s.wall_s),
+        "throughput_ratio": realized_speedup(q.wall_s, s.wall_s) * s.tokens_decoded / q.tokens_decoded,
+        "wall_s_sequential": q.wall_s,
+        "wall_s": s.wall_s,
+        "forks": s.forks,
+        "threads": s.threads,
+        "capped_chunks": _count(pasta.diagnostics, "reached its cap"),
+        "cut_off_chunks": _count(pasta.diagnostics, "cut off by the request's end"),
+        "malformed_tags": _count(pasta.diagnostics, "malformed tag"),
+        "finish_reason_sequential": q.finish_reason,
+        "finish_reason": s.finish_reason,
+        "output_sequential": seq.text,
+        "output_pasta": pasta.text,
+        "annotated_pasta": pasta.annotated_text,
+    }
+
+
+def summarize_pareto(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregates of :func:`pareto_row` rows (geometric means over prompts, as the paper).
+    Raises ValueError for no rows."""
+    if not rows:
+        raise ValueError("no rows to summarize")
+    n = len(rows)
+    wall_p = sum(r["wall_s"] for r in rows)
+    wall_s = sum(r["wall_s_sequential"] for r in rows)
+    return {
+        "prompts": n,
+        "geomean_realized_speedup": _geo([r["realized_speedup"] for r in rows]),
+        "geomean_length_ratio": _geo([r["length_ratio"] for r in rows]),
+        "geomean_throughput_ratio": _geo([r["throughput_ratio"] for r in rows]),
+        "geomean_theoretical_speedup": _geo([r["theoretical_speedup"] for r in rows]),
+        "geomean_step_speedup": _geo([r["step_speedup"] for r in rows]),
+        "forked_responses": sum(1 for r in rows if r["forks"] > 0),
+        "fork_rate": sum(1 for r in rows if r["forks"] > 0) / n,
+        "mean_forks": sum(r["forks"] for r in rows) / n,
+        "mean_threads": sum(r["threads"] for r in rows) / n,
+        "capped_chunks": sum(r["capped_chunks"] for r in rows),
+        "cut_off_chunks": sum(r["cut_off_chunks"] for r in rows),
+        "malformed_tags": sum(r["malformed_tags"] for r in rows),
+        "tokens_per_s": sum(r["tokens_pasta"] for r in rows) / wall_p if wall_p > 0 else None,
+        "tokens_per_s_sequential": sum(r["tokens_sequential"] for r in rows) / wall_s if wall_s > 0 else None,
+        "finish_reasons": {m: _tally(r[k] for r in rows) for m, k in (("sequential", "finish_reason_sequential"),
+                                                                      ("pasta", "finish_reason"))},
+    }
+
+
+def _tally(values: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def export_row(instruction: str, output: str, mode: str, label: str, dataset: str | None) -> dict[str, str]:
+    """One entry of AlpacaEval's ``model_outputs.json``."""
+    return {"instruction": instruction, "output": output, "generator": f"pasta-engine-{mode} ({label})",
+            "dataset": dataset or "pasta-engine"}
+
+
+def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams, out: Path,
+               settings: dict[str, Any], *, warmup: int = 1, repeats: int = 1, resume: bool = False) -> dict[str, Any]:
+    """Answer every prompt sequentially and with PASTA (see the module docstring); write
+    ``prompts.jsonl``, ``summary.json``, ``model_outputs_sequential.json`` and
+    ``model_outputs_pasta.json`` (AlpacaEval format) into ``out``.
+
+    Args: as :func:`run_speedup`, with the prompts and the :class:`SamplingParams` of both
+    modes. Returns ``{"summary": ..., "settings": ...}``."""
+    if not prompts:
+        raise BenchError("no prompts to run")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = resumed_rows(out, [p.instruction for p in prompts], resume)
+    settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, batch_size=1)
+    for _ in range(warmup if len(rows) < len(prompts) else 0):
+        for mode in ("sequential", "pasta"):
+            engine.generate([prompts[0].instruction],
+                            SamplingParams(max_new_tokens=min(8, params.max_new_tokens)), mode=mode)
+    label = settings.get("model", "")
+    exports: dict[str, list[dict[str, str]]] = {
+        mode: [export_row(r["instruction"], r[key], mode, label, r.get("dataset")) for r in rows]
+        for mode, key in (("sequential", "output_sequential"), ("pasta", "output_pasta"))
+    }
+    bar = _bar(len(prompts), "bench pareto")
+    bar.update(len(rows))
+    result: dict[str, Any] = {}
+    try:
+        with (out / "prompts.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)  # kept by resume (a truncated last line dropped)
+            f.flush()
+            for i, p in list(enumerate(prompts))[len(rows):]:
+                seq = _fastest([engine.generate([p.instruction], params, mode="sequential")[0] for _ in range(repeats)])
+                pas = _fastest([engine.generate([p.instruction], params, mode="pasta")[0] for _ in range(repeats)])
+                row = {"index": i, "instruction": p.instruction, "dataset": p.dataset, **pareto_row(seq, pas)}
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                for mode, res in (("sequential", seq), ("pasta", pas)):
+                    exports[mode].append(export_row(p.instruction, res.text, mode, label, p.dataset))
+                bar.update(1)
+                bar.set_postfix(realized=f"{row['realized_speedup']:.2f}x", forks=row["forks"])
+    finally:
+        bar.close()
+        for mode, items in exports.items():  # what was decoded is never lost
+            if items:
+                _write_json(out / f"model_outputs_{mode}.json", items)
+        if rows:
+            settings.update(prompts_planned=len(prompts), complete=len(rows) == len(prompts))
+            result = {"summary": summarize_pareto(rows), "settings": settings}
+            _write_json(out / "summary.json", result)
+    return result

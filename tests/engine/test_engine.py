@@ -1,0 +1,261 @@
+"""Engine semantics on tiny random-weight models.
+
+The central check: replaying an annotated response through the engine gives, for every forced
+token, the logits of ONE dense forward of transformers over the spliced sequence with an
+explicit visibility mask built here from DESIGN.md section 2 (a child sees the context up to
+its promise and chunks joined before its fork, never its siblings; the main thread sees a
+chunk only from the token that completed a later <sync/>) and the engine's logical positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pasta_engine import ContextLengthError, Engine, Limits, ParameterError, SamplingParams
+from pasta_engine.engine.replay import replay_script
+from pasta_engine.lang.tags import Promise, Sync, parse
+from pasta_engine.lang.tokenization import tokenize_annotated
+from pasta_engine.metrics import simulate_steps
+
+ANNOTATED = (
+    "Tips:\n1. "
+    '<promise topic="sleep" tokens="30"/><async>Go to bed early.</async>\n2. '
+    '<promise topic="screens" tokens="20"/><async>Avoid screens at night.</async>\n'
+    "<sync/>\nAlso: "
+    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
+)
+PROMPT = "Give me sleep tips."
+
+
+def completions(engine, ids, tag_type):
+    """1-based indices of the tokens of ``ids`` whose text completes a tag of ``tag_type``,
+    from parses of whole prefixes (independent of the incremental parser)."""
+    out, before = [], 0
+    for k in range(1, len(ids) + 1):
+        n = sum(isinstance(e, tag_type) for e in parse(engine.decode(ids[:k])))
+        if n > before:
+            out.append(k)
+        before = n
+    return out
+
+
+def dense_reference(engine, hf, res):
+    """Logits of one transformers forward over prompt + spliced response with the PASTA mask."""
+    tok = tokenize_annotated(engine.tokenizer, ANNOTATED)
+    eos = engine.tokenizer.eos_token_id
+    main_ids = tok.main_ids
+    chunk_ids = [tok.open_ids + c for c in tok.chunk_ids]
+    # the engine laid out exactly these tokens
+    tids = res.threads
+    assert [t for t, i in zip(res.token_ids, tids) if i == 0] == main_ids + [eos]
+    for c, ids in enumerate(chunk_ids, start=1):
+        assert [t for t, i in zip(res.token_ids, tids) if i == c] == ids
+    forks = completions(engine, main_ids, Promise)  # main index of each child's fork
+    syncs = completions(engine, main_ids, Sync)
+    assert len(forks) == 3 and len(syncs) == 1
+
+    # the dense sequence: prompt, then the response without the main thread's final EOS
+    P = len(res.prompt_ids)
+    seq = list(res.prompt_ids) + res.token_ids[:-1]
+    pos = list(range(P)) + res.positions[:-1]
+    owner = [-1] * P + tids[:-1]
+    index = [0] * P  # index of a token within its thread (1-based)
+    counts: dict[int, int] = {}
+    for t in tids[:-1]:
+        counts[t] = counts.get(t, 0) + 1
+        index.append(counts[t])
+
+    def joined_before(i):  # children whose chunk the main thread has joined by its i-th token
+        return {c for c, f in enumerate(forks, start=1) if any(f < s <= i for s in syncs)}
+
+    n = len(seq)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for q in range(n):
+        for k in range(n):
+            if owner[k] == -1:
+                vis = True
+            elif owner[q] == -1:
+                vis = False
+            elif owner[q] == 0:
+                i = index[q]
+                vis = (owner[k] == 0 and index[k] <= i) or (owner[k] > 0 and owner[k] in joined_before(i))
+            else:
+                f = forks[owner[q] - 1]
+                vis = (
+                    (owner[k] == 0 and index[k] <= f)
+                    or (owner[k] == owner[q] and index[k] <= index[q])
+                    or (owner[k] > 0 and owner[k] in joined_before(f))
+                )
+            mask[q, k] = vis and (owner[q] != -1 or k <= q)
+    with torch.no_grad():
+        logits = hf(
+            torch.tensor([seq]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])
+        ).logits[0].float()
+    return logits, owner, index, seq
+
+
+@pytest.mark.parametrize("policy", ["predicted", "none", "oracle"])
+@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
+def test_replay_logits_equal_a_dense_forward_with_the_pasta_mask(ckpt, policy, request):
+    path = request.getfixturevalue(ckpt)
+    engine = Engine.from_pretrained(path, kv_cache_bytes=16 * 2**20, page_size=4, position_policy=policy)
+    hooked: dict[int, list[torch.Tensor]] = {}
+    engine.logits_hook = lambda req, tid, row: hooked.setdefault(tid, []).append(row.clone())
+    [res] = engine.replay([PROMPT], [ANNOTATED], params=SamplingParams(return_logprobs=True))
+    assert res.annotated_text == ANNOTATED
+    assert res.stats.forks == 3
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    dense, owner, index, seq = dense_reference(engine, hf, res)
+
+    # each thread's k-th sampled token is predicted by the forward of its previous token
+    P = len(res.prompt_ids)
+    rows_of = {t: [q for q in range(len(seq)) if owner[q] == t] for t in hooked}
+    checked = 0
+    lp = torch.log_softmax(dense, -1)
+    for t, got in hooked.items():
+        if t == 0:
+            inputs = [P - 1] + rows_of[0]  # last prompt token, then every main token but EOS
+            skip = 0
+        else:
+            skip = len(engine.open_ids)
+            inputs = rows_of[t][skip - 1 : -1]  # last inserted tag token, then all but the last
+        assert len(inputs) == len(got), f"thread {t}"
+        torch.testing.assert_close(torch.stack(got), dense[inputs], rtol=2e-4, atol=2e-4)
+        # the returned logprobs are those of the forced tokens under the same distributions
+        mine = [(tok, l) for tok, o, l in zip(res.token_ids, res.threads, res.logprobs) if o == t][skip:]
+        want = lp[inputs, torch.tensor([tok for tok, _ in mine])]
+        torch.testing.assert_close(torch.tensor([l for _, l in mine]), want, rtol=2e-4, atol=2e-4)
+        checked += len(got)
+    assert checked == res.stats.tokens_decoded
+
+
+def test_positions_follow_the_policy(tiny_engine):
+    [pred] = tiny_engine.replay([PROMPT], [ANNOTATED])
+    # the first child starts right after its promise; main skips open + 30 + close
+    first_child = pred.threads.index(1)
+    promise_pos = pred.positions[first_child - 1]
+    assert pred.positions[first_child] == promise_pos + 1
+    after = [p for p, t in zip(pred.positions, pred.threads) if t == 0 and p > promise_pos][0]
+    assert after == promise_pos + 1 + len(tiny_engine.open_ids) + 30 + tiny_engine.close_len
+
+
+@pytest.mark.parametrize("width", [None, 1, 2, 3])
+def test_replay_steps_equal_the_critical_path_or_its_width_bound(tiny_llama, width):
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=16 * 2**20, limits=Limits(max_threads=width))
+    [res] = engine.replay([PROMPT], [ANNOTATED])
+    [seq] = engine.replay([PROMPT], [ANNOTATED], mode="sequential")
+    s = res.stats
+    assert seq.token_ids == res.token_ids
+    assert seq.stats.decode_steps == len(res.token_ids)
+    if width is None:
+        assert s.decode_steps == s.critical_path
+    assert s.critical_path <= s.decode_steps <= s.tokens_decoded
+    assert s.max_width <= (width or 99)
+    script = replay_script(engine.tokenizer, ANNOTATED, engine.tokenizer.eos_token_id)
+    assert s.decode_steps == simulate_steps(script.structure, width)
+    assert s.theoretical_speedup == pytest.approx(seq.stats.decode_steps / s.critical_path)
+
+
+def test_replay_on_a_real_tokenizer_keeps_steps_equal_to_critical_path(smollm2_dir):
+    """Same check with SmolLM2's BPE (tags merge with neighbouring characters), random
+    prompts ids so the test does not depend on what the model would write."""
+    engine = Engine.from_pretrained(None, kv_cache_bytes=64 * 2**20)
+    [res] = engine.replay([[1, 2, 3, 4]], [ANNOTATED])
+    assert res.stats.decode_steps == res.stats.critical_path
+    assert res.annotated_text == ANNOTATED
+
+
+def test_kv_pages_return_after_every_request(tiny_engine):
+    pool = tiny_engine.block_manager.pool
+    tiny_engine.generate(["a", "b c", "<promise"], SamplingParams(max_new_tokens=30, temperature=1.0, seed=5))
+    tiny_engine.replay([PROMPT] * 2, [ANNOTATED] * 2)
+    assert all(r == 0 for r in pool.refcount) and pool.num_free == pool.num_pages
+
+
+def test_kv_exhaustion_fails_the_request_alone_and_frees_its_pages(tiny_llama):
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=40 * 1024, page_size=4)
+    [r] = engine.generate([list(range(3, 40))], SamplingParams(max_new_tokens=200))
+    assert r.stats.finish_reason == "error" and "KV cache exhausted" in r.error and "kv_cache_bytes" in r.error
+    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+    with pytest.raises(ContextLengthError, match="KV pages.*raise kv_cache_bytes"):
+        engine.generate([list(range(3, 300)) * 3], SamplingParams(max_new_tokens=2))
+    [ok] = engine.generate([list(range(3, 10))], SamplingParams(max_new_tokens=5))  # the engine still serves
+    assert ok.stats.finish_reason == "length" and ok.error is None
+
+
+def test_preemption_keeps_outputs_unchanged(tiny_llama):
+    prompts = [[5 + i, 9, 10, 11] for i in range(4)]
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=11)
+    roomy = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20, page_size=4)
+    tight = Engine.from_pretrained(tiny_llama, kv_cache_bytes=48 * 1024, page_size=4)  # 24 pages
+    want = roomy.generate(prompts, params, mode="sequential")
+    got = tight.generate(prompts, params, mode="sequential")
+    assert sum(r.stats.preemptions for r in got) > 0
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_sampling_is_seeded_and_batching_does_not_change_outputs(tiny_engine):
+    params = SamplingParams(max_new_tokens=25, temperature=0.8, top_p=0.9, top_k=50, seed=3)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    batch = tiny_engine.generate(prompts, params)
+    one = [tiny_engine.generate([p], params)[0] for p in prompts]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in one]
+    other = tiny_engine.generate(prompts, SamplingParams(max_new_tokens=25, temperature=0.8, seed=4))
+    assert [r.token_ids for r in other] != [r.token_ids for r in batch]
+
+
+def test_string_prompts_use_the_chat_template_and_pasta_system_prompt(tiny_engine):
+    pasta = tiny_engine.format_prompt("hi", mode="pasta")
+    seq = tiny_engine.format_prompt("hi", mode="sequential")
+    assert tiny_engine.decode(seq) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    text = tiny_engine.decode(pasta)
+    assert "PASTA-LANG" in text and text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_bad_inputs_are_named(tiny_engine):
+    with pytest.raises(ParameterError, match="mode='fast'"):
+        tiny_engine.generate(["x"], mode="fast")
+    with pytest.raises(ValueError, match="2 prompts but 1"):
+        tiny_engine.replay(["a", "b"], [ANNOTATED])
+    with pytest.raises(ValueError, match="empty list of token ids"):
+        tiny_engine.generate([[]])
+    with pytest.raises(ParameterError, match=r"prompt 0: token id 999 \(position 1\) is outside"):
+        tiny_engine.generate([[1, 999]])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="oracle"):
+        Engine(tiny_engine.model, tiny_engine.tokenizer, position_policy="oracle", kv_cache_bytes=2**20).generate(["x"])
+    with pytest.raises(ValueError, match="cuda_graphs=True needs"):
+        Engine(tiny_engine.model, tiny_engine.tokenizer, kv_cache_bytes=2**20, cuda_graphs=True)
+    with pytest.raises(ValueError, match="attention_backend='flash'"):
+        Engine(tiny_engine.model, tiny_engine.tokenizer, kv_cache_bytes=2**20, attention_backend="flash")
+
+
+def test_generate_results_are_consistent(tiny_engine):
+    [r] = tiny_engine.generate(["tips"], SamplingParams(max_new_tokens=60, temperature=1.0, seed=1))
+    s = r.stats
+    assert s.tokens_decoded <= 60
+    assert s.decode_steps == s.critical_path  # default width 16 exceeds any fork count here
+    assert r.text == r.annotated_text or "<" in r.annotated_text
+    d = r.to_dict()
+    assert set(d) >= {"text", "annotated_text", "token_ids", "logprobs", "stats", "diagnostics"}
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
+def test_triton_backend_replays_like_the_torch_reference(ckpt, request):
+    """The Triton kernels (under the interpreter here) give the same forced tokens, decode steps
+    and logprobs as the torch reference, through forks, a sync and a fork after the join."""
+    path = request.getfixturevalue(ckpt)
+    prompt = [[3 + (7 * i) % 250 for i in range(30)]]
+    params = SamplingParams(return_logprobs=True)
+    ref = Engine.from_pretrained(path, kv_cache_bytes=8 * 2**20, page_size=4).replay(prompt, [ANNOTATED], params=params)[0]
+    tri = Engine.from_pretrained(path, kv_cache_bytes=8 * 2**20, page_size=4, attention_backend="triton")
+    got = tri.replay(prompt, [ANNOTATED], params=params)[0]
+    assert got.token_ids == ref.token_ids
+    assert got.stats.decode_steps == ref.stats.decode_steps == ref.stats.critical_path
+    torch.testing.assert_close(
+        torch.tensor([x for x in got.logprobs if x is not None]),
+        torch.tensor([x for x in ref.logprobs if x is not None]), rtol=1e-4, atol=1e-4,
+    )

@@ -1,0 +1,273 @@
+"""Interpreter + scheduler + block manager driven by a scripted model runner (no weights, no torch).
+
+The scripted runner picks tokens at random from a vocabulary of tag fragments, so decoding
+writes random PASTA-LANG, well-formed or not. Every step it checks that each thread's view ends
+with the thread's own new slots and only holds slots that were written before or are written
+in this very step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pasta_engine.config import Limits, PositionPolicy, SamplingParams
+from pasta_engine.engine.block_manager import BlockManager
+from pasta_engine.engine.interpreter import Interpreter
+from pasta_engine.engine.request import Request
+from pasta_engine.engine.scheduler import SampledTokens, ScheduledBatch, Scheduler
+from pasta_engine.metrics import critical_path, simulate_steps
+
+PIECES = [
+    "a", "b", " ", "\n", "<", ">", "/", "é"[:1], "<promise", ' topic="x"', ' tokens="', "1", "0", '"/>',
+    '<promise topic="t" tokens="20"/>', '<promise topic="u" tokens="0"/>', "<sync/>", "</async>", "<async>",
+    "async", "sync", "</", "<EOS>",
+]
+EOS = PIECES.index("<EOS>")
+VOCAB = len(PIECES)
+WEIGHTS = [0.1 if i == EOS else 1.0 for i in range(VOCAB)]  # responses of ~200 tokens
+
+
+def decode(ids):
+    return "".join(PIECES[i] for i in ids if i != EOS)
+
+
+def encode_pieces(text):
+    """Greedy longest-match encoding over PIECES (only used for the fixed '<async>' tag)."""
+    out, i = [], 0
+    while i < len(text):
+        best = max((j for j, p in enumerate(PIECES) if p and j != EOS and text.startswith(p, i)), key=lambda j: len(PIECES[j]))
+        out.append(best)
+        i += len(PIECES[best])
+    return out
+
+
+OPEN = encode_pieces("<async>")
+CLOSE_LEN = len(encode_pieces("</async>"))
+
+
+class ScriptedRunner:
+    """Stands in for the model runner: checks the batch's KV layout, returns random tokens."""
+
+    def __init__(self, rng: random.Random, bm: BlockManager):
+        self.rng = rng
+        self.bm = bm
+        self.written: set[int] = set()
+        alloc = bm.pool.alloc
+        page_size = bm.page_size
+
+        def tracking_alloc():
+            p = alloc()
+            self.written.difference_update(range(p * page_size, (p + 1) * page_size))
+            return p
+
+        bm.pool.alloc = tracking_alloc
+
+    def run(self, batch: ScheduledBatch) -> SampledTokens:
+        slots = [s for st_ in batch.threads for s in st_.slots]
+        assert len(set(slots)) == len(slots), "two new tokens share a slot"
+        now = self.written | set(slots)
+        ps = self.bm.page_size
+        for st_ in batch.threads:
+            flat = [p * ps + o for _, pages, lens in st_.runs for p, n in zip(pages, lens) for o in range(n)]
+            q_len = len(st_.step.tokens)
+            assert flat[-q_len:] == st_.slots, "new tokens are not the end of the view"
+            missing = set(flat) - now
+            assert not missing, f"view reads unwritten slots {sorted(missing)[:5]}"
+        self.written |= set(slots)
+        toks = [st_.step.forced if st_.step.forced is not None else self.rng.choices(range(VOCAB), WEIGHTS)[0]
+                for st_ in batch.sampling]
+        return SampledTokens(toks, [0.0] * len(toks))
+
+
+def run_scripted(seed: int, limits: Limits, max_new: int, n_requests: int = 1, pages: int = 256, page_size: int = 4):
+    rng = random.Random(seed)
+    bm = BlockManager(pages, page_size)
+    runner = ScriptedRunner(rng, bm)
+    sched = Scheduler(bm, max_running_requests=n_requests)
+    reqs = []
+    for i in range(n_requests):
+        prompt = [rng.randrange(VOCAB - 1) for _ in range(rng.randint(1, 9))]
+
+        def make(prompt=prompt):
+            return Interpreter(prompt, decode=decode, eos_ids=[EOS], open_ids=OPEN, close_len=CLOSE_LEN, limits=limits,
+                               max_new_tokens=max_new)
+
+        r = Request(request_id=str(i), index=i, mode="pasta", params=SamplingParams(max_new_tokens=max_new),
+                    make_interpreter=make)
+        sched.add(r)
+        reqs.append(r)
+    for _ in range(10_000):
+        if not sched.has_unfinished():
+            break
+        batch = sched.schedule()
+        if batch:
+            sched.postprocess(batch, runner.run(batch))
+    assert not sched.has_unfinished(), "scheduler did not finish"
+    assert all(r.finished and r.finish_reason in ("stop", "length") for r in reqs)
+    assert all(rc == 0 for rc in bm.pool.refcount), "KV pages leaked"
+    assert bm.num_free == bm.num_pages
+    return reqs
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    max_new=st.integers(1, 150),
+    width=st.sampled_from([None, 1, 2, 3]),
+    min_cap=st.integers(1, 12),
+    max_forks=st.integers(0, 6),
+    n_requests=st.integers(1, 3),
+)
+def test_fuzzed_tag_streams_never_break_the_engine(seed, max_new, width, min_cap, max_forks, n_requests):
+    limits = Limits(max_threads=width, async_min_cap=min_cap, cap_factor=0.1, max_forks=max_forks)
+    for r in run_scripted(seed, limits, max_new, n_requests):
+        it = r.interp
+        st_ = it.structure()
+        assert it.total_sampled == st_.tokens <= max_new
+        assert r.steps == simulate_steps(st_, width)
+        if width is None:
+            assert r.steps == critical_path(st_)
+        sp = it.spliced()
+        assert len(sp.ids) == len(sp.positions) == len(sp.threads)
+        # every forked child ran at most its cap
+        for t in it.threads[1:]:
+            assert t.n_sampled <= t.cap
+
+
+def test_preemption_under_a_small_cache_frees_everything():
+    limits = Limits(max_threads=None, async_min_cap=4, cap_factor=0.5)
+    reqs = run_scripted(7, limits, 80, n_requests=3, pages=40, page_size=4)
+    assert sum(r.preemptions for r in reqs) > 0
+    assert all(r.interp.done for r in reqs)
+
+
+def make_interp(**kw):
+    kw.setdefault("decode", decode)
+    return Interpreter([0, 1], eos_ids=[EOS], open_ids=OPEN, close_len=CLOSE_LEN, **kw)
+
+
+def feed_main(it: Interpreter, pieces: list[str]):
+    for p in pieces:
+        it.schedule_threads()
+        it.take_kv_ops()
+        it.on_token(0, PIECES.index(p))
+
+
+@pytest.mark.parametrize(
+    "policy, main_next",
+    [("predicted", 3 + len(OPEN) + 20 + CLOSE_LEN), ("constant:7", 3 + len(OPEN) + 7 + CLOSE_LEN), ("none", 3)],
+)
+def test_positions_after_a_promise(policy, main_next):
+    it = make_interp(policy=policy)
+    feed_main(it, ["a", '<promise topic="t" tokens="20"/>'])
+    # prompt at 0,1; "a" at 2; the promise token at 3 (forwarded next step)
+    child = it.threads[1]
+    assert child.promise.topic == "t"
+    assert child.pending_pos == list(range(4, 4 + len(OPEN)))  # right after the promise
+    assert it.main.pending_pos == [3]
+    feed_main(it, ["b"])
+    assert it.main.pending_pos == [main_next + 1]
+
+
+def test_oracle_needs_replay_and_bad_settings_are_named():
+    with pytest.raises(ValueError, match="oracle"):
+        make_interp(policy="oracle")
+    with pytest.raises(ValueError, match="position_policy='constant:x'"):
+        PositionPolicy.parse("constant:x")
+    with pytest.raises(ValueError, match="max_threads=0"):
+        Limits(max_threads=0)
+    with pytest.raises(ValueError, match="cap_factor"):
+        Limits(cap_factor=float("nan"))
+    with pytest.raises(ValueError, match="unknown mode"):
+        make_interp(mode="fast")
+    with pytest.raises(ValueError, match="empty prompt"):
+        Interpreter([], decode=decode, eos_ids=[EOS], open_ids=OPEN, close_len=CLOSE_LEN)
+
+
+def test_fork_cap_turns_promises_into_text():
+    it = make_interp(limits=Limits(max_forks=1))
+    feed_main(it, ['<promise topic="t" tokens="20"/>', '<promise topic="u" tokens="0"/>'])
+    assert len(it.threads) == 2
+    assert any("fork cap 1 reached" in d for d in it.diagnostics)
+
+
+def test_sync_waits_then_joins():
+    it = make_interp(limits=Limits(max_threads=None))
+    feed_main(it, ['<promise topic="t" tokens="20"/>', "<sync/>"])
+    assert it.main.status.value == "stalled"
+    steps = it.schedule_threads()
+    assert [s.tid for s in steps] == [1]  # only the child runs
+    it.take_kv_ops()
+    it.on_token(1, PIECES.index("</async>"))
+    ops = it.take_kv_ops()
+    assert [type(e).__name__ for e in ops] == ["KVAppend", "KVJoin"]  # flush slot, then the join
+    steps = it.schedule_threads()
+    assert [(s.tid, s.sample) for s in steps] == [(1, False), (0, True)]
+
+
+class PieceTokenizer:
+    """The PIECES vocabulary behind the tokenizer interface replay uses."""
+
+    eos_token_id = EOS
+
+    def encode(self, text, add_special_tokens=False, split_special_tokens=False):
+        return encode_pieces(text)
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
+        return decode(ids)
+
+
+def test_replay_script_structure_matches_the_interpreter():
+    from pasta_engine.engine.replay import replay_script
+
+    ann = "b" + '<promise topic="t" tokens="20"/>' + "<async>ab</async>" + "a<sync/>b"
+    script = replay_script(PieceTokenizer(), ann, EOS)
+    assert script.structure.forks == [(2, len(encode_pieces("ab</async>")))]
+    assert script.structure.syncs == [4]
+    assert script.sequential_ids == encode_pieces('b<promise topic="t" tokens="20"/>') + OPEN + encode_pieces(
+        "ab</async>"
+    ) + encode_pieces("a<sync/>b") + [EOS]
+    assert decode(script.sequential_ids) == ann
+    # the interpreter, forced with the script, decodes exactly that structure in critical-path steps
+    it = make_interp(limits=Limits(max_threads=None), forced_main=script.forced_main,
+                     forced_chunks=script.forced_chunks)
+    steps = 0
+    while not it.done:
+        todo = it.schedule_threads()
+        it.take_kv_ops()
+        it.step_done(todo)
+        sampling = [s for s in todo if s.sample]
+        steps += bool(sampling)
+        for s in sampling:
+            it.on_token(s.tid, s.forced)
+    assert it.structure() == script.structure
+    assert steps == critical_path(script.structure)
+    assert it.spliced().ids == script.sequential_ids
+
+
+def test_context_length_ends_the_request_with_length():
+    it = make_interp(max_positions=6, limits=Limits(max_threads=None))
+    feed_main(it, ["a", "b", "a", "b"])  # prompt at 0,1; tokens at 2..5
+    assert not it.done
+    it.schedule_threads()
+    it.on_token(0, PIECES.index("a"))  # would sit at position 6: not kept
+    assert it.done and it.finish == "length"
+    assert max(it.main.positions) == 5
+    assert any("context length of 6" in d for d in it.diagnostics)
+    # after a promise the main thread's reserved range counts too
+    it = make_interp(max_positions=12, limits=Limits(max_threads=None))
+    feed_main(it, ['<promise topic="t" tokens="20"/>', "a"])
+    assert it.done and it.finish == "length"
+
+
+def test_clean_text_splices_chunks_and_holds_a_partial_tag_back():
+    it = make_interp(limits=Limits(max_threads=None))
+    feed_main(it, ["a", '<promise topic="t" tokens="20"/>', "b", "<"])
+    assert it.clean_text() == "ab"  # "<" may start a tag
+    it.schedule_threads()
+    it.on_token(1, PIECES.index("a"))
+    it.on_token(0, PIECES.index("b"))  # "<b" is no tag: text now
+    assert it.clean_text() == "aab<b"  # the chunk sits at its promise

@@ -1,0 +1,209 @@
+"""PASTA-LANG parser: split-invariance, no lost characters, malformed tags as text."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pasta_engine.lang.tags import (
+    AsyncClose,
+    AsyncOpen,
+    Chunk,
+    Malformed,
+    Promise,
+    Sync,
+    TagParser,
+    Text,
+    parse,
+    promise_tag,
+    splice,
+    split_threads,
+    strip_tags,
+)
+
+TAGS = [
+    '<promise topic="a list" tokens="30"/>',
+    "<promise topic='x' tokens='0' />",
+    '<promise tokens="120" topic="swapped order"/>',
+    "<async>",
+    "</async>",
+    "<sync/>",
+    "<sync />",
+]
+NEAR_MISSES = [
+    "<promise",
+    '<promise topic="x"/>',  # tokens missing
+    '<promise topic="x" tokens="N"/>',  # tokens not a number
+    '<promise topic="x" tokens="1000000000"/>',  # runaway digits
+    '<promise topic="a<b" tokens="3"/>',
+    "<async",
+    "</asyn>",
+    "<sync/",
+    "<syncx/>",
+    "< sync/>",
+    "<",
+    "<<",
+    "</",
+    "<b>bold</b>",
+]
+WORDS = ["<prom", "ise", "async", "sync", "/>", 'topic="t"', 'tokens="2"', " ", "<", "/"]
+
+
+def fragments():
+    piece = st.one_of(st.sampled_from(TAGS + NEAR_MISSES + WORDS), st.text("ab <>/=\"' \n\té", max_size=6))
+    return st.lists(piece, max_size=12).map("".join)
+
+
+def normalize(events):
+    """Merge adjacent text so event lists can be compared across different cuts."""
+    out = []
+    for e in events:
+        if isinstance(e, Text) and out and isinstance(out[-1], Text):
+            out[-1] = Text(out[-1].text + e.text)
+        else:
+            out.append(e)
+    return out
+
+
+def raw_of(events):
+    return "".join(e.text if isinstance(e, Text) else ("" if isinstance(e, Malformed) else e.raw) for e in events)
+
+
+@st.composite
+def cut(draw, text_strategy):
+    text = draw(text_strategy)
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=len(text) + 1)))
+    pieces, prev = [], 0
+    for c in cuts + [len(text)]:
+        pieces.append(text[prev:c])
+        prev = c
+    return text, pieces
+
+
+@settings(max_examples=400, deadline=None)
+@given(cut(fragments()))
+def test_any_cut_parses_like_the_whole_string(case):
+    text, pieces = case
+    whole = normalize(parse(text))
+    p = TagParser()
+    events = []
+    for piece in pieces:
+        events += p.feed(piece)
+    events += p.finish()
+    assert normalize(events) == whole
+    # nothing the model wrote is lost: text plus tag sources reproduce the input exactly
+    assert raw_of(events) == text
+    # each tag knows where it ends in the input
+    for e in events:
+        if not isinstance(e, (Text, Malformed)):
+            assert text[e.end - len(e.raw) : e.end] == e.raw
+
+
+@settings(max_examples=300, deadline=None)
+@given(fragments())
+def test_strip_loses_no_non_tag_character(text):
+    stripped = strip_tags(text)
+    events = parse(text)
+    assert stripped == "".join(e.text for e in events if isinstance(e, Text))
+    # removing exactly the well-formed tags' characters from the input gives the stripped text
+    rebuilt, i = [], 0
+    for e in events:
+        if isinstance(e, Text):
+            assert text.startswith(e.text, i)
+            rebuilt.append(e.text)
+            i += len(e.text)
+        elif not isinstance(e, Malformed):
+            assert text.startswith(e.raw, i)
+            i += len(e.raw)
+    assert i == len(text) and "".join(rebuilt) == stripped
+
+
+def test_tags_are_recognised_split_across_pieces():
+    p = TagParser()
+    out = []
+    for piece in ["Intro <pro", 'mise topic="sleep', ' tips" tok', 'ens="3', '0"/', "><sync", "/> end"]:
+        out += p.feed(piece)
+    out += p.finish()
+    assert out == [
+        Text("Intro "),
+        Promise(topic="sleep tips", tokens=30, raw='<promise topic="sleep tips" tokens="30"/>'),
+        Sync(raw="<sync/>"),
+        Text(" end"),
+    ]
+
+
+def test_partial_tag_is_held_back_until_decided():
+    p = TagParser()
+    assert p.feed("a <asy") == [Text("a ")]
+    assert p.pending == "<asy"
+    assert p.feed("nc>") == [AsyncOpen()]
+    assert p.feed("<asx") == [Text("<asx")]  # not a PASTA-LANG tag name: plain text, no report
+    assert p.feed("<asyncx") == [Malformed(raw="<asyncx", reason="malformed tag"), Text("<asyncx")]
+    assert p.pending == ""
+
+
+def test_special_token_ids_map_to_tags():
+    p = TagParser(special_tokens={50001: "<sync/>", 50002: "</async>"})
+    assert p.feed("done") == [Text("done")]
+    assert p.feed(50001) == [Sync()]
+    assert p.feed(50002) == [AsyncClose()]
+
+
+def test_malformed_tags_are_text_and_reported():
+    text = 'x <promise topic="t" tokens="N"/> y'
+    events = parse(text)
+    assert strip_tags(text) == text
+    assert any(isinstance(e, Malformed) for e in events)
+    assert not any(isinstance(e, Promise) for e in events)
+
+
+def test_runaway_attribute_is_capped_as_text():
+    text = '<promise topic="t" tokens="' + "0" * 5000 + '"/>'
+    assert strip_tags(text) == text
+
+
+def test_a_later_tag_inside_a_failed_buffer_is_still_found():
+    events = parse("<prom<sync/>")
+    assert Sync() in events
+    assert strip_tags("<prom<sync/>") == "<prom"
+
+
+def test_split_and_splice_round_trip():
+    ann = (
+        "Tips:\n1. " + promise_tag("sleep", 30) + "<async>Go to bed.</async>\n2. "
+        + promise_tag("food", 20) + "<async>Eat <sync/> well.</async>\n" + promise_tag("none", 10)
+        + "\n<sync/>\nDone."
+    )
+    th = split_threads(ann)
+    assert th.main == (
+        "Tips:\n1. " + promise_tag("sleep", 30) + "\n2. " + promise_tag("food", 20) + "\n"
+        + promise_tag("none", 10) + "\n<sync/>\nDone."
+    )
+    assert [c.content for c in th.chunks] == ["Go to bed.", "Eat <sync/> well.", None]
+    assert any("inside a chunk" in d for d in th.diagnostics)
+    assert splice(th.main, th.chunks) == ann
+    assert strip_tags(ann) == "Tips:\n1. Go to bed.\n2. Eat  well.\n\n\nDone."
+
+
+def test_unclosed_chunk_and_stray_async():
+    th = split_threads("<async>stray</async> " + promise_tag("t", 10) + "<async>open to the end")
+    assert th.main.startswith("<async>stray</async> ")
+    assert th.chunks == [Chunk(topic="t", tokens=10, content="open to the end", closed=False)]
+    assert splice(th.main, th.chunks).endswith("<async>open to the end")
+
+
+def test_splice_rejects_more_chunks_than_promises():
+    import pytest
+
+    with pytest.raises(ValueError, match="1 promise tags but 2 chunks"):
+        splice(promise_tag("a", 10), ["x", "y"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text("abc \n.", max_size=8), st.text("xyz .", max_size=8)), max_size=5),
+       st.text("d e", max_size=5))
+def test_split_splice_inverse_on_generated_responses(items, tail):
+    ann = "".join(lead + promise_tag("t", 10) + "<async>" + body + "</async>" for lead, body in items) + tail
+    th = split_threads(ann)
+    assert [c.content for c in th.chunks] == [b for _, b in items]
+    assert splice(th.main, th.chunks) == ann

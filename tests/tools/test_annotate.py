@@ -1,0 +1,296 @@
+"""Annotators (sot, apar): only tags are inserted, chunks follow their promises, forks where a
+list or paragraph makes them sensible and nowhere else."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import strategies as st
+
+from pasta_engine.lang.tags import Malformed, Promise, Sync, parse, splice, split_threads, strip_tags
+from pasta_engine.tools.annotate import annotate, annotate_apar, annotate_sot, approx_token_count
+
+INTRO = "Here are a few ways to sleep better at night, each backed by research:"
+ITEMS = [
+    "**Keep a schedule**: go to bed and wake up at the same time every day, even on weekends.",
+    "**Dim the lights**: bright light in the evening delays the release of melatonin by hours.",
+    "**Skip late coffee**: caffeine stays in the blood for six hours or more after a cup.",
+]
+OUTRO = "Small changes like these add up over a few weeks, so give them time."
+
+NUMBERED = INTRO + "\n\n" + "\n".join(f"{i}. {t}" for i, t in enumerate(ITEMS, 1)) + "\n\n" + OUTRO
+BULLETED_NO_INTRO = "\n".join(f"- {t}" for t in ITEMS)
+NESTED = (
+    "Two steps:\n\n"
+    "1. **Prepare the dough**: mix the flour and the water.\n"
+    "   - Use cold water so the butter does not melt too early.\n"
+    "   - Rest the dough for thirty minutes in the fridge.\n\n"
+    "2. **Bake it**: put the tray in a hot oven.\n"
+    "   * Bake for twenty minutes at two hundred degrees.\n"
+    "   * Let it cool on a rack before cutting it.\n"
+)
+CODE = (
+    "Run this to number your lines:\n\n"
+    "```python\n"
+    "1. this line is code, not a list item at all\n"
+    "2. and neither is this one, it stays inside the fence\n"
+    "- nor this bullet, which is part of the code block too\n"
+    "```\n\n"
+    "It prints each line of the file with its number in front of it."
+)
+CODE_IN_ITEMS = (
+    "To install and run it:\n\n"
+    "1. Install the package with pip from the command line:\n"
+    "   ```bash\n"
+    "   - pip install example-package --upgrade\n"
+    "   2. not an item\n"
+    "   ```\n"
+    "2. Run the tool on your data and check the report it writes carefully.\n"
+)
+HEADERS = (
+    "# Packing list\n\n"
+    "## Clothes\n"
+    "- Two pairs of warm socks made of wool for the cold nights.\n"
+    "- A waterproof jacket that packs into its own pocket easily.\n\n"
+    "## Gear\n"
+    "1. A headlamp with spare batteries for the evenings in camp.\n"
+    "2. A small first aid kit with plasters and pain killers inside.\n\n"
+    "Check the weather forecast the day before you leave."
+)
+SINGLE_ITEM = (
+    "One thing matters most:\n\n"
+    "1. Sleep at least seven hours every single night of the week.\n\n"
+    "Everything else follows from it."
+)
+NO_LIST = (
+    "Photosynthesis turns light into chemical energy in plants and algae.\n\n"
+    "In the light reactions, chlorophyll absorbs photons and splits water into oxygen and protons.\n\n"
+    "In the Calvin cycle, the plant uses that energy to fix carbon dioxide into sugars it can store."
+)
+SHORT_ITEMS = "The planets nearest the Sun:\n\n1. Mercury\n2. Venus\n3. Earth\n\nMars comes next."
+
+# (response, sot promises, sot syncs, apar promises)
+CASES = {
+    "numbered": (NUMBERED, 3, 1, 4),  # apar: the three items and the closing paragraph
+    "bulleted_no_intro": (BULLETED_NO_INTRO, 3, 0, 3),
+    "nested": (NESTED, 2, 0, 2),
+    "code_fence": (CODE, 0, 0, 1),  # apar: only the paragraph after the code
+    "code_in_items": (CODE_IN_ITEMS, 2, 0, 2),
+    "headers": (HEADERS, 4, 1, 5),
+    "single_item": (SINGLE_ITEM, 0, 0, 0),  # "Everything else follows from it." is too short to fork
+    "no_list": (NO_LIST, 0, 0, 2),
+    "short_items": (SHORT_ITEMS, 0, 0, 0),
+}
+
+
+def check_well_formed(response: str, annotated: str) -> list[Promise]:
+    """The annotator guarantees, checked independently of the annotator's own check."""
+    assert strip_tags(annotated) == response
+    events = parse(annotated)
+    assert not [e for e in events if isinstance(e, Malformed)] or "<" in response
+    assert sum(isinstance(e, Malformed) for e in events) == sum(isinstance(e, Malformed) for e in parse(response))
+    th = split_threads(annotated)
+    promises = [e for e in events if isinstance(e, Promise)]
+    assert len(th.chunks) == len(promises)
+    assert all(c.content is not None and c.closed for c in th.chunks)
+    assert splice(th.main, th.chunks) == annotated
+    for p in promises:
+        assert not re.search(r'["<>\n]', p.topic) and p.topic.strip() == p.topic and p.topic
+        assert p.tokens % 10 == 0 and p.tokens >= 10
+        assert p.raw + "<async>" in annotated  # each chunk directly follows its promise
+    return promises
+
+
+def fence_open_at(text: str, pos: int) -> bool:
+    """Whether offset ``pos`` of ``text`` lies inside a fenced code block: after a line opening
+    with ``` or ~~~ (3 or more, after spaces or tabs) and before the line that closes it (the
+    same character, at least as many, nothing else)."""
+    fence = None
+    for line in text[:pos].split("\n")[:-1]:
+        if fence is None:
+            m = re.match(r"[ \t]*(`{3,}|~{3,})", line)
+            fence = m.group(1) if m else None
+        elif line.strip().startswith(fence) and set(line.strip()) == {fence[0]}:
+            fence = None
+    return fence is not None
+
+
+def promise_offsets_in_response(annotated: str) -> list[int]:
+    """Offsets in the clean response at which each promise was inserted."""
+    out, clean = [], 0
+    for e in parse(annotated):
+        if hasattr(e, "text"):
+            clean += len(e.text)
+        elif isinstance(e, Promise):
+            out.append(clean)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sot_on_hand_written_responses(name):
+    response, n_promises, n_syncs, _ = CASES[name]
+    a = annotate_sot(response)
+    promises = check_well_formed(response, a.annotated)
+    assert len(promises) == a.promises == n_promises
+    assert sum(isinstance(e, Sync) for e in parse(a.annotated)) == a.syncs == n_syncs
+    for off in promise_offsets_in_response(a.annotated):
+        assert not fence_open_at(response, off)
+    if n_promises == 0:
+        assert a.annotated == response and a.note
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_apar_on_hand_written_responses(name):
+    response, _, _, n_promises = CASES[name]
+    a = annotate_apar(response)
+    promises = check_well_formed(response, a.annotated)
+    assert len(promises) == a.promises == n_promises
+    assert a.syncs == 0 and not any(isinstance(e, Sync) for e in parse(a.annotated))
+    for off in promise_offsets_in_response(a.annotated):
+        assert not fence_open_at(response, off)
+
+
+def test_sot_chunks_are_the_points_and_the_skeleton_stays_on_main():
+    a = annotate_sot(NUMBERED)
+    th = split_threads(a.annotated)
+    assert [c.content for c in th.chunks] == ITEMS
+    assert [c.topic for c in th.chunks] == ["Keep a schedule", "Dim the lights", "Skip late coffee"]
+    # the main thread: intro, numbered skeleton, a sync, then the conclusion
+    assert strip_tags(th.main) == INTRO + "\n\n1. \n2. \n3. \n\n" + OUTRO
+    assert th.main.index("<sync/>") == th.main.index(OUTRO) - len("<sync/>")
+    assert th.main.startswith(INTRO)
+
+
+def test_nested_lists_stay_inside_their_point():
+    th = split_threads(annotate_sot(NESTED).annotated)
+    assert th.chunks[0].content.startswith("**Prepare the dough**")
+    assert th.chunks[0].content.endswith("Rest the dough for thirty minutes in the fridge.")
+    assert "   - Use cold water" in th.chunks[0].content
+    assert "   * Let it cool" in th.chunks[1].content
+    # no promise inside a chunk: the main thread holds both
+    assert th.main.count("<promise") == 2
+
+
+def test_lengths_are_measured_and_rounded_to_tens():
+    count = len  # one "token" per character: easy to predict
+    assert sorted(len(t) % 10 for t in ITEMS)[-1] >= 5  # a length that rounds up is among them
+    a = annotate_sot(NUMBERED, count)
+    promises = [e for e in parse(a.annotated) if isinstance(e, Promise)]
+    assert [p.tokens for p in promises] == [max(10, (len(t) + 5) // 10 * 10) for t in ITEMS]
+    # default counting
+    b = annotate_sot(NUMBERED)
+    assert [e.tokens for e in parse(b.annotated) if isinstance(e, Promise)] == [
+        max(10, (approx_token_count(t) + 5) // 10 * 10) for t in ITEMS
+    ]
+
+
+def test_topics_are_sanitized():
+    items = ['"Quoted <b>bold</b> title" with\ttabs and more words here to pass the minimum length',
+             "<<>> ``` ** nothing but symbols ** and then some ordinary words after them"]
+    response = "Intro:\n\n" + "\n".join(f"- {t}" for t in items)
+    a = annotate_sot(response)
+    promises = check_well_formed(response, a.annotated)
+    assert len(promises) == 2
+    assert promises[0].topic == "Quoted b bold /b title with"
+
+
+def test_responses_containing_tags_are_left_alone_and_say_so():
+    response = ("Use the tag <sync/> in your answer:\n\n1. First point is long enough to fork here.\n"
+                "2. Second point is long enough as well.")
+    for fn in (annotate_sot, annotate_apar):
+        a = fn(response)
+        assert a.annotated == response and a.promises == 0
+        assert "PASTA-LANG tag" in a.note
+
+
+def test_malformed_tag_text_is_kept_and_still_annotated():
+    response = ("Avoid writing <sync> or <promise in plain answers:\n\n"
+                "1. The first point is long enough to be forked by the annotator.\n"
+                "2. The second point mentions </async and is also long enough.")
+    a = annotate_sot(response)
+    check_well_formed(response, a.annotated)
+    assert a.promises == 2
+
+
+def test_unknown_annotator_is_named():
+    with pytest.raises(ValueError, match="unknown annotator 'skeleton'.*sot.*apar.*model"):
+        annotate("x", "skeleton")
+    with pytest.raises(ValueError, match="needs an engine"):
+        annotate("x", "model")
+
+
+def test_first_100_alpaca_eval_answers(alpaca_outputs):
+    rows = json.loads(alpaca_outputs.read_text())[:100]
+    for name in ("sot", "apar"):
+        forked = 0
+        for row in rows:
+            response = row["output"]
+            a = annotate(response, name)
+            promises = check_well_formed(response, a.annotated)
+            assert not any(isinstance(e, Malformed) for e in parse(a.annotated))
+            assert len(promises) == a.promises
+            for off in promise_offsets_in_response(a.annotated):
+                assert not fence_open_at(response, off)
+            forked += a.promises > 0
+        # most AlpacaEval answers have lists (sot) or several paragraphs (apar)
+        assert forked >= 40, (name, forked)
+
+
+FRAGMENTS = [
+    "1. ", "2. ", "10) ", "- ", "* ", "+ ", "   ", "  - ", "\t", "\n", "\n\n", "\r\n", "```", "```python\n", "~~~\n",
+    "# ", "## Title", "**Bold**: ", "__b__", "word ", "several words in a row ", "long sentence that keeps going. ",
+    ":", "<", ">", "/>", '"', "'", "<sync/>", "<sync", "<async>", "</async>", "<promise", ' topic="t"',
+    ' tokens="10"', "<promise topic=\"x\" tokens=\"10\"/>", "</", "é", "中文", "\u2028", "|a|b|", "---",
+]
+WORDS = "the a sleep early every day walk coffee light dark room water bread oven bake read write".split()
+ODD = [""] * 12 + ["<", ">", "<sync", "</async", "<promise", '"q" ', "é中 ", "**b**: ", "\t", "\r", "\u2028", "<sync/>"]
+odd = st.sampled_from(ODD)
+text = st.one_of(st.lists(st.sampled_from(WORDS), max_size=4), st.lists(st.sampled_from(WORDS), min_size=10, max_size=16))
+text = st.tuples(odd, text.map(" ".join), odd).map("".join)
+sep = st.sampled_from(["\n", "\n\n", "\n\n\n", "\r\n"])
+fence = st.tuples(st.sampled_from(["```", "```python", "~~~", "   ```"]), st.lists(st.one_of(text, st.just("1. " * 3)), max_size=3),
+                  st.sampled_from(["```", "~~~", ""])).map(lambda t: "\n".join([t[0], *t[1], t[2]]))
+item = st.tuples(text, st.lists(st.one_of(st.tuples(st.sampled_from(["   - ", "   1. ", "  ", "    "]), text).map("".join), fence),
+                                max_size=2)).map(lambda t: "\n".join([t[0], *t[1]]))
+
+
+@st.composite
+def markdown_list(draw):
+    marker = draw(st.sampled_from(["{}. ", "- ", "* ", "{}) ", "+ ", "  - "]))
+    items = draw(st.lists(item, min_size=1, max_size=5))
+    gap = draw(st.sampled_from(["\n", "\n\n"]))
+    return gap.join(marker.format(i) + it for i, it in enumerate(items, 1))
+
+
+block = st.one_of(text, markdown_list(), fence, text.map(lambda t: "## " + t))
+markdown = st.tuples(st.lists(block, max_size=6), st.lists(sep, min_size=6, max_size=6)).map(
+    lambda t: "".join(b + s for b, s in zip(t[0], t[1]))
+)
+# a soup of markdown and tag fragments
+soup = st.lists(st.sampled_from(FRAGMENTS), max_size=40).map("".join)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(soup, markdown), st.sampled_from(["sot", "apar"]))
+def test_random_markdownish_text_always_strips_back(response, name):
+    a = annotate(response, name)  # never raises
+    has_tags = any(not isinstance(e, Malformed) and not hasattr(e, "text") for e in parse(response))
+    if has_tags:
+        assert a.annotated == response and a.promises == 0
+    else:
+        promises = check_well_formed(response, a.annotated)
+        assert len(promises) == a.promises
+        assert a.note is None or "nothing to fork" in a.note  # the annotator's own check never failed
+        for off in promise_offsets_in_response(a.annotated):
+            assert not fence_open_at(response, off)
+
+
+def test_the_random_markdown_strategy_reaches_forks():
+    """Guard for the property test above: its inputs do exercise forking and syncs (find
+    raises NoSuchExample otherwise)."""
+    quick = settings(max_examples=2000, database=None, deadline=None, phases=[Phase.generate], derandomize=True)
+    find(markdown, lambda r: annotate_sot(r).promises >= 3 and annotate_sot(r).syncs >= 1, settings=quick)
+    find(markdown, lambda r: annotate_apar(r).promises >= 3, settings=quick)

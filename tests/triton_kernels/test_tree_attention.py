@@ -1,0 +1,200 @@
+"""Tree decode attention under the Triton interpreter vs the torch reference, on random forests.
+
+Forests are built with the real KV cache manager: several requests, each a main thread that
+prefills a prompt, forks 0-8 children at random points (the main thread keeps appending between
+forks), joins some of them at a sync and decodes on; every live thread is one query row. Page
+sizes 4 and 16 put page boundaries (and the sealed partial pages of forks and joins) at every
+offset."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pasta_engine.engine.block_manager import BlockManager, KVView
+from pasta_engine.layers.attention import AttentionMetadata, TorchAttention
+from pasta_engine.triton_kernels.tree_attention import (
+    DecodeWorkspace,
+    build_plan,
+    choose_mode,
+    tree_decode_attention,
+)
+
+
+class Forest:
+    """Pages from the block manager plus one layer's K and V caches."""
+
+    def __init__(self, page_size, hkv, d, dtype, pages=4096 // 4):
+        self.bm = BlockManager(pages, page_size)
+        self.page_size = page_size
+        self.k = torch.randn(pages, page_size, hkv, d).to(dtype)
+        self.v = torch.randn(pages, page_size, hkv, d).to(dtype)
+
+    def append(self, view, n):
+        return self.bm.append(view, n)
+
+    def fork(self, view):
+        return self.bm.fork(view)
+
+    def join(self, view, children):
+        return self.bm.join(view, children)
+
+    def layer(self, i):
+        return self.k, self.v
+
+
+def random_forest(rng: random.Random, n_requests: int, page_size: int, hkv: int, d: int, dtype):
+    kv = Forest(page_size, hkv, d, dtype)
+    views: list[KVView] = []
+    for _ in range(n_requests):
+        main = KVView()
+        kv.append(main, rng.randint(1, 70))
+        children = []
+        for _ in range(rng.randint(0, 8)):
+            kv.append(main, rng.randint(1, 9))
+            c = kv.fork(main)
+            kv.append(c, rng.randint(1, 25))
+            children.append(c)
+        if children and rng.random() < 0.6:  # a sync: some children end and join
+            done = children[: rng.randint(1, len(children))]
+            kv.append(main, 1)
+            kv.join(main, done)
+            children = children[len(done):]
+            kv.append(main, rng.randint(0, 12))
+            for _ in range(rng.randint(0, 2)):  # a fork after the join sees the joined chunks
+                c = kv.fork(main)
+                kv.append(c, rng.randint(1, 9))
+                children.append(c)
+        kv.append(main, 1)
+        views += [main] + children
+    return kv, views
+
+
+def reference(q, kv, views, scale):
+    meta = AttentionMetadata.from_pages(kv.page_size, [1] * len(views), [v.pages for v in views],
+                                        [v.lens for v in views])
+    backend = TorchAttention()
+    backend.plan(meta)
+    k, v = kv.layer(0)
+    return backend.attend(q.float(), k.float(), v.float(), scale)
+
+
+def plan_views(views):
+    return [[(s.id, s.pages, s.lens) for s in v.segments] for v in views]
+
+
+CASES = [
+    # (hq, hkv, d, page_size, dtype, seed)
+    (2, 2, 64, 4, torch.float32, 0),
+    (6, 2, 64, 16, torch.float16, 1),
+    (8, 2, 128, 4, torch.float16, 2),
+    (8, 1, 64, 16, torch.float32, 3),
+    (9, 3, 64, 4, torch.float16, 4),
+    (4, 1, 128, 16, torch.float32, 5),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,page_size,dtype,seed", CASES)
+def test_tree_plain_and_merges_match_the_reference(hq, hkv, d, page_size, dtype, seed):
+    rng = random.Random(seed)
+    kv, views = random_forest(rng, n_requests=rng.randint(1, 3), page_size=page_size, hkv=hkv, d=d, dtype=dtype)
+    q = torch.randn(len(views), hq, d, dtype=dtype)
+    scale = d**-0.5
+    want = reference(q, kv, views, scale)
+    k, v = kv.layer(0)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
+    pv = plan_views(views)
+    for mode, merge, target in [("tree", "inline", 1), ("tree", "inline", 7), ("tree", "separate", 5),
+                                ("plain", "inline", 3), ("auto", "inline", 64)]:
+        plan = build_plan(pv, group=hq // hkv, num_kv_heads=hkv, device="cpu", mode=mode, target_work=target,
+                          max_rows_per_item=4)
+        got = tree_decode_attention(q, k, v, plan, scale, merge=merge, block_n=32)
+        torch.testing.assert_close(got.float(), want, **tol, msg=f"{mode}/{merge}/{target}")
+
+
+def test_sharing_groups_pages_once():
+    rng = random.Random(11)
+    kv, views = random_forest(rng, 1, 4, 1, 16, torch.float32)
+    main = KVView()
+    kv.append(main, 64)
+    kids = [kv.fork(main) for _ in range(5)]
+    for c in kids:
+        kv.append(c, 3)
+    kv.append(main, 1)
+    pv = plan_views([main] + kids)
+    tree = build_plan(pv, group=1, num_kv_heads=1, device="cpu", mode="tree")
+    plain = build_plan(pv, group=1, num_kv_heads=1, device="cpu", mode="plain")
+    assert tree.pages_read == 16 + 6  # the shared 16 pages once, then one private page per thread
+    assert plain.pages_read == 6 * 16 + 6
+    assert choose_mode(pv) == "tree"
+    # no sharing: plain is chosen
+    assert choose_mode([[(1, [0], [4])], [(2, [1], [4])]]) == "plain"
+
+
+def test_counters_are_left_at_zero_for_the_next_launch():
+    rng = random.Random(3)
+    kv, views = random_forest(rng, 2, 4, 2, 64, torch.float32)
+    q = torch.randn(len(views), 4, 64)
+    plan = build_plan(plan_views(views), group=2, num_kv_heads=2, device="cpu", mode="tree", target_work=9)
+    assert plan.partials
+    k, v = kv.layer(0)
+    ws = DecodeWorkspace()  # scratch memory the caller owns, reused across launches
+    first = tree_decode_attention(q, k, v, plan, 0.125, workspace=ws)
+    assert ws.counters is not None and int(ws.counters.abs().sum()) == 0
+    second = tree_decode_attention(q, k, v, plan, 0.125, workspace=ws)
+    torch.testing.assert_close(first, second)
+
+
+def test_an_external_merge_gets_every_rows_partials():
+    """merge=callable: the kernel writes every row's partials and the caller merges them (what
+    the CUDA extension's lse_merge does); the torch reference merge gives the same output."""
+    from pasta_engine.layers.csrc_ops import lse_merge_reference
+
+    rng = random.Random(4)
+    kv, views = random_forest(rng, 2, 4, 2, 64, torch.float32)
+    q = torch.randn(len(views), 4, 64)
+    plan = build_plan(plan_views(views), group=2, num_kv_heads=2, device="cpu", mode="tree", target_work=9)
+    k, v = kv.layer(0)
+    calls = []
+
+    def merge(part_o, part_lse, indptr, slots, out):
+        calls.append(int(indptr[-1]))
+        lse_merge_reference(part_o, part_lse, indptr, slots, out)
+
+    got = tree_decode_attention(q, k, v, plan, 0.125, merge=merge)
+    assert calls and calls[0] == plan.n_slots
+    torch.testing.assert_close(got, reference(q, kv, views, 0.125), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs_are_named():
+    k = torch.zeros(4, 4, 2, 64)
+    plan = build_plan([[(1, [0], [2])]], group=2, num_kv_heads=2, device="cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        tree_decode_attention(torch.zeros(1, 4, 64, dtype=torch.float16), k, k, plan, 1.0)
+    with pytest.raises(ValueError, match="KV heads"):
+        tree_decode_attention(torch.zeros(1, 3, 64), k, k, plan, 1.0)
+    with pytest.raises(ValueError, match="empty KV view"):
+        build_plan([[(1, [], [])]], group=1, num_kv_heads=1, device="cpu")
+    with pytest.raises(ValueError, match="mode must be"):
+        build_plan([[(1, [0], [1])]], group=1, num_kv_heads=1, device="cpu", mode="later")
+    with pytest.raises(ValueError, match="merge must be"):
+        tree_decode_attention(torch.zeros(1, 2, 64), k[:, :, :1], k[:, :, :1], plan, 1.0, merge="later")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64), (8, 1, 64)])
+@pytest.mark.parametrize("merge", ["inline", "separate"])
+def test_tree_attention_bf16_matches_the_reference(hq, hkv, d, merge):
+    for seed in range(3):
+        rng = random.Random(seed)
+        kv, views = random_forest(rng, 3, 16, hkv, d, torch.bfloat16)
+        q = torch.randn(len(views), hq, d, dtype=torch.bfloat16)
+        want = reference(q, kv, views, d**-0.5).cuda()
+        kc, vc = (x.cuda() for x in kv.layer(0))
+        for mode in ("tree", "plain"):
+            plan = build_plan(plan_views(views), group=hq // hkv, num_kv_heads=hkv, device="cuda", mode=mode,
+                              target_work=11)
+            got = tree_decode_attention(q.cuda(), kc, vc, plan, d**-0.5, merge=merge)
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
