@@ -45,7 +45,7 @@ def measure(engine: Engine, width: int, prompt_len: int, chunk: int, bw: float) 
     engine.replay(prompt, [trace])  # warm-up: compiles kernels, captures graphs
     engine.profile = []
     [res] = engine.replay(prompt, [trace])
-    steps = [p for p in engine.profile if p.sampled == width and p.rows == width]
+    steps = [p for p in engine.profile if p.sampled == width and p.sequences == width]
     engine.profile = None
     if not steps:
         return {"width": width, "error": "no step ran at this width"}

@@ -34,6 +34,7 @@ __all__ = [
     "theoretical_speedup_vs_baseline",
     "theoretical_parallelism",
     "realized_speedup",
+    "realized_over_theoretical",
     "geomean",
 ]
 
@@ -150,6 +151,12 @@ def realized_speedup(sequential_wall_s: float, pasta_wall_s: float) -> float:
     if sequential_wall_s <= 0 or pasta_wall_s <= 0:
         raise ValueError(f"wall times must be positive, got {sequential_wall_s} and {pasta_wall_s}")
     return sequential_wall_s / pasta_wall_s
+
+
+def realized_over_theoretical(realized: float, theoretical: float) -> float:
+    """How much of the available speedup the engine turns into time (DESIGN.md section 3):
+    realized speedup / theoretical speedup; 1 is the ideal."""
+    return realized / theoretical
 
 
 def geomean(values: Iterable[float]) -> float:

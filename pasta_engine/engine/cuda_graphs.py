@@ -2,7 +2,7 @@
 
 A pure decode step (every sequence one token) of up to ``max(buckets)`` sequences replays the
 graph of the smallest bucket that holds it. Everything the graph reads lives in static device
-buffers sized for that bucket: token ids, logical positions, KV slots (padding rows get slot
+buffers sized for that bucket: token ids, logical positions, KV slots (padding sequences get slot
 -1, which the KV-write kernel skips, and are in no attention row group, so they touch
 nothing), and the attention plan, held by the bucket's graph-mode attention backend
 (:meth:`~pasta_engine.layers.attention.AttentionBackend.for_cuda_graph`: its launch grid is a
@@ -58,15 +58,15 @@ class CudaGraphs:
                              f"not {backend.name!r}")
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.buckets = tuple(sorted(buckets))
-        self.max_rows = self.buckets[-1]
+        self.max_seqs = self.buckets[-1]
         self.page_size = kv_cache.shape[3]
         self.num_pages = kv_cache.shape[2]
         dev = model.device
-        self.input_ids = torch.zeros(self.max_rows, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(self.max_rows, dtype=torch.long, device=dev)
-        self.slots = torch.full((self.max_rows,), -1, dtype=torch.long, device=dev)
-        self.logits_idx = torch.arange(self.max_rows, dtype=torch.long, device=dev)
-        self._host = torch.zeros(3, self.max_rows, dtype=torch.long, pin_memory=True)
+        self.input_ids = torch.zeros(self.max_seqs, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(self.max_seqs, dtype=torch.long, device=dev)
+        self.slots = torch.full((self.max_seqs,), -1, dtype=torch.long, device=dev)
+        self.logits_idx = torch.arange(self.max_seqs, dtype=torch.long, device=dev)
+        self._host = torch.zeros(3, self.max_seqs, dtype=torch.long, pin_memory=True)
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
         self.fallbacks = 0

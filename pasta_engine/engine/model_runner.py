@@ -46,11 +46,12 @@ def default_kv_cache_bytes(device: torch.device) -> int:
 
 @dataclass
 class StepProfile:
-    """One step's numbers: sequences forwarded, threads sampled, whether a CUDA graph ran,
-    host seconds (everything but waiting for the device), device-wait seconds, total seconds,
-    the distinct KV tokens the step's attention read, and the tokens forwarded."""
+    """One step's numbers: sequences forwarded (one per running thread), threads sampled,
+    whether a CUDA graph ran, host seconds (everything but waiting for the device), device-wait
+    seconds, total seconds, the distinct KV tokens the step's attention read, and the tokens
+    forwarded."""
 
-    rows: int
+    sequences: int
     sampled: int
     graphed: bool
     host_s: float
@@ -124,7 +125,7 @@ class ModelRunner:
         slots: list[int] = []
         q_lens: list[int] = []
         runs: list[list] = []
-        logits_rows: list[int] = []
+        logits_indices: list[int] = []
         for st in batch.threads:
             ids += st.step.tokens
             positions += st.step.positions
@@ -132,22 +133,22 @@ class ModelRunner:
             q_lens.append(len(st.step.tokens))
             runs.append(st.runs)
             if st.step.sample:
-                logits_rows.append(len(ids) - 1)
+                logits_indices.append(len(ids) - 1)
         dev = self.device
         meta = AttentionMetadata(page_size=self.page_size, q_lens=q_lens, runs=runs)
         logits = None
         graphed = False
         if self.cuda_graphs is not None:
-            every_row = self.cuda_graphs.run(meta, ids, positions, slots)
-            if every_row is not None:
+            every_seq = self.cuda_graphs.run(meta, ids, positions, slots)
+            if every_seq is not None:
                 graphed = True
-                all_sample = len(logits_rows) == len(q_lens)
-                logits = every_row if all_sample else every_row.index_select(0, to_device(logits_rows, torch.long, dev))
+                all_sample = len(logits_indices) == len(q_lens)
+                logits = every_seq if all_sample else every_seq.index_select(0, to_device(logits_indices, torch.long, dev))
         if logits is None:
             self.backend.plan(meta)
             logits = self.model.forward(
                 to_device(ids, torch.long, dev), to_device(positions, torch.long, dev),
-                to_device(slots, torch.long, dev), self.kv_cache, self.backend, to_device(logits_rows, torch.long, dev),
+                to_device(slots, torch.long, dev), self.kv_cache, self.backend, to_device(logits_indices, torch.long, dev),
             )
         gpu_wait = 0.0
         if self.profile is not None and dev.type == "cuda":
@@ -157,7 +158,7 @@ class ModelRunner:
         sampled = self._sample(batch.sampling, logits)
         if self.profile is not None:
             total = time.perf_counter() - t_start
-            self.profile.append(StepProfile(len(q_lens), len(logits_rows), graphed, total - gpu_wait, gpu_wait, total,
+            self.profile.append(StepProfile(len(q_lens), len(logits_indices), graphed, total - gpu_wait, gpu_wait, total,
                                             _distinct_kv_tokens(runs), len(ids)))
         return sampled
 

@@ -32,15 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``pasta-engine`` argument parser (generate, replay, bench)."""
     ap = argparse.ArgumentParser(prog="pasta-engine", description="PASTA learned asynchronous decoding")
     sub = ap.add_subparsers(dest="command", required=True)
-    modes = ("pasta", "sequential", "both")
-    mode_help = "both: run each prompt sequentially, then with PASTA, and report the realized speedup"
+
+    def add_output_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--mode", choices=("pasta", "sequential", "both"), default="pasta",
+                       help="both: run each prompt sequentially, then with PASTA, and report the realized speedup")
+        p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
 
     g = sub.add_parser("generate", help="decode responses to prompts")
     g.add_argument("prompt", nargs="?", default=None, help=f"the prompt (default: {SAMPLE_PROMPT!r})")
     g.add_argument("--prompts-file", type=Path, default=None,
                    help="one prompt per line, or JSON: a list of strings or AlpacaEval objects with 'instruction'")
-    g.add_argument("--mode", choices=modes, default="pasta", help=mode_help)
-    g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    add_output_args(g)
     g.add_argument("--compare-transformers", action="store_true",
                    help="also time transformers' greedy generate on the same prompt ids (sequential mode)")
     add_sampling_args(g)
@@ -51,8 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="forced decoding of annotated traces (JSONL: prompt, annotated response)")
     r.add_argument("--traces", type=Path, required=True,
                    help="JSONL, one object per line with 'prompt' and 'annotated_response' (or 'annotated'/'response')")
-    r.add_argument("--mode", choices=modes, default="pasta", help=mode_help)
-    r.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    add_output_args(r)
     add_model_args(r)
     add_pasta_args(r)
     add_run_args(r)
@@ -156,7 +157,7 @@ def _hf_generate(engine: Any, prompt_ids: list[int], max_new_tokens: int) -> dic
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    from ..metrics import geomean
+    from ..metrics import geomean, realized_over_theoretical
 
     out: dict[str, Any] = {"prompts": len(rows)}
     pasta = [r["pasta"] for r in rows if "pasta" in r]
@@ -171,7 +172,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if pasta and seq:
         out["geomean_realized_speedup"] = geomean(r["realized_speedup"] for r in rows)
         out["geomean_realized_over_theoretical"] = geomean(
-            r["realized_speedup"] / r["pasta"]["stats"]["theoretical_speedup"] for r in rows
+            realized_over_theoretical(r["realized_speedup"], r["pasta"]["stats"]["theoretical_speedup"]) for r in rows
         )
     hf = [r["transformers"] for r in rows if "transformers" in r]
     if hf:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import SamplingParams
 from ..lang.tags import strip_tags
-from ..metrics import geomean, realized_speedup
+from ..metrics import geomean, realized_over_theoretical, realized_speedup
 from .annotate import annotate, annotate_with_model, approx_token_count
 from .traces import PromptRow, TraceRow, write_traces
 
@@ -179,6 +179,29 @@ def warmup_traces(traces: Sequence[TraceRow]) -> list[TraceRow]:
     return [traces[0]] if widest is traces[0] else [traces[0], widest]
 
 
+def _measure_rows(out: Path, items: Sequence[Any], rows: list[dict[str, Any]],
+                  measure: Callable[[int, Any], dict[str, Any]], desc: str,
+                  postfix: Callable[[dict[str, Any]], dict[str, str]]) -> None:
+    """Measure the items after the ``rows`` already kept, appending each new row to ``rows``
+    and to ``out/prompts.jsonl`` as soon as it is measured (the file first gets the kept rows;
+    a killed run leaves at most a truncated last line, which resume drops)."""
+    bar = _bar(len(items), desc)
+    bar.update(len(rows))
+    try:
+        with (out / "prompts.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+            f.flush()
+            for i, item in list(enumerate(items))[len(rows):]:
+                row = measure(i, item)
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                bar.update(1)
+                bar.set_postfix(**postfix(row))
+    finally:
+        bar.close()
+
+
 # --------------------------------------------------------------------------- speedup (replay)
 
 
@@ -204,7 +227,7 @@ def speedup_row(seq: Any, pasta: Any) -> dict[str, Any]:
         "theoretical_parallelism": s.theoretical_parallelism,
         "step_speedup": q.decode_steps / s.decode_steps,
         "realized_speedup": realized,
-        "realized_over_theoretical": realized / s.theoretical_speedup,
+        "realized_over_theoretical": realized_over_theoretical(realized, s.theoretical_speedup),
         "wall_s": s.wall_s,
         "wall_s_sequential": q.wall_s,
         "threads": s.threads,
@@ -331,28 +354,20 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
     for t in warmup_traces(traces) * (warmup if len(rows) < len(traces) else 0):
         for mode in ("sequential", "pasta"):
             engine.replay([t.prompt], [t.annotated_response], mode=mode)
-    bar = _bar(len(traces), "bench speedup")
-    bar.update(len(rows))
     result: dict[str, Any] = {}
+
+    def measure(i: int, t: TraceRow) -> dict[str, Any]:
+        seq = _fastest([engine.replay([t.prompt], [t.annotated_response], mode="sequential")[0]
+                        for _ in range(repeats)])
+        pas = _fastest([engine.replay([t.prompt], [t.annotated_response], mode="pasta")[0] for _ in range(repeats)])
+        return {"index": t.index if t.index is not None else i, "prompt": t.prompt, "annotator": t.annotator,
+                "promises": t.promises, "note": t.note, **speedup_row(seq, pas)}
+
     try:
-        with (out / "prompts.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)  # kept by resume (a truncated last line dropped)
-            f.flush()
-            for i, t in list(enumerate(traces))[len(rows):]:
-                seq = _fastest([engine.replay([t.prompt], [t.annotated_response], mode="sequential")[0]
-                                for _ in range(repeats)])
-                pas = _fastest([engine.replay([t.prompt], [t.annotated_response], mode="pasta")[0]
-                                for _ in range(repeats)])
-                row = {"index": t.index if t.index is not None else i, "prompt": t.prompt, "annotator": t.annotator,
-                       "promises": t.promises, "note": t.note, **speedup_row(seq, pas)}
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                bar.update(1)
-                bar.set_postfix(realized=f"{row['realized_speedup']:.2f}x",
-                                theoretical=f"{row['theoretical_speedup']:.2f}x")
+        _measure_rows(out, traces, rows, measure, "bench speedup",
+                      lambda row: dict(realized=f"{row['realized_speedup']:.2f}x",
+                                       theoretical=f"{row['theoretical_speedup']:.2f}x"))
     finally:
-        bar.close()
         if rows:  # an interrupted run still leaves the aggregates of what it measured
             settings.update(prompts_planned=len(traces), complete=len(rows) == len(traces))
             result = {"summary": summarize_speedup(rows), "settings": settings}
@@ -469,26 +484,19 @@ def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams
         mode: [export_row(r["instruction"], r[key], mode, label, r.get("dataset")) for r in rows]
         for mode, key in (("sequential", "output_sequential"), ("pasta", "output_pasta"))
     }
-    bar = _bar(len(prompts), "bench pareto")
-    bar.update(len(rows))
     result: dict[str, Any] = {}
+
+    def measure(i: int, p: PromptRow) -> dict[str, Any]:
+        seq = _fastest([engine.generate([p.instruction], params, mode="sequential")[0] for _ in range(repeats)])
+        pas = _fastest([engine.generate([p.instruction], params, mode="pasta")[0] for _ in range(repeats)])
+        for mode, res in (("sequential", seq), ("pasta", pas)):
+            exports[mode].append(export_row(p.instruction, res.text, mode, label, p.dataset))
+        return {"index": i, "instruction": p.instruction, "dataset": p.dataset, **pareto_row(seq, pas)}
+
     try:
-        with (out / "prompts.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)  # kept by resume (a truncated last line dropped)
-            f.flush()
-            for i, p in list(enumerate(prompts))[len(rows):]:
-                seq = _fastest([engine.generate([p.instruction], params, mode="sequential")[0] for _ in range(repeats)])
-                pas = _fastest([engine.generate([p.instruction], params, mode="pasta")[0] for _ in range(repeats)])
-                row = {"index": i, "instruction": p.instruction, "dataset": p.dataset, **pareto_row(seq, pas)}
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                for mode, res in (("sequential", seq), ("pasta", pas)):
-                    exports[mode].append(export_row(p.instruction, res.text, mode, label, p.dataset))
-                bar.update(1)
-                bar.set_postfix(realized=f"{row['realized_speedup']:.2f}x", forks=row["forks"])
+        _measure_rows(out, prompts, rows, measure, "bench pareto",
+                      lambda row: dict(realized=f"{row['realized_speedup']:.2f}x", forks=row["forks"]))
     finally:
-        bar.close()
         for mode, items in exports.items():  # what was decoded is never lost
             if items:
                 _write_json(out / f"model_outputs_{mode}.json", items)

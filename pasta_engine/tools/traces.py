@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 __all__ = ["TraceFileError", "PromptRow", "TraceRow", "read_prompts", "read_traces", "write_traces"]
 
@@ -152,8 +152,3 @@ def write_traces(path: str | Path, rows: Iterable[TraceRow]) -> int:
             f.write(row.to_json() + "\n")
             n += 1
     return n
-
-
-def prompt_rows_as_dicts(rows: Iterable[PromptRow]) -> list[dict[str, Any]]:
-    """AlpacaEval-format dicts of ``rows`` (fields that are None left out)."""
-    return [{k: v for k, v in asdict(r).items() if v is not None} for r in rows]

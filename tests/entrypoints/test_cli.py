@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from pasta_engine.entrypoints.cli import main
 
 ANNOTATED = 'Tips: <promise topic="a" tokens="10"/><async>Sleep.</async> <promise topic="b" tokens="10"/><async>Walk.</async><sync/> Done.'
@@ -55,3 +58,42 @@ def test_errors_are_one_line_not_tracebacks(tmp_path, capsys):
     rc = main(["replay", "--traces", str(bad)])
     _, err = capsys.readouterr()
     assert rc == 2 and "bad.jsonl:1" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "x", "--kv-cache-mb", "0"], "--kv-cache-mb: expected an integer >= 1, got 0"),
+        (["generate", "x", "--limit", "-1"], "--limit: expected an integer >= 1, got -1"),
+        (["generate", "x", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1, got 0"),
+        (["generate", "x", "--max-threads", "-2"], "--max-threads: expected an integer >= 0, got -2"),
+        (["generate", "x", "--seed", "1.5"], "--seed: expected an integer >= 0, got '1.5'"),
+        (["bench", "speedup", "--traces", "t", "--out", "o", "--repeats", "0"], "--repeats: expected an integer >= 1"),
+    ],
+)
+def test_bad_counts_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    _, err = capsys.readouterr()
+    assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only torch (this machine has CUDA)")
+def test_cuda_without_cuda_is_one_line(tiny_llama, capsys):
+    rc = main(["generate", "x", "--model", str(tiny_llama), "--device", "cuda"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and "sees no CUDA GPU" in err and "--device cpu" in err
+
+
+def test_a_json_object_is_not_a_prompts_file(tiny_llama, tmp_path, capsys):
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps({"first prompt": 1, "second prompt": 2}))
+    rc = main(["generate", "--prompts-file", str(f), "--model", str(tiny_llama), "--kv-cache-mb", "8"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "not a list of prompts" in err and out == ""
+
+
+def test_bad_sampling_values_name_the_flag_value(tiny_llama, capsys):
+    rc = main(["generate", "x", "--model", str(tiny_llama), "--top-p", "0", "--kv-cache-mb", "8"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "top_p=0.0" in err and err.count("\n") == 1

@@ -1,0 +1,221 @@
+"""The failure model (DESIGN.md section 7): a bad request fails alone before it takes any page;
+an error that belongs to one request ends only that request; any exception or Ctrl-C escaping a
+step frees every page first; after any of these the engine serves the next call exactly as a
+fresh engine would. Also: the model's context length, and several Python threads at once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pasta_engine import ContextLengthError, Engine, ParameterError, SamplingParams
+from pasta_engine.engine import model_runner as model_runner_module
+from pasta_engine.tools.presets import build_checkpoint
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+PARAMS = SamplingParams(max_new_tokens=24, temperature=0.8, seed=7)
+
+
+@pytest.fixture(scope="module")
+def fresh_tokens(tiny_llama):
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=4 * 2**20, page_size=4)
+    return [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
+
+
+@pytest.fixture
+def engine(tiny_llama):
+    return Engine.from_pretrained(tiny_llama, kv_cache_bytes=4 * 2**20, page_size=4)
+
+
+def all_free(engine: Engine) -> bool:
+    s = engine.stats()
+    return s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0 and s["waiting"] == 0
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def fail_on_call(n: int, exc: BaseException):
+    """A wrapper factory: the n-th call (1-based) raises ``exc``, the others pass through."""
+    calls = [0]
+
+    def wrap(fn):
+        def inner(*a, **k):
+            calls[0] += 1
+            if calls[0] == n:
+                raise exc
+            return fn(*a, **k)
+
+        return inner
+
+    return wrap
+
+
+@pytest.mark.parametrize("exc", [Boom("forward failed"), KeyboardInterrupt()])
+def test_an_exception_in_the_model_forward_frees_every_page(engine, fresh_tokens, monkeypatch, exc):
+    forward = engine.model.forward
+    for n in (1, 3, 9, 20):  # in a prefill, and in decode steps with several requests running
+        monkeypatch.setattr(engine.model, "forward", fail_on_call(n, exc)(forward))
+        with pytest.raises(type(exc)):
+            engine.generate(PROMPTS, PARAMS)
+        assert all_free(engine), f"pages leaked after failing forward call {n}"
+        assert not engine.has_unfinished_requests()
+    monkeypatch.setattr(engine.model, "forward", forward)
+    assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == fresh_tokens
+
+
+def test_an_exception_in_a_kv_append_frees_every_page(engine, fresh_tokens, monkeypatch):
+    append = engine.block_manager.append
+    for n in (2, 7, 15):
+        monkeypatch.setattr(engine.block_manager, "append", fail_on_call(n, Boom("append failed"))(append))
+        with pytest.raises(Boom):
+            engine.replay(["hi"], ['A <promise topic="t" tokens="10"/><async>b c d</async> e<sync/> f'])
+        assert all_free(engine)
+    monkeypatch.setattr(engine.block_manager, "append", append)
+    assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == fresh_tokens
+
+
+def test_a_sampling_error_ends_only_its_request(engine, fresh_tokens, monkeypatch):
+    real = model_runner_module.sample
+
+    def sample(logits, params, generator):
+        if params.seed == 666:
+            raise Boom("bad logits")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(model_runner_module, "sample", sample)
+    params = [PARAMS, SamplingParams(max_new_tokens=24, temperature=0.8, seed=666), PARAMS]
+    res = engine.generate(PROMPTS, params)
+    assert res[1].stats.finish_reason == "error" and "sampling failed" in res[1].error and "bad logits" in res[1].error
+    assert [res[0].token_ids, res[2].token_ids] == [fresh_tokens[0], fresh_tokens[2]]  # the others went on
+    assert all_free(engine)
+    for _ in range(4):  # four failed calls in a row do not wear the engine down
+        [r] = engine.generate([PROMPTS[1]], params[1])
+        assert r.stats.finish_reason == "error"
+    monkeypatch.setattr(model_runner_module, "sample", real)
+    assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == fresh_tokens
+
+
+def test_a_tiny_temperature_is_greedy_not_a_crash(engine):
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10))
+    tiny = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=1e-45))
+    assert [r.token_ids for r in tiny] == [r.token_ids for r in greedy]
+    assert all(r.stats.finish_reason == "length" for r in tiny)
+
+
+def test_kv_exhaustion_mid_decode_fails_one_request_and_the_rest_finish(tiny_llama):
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=40 * 1024, page_size=4, max_running_requests=2)
+    short = SamplingParams(max_new_tokens=4)
+    res = engine.generate([list(range(3, 60)), [7, 8, 9]], [SamplingParams(max_new_tokens=400), short])
+    assert res[0].stats.finish_reason == "error" and "KV cache exhausted" in res[0].error
+    assert res[1].stats.finish_reason == "length" and res[1].stats.tokens_decoded == 4
+    assert all_free(engine)
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        (None, "prompt 1 must be a string or a list of token ids, got NoneType"),
+        (b"bytes", "prompt 1 must be a string or a list of token ids, got bytes"),
+        ([1, 2.0, 3], r"prompt 1: token 1 is 2\.0 \(float\)"),
+        ([1, "2"], r"prompt 1: token 1 is '2' \(str\)"),
+        ([1, True], r"prompt 1: token 1 is True \(bool\)"),
+        ([1, None], r"prompt 1: token 1 is None"),
+        ([1, -4], r"prompt 1: token id -4 \(position 1\) is outside"),
+        ([], "prompt 1 is an empty list of token ids"),
+    ],
+)
+def test_a_bad_prompt_is_named_by_its_index_before_anything_runs(engine, prompt, match):
+    before = engine.stats()["steps"]
+    with pytest.raises(ParameterError, match=match) as e:
+        engine.generate([[5, 6], prompt, [7]], PARAMS)
+    assert e.value.param == "prompt"
+    assert engine.stats()["steps"] == before and all_free(engine)  # the good prompts did not run either
+
+
+def test_generate_argument_shapes(engine):
+    with pytest.raises(ParameterError, match="no prompts given"):
+        engine.generate([])
+    with pytest.raises(ParameterError, match="prompts"):
+        engine.generate(b"abc")
+    with pytest.raises(ParameterError, match="params"):
+        engine.generate([[5]], params={"temperature": 0.5})
+    [r] = engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2))  # a list of ints is one prompt
+    assert r.prompt_ids == [5, 6, 7]
+
+
+def test_a_prompt_over_the_context_is_rejected_before_admission(tiny_llama):
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=64 * 2**20, page_size=16)
+    ctx = engine.max_positions
+    assert ctx == 4096
+    with pytest.raises(ContextLengthError, match=f"4096 tokens, which leaves no room under the model's context length of {ctx}"):
+        engine.generate([[5] * ctx])
+    assert all_free(engine) and engine.stats()["steps"] == 0
+
+
+def test_decoding_stops_at_the_context_length(tmp_path):
+    path = build_checkpoint("tiny-llama", tmp_path / "ctx64", overrides={"max_position_embeddings": 64})
+    engine = Engine.from_pretrained(path, kv_cache_bytes=4 * 2**20, page_size=4)
+    [r] = engine.generate([list(range(5, 35))], SamplingParams(max_new_tokens=200, temperature=1.0, seed=3),
+                          mode="sequential")
+    assert r.stats.finish_reason == "length"
+    assert max(r.positions) == 63 and len(r.token_ids) == 64 - 30
+    # pasta mode: the largest logical position counts (the main thread skips a promise's range)
+    [p] = engine.replay([list(range(5, 35))], ['A <promise topic="t" tokens="40"/><async>b c</async> d e f g'])
+    assert p.stats.finish_reason == "length" and max(p.positions) < 64
+    assert any("context length of 64" in d for d in p.diagnostics)
+    assert all_free(engine)
+
+
+def test_special_token_text_in_a_prompt_is_text_unless_asked(tiny_llama):
+    text = Engine.from_pretrained(tiny_llama, kv_cache_bytes=2**20)
+    control = Engine.from_pretrained(tiny_llama, kv_cache_bytes=2**20, prompt_special_tokens="control")
+    eos = text.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    as_text = text.format_prompt("stop<|im_end|>here", mode="sequential")
+    as_control = control.format_prompt("stop<|im_end|>here", mode="sequential")
+    assert as_text.count(eos) == as_control.count(eos) - 1  # the template's own markers stay control tokens
+    assert text.decode(as_text) == control.decode(as_control)  # same characters either way
+    plain = text.format_prompt("stop here", mode="sequential")
+    assert plain == control.format_prompt("stop here", mode="sequential")
+
+
+@pytest.mark.parametrize("n_threads", [2, 8])
+def test_python_threads_sharing_one_engine_serialize(engine, n_threads):
+    """generate() from several threads: each call completes with the tokens it gets alone (the
+    engine takes one lock per call), and no page leaks."""
+    prompts = [[20 + i, 21, 22] for i in range(n_threads)]
+    params = [SamplingParams(max_new_tokens=12, temperature=0.7, seed=i) for i in range(n_threads)]
+    alone = [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            got[i] = engine.generate([prompts[i]], params[i])[0].token_ids
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and [got[i] for i in range(n_threads)] == alone
+    assert all_free(engine)
+
+
+def test_bad_engine_settings_fail_at_construction(tiny_llama):
+    with pytest.raises(ParameterError, match="max_running_requests=0"):
+        Engine.from_pretrained(tiny_llama, max_running_requests=0)
+    with pytest.raises(ParameterError, match="page_size=0"):
+        Engine.from_pretrained(tiny_llama, page_size=0)
+    with pytest.raises(ParameterError, match="holds no page"):
+        Engine.from_pretrained(tiny_llama, kv_cache_bytes=100)
+    if not torch.cuda.is_available():
+        with pytest.raises(ParameterError, match="sees no CUDA GPU"):
+            Engine.from_pretrained(tiny_llama, device="cuda")
+    with pytest.raises(ParameterError, match="dtype"):
+        Engine.from_pretrained(tiny_llama, dtype="float32")

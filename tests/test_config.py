@@ -1,0 +1,113 @@
+"""Every option is validated where it is built, naming the field and the value."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pasta_engine import EngineConfig, Limits, ParameterError, PositionPolicy, SamplingParams
+from pasta_engine.config import GREEDY_TEMPERATURE, MAX_SEED
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_new_tokens", True),  # a bool is not a count
+        ("max_new_tokens", 0),
+        ("max_new_tokens", 2.0),
+        ("max_new_tokens", "8"),
+        ("temperature", -1.0),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", "0.5"),
+        ("temperature", None),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", True),
+        ("top_k", True),
+        ("top_k", -1),
+        ("top_k", 3.0),
+        ("seed", 2**70),
+        ("seed", MAX_SEED + 1),
+        ("seed", -1),
+        ("seed", 1.5),
+        ("seed", None),
+        ("seed", False),
+        ("return_logprobs", "no"),
+        ("return_logprobs", 1),
+        ("return_logprobs", None),
+    ],
+)
+def test_sampling_params_reject_bad_values_naming_the_field(field, value):
+    with pytest.raises(ParameterError, match=f"invalid {field}=") as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field
+    assert isinstance(e.value, ValueError)  # callers that catch ValueError keep working
+
+
+def test_sampling_params_accept_the_edges():
+    assert SamplingParams(seed=MAX_SEED).seed == MAX_SEED
+    assert SamplingParams(top_p=1.0, top_k=0, temperature=0).greedy
+    assert SamplingParams(temperature=1e-45).greedy  # below 1e-5: greedy, as vLLM, never a NaN softmax
+    assert SamplingParams(temperature=GREEDY_TEMPERATURE * 2).greedy is False
+    assert SamplingParams(temperature=1).temperature == 1  # an int temperature is a number
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_threads": 0}, "max_threads"),
+        ({"max_threads": True}, "max_threads"),
+        ({"max_forks": -1}, "max_forks"),
+        ({"async_min_cap": 0}, "async_min_cap"),
+        ({"cap_factor": math.nan}, "cap_factor"),
+        ({"cap_factor": 0}, "cap_factor"),
+        ({"max_promise_tokens": -3}, "max_promise_tokens"),
+    ],
+)
+def test_limits_reject_bad_values(kwargs, field):
+    with pytest.raises(ParameterError, match=f"invalid {field}="):
+        Limits(**kwargs)
+
+
+@pytest.mark.parametrize("spec", ["constant:x", "constant:-1", "fast", 3, None, "constant:"])
+def test_position_policy_names_the_bad_spec(spec):
+    with pytest.raises(ParameterError, match="position_policy"):
+        PositionPolicy.parse(spec)
+
+
+def test_position_policy_parses_every_kind():
+    assert str(PositionPolicy.parse(" Constant:7 ")) == "constant:7"
+    assert PositionPolicy.parse("oracle").kind == "oracle"
+    p = PositionPolicy.parse("none")
+    assert PositionPolicy.parse(p) is p
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_running_requests": 0}, "max_running_requests"),
+        ({"max_running_requests": True}, "max_running_requests"),
+        ({"page_size": 0}, "page_size"),
+        ({"page_size": 4096}, "page_size"),
+        ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+        ({"kv_cache_bytes": 1.5}, "kv_cache_bytes"),
+        ({"limits": {"max_threads": 4}}, "limits"),
+        ({"position_policy": "sideways"}, "position_policy"),
+        ({"cuda_graphs": "yes"}, "cuda_graphs"),
+        ({"prompt_special_tokens": "maybe"}, "prompt_special_tokens"),
+        ({"attention_backend": ""}, "attention_backend"),
+    ],
+)
+def test_engine_config_rejects_bad_settings_at_construction(kwargs, field):
+    with pytest.raises(ParameterError, match=field) as e:
+        EngineConfig(**kwargs)
+    assert e.value.param == field
+
+
+def test_unknown_engine_options_are_named():
+    with pytest.raises(ParameterError, match="unknown engine option 'page_sise'"):
+        EngineConfig.from_kwargs(page_sise=4)
+    assert EngineConfig.from_kwargs(page_size=4).page_size == 4
+    assert EngineConfig(position_policy="constant:3").position_policy == PositionPolicy("constant", 3)
