@@ -35,6 +35,7 @@ __all__ = [
     "theoretical_parallelism",
     "realized_speedup",
     "realized_over_theoretical",
+    "step_speedup",
     "geomean",
 ]
 
@@ -151,6 +152,15 @@ def realized_speedup(sequential_wall_s: float, pasta_wall_s: float) -> float:
     if sequential_wall_s <= 0 or pasta_wall_s <= 0:
         raise ValueError(f"wall times must be positive, got {sequential_wall_s} and {pasta_wall_s}")
     return sequential_wall_s / pasta_wall_s
+
+
+def step_speedup(sequential_steps: int, pasta_steps: int) -> float:
+    """Decode steps of sequential decoding / decode steps of PASTA decoding (equals the
+    theoretical speedup when the same content is decoded at unlimited width). Raises ValueError
+    for a non-positive step count."""
+    if sequential_steps <= 0 or pasta_steps <= 0:
+        raise ValueError(f"step counts must be positive, got {sequential_steps} and {pasta_steps}")
+    return sequential_steps / pasta_steps
 
 
 def realized_over_theoretical(realized: float, theoretical: float) -> float:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import SamplingParams
 from ..lang.tags import strip_tags
-from ..metrics import geomean, realized_over_theoretical, realized_speedup
+from ..metrics import geomean, realized_over_theoretical, realized_speedup, step_speedup
 from .annotate import annotate, annotate_with_model, approx_token_count
 from .traces import PromptRow, TraceRow, write_traces
 
@@ -225,7 +225,7 @@ def speedup_row(seq: Any, pasta: Any) -> dict[str, Any]:
         "critical_path": s.critical_path,
         "theoretical_speedup": s.theoretical_speedup,
         "theoretical_parallelism": s.theoretical_parallelism,
-        "step_speedup": q.decode_steps / s.decode_steps,
+        "step_speedup": step_speedup(q.decode_steps, s.decode_steps),
         "realized_speedup": realized,
         "realized_over_theoretical": realized_over_theoretical(realized, s.theoretical_speedup),
         "wall_s": s.wall_s,
@@ -402,7 +402,7 @@ def pareto_row(seq: Any, pasta: Any) -> dict[str, Any]:
         "decode_steps": s.decode_steps,
         "critical_path": s.critical_path,
         "theoretical_speedup": s.theoretical_speedup,
-        "step_speedup": q.decode_steps / s.decode_steps,
+        "step_speedup": step_speedup(q.decode_steps, s.decode_steps),
         "realized_speedup": realized_speedup(q.wall_s, s.wall_s),
         "throughput_ratio": realized_speedup(q.wall_s, s.wall_s) * s.tokens_decoded / q.tokens_decoded,
         "wall_s_sequential": q.wall_s,
