@@ -38,14 +38,13 @@ import torch
 from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..errors import ContextLengthError, ParameterError
 from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN
-from ..lang.tokenization import decode, encode_prompt, encode_tag, encode_text
+from ..lang.tokenization import decode, encode_prompt, encode_tag, encode_text, eos_token_ids
 from ..models.llama import LlamaModel
 from ..models.loader import load_model
 from .block_manager import BlockManager
-from .interpreter import MODES, Interpreter
+from .interpreter import MODES
 from .model_runner import ModelRunner
-from .replay import replay_script
-from .request import Request, RequestOutput, RequestResult
+from .request import Request, RequestOutput, RequestResult, interpreter_factory
 from .scheduler import Scheduler
 
 __all__ = ["Engine", "Prompt"]
@@ -80,7 +79,10 @@ class Engine:
         self.block_manager = BlockManager(self.model_runner.num_pages, self.config.page_size,
                                           self.model_runner.kv_cache_bytes)
         self.scheduler = Scheduler(self.block_manager, self.config.max_running_requests)
-        self.eos_ids = _eos_ids(tokenizer, hf_config)
+        try:
+            self.eos_ids = eos_token_ids(tokenizer, hf_config)
+        except ValueError as e:
+            raise ParameterError("tokenizer", None, message=str(e)) from None
         self.open_ids = encode_tag(tokenizer, ASYNC_OPEN)
         self.close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
         self.max_positions = model.config.max_position_embeddings
@@ -196,34 +198,22 @@ class Engine:
             raise ParameterError("request_id", request_id, "a non-empty string")
         elif self._known(request_id):
             raise ParameterError("request_id", request_id, message=f"request id {request_id!r} is already in use")
-        forced_main = forced_chunks = None
         if annotated_response is not None:
             if not isinstance(annotated_response, str):
                 raise ParameterError("annotated_response", annotated_response, "a string")
-            script = replay_script(self.tokenizer, annotated_response, self._replay_eos())
             prompt_ids = self.format_prompt(prompt, "pasta", index)  # both modes see the same prompt
-            need = len(script.sequential_ids) + 1
-            if params.max_new_tokens < need:
-                params = dataclasses.replace(params, max_new_tokens=need)
-            if mode == "pasta":
-                forced_main, forced_chunks = script.forced_main, script.forced_chunks
-            else:
-                forced_main = script.sequential_ids
         else:
             prompt_ids = self.format_prompt(prompt, mode, index)
         if self.max_positions is not None and len(prompt_ids) >= self.max_positions:
             raise ContextLengthError("prompt", len(prompt_ids), message=(
                 f"{'the prompt' if index is None else f'prompt {index}'} has {len(prompt_ids)} tokens, which leaves no "
                 f"room under the model's context length of {self.max_positions} tokens"))
-
-        def make() -> Interpreter:
-            return Interpreter(
-                prompt_ids, decode=self.decode, eos_ids=self.eos_ids, open_ids=self.open_ids,
-                close_len=self.close_len, mode=mode, max_new_tokens=params.max_new_tokens, limits=limits,
-                policy=policy, max_positions=self.max_positions, forced_main=forced_main,
-                forced_chunks=forced_chunks,
-            )
-
+        make, max_new_tokens = interpreter_factory(
+            self.tokenizer, prompt_ids, mode=mode, max_new_tokens=params.max_new_tokens, limits=limits, policy=policy,
+            max_positions=self.max_positions, eos_ids=self.eos_ids, annotated_response=annotated_response,
+        )
+        if max_new_tokens != params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
         try:
             req = Request(request_id=request_id, index=index or 0, mode=mode, params=params, make_interpreter=make)
         except ValueError as e:  # e.g. the oracle position policy outside replay
@@ -235,10 +225,6 @@ class Engine:
 
     def _known(self, request_id: str) -> bool:
         return request_id in self._kept or self.scheduler._find(request_id) is not None
-
-    def _replay_eos(self) -> int:
-        eos = self.tokenizer.eos_token_id
-        return eos if eos in self.eos_ids else self.eos_ids[0]
 
     def add_request(
         self,
@@ -495,16 +481,3 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
     if len(plist) != n:
         raise ParameterError("params", len(plist), message=f"{len(plist)} SamplingParams for {n} prompts")
     return plist
-
-
-def _eos_ids(tokenizer: Any, hf_config: Any) -> list[int]:
-    ids: set[int] = set()
-    for src in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    if not ids:
-        raise ParameterError("tokenizer", None, message="neither the tokenizer nor the model config names an "
-                             "end-of-sequence token")
-    return sorted(ids)

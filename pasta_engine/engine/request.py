@@ -14,12 +14,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from .. import metrics
-from ..config import SamplingParams
-from ..lang.tags import strip_tags
+from ..config import Limits, PositionPolicy, SamplingParams
+from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN, strip_tags
+from ..lang.tokenization import decode, encode_tag, replay_eos_id
 from .block_manager import KVView
 from .interpreter import Interpreter
+from .replay import replay_script
 
-__all__ = ["Request", "RequestStatus", "RequestOutput", "RequestResult", "RequestStats", "FINISH_REASONS"]
+__all__ = [
+    "Request",
+    "RequestStatus",
+    "RequestOutput",
+    "RequestResult",
+    "RequestStats",
+    "FINISH_REASONS",
+    "interpreter_factory",
+]
 
 #: Why a request ended: ``stop`` (end of sequence, or a replayed trace's end), ``length``
 #: (``max_new_tokens`` or the model's context length), ``abort`` (:meth:`Engine.abort`),
@@ -121,6 +131,54 @@ class RequestOutput:
     def stats(self) -> RequestStats | None:
         """The finished request's stats (None while it runs)."""
         return self.result.stats if self.result is not None else None
+
+
+def interpreter_factory(
+    tokenizer: Any,
+    prompt_ids: list[int],
+    *,
+    mode: str,
+    max_new_tokens: int,
+    limits: Limits,
+    policy: PositionPolicy,
+    max_positions: int | None,
+    eos_ids: list[int],
+    annotated_response: str | None = None,
+) -> tuple[Callable[[], Interpreter], int]:
+    """How a request's interpreter is built (again after a preemption), the one recipe the
+    engine and the training forward share.
+
+    Args:
+        tokenizer: the model's ``transformers`` tokenizer.
+        prompt_ids: the formatted prompt.
+        mode: ``pasta`` or ``sequential``.
+        max_new_tokens: the request's token budget (a replay raises it to the response's
+            length when smaller).
+        limits, policy, max_positions, eos_ids: as :class:`~pasta_engine.engine.interpreter.Interpreter`.
+        annotated_response: make it a replay of this response (forced tokens of
+            :func:`~pasta_engine.engine.replay.replay_script`).
+
+    Returns ``(make, max_new_tokens)``; ``make()`` raises ValueError for settings the
+    interpreter refuses (the oracle policy outside replay)."""
+    forced_main = forced_chunks = None
+    if annotated_response is not None:
+        script = replay_script(tokenizer, annotated_response, replay_eos_id(tokenizer, eos_ids))
+        max_new_tokens = max(max_new_tokens, len(script.sequential_ids) + 1)
+        if mode == "pasta":
+            forced_main, forced_chunks = script.forced_main, script.forced_chunks
+        else:
+            forced_main = script.sequential_ids
+    open_ids = encode_tag(tokenizer, ASYNC_OPEN)
+    close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
+
+    def make() -> Interpreter:
+        return Interpreter(
+            prompt_ids, decode=lambda ids: decode(tokenizer, ids), eos_ids=eos_ids, open_ids=open_ids,
+            close_len=close_len, mode=mode, max_new_tokens=max_new_tokens, limits=limits, policy=policy,
+            max_positions=max_positions, forced_main=forced_main, forced_chunks=forced_chunks,
+        )
+
+    return make, max_new_tokens
 
 
 @dataclass(eq=False)

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 from .tags import ASYNC_CLOSE, ASYNC_OPEN, Malformed, Promise, Text, parse, splice, split_threads
 
 __all__ = [
+    "eos_token_ids",
     "encode_text",
     "encode_tag",
     "decode",
@@ -37,6 +38,30 @@ __all__ = [
     "AnnotatedTokens",
     "tokenize_annotated",
 ]
+
+
+def eos_token_ids(tokenizer: Any, model_config: Any = None) -> list[int]:
+    """Every token id that ends a thread: the model config's ``eos_token_id`` (an int or a
+    list) and the tokenizer's. The first of the list, the tokenizer's when it is one of them, is
+    what replay ends the main thread with (:func:`replay_eos_id`).
+
+    Raises ValueError when neither names one."""
+    ids: set[int] = set()
+    for src in (getattr(model_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model config names an end-of-sequence token")
+    return sorted(ids)
+
+
+def replay_eos_id(tokenizer: Any, eos_ids: Sequence[int]) -> int:
+    """The end-of-sequence token a replayed main thread ends with: the tokenizer's when it is
+    one of ``eos_ids``, else the first of them."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return eos if eos in eos_ids else eos_ids[0]
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

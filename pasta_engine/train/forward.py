@@ -1,0 +1,97 @@
+"""The training forward: a ``transformers`` causal LM (peft-wrapped or not) over a
+:class:`~pasta_engine.train.layout.PastaLayout`, in one dense pass with a 4D attention mask and
+the engine's position ids, so every sampled token gets the log-probability the engine's
+pasta-mode replay gives it (DESIGN.md section 8)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..config import Limits, PositionPolicy
+from ..lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
+from ..lang.tokenization import encode_prompt, eos_token_ids
+from .layout import PastaLayout, pasta_layout
+
+__all__ = ["layout_for", "forward_logprobs", "pasta_logprobs"]
+
+
+def _model_config(model: Any) -> Any:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.config
+
+
+def layout_for(
+    model: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    annotated_response: str,
+    position_policy: str | PositionPolicy = "predicted",
+    *,
+    pasta_prompt: PastaPrompt = DEFAULT_PASTA_PROMPT,
+    limits: Limits | None = None,
+    prompt_special_tokens: str = "text",
+) -> PastaLayout:
+    """The layout of one training example: ``prompt`` formatted as the engine formats a replay's
+    prompt (a string through the chat template with ``pasta_prompt``; a list of ids as it is),
+    the response laid out by :func:`~pasta_engine.train.layout.pasta_layout` with the model's
+    end-of-sequence ids and context length."""
+    cfg = _model_config(model)
+    if isinstance(prompt, str):
+        prompt_ids = encode_prompt(tokenizer, pasta_prompt.messages(prompt), prompt_special_tokens)
+    else:
+        prompt_ids = [int(t) for t in prompt]
+    return pasta_layout(tokenizer, prompt_ids, annotated_response, eos_ids=eos_token_ids(tokenizer, cfg),
+                        position_policy=position_policy, limits=limits,
+                        max_positions=getattr(cfg, "max_position_embeddings", None))
+
+
+def forward_logprobs(model: Any, layout: PastaLayout) -> torch.Tensor:
+    """Log-probabilities ``[S]`` float32 (with gradient when the model has trainable
+    parameters) of the sampled tokens of ``layout``, in spliced order (``layout.sampled()``).
+
+    One forward of ``model`` over ``layout.input_ids`` ``[1, T]`` int64 with a ``[1, 1, T, T]``
+    bool mask and ``[1, T]`` int64 position ids on the model's device; the log-softmax is taken in
+    float32 only at the query rows that predict a sampled token."""
+    dev = next(model.parameters()).device
+    ids = torch.tensor([layout.input_ids], dtype=torch.long, device=dev)
+    pos = torch.tensor([layout.position_ids], dtype=torch.long, device=dev)
+    mask = layout.mask().to(dev)[None, None]
+    qs, toks = layout.sampled()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    logits = out.logits[0, torch.tensor(qs, device=dev)].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(toks, device=dev)[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def pasta_logprobs(
+    model: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    annotated_response: str,
+    position_policy: str | PositionPolicy = "predicted",
+    *,
+    pasta_prompt: PastaPrompt = DEFAULT_PASTA_PROMPT,
+    limits: Limits | None = None,
+) -> tuple[list[int], list[float | None]]:
+    """Per-token log-probabilities of an annotated response as the engine's pasta-mode replay
+    computes them, from one dense forward of a ``transformers`` model.
+
+    Args:
+        model: a ``transformers`` causal LM, peft-wrapped or not.
+        tokenizer: its tokenizer.
+        prompt: a string (chat template with ``pasta_prompt``, as ``Engine.replay`` formats
+            it) or a list of token ids.
+        annotated_response: the response with PASTA-LANG tags.
+        position_policy: ``predicted`` | ``constant:K`` | ``none`` | ``oracle``.
+        pasta_prompt, limits: as the engine's config.
+
+    Returns ``(token_ids, logprobs)`` aligned with ``RequestResult.token_ids`` and
+    ``RequestResult.logprobs`` of ``Engine.replay(..., params=SamplingParams(return_logprobs=True))``:
+    natural-log probabilities, None where the interpreter inserted the token."""
+    layout = layout_for(model, tokenizer, prompt, annotated_response, position_policy, pasta_prompt=pasta_prompt,
+                        limits=limits)
+    lps = forward_logprobs(model, layout).tolist()
+    it = iter(lps)
+    return list(layout.token_ids), [None if q is None else next(it) for q in layout.target_index]
