@@ -21,7 +21,7 @@ if "TRITON_INTERPRET" not in _os.environ:
         _os.environ["TRITON_INTERPRET"] = "1"
 
 from .config import EngineConfig, Limits, PositionPolicy, SamplingParams
-from .engine import Engine, RequestOutput, RequestResult, RequestStats
+from .engine import AsyncEngine, Engine, RequestOutput, RequestResult, RequestStats, StreamOutput, ThreadEvent
 from .errors import (
     ContextLengthError,
     EngineDeadError,
@@ -33,6 +33,9 @@ from .errors import (
 
 __all__ = [
     "Engine",
+    "AsyncEngine",
+    "StreamOutput",
+    "ThreadEvent",
     "EngineConfig",
     "SamplingParams",
     "Limits",

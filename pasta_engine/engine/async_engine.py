@@ -1,0 +1,588 @@
+"""The async engine: the step loop on one background thread, outputs as async iterators
+(after vLLM's ``AsyncLLM``).
+
+>>> import asyncio
+>>> from pasta_engine import AsyncEngine, SamplingParams
+>>> async def main():
+...     engine = AsyncEngine.from_pretrained(None)                  # embedded SmolLM2
+...     async for out in engine.generate("Name three fruits.", SamplingParams(max_new_tokens=64)):
+...         print(out.text, end="", flush=True)                     # reading-order deltas
+...     engine.shutdown()
+>>> asyncio.run(main())
+
+One thread (``pasta-engine-core``) owns the :class:`~pasta_engine.engine.llm_engine.Engine`: it
+takes commands (add, abort, call) from a queue between steps, runs :meth:`Engine.step` while any
+request is unfinished, turns each step's outputs into :class:`StreamOutput`\\ s (reading-order
+text, see :mod:`pasta_engine.engine.streaming`) and hands them to each request's event loop with
+``call_soon_threadsafe``. A forward pass therefore never blocks a caller's event loop, and no
+call from an event loop ever waits for the engine's lock.
+
+Backpressure: each request has one pending output slot; a consumer that lags behind gets the
+outputs merged (deltas concatenated) instead of a queue that grows without bound.
+
+Failure model (DESIGN.md section 7): a bad request raises
+:class:`~pasta_engine.errors.ParameterError` from :meth:`AsyncEngine.add_request` (or the first
+iteration of :meth:`AsyncEngine.generate`) and takes no resource; a request that fails in flight
+ends with ``finish_reason="error"``; cancelling an iterator (its task cancelled, ``aclose``, a
+client gone) aborts its request, and the engine thread frees its KV pages before its next step;
+an exception escaping a step (an error the engine cannot pin on one request) marks the engine
+dead: every open request's iterator and every later call raise
+:class:`~pasta_engine.errors.EngineDeadError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from ..config import Limits, PositionPolicy, SamplingParams
+from ..errors import EngineDeadError, ParameterError
+from ..lang.tokenization import encode_prompt
+from .interpreter import Interpreter
+from .llm_engine import Engine, Prompt
+from .request import Request, RequestOutput, RequestResult, RequestStats
+from .streaming import OutputKind, ReadingOrderStream, ThreadEvent
+
+__all__ = ["AsyncEngine", "StreamOutput", "RequestStream", "format_chat", "CHAT_ROLES"]
+
+
+@dataclass
+class StreamOutput:
+    """One output of a request of the async engine.
+
+    Attributes:
+        request_id: the request's id.
+        text: reading-order clean text (tags left out, a possible partial tag or stop string
+            held back): what is new since the previous output for ``output_kind="delta"``, all
+            of it so far for ``cumulative`` and ``final``. Nothing sent is ever taken back.
+        token_ids: token ids sampled for the request (all threads, in sampling order, EOS
+            included): new ones (``delta``) or all so far.
+        finished: whether this is the request's last output; then ``finish_reason`` is
+            ``stop`` (end of sequence, or a stop string: ``stop_reason`` names it), ``length``,
+            ``abort`` or ``error`` (``error`` holds the message), and ``result`` the engine's
+            whole response (annotated text, stats; not cut at a stop string).
+        events: thread events since the previous output (only when the request asked for
+            them), in order.
+        decode_steps: forward passes that sampled for the request so far.
+        tokens_decoded: tokens sampled for it so far, all threads."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    error: str | None = None
+    events: list[ThreadEvent] = field(default_factory=list)
+    decode_steps: int = 0
+    tokens_decoded: int = 0
+    result: RequestResult | None = None
+
+    @property
+    def stats(self) -> RequestStats | None:
+        """The finished request's stats (None before)."""
+        return self.result.stats if self.result is not None else None
+
+
+def _merge(old: StreamOutput, new: StreamOutput, kind: OutputKind) -> StreamOutput:
+    """Fold ``new`` into an output the consumer has not taken yet."""
+    if kind is OutputKind.DELTA:
+        new.text = old.text + new.text
+        new.token_ids = old.token_ids + new.token_ids
+    new.events = old.events + new.events
+    return new
+
+
+class _Collector:
+    """A request's one-slot mailbox on its event loop (used on that loop's thread only)."""
+
+    def __init__(self, kind: OutputKind):
+        self.kind = kind
+        self.pending: StreamOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, out: StreamOutput) -> None:
+        self.pending = out if self.pending is None else _merge(self.pending, out, self.kind)
+        self.ready.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.ready.set()
+
+    async def get(self) -> StreamOutput:
+        while self.pending is None:
+            if self.error is not None:
+                raise self.error
+            self.ready.clear()
+            await self.ready.wait()
+        out, self.pending = self.pending, None
+        return out
+
+
+class RequestStream:
+    """The outputs of one request, an async iterator (what :meth:`AsyncEngine.add_request`
+    returns). Iteration ends after the finished output; leaving it early does not abort the
+    request: call :meth:`abort`, or use :meth:`AsyncEngine.generate`, which does."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, collector: _Collector):
+        self.engine = engine
+        self.request_id = request_id
+        self._collector = collector
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._collector.get()
+        if out.finished:
+            self.finished = True
+        return out
+
+    def abort(self) -> None:
+        """Abort the request (no wait: the engine thread frees its pages before its next step)."""
+        if not self.finished:
+            self.finished = True
+            self.engine._post_command(("abort", self.request_id, None, None))
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """The engine thread's record of one request of the async engine."""
+
+    request: Request
+    stream: ReadingOrderStream
+    kind: OutputKind
+    loop: asyncio.AbstractEventLoop
+    collector: _Collector
+    token_ids: list[int] = field(default_factory=list)
+    interp: Interpreter | None = None  # the interpreter seen last (a new one after a preemption)
+    seen: int = 0  # tokens that interpreter had applied
+    events: list[ThreadEvent] = field(default_factory=list)  # held for output_kind="final"
+    aborting: bool = False
+
+
+class AsyncEngine:
+    """An :class:`~pasta_engine.engine.llm_engine.Engine` driven by one background thread.
+
+    Args:
+        engine: the engine to own. From now on only this object's thread may call it.
+
+    Use :meth:`generate` (an async generator that aborts its request when closed or
+    cancelled) or :meth:`add_request` + the returned :class:`RequestStream`. :meth:`shutdown`
+    aborts what is open and stops the thread; it is also called on leaving ``with``."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._state = threading.Lock()  # orders "is it dead?" checks against dying and shutdown
+        self._dead: EngineDeadError | None = None
+        self._thread = threading.Thread(target=self._run, name="pasta-engine-core", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model: Any = None, **kwargs: Any) -> "AsyncEngine":
+        """:meth:`Engine.from_pretrained` (same arguments), wrapped."""
+        return cls(Engine.from_pretrained(model, **kwargs))
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine thread is alive and takes requests."""
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine is dead (an error or :meth:`shutdown`)."""
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """The error every call raises once the engine is dead (None while it runs)."""
+        return self._dead
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError when the engine is dead."""
+        if self._dead is not None:
+            raise self._dead
+
+    async def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's text (special tokens kept), decoded on the engine thread (the tokenizer
+        is shared with its detokenizers). Raises EngineDeadError."""
+        ids = [int(t) for t in token_ids]
+        return await self._call(lambda: [self.engine.decode([t]) for t in ids])
+
+    async def stats(self) -> dict[str, Any]:
+        """:meth:`Engine.stats` read on the engine thread after every command sent before
+        this call (so an abort or a cancelled iterator is already applied), plus ``open``:
+        requests of this async engine that have not finished. Raises EngineDeadError."""
+        return await self._call(lambda: {**self.engine.stats(), "open": len(self._tracked)})
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        mode: str = "pasta",
+        request_id: str | None = None,
+        *,
+        output_kind: str | OutputKind = "delta",
+        events: bool = False,
+        stop: Sequence[str] | None = None,
+        chat_template: bool = True,
+        annotated_response: str | None = None,
+        limits: Limits | None = None,
+        position_policy: str | PositionPolicy | None = None,
+    ) -> RequestStream:
+        """Queue a request on the engine thread and return its output stream.
+
+        Args:
+            prompt: as :meth:`Engine.add_request` (a string, or a list of token ids), or chat
+                messages ``[{"role": ..., "content": ...}, ...]`` (see :func:`format_chat`).
+            params, mode, request_id, annotated_response, limits, position_policy: as
+                :meth:`Engine.add_request`.
+            chat_template: False: a string prompt is tokenized as plain text, without the chat
+                template or the PASTA-LANG system prompt (a text completion).
+            output_kind: ``delta`` | ``cumulative`` | ``final`` (see :class:`StreamOutput`).
+            events: also report thread events (fork, text, end, join, finish).
+            stop: strings that end the response right before them (applied to the
+                reading-order text; the request is then aborted, its pages freed, and its
+                finished output says ``finish_reason="stop"`` and ``stop_reason``).
+
+        Raises ParameterError (naming the parameter; ContextLengthError for a prompt that does
+        not fit) before the request takes any resource, EngineDeadError when the engine is
+        dead."""
+        try:
+            kind = OutputKind.parse(output_kind)
+        except ValueError as e:
+            raise ParameterError("output_kind", output_kind, message=str(e)) from None
+        if not isinstance(events, bool):
+            raise ParameterError("events", events, "True or False")
+        stops = _check_stop(stop)
+        if not isinstance(chat_template, bool):
+            raise ParameterError("chat_template", chat_template, "True or False")
+        loop = asyncio.get_running_loop()
+        collector = _Collector(kind)
+        fut = loop.create_future()
+        spec = dict(prompt=prompt, chat_template=chat_template, params=params, mode=mode, request_id=request_id,
+                    annotated_response=annotated_response, limits=limits, position_policy=position_policy)
+        self._post_command(("add", (spec, kind, events, stops, collector), loop, fut))
+        rid = await fut
+        return RequestStream(self, rid, collector)
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        mode: str = "pasta",
+        request_id: str | None = None,
+        **options: Any,
+    ) -> AsyncIterator[StreamOutput]:
+        """Yield the outputs of one request until it finishes (an async generator).
+
+        Arguments as :meth:`add_request`. Closing the generator early or cancelling the task
+        that iterates it aborts the request (its KV pages are freed before the engine's next
+        step). Raises what :meth:`add_request` raises at the first iteration, and
+        EngineDeadError if the engine dies while the request is open."""
+        stream = await self.add_request(prompt, params, mode, request_id, **options)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()  # no-op once finished
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; when this returns its pages are free. Returns False when no
+        unfinished request has that id. Raises EngineDeadError."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._post_command(("abort", request_id, loop, fut))
+        return await fut
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort every open request (their iterators end with ``finish_reason="abort"``), stop
+        the engine thread and wait for it (at most ``timeout_s`` seconds). Later calls raise
+        EngineDeadError. Safe to call twice."""
+        with self._state:
+            if self._dead is None:
+                self._dead = EngineDeadError("the async engine was shut down")
+                self._commands.put(("shutdown", None, None, None))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ caller side
+
+    def _post_command(self, cmd: tuple) -> None:
+        """Queue a command for the engine thread; raise EngineDeadError if it is dead (a
+        fire-and-forget abort is dropped instead: the dead engine holds nothing)."""
+        with self._state:
+            if self._dead is not None:
+                if cmd[0] == "abort" and cmd[3] is None:
+                    return
+                raise self._dead
+            self._commands.put(cmd)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._post_command(("call", fn, loop, fut))
+        return await fut
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                cmd = self._commands.get() if idle else _get_nowait(self._commands)
+                while cmd is not None:
+                    if cmd[0] == "shutdown":
+                        self._shutdown_now()
+                        return
+                    self._handle(cmd)
+                    cmd = _get_nowait(self._commands)
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+        except BaseException as e:  # noqa: BLE001 - the engine cannot go on: every request must hear of it
+            self._die(e)
+
+    def _handle(self, cmd: tuple) -> None:
+        what, payload, loop, fut = cmd
+        if what == "add":
+            spec, kind, events, stops, collector = payload
+            try:
+                prompt = spec["prompt"]
+                if _is_chat(prompt):  # tokenized here: the tokenizer is shared with this thread's detokenizers
+                    prompt = format_chat(self.engine, prompt, "pasta" if spec["annotated_response"] else spec["mode"])
+                elif isinstance(prompt, str) and not spec["chat_template"]:
+                    prompt = self.engine.encode(prompt)
+                    if not prompt:
+                        raise ParameterError("prompt", "", message="the prompt is empty")
+                rid = self.engine.add_request(prompt, spec["params"], spec["mode"], spec["request_id"],
+                                              spec["annotated_response"], limits=spec["limits"],
+                                              position_policy=spec["position_policy"])
+            except Exception as e:  # a bad request (ParameterError) or one the engine could not take: its own
+                _post(loop, _settle, fut, None, e)
+                return
+            self._tracked[rid] = _Tracked(_find_request(self.engine, rid), ReadingOrderStream(events, stops), kind, loop,
+                                          collector)
+            if not _post(loop, self._accept, fut, rid):
+                self.engine.abort(rid)
+        elif what == "abort":
+            ok = self.engine.abort(payload)
+            if fut is not None:
+                _post(loop, _settle, fut, ok, None)
+        elif what == "call":
+            try:
+                value, err = payload(), None
+            except Exception as e:  # the caller's function failed: report it to the caller
+                value, err = None, e
+            _post(loop, _settle, fut, value, err)
+
+    def _accept(self, fut: asyncio.Future, rid: str) -> None:
+        """On the caller's loop: hand over the request id, or abort it when nobody waits."""
+        if fut.cancelled():
+            self._post_command(("abort", rid, None, None))
+        else:
+            fut.set_result(rid)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Collector, StreamOutput]]] = {}
+        for o in outputs:
+            t = self._tracked.get(o.request_id)
+            if t is None:
+                continue  # a request added to the Engine directly
+            out = self._output(t, o)
+            if o.finished:
+                del self._tracked[o.request_id]
+            if out is not None:
+                by_loop.setdefault(t.loop, []).append((t.collector, out))
+        for loop, items in by_loop.items():
+            if not _post(loop, _deliver, items):  # that event loop is gone: nobody reads these requests
+                for _, out in items:
+                    if not out.finished:
+                        self.engine.abort(out.request_id)
+
+    def _output(self, t: _Tracked, o: RequestOutput) -> StreamOutput | None:
+        """The StreamOutput for one step's RequestOutput (None when nothing is new)."""
+        req = t.request
+        it = req.interp
+        stream = t.stream
+        reason = ("stop" if stream.stopped else o.finish_reason) if o.finished else None
+        delta, events = stream.update(it, reason)
+        if stream.stopped and not o.finished and not t.aborting:
+            t.aborting = True
+            self.engine.abort(req.request_id)  # the next step reports it; its output says "stop"
+        # tokens: of this step's sampled tokens, the first `applied` reached the interpreter; of
+        # those, the ones past what was already sent are new (a preempted request re-samples)
+        prev = t.seen if it is t.interp else 0
+        applied = max(0, it.total_sampled - prev)
+        fresh = max(0, it.total_sampled - len(t.token_ids))
+        new = o.new_token_ids[:applied][applied - min(fresh, applied):] if applied else []
+        t.interp, t.seen = it, it.total_sampled
+        t.token_ids += new
+        if t.kind is OutputKind.FINAL:
+            t.events += events
+            if not o.finished:
+                return None
+            events, t.events = t.events, []
+        elif not (delta or events or new or o.finished):
+            return None
+        cumulative = t.kind is not OutputKind.DELTA
+        return StreamOutput(
+            request_id=o.request_id,
+            text=stream.sent if cumulative else delta,
+            token_ids=list(t.token_ids) if cumulative else new,
+            finished=o.finished,
+            finish_reason=reason,
+            stop_reason=stream.stop_reason if o.finished else None,
+            error=o.error,
+            events=events,
+            decode_steps=req.steps,
+            tokens_decoded=it.total_sampled,
+            result=o.result,
+        )
+
+    def _shutdown_now(self) -> None:
+        for rid, t in list(self._tracked.items()):
+            self.engine.abort(rid)
+        while self._tracked and self.engine.has_unfinished_requests():
+            self._dispatch(self.engine.step())  # the aborts' final outputs (no forward is left to run)
+        self._fail_pending(self._dead or EngineDeadError("the async engine was shut down"))
+
+    def _die(self, exc: BaseException) -> None:
+        err = EngineDeadError(f"the engine stopped after an error it could not pin on one request: "
+                              f"{type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        with self._state:
+            if self._dead is None:
+                self._dead = err
+        self._fail_pending(self._dead)
+
+    def _fail_pending(self, err: EngineDeadError) -> None:
+        """Every open request and every queued command hears ``err`` (the thread is ending)."""
+        with self._state:
+            for t in self._tracked.values():
+                _post(t.loop, t.collector.fail, err)
+            self._tracked.clear()
+            while (cmd := _get_nowait(self._commands)) is not None:
+                _, _, loop, fut = cmd
+                if fut is not None:
+                    _post(loop, _settle, fut, None, err)
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def format_chat(engine: Engine, messages: Sequence[dict[str, Any]], mode: str = "pasta") -> list[int]:
+    """Prompt token ids for chat messages, through the model's chat template.
+
+    Args:
+        engine: gives the tokenizer, ``config.pasta_prompt`` and ``config.prompt_special_tokens``.
+        messages: ``[{"role": "system" | "developer" | "user" | "assistant", "content": str or a
+            list of {"type": "text", "text": str} parts}, ...]``, ending with a user message.
+        mode: in ``pasta`` mode the PASTA-LANG system prompt (its instructions, then the
+            messages' own system text) and its example exchanges come first.
+
+    Raises ParameterError naming ``messages`` (with the index of the bad one)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ParameterError("messages", messages, "a non-empty list of {role, content} objects")
+    system: list[str] = []
+    turns: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in CHAT_ROLES:
+            raise ParameterError("messages", messages, message=f"messages[{i}]: role {role!r} is not supported: "
+                                 f"expected one of {', '.join(CHAT_ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ParameterError("messages", messages, message=f"messages[{i}]: only text content parts "
+                                     f"({{\"type\": \"text\", \"text\": ...}}) are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ParameterError("messages", messages, message=f"messages[{i}]: content must be a string or a list "
+                                 f"of text parts, got {type(content).__name__}")
+        if role in ("system", "developer"):
+            system.append(content)
+        else:
+            turns.append({"role": role, "content": content})
+    if not turns or turns[-1]["role"] != "user":
+        raise ParameterError("messages", messages, message="the last message must be the user's (role 'user')")
+    head: list[dict[str, str]] = []
+    if mode == "pasta":
+        pp = engine.config.pasta_prompt
+        system = [pp.system, *system] if pp.system else system
+        for q, a in pp.examples:
+            head += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    if system:
+        head.insert(0, {"role": "system", "content": "\n\n".join(system)})
+    return encode_prompt(engine.tokenizer, head + turns, engine.config.prompt_special_tokens)
+
+
+def _find_request(engine: Engine, request_id: str) -> Request:
+    """The engine's state of a request it just queued (its interpreter is read between steps)."""
+    sched = engine.scheduler
+    for req in (*sched.waiting, *sched.running):
+        if req.request_id == request_id:
+            return req
+    raise RuntimeError(f"request {request_id!r} was queued but the scheduler does not hold it")
+
+
+def _check_stop(stop: Sequence[str] | str | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        raise ParameterError("stop", stop, "a non-empty string or a list of non-empty strings")
+    return list(stops)
+
+
+def _get_nowait(q: queue.SimpleQueue) -> Any:
+    try:
+        return q.get_nowait()
+    except queue.Empty:
+        return None
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> bool:
+    """Run ``fn(*args)`` on ``loop``'s thread; False when that loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _settle(fut: asyncio.Future, value: Any, err: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(value)
+
+
+def _deliver(items: list[tuple[_Collector, StreamOutput]]) -> None:
+    for collector, out in items:
+        collector.put(out)

@@ -1,0 +1,270 @@
+"""The async engine: one background thread owns the step loop; outputs are async iterators;
+cancelling one aborts its request and frees its pages; an error it cannot pin on one request
+marks it dead (EngineDeadError for every open and later request)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pasta_engine import AsyncEngine, ContextLengthError, Engine, EngineDeadError, ParameterError, SamplingParams
+from pasta_engine.engine.async_engine import format_chat
+
+ANNOTATED = ('Tips: <promise topic="a" tokens="10"/><async>Sleep early and often.</async> and '
+             '<promise topic="b" tokens="10"/><async>Walk.</async><sync/> Then the rest of it.')
+PROMPTS = [[5 + i % 20, 9, 10 + i % 7, 11] for i in range(32)]
+PARAMS = [SamplingParams(max_new_tokens=8 + i % 9, temperature=0.0 if i % 4 == 0 else 0.9, seed=200 + i)
+          for i in range(32)]
+MODES = ["pasta" if i % 2 else "sequential" for i in range(32)]
+
+
+def _engine(tiny_llama) -> Engine:
+    return Engine.from_pretrained(tiny_llama, kv_cache_bytes=16 * 2**20, page_size=4, max_running_requests=8)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """What generate() and replay() give for the requests below, on an engine of its own."""
+    eng = _engine(tiny_llama)
+    gen = [None] * len(PROMPTS)
+    for mode in ("pasta", "sequential"):
+        idx = [i for i, m in enumerate(MODES) if m == mode]
+        for i, r in zip(idx, eng.generate([PROMPTS[i] for i in idx], [PARAMS[i] for i in idx], mode=mode)):
+            gen[i] = r
+    rep = eng.replay(["Give me tips."], [ANNOTATED])[0]
+    return gen, rep
+
+
+@pytest.fixture(scope="module")
+def aengine(tiny_llama):
+    a = AsyncEngine(_engine(tiny_llama))
+    yield a
+    a.shutdown()
+
+
+def all_pages_free(stats: dict) -> bool:
+    return stats["kv_pages_free"] == stats["kv_pages_total"] and stats["running"] == stats["waiting"] == 0
+
+
+def test_stream_of_a_replay_concatenates_to_the_result(aengine, reference):
+    async def main():
+        outs = [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED, events=True)]
+        return outs
+
+    outs = asyncio.run(main())
+    final = outs[-1]
+    assert final.finished and final.finish_reason == "stop" and all(not o.finished for o in outs[:-1])
+    assert "".join(o.text for o in outs) == final.result.text == reference[1].text
+    assert final.result.token_ids == reference[1].token_ids
+    assert sum(len(o.token_ids) for o in outs) == final.stats.tokens_decoded
+    kinds = [(e.kind, e.thread) for o in outs for e in o.events]
+    assert kinds.count(("fork", 1)) == kinds.count(("fork", 2)) == 1 and kinds[-1] == ("finish", 0)
+    assert final.decode_steps == final.stats.decode_steps and final.tokens_decoded == final.stats.tokens_decoded
+
+
+def test_cancel_mid_stream_frees_every_page(aengine):
+    async def main():
+        started = asyncio.Event()
+        got = []
+
+        async def consume():
+            async for out in aengine.generate([7, 8, 9], SamplingParams(max_new_tokens=500), mode="sequential"):
+                got.append(out)
+                if len(got) == 3:
+                    started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        during = await aengine.stats()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after = await aengine.stats()  # runs on the engine thread after the abort
+        # closing a generator early (break + aclose) aborts too
+        agen = aengine.generate([7, 8, 9], SamplingParams(max_new_tokens=500), mode="sequential")
+        async for _ in agen:
+            break
+        await agen.aclose()
+        return got, during, after, await aengine.stats()
+
+    got, during, after, after_close = asyncio.run(main())
+    assert not got[-1].finished
+    assert during["running"] == 1 and during["kv_pages_free"] < during["kv_pages_total"]
+    assert all_pages_free(after)
+    assert all_pages_free(after_close)
+
+
+def test_32_concurrent_requests_some_cancelled_some_bad(aengine, reference):
+    gen_ref, rep_ref = reference
+    kinds = ["delta", "cumulative", "final"]
+    cancel = {3, 10, 17, 24}
+    bad = {5: dict(mode="fast"), 12: dict(prompt=[]), 19: dict(prompt=[7] * 5000), 26: dict(output_kind="all")}
+
+    first = {i: asyncio.Event() for i in cancel}
+
+    async def one(i: int):
+        kw = dict(prompt=PROMPTS[i], params=PARAMS[i], mode=MODES[i], output_kind=kinds[i % 3])
+        if i in cancel:  # long enough to be mid-stream when cancelled; pages leak unless the abort frees them
+            kw.update(params=SamplingParams(max_new_tokens=400), output_kind="delta")
+        kw.update(bad.get(i, {}))
+        outs = []
+        async for out in aengine.generate(**kw):
+            outs.append(out)
+            if i in cancel:
+                first[i].set()
+        return outs
+
+    async def replay():
+        return [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED)]
+
+    async def main():
+        tasks = [asyncio.create_task(one(i)) for i in range(32)] + [asyncio.create_task(replay())]
+        for i in cancel:
+            await first[i].wait()
+            tasks[i].cancel()  # the consumer goes away mid-stream
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        return done, await aengine.stats()
+
+    done, stats = asyncio.run(main())
+    for i in range(32):
+        got = done[i]
+        if i in bad:
+            assert isinstance(got, ParameterError), (i, got)
+            assert got.param == {5: "mode", 12: "prompt", 19: "prompt", 26: "output_kind"}[i]
+            if i == 19:
+                assert isinstance(got, ContextLengthError)
+            continue
+        if i in cancel:
+            assert isinstance(got, asyncio.CancelledError)
+            continue
+        ref = gen_ref[i]
+        final = got[-1]
+        assert final.finished and final.finish_reason in ("stop", "length")
+        assert final.result.token_ids == ref.token_ids, i  # the same tokens as generate()
+        kind = kinds[i % 3]
+        if kind == "delta":
+            assert "".join(o.text for o in got) == ref.text
+            toks = [t for o in got for t in o.token_ids]
+        else:
+            assert final.text == ref.text
+            toks = final.token_ids
+            if kind == "final":
+                assert len(got) == 1
+        assert len(toks) == ref.stats.tokens_decoded
+        if MODES[i] == "sequential":
+            assert toks == ref.token_ids
+    assert "".join(o.text for o in done[32]) == rep_ref.text
+    assert all_pages_free(stats)
+
+
+def test_a_lagging_consumer_gets_merged_deltas(aengine, reference):
+    async def main():
+        stream = await aengine.add_request(PROMPTS[1], PARAMS[1], MODES[1])
+        while (await aengine.stats())["open"]:  # each call waits for the engine thread: the request runs
+            pass
+        return [o async for o in stream]
+
+    outs = asyncio.run(main())
+    ref = reference[0][1]
+    assert len(outs) == 1 and outs[0].finished  # everything merged into the one pending output
+    assert outs[0].text == ref.text and outs[0].token_ids == ref.token_ids
+
+
+def test_stop_strings_end_the_stream_and_free_its_pages(aengine):
+    async def main():
+        outs = [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED, stop=["rest", "zzz"])]
+        return outs, await aengine.stats()
+
+    outs, stats = asyncio.run(main())
+    final = outs[-1]
+    assert final.finish_reason == "stop" and final.stop_reason == "rest"
+    assert "".join(o.text for o in outs) == "Tips: Sleep early and often. and Walk. Then the "
+    assert all_pages_free(stats)
+
+
+def test_bad_arguments_raise_before_anything_is_queued(aengine):
+    async def main():
+        for kw, param in ((dict(stop=[""]), "stop"), (dict(events="yes"), "events"), (dict(output_kind=3), "output_kind"),
+                          (dict(prompt=[{"role": "robot", "content": "x"}]), "messages")):
+            args = {"prompt": [5, 6], **kw}
+            with pytest.raises(ParameterError) as e:
+                await aengine.add_request(**args)
+            assert e.value.param == param
+        s1 = await aengine.add_request([5, 6], request_id="dup")
+        with pytest.raises(ParameterError, match="already in use"):
+            await aengine.add_request([5, 6], request_id="dup")
+        assert await aengine.abort("dup") is True
+        assert await aengine.abort("dup") is False
+        outs = [o async for o in s1]
+        return outs, await aengine.stats()
+
+    outs, stats = asyncio.run(main())
+    assert outs[-1].finish_reason == "abort"
+    assert all_pages_free(stats)
+
+
+def test_format_chat_matches_the_engines_string_prompts(aengine):
+    eng = aengine.engine
+    msgs = [{"role": "user", "content": "Name three fruits."}]
+    for mode in ("pasta", "sequential"):
+        assert format_chat(eng, msgs, mode) == eng.format_prompt("Name three fruits.", mode)
+    with_system = format_chat(eng, [{"role": "system", "content": "Be brief."}, *msgs], "pasta")
+    assert eng.decode(with_system).count("Be brief.") == 1
+    parts = format_chat(eng, [{"role": "user", "content": [{"type": "text", "text": "Name three fruits."}]}], "pasta")
+    assert parts == format_chat(eng, msgs, "pasta")
+    with pytest.raises(ParameterError, match="last message"):
+        format_chat(eng, [*msgs, {"role": "assistant", "content": "ok"}])
+
+
+def test_an_error_it_cannot_pin_on_one_request_marks_the_engine_dead(tiny_llama):
+    eng = _engine(tiny_llama)
+    real_run = eng.model_runner.run
+    calls = []
+
+    def run(batch):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("device lost")
+        return real_run(batch)
+
+    eng.model_runner.run = run
+    a = AsyncEngine(eng)
+
+    async def consume(i):
+        return [o async for o in a.generate([5, 6, 7 + i], SamplingParams(max_new_tokens=50), mode="sequential")]
+
+    async def main():
+        results = await asyncio.gather(*(consume(i) for i in range(3)), return_exceptions=True)
+        later = []
+        for call in (lambda: a.add_request([5, 6]), a.stats, a.check_health, lambda: a.abort("x")):
+            try:
+                await call()
+            except EngineDeadError as e:
+                later.append(e)
+        return results, later
+
+    results, later = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) and "device lost" in str(r) for r in results), results
+    assert len(later) == 4
+    assert a.errored and not a.is_running and "device lost" in str(a.dead_error)
+    assert all_pages_free(eng.stats())  # the step's failure freed every running request's pages
+    a.shutdown()
+
+
+def test_shutdown_aborts_open_requests_and_refuses_later_ones(tiny_llama):
+    a = AsyncEngine(_engine(tiny_llama))
+
+    async def main():
+        stream = await a.add_request([5, 6, 7], SamplingParams(max_new_tokens=400), mode="sequential")
+        first = await stream.__anext__()
+        await asyncio.to_thread(a.shutdown)
+        rest = [o async for o in stream]
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await a.add_request([5, 6])
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert not first.finished and rest[-1].finish_reason == "abort"
+    assert not a.is_running and all_pages_free(a.engine.stats())
+    a.shutdown()  # twice is fine

@@ -1,0 +1,181 @@
+"""Streaming in reading order (DESIGN.md section 7): replayed annotated responses with several
+promises, syncs and chunks of any lengths (so they end in any order), stepped one forward at a
+time; at every step the streamed text is checked against an oracle built from the response's
+known layout and each thread's progress."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pasta_engine import Engine, Limits, SamplingParams
+from pasta_engine.engine.streaming import OutputKind, ReadingOrderStream, StopMatcher, reading_order_prefix
+
+PROMPT = [5, 9, 10, 11]  # token ids: no chat template, a short prefill
+WORDS = st.text(alphabet="abcdefgh ijk.,\n", min_size=1, max_size=16)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine.from_pretrained(tiny_llama, kv_cache_bytes=16 * 2**20, page_size=4, max_running_requests=4)
+
+
+def build(mains: list[str], chunks: list[str], syncs: list[bool]) -> tuple[str, str]:
+    """An annotated response m0 P1 C1 m1 P2 C2 ... mk (with <sync/> after m_i where syncs[i])
+    and its clean text."""
+    ann, clean = [], []
+    for k, chunk in enumerate(chunks):
+        ann.append(mains[k] + ("<sync/>" if syncs[k] else ""))
+        ann.append(f'<promise topic="t{k + 1}" tokens="10"/><async>{chunk}</async>')
+        clean += [mains[k], chunk]
+    ann.append(mains[-1])
+    clean.append(mains[-1])
+    return "".join(ann), "".join(clean)
+
+
+def expected_sent(mains: list[str], interp) -> int:
+    """The oracle: characters of the reading order that are final, from the layout and each
+    thread's progress (main text decoded so far; each chunk's text and whether it ended)."""
+    main_done = len("".join(interp.main.clean))
+    children = interp.threads[1:]  # fork order = promise order = reading order here
+    out = pos = 0
+    for k, seg in enumerate(mains):
+        take = min(len(seg), main_done - pos)
+        out += take
+        pos += take
+        if take < len(seg) or k == len(mains) - 1:
+            return out
+        if k >= len(children):
+            return out  # the promise after this segment has not completed yet
+        c = children[k]
+        out += len("".join(c.clean))
+        if not c.ended:
+            return out
+    return out
+
+
+def drive(engine: Engine, rid: str, stream: ReadingOrderStream, mains: list[str] | None):
+    """Step until ``rid`` finishes; check the oracle and the no-tag rule at every step."""
+    req = next(r for r in (*engine.scheduler.waiting, *engine.scheduler.running) if r.request_id == rid)
+    deltas: list[str] = []
+    events = []
+    final = None
+    while final is None:
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            delta, evs = stream.update(req.interp, out.finish_reason if out.finished else None)
+            deltas.append(delta)
+            events += evs
+            if mains is not None:  # texts without "<" or ">": any such character would be tag text
+                assert "<" not in delta and ">" not in delta, f"tag text in a delta: {delta!r}"
+            if mains is not None and not out.finished:
+                assert len(stream.sent) == expected_sent(mains, req.interp), (stream.sent, deltas)
+            if out.finished:
+                final = out
+    return deltas, events, final
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), n=st.integers(2, 4), width=st.sampled_from([None, 2]))
+def test_reading_order_stream_matches_the_oracle(engine, data, n, width):
+    mains = [data.draw(WORDS)] + [data.draw(st.text(alphabet="abcdefgh ijk.,\n", max_size=16)) for _ in range(n)]
+    chunks = [data.draw(st.text(alphabet="pqrstuvw xyz.", min_size=1, max_size=30)) for _ in range(n)]
+    syncs = [False] + [data.draw(st.booleans()) for _ in range(n - 1)]
+    annotated, clean = build(mains, chunks, syncs)
+    rid = engine.add_request(PROMPT, annotated_response=annotated, limits=Limits(max_threads=width))
+    stream = ReadingOrderStream(events=True)
+    deltas, events, final = drive(engine, rid, stream, mains)
+    assert final.finish_reason == "stop"
+    assert final.result.text == clean  # replay decodes exactly the stripped text
+    assert "".join(deltas) == clean  # the deltas concatenate to the final clean text exactly
+    assert stream.sent == clean
+    # events: per thread, fork first, text concatenating to what that thread wrote, end, join
+    by_thread: dict[int, list] = {}
+    for e in events:
+        by_thread.setdefault(e.thread, []).append(e)
+    assert "".join(e.text for e in by_thread[0] if e.kind == "text") == "".join(mains)
+    for k in range(1, n + 1):
+        evs = by_thread[k]
+        kinds = [e.kind for e in evs]
+        assert kinds[0] == "fork" and kinds[-2:] == ["end", "join"], kinds
+        assert evs[0].topic == f"t{k}" and evs[0].tokens == 10 and evs[0].parent == 0
+        assert evs[0].at == len("".join(mains[:k]))  # splices after the main text before its promise
+        assert "".join(e.text for e in evs if e.kind == "text") == chunks[k - 1]
+        assert evs[-2].reason == "close"
+    assert events[-1].kind == "finish" and events[-1].reason == "stop"
+    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+
+
+def test_main_text_after_an_unfinished_chunk_is_held_then_flushed(engine):
+    """A long chunk: the main text after its promise is decoded while the chunk still
+    decodes, is held, and arrives whole in one delta once the chunk ends."""
+    mains, chunks = ["Intro: ", " and the rest of the main text."], ["a long chunk " * 4]
+    annotated, clean = build(mains, chunks, [False])
+    rid = engine.add_request(PROMPT, annotated_response=annotated)
+    stream = ReadingOrderStream(events=True)
+    deltas, events, final = drive(engine, rid, stream, mains)
+    assert "".join(deltas) == clean
+    kinds = [(e.kind, e.thread) for e in events]
+    fork, end = kinds.index(("fork", 1)), kinds.index(("end", 1))
+    assert ("text", 0) in kinds[fork:end]  # the main thread wrote after its promise before the chunk ended
+    i = next(i for i, d in enumerate(deltas) if d.endswith(mains[1]))  # ... and that text arrives whole
+    before = "".join(deltas[:i])
+    assert before.startswith(mains[0]) and chunks[0].startswith(before[len(mains[0]):])  # intro, then chunk only
+    assert "".join(deltas[i + 1:]) == ""
+
+
+def test_sequential_and_generated_streams_concatenate_to_the_result(engine):
+    for mode in ("sequential", "pasta"):
+        rid = engine.add_request([5, 9, 10, 11], SamplingParams(max_new_tokens=40, temperature=1.0, seed=3), mode=mode)
+        stream = ReadingOrderStream(events=True)
+        deltas, events, final = drive(engine, rid, stream, None)
+        assert "".join(deltas) == final.result.text
+        assert events[-1].kind == "finish"
+
+
+def test_reading_order_prefix_stops_after_the_first_unfinished_chunk(engine):
+    mains, chunks = ["A ", " B ", " C"], ["one two three four five", "x"]
+    annotated, _ = build(mains, chunks, [False, False])
+    rid = engine.add_request(PROMPT, annotated_response=annotated)
+    req = next(r for r in engine.scheduler.waiting if r.request_id == rid)
+    seen_hold = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        it = req.interp
+        if len(it.threads) == 3 and not it.threads[1].ended:
+            prefix = reading_order_prefix(it)
+            assert prefix == "A " + "".join(it.threads[1].clean)  # B, chunk 2 and C wait for chunk 1
+            seen_hold = seen_hold or it.threads[2].ended
+    assert seen_hold  # the short second chunk ended while the first still decoded
+
+
+def test_stop_strings_cut_the_text_and_hold_possible_starts(engine):
+    m = StopMatcher(["END", "xyz"])
+    assert m.held("abc EN") == 2 and m.held("abc E") == 1 and m.held("abc") == 0 and m.held("abc xy") == 2
+    assert m.find("abc END more") == (4, "END")
+    assert m.find("aa xyz END", 0) == (3, "xyz")
+    with pytest.raises(ValueError):
+        StopMatcher([""])
+    mains, chunks = ["Start ", " then STOPHERE and more"], ["chunk text"]
+    annotated, _ = build(mains, chunks, [False])
+    rid = engine.add_request(PROMPT, annotated_response=annotated)
+    stream = ReadingOrderStream(stop=["STOPHERE"])
+    req = next(r for r in engine.scheduler.waiting if r.request_id == rid)
+    sent = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sent.append(stream.update(req.interp, out.finish_reason if out.finished else None)[0])
+            assert not stream.sent.endswith(("S", "ST", "STO", "STOP"))  # a possible start is held
+            if stream.stopped:
+                engine.abort(rid)
+    assert "".join(sent) == "Start chunk text then "
+    assert stream.stop_reason == "STOPHERE"
+    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+
+
+def test_output_kind_parse():
+    assert OutputKind.parse("delta") is OutputKind.DELTA and OutputKind.parse(OutputKind.FINAL) is OutputKind.FINAL
+    with pytest.raises(ValueError, match="delta"):
+        OutputKind.parse("final_only")
