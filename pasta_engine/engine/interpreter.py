@@ -234,7 +234,8 @@ class Interpreter:
         self.finish: str | None = None
         self.syncs: list[int] = []  # main sampled-token index (1-based) of each sync
         self._outstanding: list[Thread] = []
-        self._inline = False  # main thread inside an <async> block it wrote itself
+        self._inline = False  # main thread inside a chunk decoded inline (past the fork cap, replay)
+        self._inline_pending = False  # that chunk's <async> is the main thread's next tag
         main = self._new_thread(next_pos=0, forced=forced_main)
         main.pending = list(self.prompt_ids)
         main.pending_pos = list(range(len(self.prompt_ids)))
@@ -398,9 +399,10 @@ class Interpreter:
                 self.syncs.append(thread.n_sampled)
                 self._stall(thread)
             elif isinstance(item, AsyncOpen):
-                self._inline = True
-                if not (self.replay and thread.forced is not None):
-                    self._note(thread, "main thread wrote <async> itself; its chunk is kept as text")
+                if self._inline_pending:
+                    self._inline_pending, self._inline = False, True
+                else:  # text, as split_threads reads it: only an <async> right after a promise opens a chunk
+                    self._note(thread, "main thread wrote <async> itself; kept as text")
             elif isinstance(item, AsyncClose):
                 self._note(thread, "</async> on the main thread kept as text")
 
@@ -416,6 +418,7 @@ class Interpreter:
             if chunk is not None:
                 self._note(main, f"fork cap {self.limits.max_forks} reached: chunk {p.topic!r} decoded inline")
                 main.forced.extendleft(reversed(self.open_ids + chunk))
+                self._inline_pending = True
             else:
                 self._note(main, f"fork cap {self.limits.max_forks} reached: promise {p.topic!r} kept as text")
             return False

@@ -37,6 +37,7 @@ import torch
 
 from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..errors import ContextLengthError, ParameterError
+from ..lang.prompts import PastaPrompt
 from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN
 from ..lang.tokenization import decode, encode_prompt, encode_tag, encode_text, eos_token_ids
 from ..models.llama import LlamaModel
@@ -87,6 +88,8 @@ class Engine:
         self.close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
         self.max_positions = model.config.max_position_embeddings
         self.source: str | os.PathLike | None = None  # what from_pretrained loaded
+        self.adapter: Any = None  # the LoRA adapter folder merged into the weights, if any
+        self.adapter_manifest: dict | None = None
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._kept: dict[str, RequestOutput] = {}  # outputs advanced by generate() for step() callers
@@ -99,6 +102,7 @@ class Engine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         tokenizer: Any = None,
+        adapter: str | os.PathLike | None = "auto",
         **options: Any,
     ) -> "Engine":
         """Load a checkpoint and build an engine.
@@ -109,21 +113,37 @@ class Engine:
                 or a ``.gguf`` file. Llama-family architectures only.
             device: ``"cpu"`` or ``"cuda"``; dtype: float32 / float16 / bfloat16.
             tokenizer: a ``transformers`` tokenizer or a path to one (default: the checkpoint's).
+            adapter: a LoRA adapter folder (peft format) merged into the weights at load;
+                ``"auto"`` (default): the adapter shipped for the embedded model, which taught it
+                PASTA-LANG, when ``model`` is None, else none; None: the base weights. An
+                adapter's manifest sets the PASTA-LANG prompt it was trained with unless
+                ``pasta_prompt`` is given.
             options: :class:`~pasta_engine.config.EngineConfig` fields (or ``config=``).
 
         Raises FileNotFoundError (bad path, missing model package), UnsupportedModelError
-        (architecture), ParameterError (settings, a device this torch cannot use)."""
-        config = options.pop("config", None) or EngineConfig.from_kwargs(**options)
+        (architecture), ParameterError (settings, a device this torch cannot use, an adapter
+        trained for another base model)."""
+        from ..models.adapter import read_manifest
+        from ..models.loader import resolve_adapter
+
+        config = options.pop("config", None)
+        adapter_dir, manifest = resolve_adapter(model, adapter)
+        if config is None:
+            if manifest and "pasta_prompt" not in options and manifest.get("pasta_prompt"):
+                options["pasta_prompt"] = PastaPrompt.from_dict(manifest["pasta_prompt"])
+            config = EngineConfig.from_kwargs(**options)
         device = check_device(device)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ParameterError("dtype", dtype, "torch.float32, torch.float16 or torch.bfloat16")
-        runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype)
+        runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter_dir)
         if isinstance(tokenizer, (str, os.PathLike)):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         engine = cls(runner, tokenizer if tokenizer is not None else tok, hf_cfg, config=config)
         engine.source = model
+        engine.adapter = adapter_dir
+        engine.adapter_manifest = read_manifest(adapter_dir) if adapter_dir is not None else None
         return engine
 
     # ------------------------------------------------------------------ tokens

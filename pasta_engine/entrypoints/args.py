@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from ..tools.presets import PRESETS
@@ -23,6 +24,7 @@ __all__ = [
     "add_sampling_args",
     "add_run_args",
     "build_engine",
+    "adapter_choice",
     "sampling_params",
     "command_line",
     "DTYPES",
@@ -70,6 +72,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-mb", type=positive_int, default=None,
                    help="KV cache budget in MiB (default: 512 on CPU, 40%% of free GPU memory on CUDA)")
     g.add_argument("--page-size", type=positive_int, default=16, help="KV page size in tokens")
+    a = g.add_mutually_exclusive_group()
+    a.add_argument("--adapter", type=Path, default=None,
+                   help="a LoRA adapter folder (peft format) merged into the weights (default: the adapter shipped for "
+                   "the embedded model, in pasta mode)")
+    a.add_argument("--no-adapter", action="store_true", help="run the base model's weights, no adapter")
 
 
 def add_pasta_args(p: argparse.ArgumentParser) -> None:
@@ -125,9 +132,22 @@ def _dtype_name(args: argparse.Namespace) -> str:
     return args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
 
 
-def build_engine(args: argparse.Namespace, max_running_requests: int = 1) -> tuple[Any, dict[str, Any]]:
+def adapter_choice(args: argparse.Namespace, mode: str = "pasta") -> Any:
+    """What ``Engine.from_pretrained(adapter=...)`` gets for ``mode``: ``--adapter PATH``, None
+    with ``--no-adapter``, else the shipped adapter (``"auto"``) in pasta mode and the base
+    weights in sequential mode (the learned adapter is the default in pasta mode)."""
+    if getattr(args, "no_adapter", False):
+        return None
+    if getattr(args, "adapter", None) is not None:
+        return args.adapter
+    return "auto" if mode == "pasta" else None
+
+
+def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapter: Any = "auto"
+                 ) -> tuple[Any, dict[str, Any]]:
     """The engine the flags describe and the settings to record. The device is checked first
-    (before a preset is built).
+    (before a preset is built). ``adapter``: see :func:`adapter_choice` (``--adapter`` and
+    ``--no-adapter`` win over it).
 
     Raises what :meth:`Engine.from_pretrained` raises (FileNotFoundError,
     UnsupportedModelError, ParameterError), naming the problem."""
@@ -158,7 +178,11 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1) -> tup
         options["position_policy"] = args.position_policy
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20
-    engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, dtype_name), **options)
+    if getattr(args, "no_adapter", False):
+        adapter = None
+    elif getattr(args, "adapter", None) is not None:
+        adapter = args.adapter
+    engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, dtype_name), adapter=adapter, **options)
     settings = {
         "model": label,
         "model_path": None if path is None else str(path),
@@ -168,6 +192,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1) -> tup
         "dtype": dtype_name,
         "torch_version": torch.__version__,
         "weight_bytes": engine.model.weight_bytes,
+        "adapter": None if engine.adapter is None else str(engine.adapter),
         **engine.model_runner.describe(),
     }
     if hasattr(args, "max_threads"):

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..lang.prompts import SAMPLE_PROMPT
+from ..tools.annotate import ANNOTATORS
 from .args import (
+    adapter_choice,
     add_model_args,
     add_pasta_args,
     add_run_args,
@@ -67,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--traces", type=Path, help="trace file (JSONL: prompt, annotated_response, annotator)")
-    src.add_argument("--annotator", choices=("sot", "apar", "model"), help="annotate --responses on the fly")
+    src.add_argument("--annotator", choices=ANNOTATORS, help="annotate --responses on the fly")
     s.add_argument("--responses", type=Path, default=None,
                    help="AlpacaEval-format JSON (list of {instruction, output}) to annotate with --annotator")
     s.add_argument("--out", type=Path, required=True, help="output folder")
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Annotate each response of --responses with PASTA-LANG and write one JSONL row per prompt "
         "(prompt, annotated_response, annotator, response, promises, note) to --out.",
     )
-    a.add_argument("--annotator", choices=("sot", "apar", "model"), required=True)
+    a.add_argument("--annotator", choices=ANNOTATORS, required=True)
     a.add_argument("--responses", type=Path, required=True, help="AlpacaEval-format JSON (list of {instruction, output})")
     a.add_argument("--out", type=Path, required=True, help="trace file to write (JSONL)")
     a.add_argument("--tokenizer", default=None,
@@ -103,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(a)  # the model annotator's
     add_model_args(a)
     add_run_args(a)
+
+    from .train_commands import add_learned_parser, add_train_parser
+
+    add_learned_parser(bsub)
+    add_train_parser(sub)
     return ap
 
 
@@ -188,8 +195,17 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
     if args.limit is not None:
         prompts, responses = prompts[: args.limit], (responses[: args.limit] if responses is not None else None)
     params = sampling_params(args) if responses is None else SamplingParams(max_new_tokens=1)
-    engine, _ = build_engine(args)
     modes = ["sequential", "pasta"] if args.mode == "both" else [args.mode]
+    # generate: the learned adapter answers in pasta mode, the base model sequentially (unless
+    # --adapter / --no-adapter say otherwise); replay forces the same content on one engine
+    engines: dict[Any, Any] = {}
+    per_mode = {}
+    for mode in modes:
+        choice = adapter_choice(args, mode if responses is None else "pasta")
+        key = str(choice)
+        if key not in engines:
+            engines[key] = build_engine(args, adapter=choice)[0]
+        per_mode[mode] = engines[key]
     bar = None
     if len(prompts) > 1:
         from tqdm import tqdm
@@ -199,6 +215,7 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
     for i, prompt in enumerate(prompts):
         row: dict[str, Any] = {"index": i, "prompt": prompt}
         for mode in modes:
+            engine = per_mode[mode]
             if responses is None:
                 [res] = engine.generate([prompt], params, mode=mode)
             else:
@@ -352,6 +369,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "train":
+            from .train_commands import run_train
+
+            return run_train(args, argv)
+        if args.command == "bench" and args.bench_command == "learned":
+            from .train_commands import run_learned
+
+            return run_learned(args, argv)
         if args.command == "bench":
             commands = {"speedup": _bench_speedup, "pareto": _bench_pareto, "annotate": _bench_annotate}
             return commands[args.bench_command](args, argv)

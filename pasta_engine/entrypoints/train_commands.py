@@ -1,0 +1,205 @@
+"""``pasta-engine train sft | bonbon``: teach a model PASTA-LANG (DESIGN.md section 8).
+
+Data: the AlpacaEval prompts with reference answers (``--prompts``), split by the ``dataset``
+field: every subset but ``vicuna`` trains; ``vicuna`` is the evaluation split and is never
+trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .args import add_run_args, command_line, nonneg_int, positive_int
+
+__all__ = ["add_train_parser", "run_train", "add_learned_parser", "run_learned"]
+
+
+def add_train_parser(subparsers: Any) -> None:
+    """Add ``train sft | bonbon`` to the ``pasta-engine`` subcommands."""
+    t = subparsers.add_parser("train", help="teach a model PASTA-LANG: sft (LoRA on annotated answers), bonbon")
+    sub = t.add_subparsers(dest="train_command", required=True)
+    s = sub.add_parser(
+        "sft", help="LoRA finetuning on AlpacaEval reference answers annotated with PASTA-LANG",
+        description="Annotate the training split's reference answers (every subset but vicuna), then finetune a LoRA "
+        "adapter with the training forward that sees every token as the engine's pasta-mode replay does. Writes OUT/"
+        "adapter (float16, manifest), OUT/checkpoint (resumable), OUT/loss.json and loss.png, OUT/examples.jsonl.",
+    )
+    s.add_argument("--prompts", type=Path, required=True,
+                   help="AlpacaEval JSON with reference answers (../shared/data/alpaca_eval/gpt4_1106_preview_outputs.json)")
+    s.add_argument("--out", type=Path, required=True, help="output folder")
+    s.add_argument("--model", default=None, help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--annotator", choices=("mixed", "sot", "apar"), default="mixed",
+                   help="how answers get their tags (mixed: sot where a list forks, apar otherwise)")
+    s.add_argument("--max-response-tokens", type=positive_int, default=448,
+                   help="answers are cut at a line boundary to at most this many tokens")
+    s.add_argument("--epochs", type=positive_int, default=2)
+    s.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (AdamW, warm-up then cosine)")
+    s.add_argument("--grad-accum", type=positive_int, default=8, help="examples per optimizer step")
+    s.add_argument("--lora-r", type=positive_int, default=16)
+    s.add_argument("--lora-alpha", type=positive_int, default=32)
+    s.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
+    s.add_argument("--save-every", type=positive_int, default=20, help="checkpoint every N optimizer steps")
+    s.add_argument("--seed", type=nonneg_int, default=0)
+    s.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    add_run_args(s)
+
+    b = sub.add_parser(
+        "bonbon", help="rounds of BoNBoN preference optimization from an SFT adapter",
+        description="Sample N annotated responses per training prompt with the engine (pasta mode, the current adapter), "
+        "score each by theoretical speedup + lambda x quality (a proxy: the base model's mean log-likelihood of the clean "
+        "text, penalised for repeated lines), and train on best vs worst with the BoNBoN loss (arXiv 2406.00832). Writes "
+        "OUT/round{k}/ (samples, pairs, loss curve, adapter) and OUT/adapter.",
+    )
+    b.add_argument("--prompts", type=Path, required=True, help="AlpacaEval JSON (the training split is used)")
+    b.add_argument("--adapter", type=Path, required=True, help="the SFT adapter folder to start from")
+    b.add_argument("--out", type=Path, required=True, help="output folder")
+    b.add_argument("--model", default=None, help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--n", type=positive_int, default=4, help="samples per prompt (>= 2; the paper's best-of-n)")
+    b.add_argument("--rounds", type=positive_int, default=1)
+    b.add_argument("--temperature", type=float, default=0.8)
+    b.add_argument("--max-new-tokens", type=positive_int, default=320)
+    b.add_argument("--quality-weight", type=float, default=1.0, help="lambda of speedup + lambda x quality")
+    b.add_argument("--alpha", type=float, default=0.5, help="weight of the SFT term on the best sample")
+    b.add_argument("--lr", type=float, default=5e-5)
+    b.add_argument("--seed", type=nonneg_int, default=0)
+    b.add_argument("--sample-prompts", type=positive_int, default=48,
+                   help="training prompts sampled per round (drawn with --seed)")
+    add_run_args(b)
+
+
+def add_learned_parser(bench_subparsers: Any) -> None:
+    """Add ``bench learned`` (the evaluation of a learned adapter) to the ``bench`` subcommands."""
+    from .args import add_sampling_args
+
+    p = bench_subparsers.add_parser(
+        "learned", help="evaluation split: base model vs learned adapter (forks, speedups, quality proxy, exports)",
+        description="On AlpacaEval's vicuna subset (never trained on), greedy, batch 1: the base model sequentially and in "
+        "pasta mode, the adapter in pasta mode; fork rate, theoretical speedup, realized speedup on the same content and "
+        "end to end, the quality proxy side by side, AlpacaEval model_outputs. Writes OUT/summary.json, prompts.jsonl, "
+        "learned.png.",
+    )
+    p.add_argument("--prompts", type=Path, required=True, help="AlpacaEval JSON (the vicuna rows are used)")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--model", default=None, help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--adapter", default="auto", help="adapter folder (default: the shipped one)")
+    p.add_argument("--no-base-pasta", action="store_true", help="skip the base model in pasta mode (halves the run)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="replays per mode; the fastest counts")
+    p.add_argument("--resume", action="store_true")
+    add_sampling_args(p, max_new_tokens=512)
+    add_run_args(p)
+
+
+def _count_fn(tokenizer: Any):
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from ..tools.traces import read_prompts
+    from ..train.common import LoraSettings
+    from ..train.data import EVAL_DATASET, build_examples, split_rows
+    from ..train.common import base_manifest
+    from ..train.sft import SFTSettings, train_sft
+
+    rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    from transformers import AutoTokenizer
+
+    from ..models.loader import resolve_model_path
+
+    path, gguf = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+    examples, counts = build_examples(rows, _count_fn(tok), max_response_tokens=args.max_response_tokens,
+                                      annotator=args.annotator, seed=args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / "examples.jsonl").open("w") as f:
+        f.writelines(json.dumps(e.to_dict()) + "\n" for e in examples)
+    print(f"train sft: {counts['kept']} examples from {len(rows)} training rows ({counts['forked']} forked; never "
+          f"{EVAL_DATASET!r}); {counts}", file=sys.stderr)
+    settings = SFTSettings(epochs=args.epochs, lr=args.lr, grad_accum=args.grad_accum, seed=args.seed,
+                           max_steps=args.max_steps, save_every=args.save_every,
+                           lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha))
+    manifest = base_manifest(args.model, command_line(argv))
+    manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
+                        "annotator": args.annotator, "max_response_tokens": args.max_response_tokens, **counts}
+    summary = train_sft(examples, args.out, settings, base=args.model, resume=args.resume, manifest=manifest)
+    print(f"train sft: {summary['optimizer_steps']} steps in {summary['train_seconds']:.0f} s; loss "
+          f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}", file=sys.stderr)
+    print(f"wrote {args.out / 'adapter'}, {args.out / 'loss.json'}, {args.out / 'loss.png'}")
+    return 0
+
+
+def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    import random
+
+    from ..tools.traces import read_prompts
+    from ..train.bonbon import BonbonSettings, train_bonbon
+    from ..train.data import split_rows
+
+    rows = split_rows(read_prompts(args.prompts), "train")
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    prompts = [r.instruction for r in random.Random(args.seed).sample(rows, min(args.sample_prompts, len(rows)))]
+    if args.n < 2:
+        raise ValueError(f"--n must be >= 2 (best and worst of n), got {args.n}")
+    settings = BonbonSettings(n=args.n, rounds=args.rounds, temperature=args.temperature,
+                              max_new_tokens=args.max_new_tokens, quality_weight=args.quality_weight, alpha=args.alpha,
+                              lr=args.lr, seed=args.seed)
+    summary = train_bonbon(prompts, args.adapter, args.out, settings, base=args.model,
+                           manifest={"bonbon_command": command_line(argv)})
+    for r in summary["rounds"]:
+        print(f"train bonbon round {r['round']}: {r['pairs']} pairs of {r['samples']} samples; mean speedup "
+              f"{r['mean_theoretical_speedup']:.2f}, margin {r['first_margin']:.2f} -> {r['last_margin']:.2f}",
+              file=sys.stderr)
+    print(f"wrote {args.out / 'adapter'}")
+    return 0
+
+
+def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """Run the ``train`` subcommand in ``args``. Returns the exit status."""
+    commands = {"sft": _sft, "bonbon": _bonbon}
+    return commands[args.train_command](args, argv)
+
+
+def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """``bench learned``: see :mod:`pasta_engine.train.evaluate`. Returns the exit status."""
+    import torch
+
+    from ..engine.llm_engine import Engine
+    from ..tools.bench import device_name, run_info
+    from ..tools.traces import read_prompts
+    from ..train.common import load_base
+    from ..train.data import split_rows
+    from ..train.evaluate import evaluate_learned
+    from ..train.quality import LikelihoodQuality
+    from .args import sampling_params
+
+    prompts = split_rows(read_prompts(args.prompts), "eval")
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    params = sampling_params(args)
+    base = Engine.from_pretrained(args.model, adapter=None, max_running_requests=1)
+    adapter = Engine.from_pretrained(args.model, adapter=args.adapter, max_running_requests=1)
+    if adapter.adapter is None:
+        raise ValueError("bench learned needs an adapter: none is shipped for this model, pass --adapter PATH")
+    hf, tok, _ = load_base(args.model)
+    hf.eval()
+    settings = {**run_info(command_line(argv)), "model": str(args.model or "embedded SmolLM2-135M-Instruct"),
+                "adapter": str(adapter.adapter), "adapter_manifest": adapter.adapter_manifest,
+                "device_name": device_name("cpu"), "torch_version": torch.__version__, "dtype": "float32",
+                "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "batch_size": 1,
+                "split": "vicuna (evaluation split, never trained on)", "repeats": args.repeats}
+    result = evaluate_learned(prompts, base, adapter, LikelihoodQuality(hf, tok), args.out, settings, params,
+                              repeats=args.repeats, base_pasta=not args.no_base_pasta, resume=args.resume)
+    s = result["summary"]
+    a = s["adapter_pasta"]
+    print(f"bench learned: {s['prompts']} prompts; adapter forked on {a['forked']} ({a['fork_rate']:.0%}), geomean "
+          f"theoretical {a['geomean_theoretical_speedup']:.2f}x, same-content realized "
+          f"{a['geomean_same_content_realized_speedup']:.2f}x, end to end {s['geomean_end_to_end_speedup']:.2f}x; quality "
+          f"proxy base {s['base_sequential']['mean_quality']:.3f} vs adapter {a['mean_quality']:.3f}", file=sys.stderr)
+    print(f"wrote {args.out / 'summary.json'}, {args.out / 'prompts.jsonl'}, {args.out / 'learned.png'}")
+    return 0

@@ -1,0 +1,217 @@
+"""Stage 2: rounds of BoNBoN preference optimization (Jin et al. 2025, section 4.2).
+
+Each round: the engine itself samples ``n`` annotated responses per training prompt in pasta mode
+(temperature > 0, the current adapter merged); each sample is scored by theoretical speedup +
+lambda x quality (:mod:`pasta_engine.train.quality`, a proxy); the best and the worst sample of
+a prompt form a pair (only a sample that ended by itself can be the best: one cut at the token
+limit would teach stopping there); the adapter is trained on the pairs with the BoNBoN loss
+(:func:`~pasta_engine.train.losses.bonbon_loss`, arXiv 2406.00832) against the round's starting
+adapter as the reference model. Samples, scores, pairs and the loss curve are written out.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..config import Limits, SamplingParams
+from ..lang.prompts import LEARNED_PASTA_PROMPT, PastaPrompt
+from ..models.adapter import read_manifest
+from .common import LossCurve, export_adapter, git_commit, load_base, lr_lambda, machine, wrap_lora
+from .forward import forward_logprobs, layout_for
+from .losses import bonbon_loss
+from .quality import LikelihoodQuality, speedup_plus_quality
+
+__all__ = ["BonbonSettings", "sample_and_rank", "best_and_worst", "train_bonbon"]
+
+
+@dataclass
+class BonbonSettings:
+    """One BoNBoN setup: ``n`` samples per prompt at ``temperature``/``top_p`` up to
+    ``max_new_tokens``; ``quality_weight`` is the lambda of the score; ``alpha`` weighs the SFT
+    term of the loss; ``lr`` and ``grad_accum`` (pairs per optimizer step) train the adapter for
+    ``epochs`` over the pairs; ``rounds`` repeats sample-and-train; ``best_must_finish``: only a
+    sample that ended by itself (not at the token limit) can be a pair's best."""
+
+    n: int = 4
+    rounds: int = 1
+    temperature: float = 0.8
+    top_p: float = 0.95
+    max_new_tokens: int = 320
+    quality_weight: float = 1.0
+    alpha: float = 0.5
+    lr: float = 5e-5
+    grad_accum: int = 4
+    epochs: int = 1
+    warmup: int = 2
+    seed: int = 0
+    max_running_requests: int = 8
+    kv_cache_mb: int = 1024
+    best_must_finish: bool = True
+    pasta_prompt: PastaPrompt = LEARNED_PASTA_PROMPT
+
+
+def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSettings,
+                    scorer: Callable[[str, str], float], seed: int) -> list[dict[str, Any]]:
+    """Sample ``settings.n`` pasta-mode responses per prompt with ``engine`` and score them.
+
+    Returns one row per sample: prompt index, prompt, sample index, annotated and clean text,
+    finish reason, theoretical speedup, forks, quality and score."""
+    plist = [p for p in prompts for _ in range(settings.n)]
+    params = [SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                             top_p=settings.top_p, seed=seed + i) for i in range(len(plist))]
+    results = engine.generate(plist, params, mode="pasta", progress=True)
+    rows = []
+    for i, (p, r) in enumerate(zip(plist, results)):
+        q = scorer(p, r.text)
+        rows.append({"prompt_index": i // settings.n, "prompt": p, "sample": i % settings.n,
+                     "annotated": r.annotated_text, "text": r.text, "finish_reason": r.stats.finish_reason,
+                     "theoretical_speedup": r.stats.theoretical_speedup, "forks": r.stats.forks,
+                     "tokens": r.stats.tokens_decoded, "quality": q,
+                     "score": speedup_plus_quality(r.stats.theoretical_speedup, q, settings.quality_weight)})
+    return rows
+
+
+def best_and_worst(rows: list[dict[str, Any]], best_must_finish: bool = True) -> list[tuple[dict, dict]]:
+    """Per prompt, the best-scored sample (one that ended by itself, with ``best_must_finish``)
+    and the worst; prompts whose best and worst tie or read the same are left out."""
+    by: dict[int, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["prompt_index"], []).append(r)
+    out = []
+    for group in by.values():
+        eligible = [r for r in group if r["finish_reason"] == "stop" or not best_must_finish]
+        if not eligible:
+            continue
+        best = max(eligible, key=lambda r: r["score"])
+        worst = min(group, key=lambda r: r["score"])
+        if worst is best or worst["annotated"] == best["annotated"] or best["score"] <= worst["score"]:
+            continue
+        out.append((best, worst))
+    return out
+
+
+def train_bonbon(
+    prompts: Sequence[str],
+    adapter: Path,
+    out: Path,
+    settings: BonbonSettings = BonbonSettings(),
+    *,
+    base: str | None = None,
+    scorer: Callable[[str, str], float] | None = None,
+    manifest: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run ``settings.rounds`` BoNBoN rounds from ``adapter`` (the SFT result) on ``prompts``;
+    write ``out/round{k}/`` (samples.jsonl, pairs.jsonl, loss.json/png, adapter/) and
+    ``out/adapter`` (the last round's), and return the summary (``out/summary.json``).
+
+    ``scorer``: quality of ``(prompt, clean text)``; default :class:`LikelihoodQuality` with the
+    base model. Raises ValueError when a round yields no pair."""
+    from tqdm import tqdm
+
+    from ..engine.llm_engine import Engine
+
+    out.mkdir(parents=True, exist_ok=True)
+    base_model, tok, path = load_base(base)
+    base_model.eval()
+    scorer = scorer or LikelihoodQuality(base_model, tok)
+    current = Path(adapter)
+    rounds = []
+    t_start = time.perf_counter()
+    for k in range(settings.rounds):
+        rdir = out / f"round{k + 1}"
+        rdir.mkdir(exist_ok=True)
+        engine = Engine.from_pretrained(base, adapter=current, max_running_requests=settings.max_running_requests,
+                                        kv_cache_bytes=settings.kv_cache_mb * 2**20, pasta_prompt=settings.pasta_prompt)
+        t0 = time.perf_counter()
+        rows = sample_and_rank(engine, prompts, settings, scorer, seed=settings.seed + 10_000 * k)
+        sample_s = time.perf_counter() - t0
+        del engine
+        with (rdir / "samples.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        pairs = best_and_worst(rows, settings.best_must_finish)
+        with (rdir / "pairs.jsonl").open("w") as f:
+            f.writelines(json.dumps({"prompt": b["prompt"], "best": b["sample"], "worst": w["sample"],
+                                     "best_score": b["score"], "worst_score": w["score"]}) + "\n" for b, w in pairs)
+        if not pairs:
+            raise ValueError(f"round {k + 1}: no best/worst pair among {len(rows)} samples (all equal or none ended)")
+        # the reference model is this round's starting adapter: its log-probabilities first
+        from peft import PeftModel
+
+        policy_base, _, _ = load_base(base)
+        policy = PeftModel.from_pretrained(policy_base, str(current), is_trainable=True)
+        limits = Limits(max_threads=None)
+
+        def lay(text: str, prompt: str):
+            return layout_for(policy, tok, prompt, text, pasta_prompt=settings.pasta_prompt, limits=limits)
+
+        layouts = [(lay(b["annotated"], b["prompt"]), lay(w["annotated"], w["prompt"])) for b, w in pairs]
+        policy.eval()
+        with torch.no_grad():
+            refs = [(forward_logprobs(policy, lb), forward_logprobs(policy, lw)) for lb, lw in layouts]
+        policy.train()
+        params = [p for p in policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=settings.lr)
+        steps = max(1, (len(pairs) * settings.epochs) // settings.grad_accum)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, settings.warmup, steps))
+        order = [i for e in range(settings.epochs) for i in random.Random(settings.seed + e).sample(range(len(pairs)),
+                                                                                                      len(pairs))]
+        curve = LossCurve()
+        bar = tqdm(total=steps, desc=f"bonbon round {k + 1}", unit="step", file=sys.stderr, disable=not progress)
+        for s in range(steps):
+            parts_acc: dict[str, float] = {"loss": 0.0, "sft": 0.0, "ipo": 0.0, "margin": 0.0}
+            chunk = order[s * settings.grad_accum : (s + 1) * settings.grad_accum]
+            for i in chunk:
+                lb, lw = layouts[i]
+                loss, parts = bonbon_loss(forward_logprobs(policy, lb), forward_logprobs(policy, lw), refs[i][0],
+                                          refs[i][1], n=settings.n, alpha=settings.alpha)
+                (loss / len(chunk)).backward()
+                parts_acc["loss"] += loss.item() / len(chunk)
+                for key in ("sft", "ipo", "margin"):
+                    parts_acc[key] += parts[key] / len(chunk)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            curve.add(step=s + 1, lr=sched.get_last_lr()[0], **parts_acc)
+            bar.update(1)
+            bar.set_postfix(loss=f"{parts_acc['loss']:.2f}", margin=f"{parts_acc['margin']:.2f}")
+        bar.close()
+        curve.save(rdir, f"BoNBoN round {k + 1} (alpha {settings.alpha}, n {settings.n})")
+        policy.eval()
+        summary_k = {
+            "round": k + 1, "prompts": len(prompts), "samples": len(rows), "pairs": len(pairs),
+            "sample_seconds": round(sample_s, 1), "optimizer_steps": steps,
+            "mean_score": sum(r["score"] for r in rows) / len(rows),
+            "mean_theoretical_speedup": sum(r["theoretical_speedup"] for r in rows) / len(rows),
+            "forked_samples": sum(1 for r in rows if r["forks"] > 0),
+            "mean_quality": sum(r["quality"] for r in rows) / len(rows),
+            "first_margin": curve.points[0]["margin"], "last_margin": curve.points[-1]["margin"],
+        }
+        rounds.append(summary_k)
+        prior = read_manifest(current) or {}
+        current = export_adapter(policy, rdir / "adapter", {
+            **prior, **(manifest or {}), "pasta_prompt": settings.pasta_prompt.to_dict(),
+            "stages": [*prior.get("stages", []), {"stage": "bonbon", **summary_k}],
+        })
+        del policy, policy_base
+    summary = {"stage": "bonbon", "rounds": rounds, "settings": {**asdict(settings),
+                                                                  "pasta_prompt": settings.pasta_prompt.to_dict()},
+               "train_seconds": round(time.perf_counter() - t_start, 1), "machine": machine(), "commit": git_commit(),
+               "quality_proxy": "base model mean log-likelihood per token of the clean text, minus 2.0 x the fraction "
+                                "of repeated lines (a proxy, not a judge)"}
+    final = out / "adapter"
+    if final.exists():
+        shutil.rmtree(final)
+    shutil.copytree(current, final)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

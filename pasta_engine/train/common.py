@@ -1,0 +1,197 @@
+"""What the SFT and BoNBoN stages share: the base model and its LoRA wrapper, adapter export
+(half-precision safetensors plus a manifest), checkpoints, the loss curve, the schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "LoraSettings",
+    "load_base",
+    "wrap_lora",
+    "export_adapter",
+    "LossCurve",
+    "lr_lambda",
+    "save_checkpoint",
+    "load_checkpoint",
+    "git_commit",
+    "machine",
+    "base_manifest",
+]
+
+#: The linear layers LoRA adapts in a Llama-family model.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA rank ``r``, scale numerator ``alpha`` (the update is ``alpha / r * B A``), dropout on
+    the adapter's input, and the adapted modules."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    targets: tuple[str, ...] = LORA_TARGETS
+
+
+def load_base(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any, Path]:
+    """``(transformers model, tokenizer, checkpoint folder)`` of a Llama-family checkpoint (None:
+    the embedded SmolLM2-135M-Instruct's cached safetensors copy)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..models.loader import resolve_model_path
+
+    path, gguf = resolve_model_path(model)
+    kw = {"gguf_file": gguf} if gguf else {}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    return hf, tok, path
+
+
+def wrap_lora(model: Any, settings: LoraSettings, adapter: str | os.PathLike | None = None) -> Any:
+    """``model`` wrapped by peft with a trainable LoRA adapter: fresh (``settings``), or the
+    adapter saved in folder ``adapter`` (trainable, to continue from)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter is not None:
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    cfg = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                     target_modules=list(settings.targets), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def export_adapter(peft_model: Any, out: Path, manifest: dict[str, Any]) -> Path:
+    """Save the adapter in peft's format with float16 tensors (half the bytes of float32; the
+    engine merges in float32) and ``manifest.json``. Returns ``out``."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(str(out))
+    st = out / "adapter_model.safetensors"
+    tensors = {k: v.to(torch.float16).contiguous() for k, v in load_file(st).items()}
+    save_file(tensors, st)
+    manifest = {**manifest, "adapter_bytes": st.stat().st_size}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return out
+
+
+def lr_lambda(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up over ``warmup`` optimizer steps, then cosine decay to 10% at ``total``."""
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+
+@dataclass
+class LossCurve:
+    """Per optimizer step: the step, examples seen, mean loss, learning rate, elapsed seconds,
+    and any extra values (as JSON-ready dicts)."""
+
+    points: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, **point: Any) -> None:
+        self.points.append(point)
+
+    def save(self, out: Path, title: str) -> None:
+        """Write ``loss.json`` and ``loss.png`` into ``out``."""
+        (out / "loss.json").write_text(json.dumps(self.points, indent=1) + "\n")
+        if not self.points:
+            return
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError:
+            return
+        fig = Figure(figsize=(7, 4), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        xs = [p["step"] for p in self.points]
+        ax.plot(xs, [p["loss"] for p in self.points], lw=1, label="loss (per optimizer step)")
+        k = max(1, len(xs) // 20)
+        if len(xs) > k:
+            smooth = [sum(p["loss"] for p in self.points[max(0, i - k + 1): i + 1]) / min(k, i + 1) for i in range(len(xs))]
+            ax.plot(xs, smooth, lw=2, label=f"running mean of {k}")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
+        fig.savefig(out / "loss.png", dpi=110)
+
+
+def save_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]) -> None:
+    """Write a resumable checkpoint into ``out/checkpoint`` (adapter, optimizer, schedule and
+    ``state``: step, epoch, position in the data order), replacing the previous one atomically."""
+    tmp = out / "checkpoint.tmp"
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    peft_model.save_pretrained(str(tmp / "adapter"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "state": state,
+                "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+    final = out / "checkpoint"
+    if final.exists():
+        import shutil
+
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def load_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any] | None:
+    """Restore ``out/checkpoint`` into the model, optimizer and schedule; returns its state, or
+    None when there is no checkpoint."""
+    ck = out / "checkpoint"
+    if not (ck / "trainer.pt").exists():
+        return None
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(peft_model, load_file(ck / "adapter" / "adapter_model.safetensors"))
+    blob = torch.load(ck / "trainer.pt", map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    return blob["state"]
+
+
+def git_commit() -> str | None:
+    """The repository's HEAD commit (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """Where training ran: device, CPU model and threads, torch version."""
+    from ..tools.bench import device_name
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"device": dev, "device_name": device_name(dev), "torch_version": torch.__version__,
+            "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def base_manifest(model: str | os.PathLike | None, command: str) -> dict[str, Any]:
+    """The manifest fields every adapter gets: the base model, the SHA-256 of its file (the
+    embedded model's GGUF, which the engine checks before merging), the command, the commit."""
+    from ..models.adapter import file_sha256
+    from ..models.loader import EMBEDDED_MODEL, embedded_gguf_path
+
+    out: dict[str, Any] = {"base_model": str(model) if model is not None else EMBEDDED_MODEL, "commands": [command],
+                           "commit": git_commit()}
+    if model is None:
+        gguf = embedded_gguf_path()
+        out.update(base_model_file=gguf.name, base_model_sha256=file_sha256(gguf))
+    return out

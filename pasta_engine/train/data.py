@@ -1,0 +1,120 @@
+"""Training data: AlpacaEval prompts with reference answers, annotated with PASTA-LANG.
+
+The split follows the ``dataset`` field (shared/data/README.md): **every subset but ``vicuna``
+is training data; ``vicuna`` (80 prompts) is the evaluation split and is never trained on.**
+Answers are cut at a line boundary to at most ``max_response_tokens`` tokens (never inside a
+code fence), so CPU training stays affordable and the model learns answers of a length it can
+decode; the cut answer is then annotated (``mixed``: Skeleton-of-Thought for lists, APAR for
+prose) and kept only when the annotation strips back to it exactly (the paper's filter, Jin et
+al. 2025, section 4.1).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+from ..lang.tags import strip_tags
+from ..tools.annotate import annotate
+from ..tools.traces import PromptRow
+
+__all__ = ["EVAL_DATASET", "TrainExample", "split_rows", "cut_response", "build_examples"]
+
+#: The AlpacaEval subset that is never trained on.
+EVAL_DATASET = "vicuna"
+
+
+@dataclass
+class TrainExample:
+    """One annotated training response: the instruction, the annotated (cut) answer, its
+    source subset, which annotator wrote the tags, the promises, and the answer's token count."""
+
+    prompt: str
+    annotated: str
+    dataset: str | None
+    annotator: str
+    promises: int
+    response_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def split_rows(rows: Sequence[PromptRow], split: str) -> list[PromptRow]:
+    """``train``: every row whose dataset is not ``vicuna``; ``eval``: the ``vicuna`` rows.
+    Raises ValueError for another split name."""
+    if split == "train":
+        return [r for r in rows if r.dataset != EVAL_DATASET]
+    if split == "eval":
+        return [r for r in rows if r.dataset == EVAL_DATASET]
+    raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+
+def cut_response(text: str, count_tokens: Callable[[str], int], max_tokens: int) -> str | None:
+    """The longest prefix of ``text`` that ends at a line break, lies outside any code fence and
+    holds at most ``max_tokens`` tokens (trailing whitespace dropped); the whole text when it
+    fits; None when not even the first line fits."""
+    if count_tokens(text) <= max_tokens:
+        return text
+    lines = text.split("\n")
+    best = None
+    fence = False
+    acc: list[str] = []
+    for line in lines:
+        acc.append(line)
+        if line.lstrip().startswith(("```", "~~~")):
+            fence = not fence
+        if fence:
+            continue
+        cand = "\n".join(acc).rstrip()
+        if not cand:
+            continue
+        if count_tokens(cand) > max_tokens:
+            break
+        best = cand
+    return best
+
+
+def build_examples(
+    rows: Sequence[PromptRow],
+    count_tokens: Callable[[str], int],
+    *,
+    max_response_tokens: int = 448,
+    annotator: str = "mixed",
+    seed: int = 0,
+) -> tuple[list[TrainExample], dict[str, int]]:
+    """Annotated training examples of ``rows`` (which must carry ``output``), shuffled with
+    ``seed``.
+
+    Returns ``(examples, counts)``: counts of rows ``kept``, ``forked`` (with at least one
+    promise), ``too_long`` (no line fits), ``no_output`` and ``filtered`` (annotation not
+    stripping back to the answer)."""
+    out: list[TrainExample] = []
+    counts = {"rows": len(rows), "kept": 0, "forked": 0, "too_long": 0, "no_output": 0, "filtered": 0}
+    for r in rows:
+        if r.output is None or not r.output.strip():
+            counts["no_output"] += 1
+            continue
+        cut = cut_response(r.output, count_tokens, max_response_tokens)
+        if cut is None:
+            counts["too_long"] += 1
+            continue
+        used = annotator
+        if annotator == "mixed":  # annotate_mixed, keeping which annotator forked
+            a = annotate(cut, "sot", count_tokens)
+            used = "sot"
+            if not a.promises:
+                a, used = annotate(cut, "apar", count_tokens), "apar"
+        else:
+            a = annotate(cut, annotator, count_tokens)
+        if strip_tags(a.annotated) != cut:
+            counts["filtered"] += 1
+            continue
+        used = used if a.promises else "none"
+        out.append(TrainExample(r.instruction, a.annotated, r.dataset, used, a.promises, count_tokens(cut)))
+        counts["kept"] += 1
+        counts["forked"] += a.promises > 0
+    random.Random(seed).shuffle(out)
+    return out, counts
+

@@ -1,0 +1,228 @@
+"""The training forward equals the engine's replay; the losses; LoRA SFT lowers the loss; the
+adapter merge equals peft's own forward; the shipped adapter."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pasta_engine import Engine, SamplingParams
+from pasta_engine.lang.prompts import LEARNED_PASTA_PROMPT
+from pasta_engine.train import pasta_logprobs
+from pasta_engine.train.losses import bonbon_loss, bonbon_target_margin, sft_loss
+
+# several promises, a sync that waits for a chunk still running, a chunk that ends after the
+# sync point, text after the sync, and a fork after the join
+ANNOTATED = (
+    "Tips:\n1. "
+    '<promise topic="sleep" tokens="30"/><async>Go to bed early, and get up at the same time every day.</async>\n2. '
+    '<promise topic="screens" tokens="20"/><async>Avoid screens.</async>\n'
+    "<sync/>\nAlso: "
+    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
+)
+PROMPT = "Give me sleep tips."
+
+
+@pytest.mark.parametrize("policy", ["predicted", "constant:7", "none"])
+@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
+def test_pasta_logprobs_equal_the_engines_replay(ckpt, policy, request):
+    path = request.getfixturevalue(ckpt)
+    engine = Engine.from_pretrained(path, kv_cache_bytes=16 * 2**20, page_size=4, position_policy=policy)
+    [res] = engine.replay([PROMPT], [ANNOTATED], params=SamplingParams(return_logprobs=True))
+    assert res.stats.forks == 3
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids, lps = pasta_logprobs(hf, engine.tokenizer, PROMPT, ANNOTATED, policy)
+    assert ids == res.token_ids
+    assert [x is None for x in lps] == [x is None for x in res.logprobs]
+    got = torch.tensor([x for x in lps if x is not None])
+    want = torch.tensor([x for x in res.logprobs if x is not None])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # the visibility really matters: a plain causal forward over the same tokens disagrees
+    with torch.no_grad():
+        full = torch.tensor([res.prompt_ids + res.token_ids[:-1]])
+        causal = torch.log_softmax(hf(full).logits[0].float(), -1)
+    p = len(res.prompt_ids)
+    plain = torch.tensor([causal[p - 1 + i, t].item() for i, (t, x) in enumerate(zip(res.token_ids, lps)) if x is not None])
+    assert (plain - want).abs().max() > 1e-2
+
+
+def test_pasta_logprobs_follow_the_engines_prompt(tiny_llama):
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20, pasta_prompt=LEARNED_PASTA_PROMPT)
+    [res] = engine.replay([PROMPT], [ANNOTATED], params=SamplingParams(return_logprobs=True))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    _, lps = pasta_logprobs(hf, engine.tokenizer, PROMPT, ANNOTATED, pasta_prompt=LEARNED_PASTA_PROMPT)
+    diffs = [abs(a - b) for a, b in zip(lps, res.logprobs) if a is not None]
+    assert max(diffs) < 1e-4
+
+
+def test_losses_match_hand_computed_values():
+    lp = torch.tensor([-1.0, -2.0, -3.0])
+    assert float(sft_loss(lp)) == pytest.approx(2.0)
+    assert bonbon_target_margin(2) == pytest.approx(1.0)
+    assert bonbon_target_margin(4) == pytest.approx(3 * (1 + 1 / 2 + 1 / 3))
+    best, worst = torch.tensor([-1.0, -1.0]), torch.tensor([-2.0, -4.0])
+    ref_best, ref_worst = torch.tensor([-1.5, -1.5]), torch.tensor([-2.0, -2.0])
+    # margin = (-2 - -3) - (-6 - -4) = 1 + 2 = 3; target(n=4) = 5.5; ipo = 6.25; sft = 1.0
+    loss, parts = bonbon_loss(best, worst, ref_best, ref_worst, n=4, alpha=0.2)
+    assert parts["margin"] == pytest.approx(3.0)
+    assert parts["ipo"] == pytest.approx(6.25)
+    assert float(loss) == pytest.approx(0.2 * 1.0 + 0.8 * 6.25)
+    with pytest.raises(ValueError, match="n >= 2"):
+        bonbon_target_margin(1)
+    with pytest.raises(ValueError, match="alpha"):
+        bonbon_loss(best, worst, ref_best, ref_worst, n=4, alpha=1.5)
+
+
+def test_a_few_sft_steps_lower_the_loss_and_the_adapter_merges_exactly(tiny_llama, tmp_path):
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample
+    from pasta_engine.train.sft import SFTSettings, train_sft
+
+    ex = [TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 4
+    settings = SFTSettings(epochs=4, lr=2e-2, grad_accum=2, warmup=1, save_every=3,
+                           lora=LoraSettings(r=8, alpha=16, dropout=0.0))
+    summary = train_sft(ex, tmp_path / "run", settings, base=str(tiny_llama), progress=False)
+    curve = json.loads((tmp_path / "run" / "loss.json").read_text())
+    assert len(curve) == summary["optimizer_steps"] == 8
+    # a random-weight model's tiny output layer leaves little to learn; the loss still drops
+    first, last = [sum(p["loss"] for p in ps) / 2 for ps in (curve[:2], curve[-2:])]
+    assert last < first - 0.1
+    assert (tmp_path / "run" / "loss.png").read_bytes().startswith(b"\x89PNG")
+    adapter = tmp_path / "run" / "adapter"
+    manifest = json.loads((adapter / "manifest.json").read_text())
+    assert manifest["pasta_prompt"] == LEARNED_PASTA_PROMPT.to_dict() and manifest["adapter_bytes"] > 0
+
+    # the engine's merged weights give the logits of peft's own (unmerged) forward
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(adapter)).eval()
+    engine = Engine.from_pretrained(tiny_llama, adapter=adapter, kv_cache_bytes=8 * 2**20)
+    assert engine.config.pasta_prompt == LEARNED_PASTA_PROMPT  # from the manifest
+    seen = []
+    engine.logits_hook = lambda req, tid, row: seen.append(row.clone())
+    prompt = [5, 6, 7, 8, 9]
+    [res] = engine.generate([prompt], SamplingParams(max_new_tokens=6), mode="sequential")
+    with torch.no_grad():
+        want = peft(torch.tensor([prompt + res.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
+    torch.testing.assert_close(torch.stack(seen), want[: len(seen)], rtol=1e-4, atol=1e-4)
+    plain = Engine.from_pretrained(tiny_llama, adapter=None, kv_cache_bytes=8 * 2**20)
+    seen2 = []
+    plain.logits_hook = lambda req, tid, row: seen2.append(row.clone())
+    plain.generate([prompt], SamplingParams(max_new_tokens=1), mode="sequential")
+    assert not torch.allclose(seen2[0], seen[0])  # the adapter changed the model
+
+    # resuming from the checkpoint continues, not restarts
+    more = SFTSettings(**{**settings.__dict__, "epochs": 5})
+    again = train_sft(ex, tmp_path / "run", more, base=str(tiny_llama), resume=True, progress=False)
+    assert again["optimizer_steps"] == 10 and len(json.loads((tmp_path / "run" / "loss.json").read_text())) == 10
+
+
+def test_adapter_errors_are_named(tiny_llama, tmp_path):
+    from pasta_engine import ParameterError
+
+    with pytest.raises(ParameterError, match="not a LoRA adapter folder"):
+        Engine.from_pretrained(tiny_llama, adapter=tmp_path)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2}))
+    from safetensors.torch import save_file
+
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 3),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(5, 2)},
+              bad / "adapter_model.safetensors")
+    with pytest.raises(ParameterError, match="does not fit"):
+        Engine.from_pretrained(tiny_llama, adapter=bad)
+
+
+def test_data_split_never_trains_on_vicuna():
+    from pasta_engine.tools.traces import PromptRow
+    from pasta_engine.train.data import build_examples, cut_response, split_rows
+
+    rows = [PromptRow("q1", "1. a thing to do every morning\n2. another thing to do at night", "koala"),
+            PromptRow("q2", "an answer", "vicuna")]
+    assert [r.instruction for r in split_rows(rows, "train")] == ["q1"]
+    assert [r.instruction for r in split_rows(rows, "eval")] == ["q2"]
+    count = lambda t: len(t.split())  # noqa: E731
+    text = "line one is here\n```\ncode\nmore code\n```\nline three"
+    assert cut_response(text, count, 100) == text
+    assert cut_response(text, count, 5) == "line one is here"  # never inside the fence
+    assert cut_response("one two three", count, 2) is None
+    ex, counts = build_examples(split_rows(rows, "train"), count, annotator="sot")
+    assert counts["kept"] == 1 and math.isclose(ex[0].response_tokens, count(rows[0].output))
+
+
+def test_best_and_worst_pairs():
+    from pasta_engine.train.bonbon import best_and_worst
+
+    rows = [
+        {"prompt_index": 0, "sample": 0, "annotated": "a", "finish_reason": "stop", "score": 2.0},
+        {"prompt_index": 0, "sample": 1, "annotated": "b", "finish_reason": "length", "score": 9.0},  # cut: not best
+        {"prompt_index": 0, "sample": 2, "annotated": "c", "finish_reason": "stop", "score": 1.0},
+        {"prompt_index": 1, "sample": 0, "annotated": "d", "finish_reason": "length", "score": 1.0},  # none ended
+        {"prompt_index": 2, "sample": 0, "annotated": "e", "finish_reason": "stop", "score": 1.0},
+        {"prompt_index": 2, "sample": 1, "annotated": "e", "finish_reason": "stop", "score": 1.0},  # a tie
+    ]
+    pairs = best_and_worst(rows)
+    assert [(b["annotated"], w["annotated"]) for b, w in pairs] == [("a", "c")]
+    assert [(b["annotated"], w["annotated"]) for b, w in best_and_worst(rows, best_must_finish=False)][0] == ("b", "c")
+
+
+def test_a_bonbon_round_on_a_tiny_model(tiny_llama, tmp_path):
+    """Sample with the engine, rank with a pluggable scorer, train on best vs worst: the round
+    writes its samples, pairs, loss curve and an adapter the engine loads."""
+    from pasta_engine.train.bonbon import BonbonSettings, train_bonbon
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample
+    from pasta_engine.train.sft import SFTSettings, train_sft
+
+    ex = [TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 2
+    train_sft(ex, tmp_path / "sft", SFTSettings(epochs=1, grad_accum=2, lora=LoraSettings(r=4, alpha=8)),
+              base=str(tiny_llama), progress=False)
+    settings = BonbonSettings(n=3, max_new_tokens=10, temperature=1.0, best_must_finish=False, grad_accum=1, lr=1e-2,
+                              kv_cache_mb=16, max_running_requests=4)
+    summary = train_bonbon(["tips", "sleep"], tmp_path / "sft" / "adapter", tmp_path / "bb", settings,
+                           base=str(tiny_llama), scorer=lambda prompt, text: -len(text) / 100, progress=False)
+    [r] = summary["rounds"]
+    assert r["samples"] == 6 and r["pairs"] == 2 and r["optimizer_steps"] == 2
+    samples = [json.loads(x) for x in (tmp_path / "bb" / "round1" / "samples.jsonl").read_text().splitlines()]
+    assert all(s["score"] == pytest.approx(s["theoretical_speedup"] - len(s["text"]) / 100) for s in samples)
+    manifest = json.loads((tmp_path / "bb" / "adapter" / "manifest.json").read_text())
+    assert [s["stage"] for s in manifest["stages"]] == ["sft", "bonbon"]
+    engine = Engine.from_pretrained(tiny_llama, adapter=tmp_path / "bb" / "adapter", kv_cache_bytes=8 * 2**20)
+    assert engine.generate(["x"], SamplingParams(max_new_tokens=3))[0].stats.tokens_decoded <= 3
+
+
+def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, capsys):
+    from pasta_engine.entrypoints.cli import main
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample
+    from pasta_engine.train.sft import SFTSettings, train_sft
+
+    ex = [TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 2
+    train_sft(ex, tmp_path / "sft", SFTSettings(epochs=1, grad_accum=2, lora=LoraSettings(r=4, alpha=8)),
+              base=str(tiny_llama), progress=False)
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": "train me", "dataset": "koala", "output": "x"},
+                                   {"instruction": "eval one", "dataset": "vicuna", "output": "y"},
+                                   {"instruction": "eval two", "dataset": "vicuna", "output": "z"}]))
+    out = tmp_path / "learned"
+    rc = main(["bench", "learned", "--prompts", str(prompts), "--model", str(tiny_llama), "--adapter",
+               str(tmp_path / "sft" / "adapter"), "--max-new-tokens", "6", "--out", str(out)])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    rows = [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()]
+    assert [r["instruction"] for r in rows] == ["eval one", "eval two"]
+    s = json.loads((out / "summary.json").read_text())["summary"]
+    assert s["prompts"] == 2 and set(s) >= {"base_sequential", "base_pasta", "adapter_pasta"}
+    for r in rows:
+        a = r["adapter_pasta"]
+        assert a["tokens"] <= 6 and a["theoretical_speedup"] >= 1.0
+        assert r["length_ratio"] == pytest.approx(a["tokens"] / r["base_sequential"]["tokens"])
+    exported = json.loads((out / "model_outputs_adapter_pasta.json").read_text())
+    assert [x["instruction"] for x in exported] == ["eval one", "eval two"]
+    assert (out / "learned.png").read_bytes().startswith(b"\x89PNG")
