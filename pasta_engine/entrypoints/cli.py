@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_pasta_args(r)
     add_run_args(r)
 
+    from .serve_command import add_serve_parser
+
+    add_serve_parser(sub)
+
     b = sub.add_parser("bench", help="speedup benchmarks: speedup (replay), pareto (generate), annotate (traces)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     s = bsub.add_parser(
@@ -386,6 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 prompts = [args.prompt or SAMPLE_PROMPT]
             return _run(args, prompts, None)
+        if args.command == "serve":
+            from .serve_command import run_serve
+
+            return run_serve(args)
         rows = read_traces(args.traces)
         return _run(args, [r.prompt for r in rows], [r.annotated_response for r in rows])
     except (FileNotFoundError, UnsupportedModelError, KVCacheExhausted, PastaEngineError, TraceFileError, BenchError,

@@ -1,0 +1,50 @@
+"""The ``pasta-engine serve`` command's flags (the server itself is :mod:`.server`, imported only
+when the command runs, so the rest of the CLI works without the ``serve`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .args import add_model_args, add_pasta_args, add_sampling_args, nonneg_int, positive_int
+
+__all__ = ["add_serve_parser", "run_serve"]
+
+
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the CLI's subparsers: the flags of ``generate`` (model, PASTA,
+    sampling: the defaults of requests that leave them out) plus the server's own."""
+    v = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (and a page at / that shows the threads decoding)",
+        description="Serve the model over an OpenAI-compatible API (POST /v1/chat/completions, /v1/completions; "
+        "GET /v1/models, /health, /v1/pasta/events/ID) with a page at / that shows the threads decoding side by side. "
+        "Sampling flags are the defaults of requests that leave them out; --seed seeds the seeds of requests "
+        "that give none.",
+    )
+    g = v.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    g.add_argument("--port", type=nonneg_int, default=8000, help="TCP port (0: any free port; the URL is printed)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the preset's, checkpoint's or embedded model's name)")
+    g.add_argument("--max-running-requests", type=positive_int, default=16,
+                   help="requests decoded together (continuous batching); more wait in a queue")
+    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (info logs each request)")
+    add_sampling_args(v)
+    add_model_args(v)
+    add_pasta_args(v)
+    return v
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted. Returns the exit status (2 when the ``serve`` extra
+    is not installed)."""
+    try:
+        from .server import serve
+    except ImportError as e:
+        print(f"pasta-engine: error: serve needs FastAPI and uvicorn ({e}): pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+    return serve(args)

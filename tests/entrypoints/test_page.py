@@ -1,0 +1,62 @@
+"""The page at ``/`` in a real headless Chromium (Debian's package, driven by Playwright): the
+threads decode in their own columns as events arrive, then the spliced answer shows the
+promises highlighted and the step counter is below what sequential decoding takes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+ANNOTATED = ('Two tips: <promise topic="sleep" tokens="10"/><async>Sleep early, every day.</async> and '
+             '<promise topic="walk" tokens="10"/><async>Walk after lunch.</async><sync/> That is all.')
+
+
+def chromium() -> str:
+    """Path of a Chromium executable, or skip the test saying how to get one."""
+    exe = os.environ.get("PASTA_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not exe:
+        pytest.skip("no Chromium browser found: install Debian's package (apt-get install chromium) or set "
+                    "PASTA_CHROMIUM=/path/to/chrome; the page test needs a real browser")
+    return exe
+
+
+def test_page_shows_threads_side_by_side(server, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="playwright is not installed: pip install -e '.[test]' (it drives the "
+                                   "system's Chromium; no browser download needed)")
+    exe = chromium()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "/")
+            page.click("summary")
+            page.fill("#api-key", server.api_key)
+            page.fill("#annotated", ANNOTATED)
+            page.fill("#prompt", "Give me two tips.")
+            page.click("#run")
+            page.wait_for_selector("body[data-state=done], body[data-state=error]", timeout=120_000)
+            assert page.get_attribute("body", "data-state") == "done", page.inner_text("#error")
+            cols = page.query_selector_all(".thread")
+            assert len(cols) == 3  # the main thread and one column per forked thread
+            texts = [c.query_selector(".text").inner_text() for c in cols]
+            assert texts[1] == "Sleep early, every day." and texts[2] == "Walk after lunch."
+            assert "⟨1: sleep⟩" in texts[0] and "⟨2: walk⟩" in texts[0] and texts[0].endswith("That is all.")
+            assert [c.get_attribute("data-status") for c in cols[1:]] == ["joined", "joined"]
+            promises = [e.inner_text() for e in page.query_selector_all("#answer .promise")]
+            chunks = [e.inner_text() for e in page.query_selector_all("#answer .chunk")]
+            assert promises == ["sleep ~10", "walk ~10"]
+            assert chunks == ["Sleep early, every day.", "Walk after lunch."]
+            steps, sequential = int(page.inner_text("#steps")), int(page.inner_text("#seq-steps"))
+            assert 0 < steps < sequential  # PASTA took fewer decode steps than sequential decoding would
+            assert "theoretical speedup" in page.inner_text("#final-stats")
+            shot = tmp_path / "page.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert errors == []
+        finally:
+            browser.close()
