@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..config import Limits, PositionPolicy
-from ..lang.detokenizer import Decode, IncrementalDetokenizer
+from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
 from ..lang.tags import ASYNC_CLOSE, AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagParser, Text
 from ..metrics import ResponseStructure
 
@@ -184,6 +184,8 @@ class Interpreter:
         forced_main: replay: the main thread's tokens (EOS last) replacing sampling.
         forced_chunks: replay: per promise in order, the child's tokens (content then
             ``</async>``), or None for a promise without a chunk.
+        token_bytes: the tokenizer's token-bytes table (fast incremental detokenization, see
+            :mod:`pasta_engine.lang.detokenizer`), or None to detokenize through ``decode``.
 
     Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay.
 
@@ -206,6 +208,7 @@ class Interpreter:
         max_positions: int | None = None,
         forced_main: Sequence[int] | None = None,
         forced_chunks: Sequence[Sequence[int] | None] | None = None,
+        token_bytes: TokenBytes | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected 'pasta' or 'sequential'")
@@ -218,6 +221,7 @@ class Interpreter:
         if self.policy.kind == "oracle" and forced_chunks is None and mode == "pasta":
             raise ValueError("position policy 'oracle' needs the true chunk lengths: use replay, not generate")
         self.decode = decode
+        self.token_bytes = token_bytes
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.open_ids = [int(t) for t in open_ids]
         self.close_len = int(close_len)
@@ -334,7 +338,7 @@ class Interpreter:
     def _new_thread(self, next_pos: int, forced: Sequence[int] | None = None, **kw) -> Thread:
         t = Thread(
             tid=len(self.threads),
-            detok=IncrementalDetokenizer(self.decode),
+            detok=IncrementalDetokenizer(self.decode, self.token_bytes),
             parser=TagParser(),
             next_pos=next_pos,
             forced=None if forced is None else deque(int(x) for x in forced),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..lang.detokenizer import IncrementalDetokenizer
+from ..lang.detokenizer import IncrementalDetokenizer, token_bytes_for
 from ..lang.tags import Sync, TagParser
 from ..lang.tokenization import AnnotatedTokens, decode, tokenize_annotated
 from ..metrics import ResponseStructure
@@ -46,7 +46,7 @@ class ReplayScript:
 def _sync_ends(tokenizer: Any, main_ids: list[int]) -> list[int]:
     """1-based main-token indices at which a ``<sync/>`` tag completes (text as the
     interpreter's incremental detokenizer delivers it)."""
-    detok = IncrementalDetokenizer(lambda ids: decode(tokenizer, ids))
+    detok = IncrementalDetokenizer(lambda ids: decode(tokenizer, ids), token_bytes_for(tokenizer))
     parser = TagParser()
     out = []
     for k, t in enumerate(main_ids, start=1):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from .. import metrics
 from ..config import Limits, PositionPolicy, SamplingParams
+from ..lang.detokenizer import token_bytes_for
 from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN, strip_tags
 from ..lang.tokenization import decode, encode_tag, replay_eos_id
 from .block_manager import KVView
@@ -170,12 +171,13 @@ def interpreter_factory(
             forced_main = script.sequential_ids
     open_ids = encode_tag(tokenizer, ASYNC_OPEN)
     close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
+    table = token_bytes_for(tokenizer)
 
     def make() -> Interpreter:
         return Interpreter(
             prompt_ids, decode=lambda ids: decode(tokenizer, ids), eos_ids=eos_ids, open_ids=open_ids,
             close_len=close_len, mode=mode, max_new_tokens=max_new_tokens, limits=limits, policy=policy,
-            max_positions=max_positions, forced_main=forced_main, forced_chunks=forced_chunks,
+            max_positions=max_positions, forced_main=forced_main, forced_chunks=forced_chunks, token_bytes=table,
         )
 
     return make, max_new_tokens

@@ -254,10 +254,23 @@ class TagParser:
         Raises KeyError for an ``int`` piece that is not in ``special_tokens``."""
         text = self.special_tokens[piece] if isinstance(piece, int) else piece
         out: list[Parsed] = []
-        for ch in text:
-            self._push(ch, out, self._count)
+        i, n = 0, len(text)
+        while i < n:
+            if not self._buf:
+                # fast path: text up to the next '<' cannot be part of a tag
+                j = text.find("<", i)
+                if j < 0:
+                    out.append(Text(text[i:]))
+                    self._count += n - i
+                    break
+                if j > i:
+                    out.append(Text(text[i:j]))
+                    self._count += j - i
+                    i = j
+            self._push(text[i], out, self._count)
             self._count += 1
-        return _merge_text(out)
+            i += 1
+        return out if len(out) < 2 else _merge_text(out)
 
     def finish(self) -> list[Parsed]:
         """End of stream: a held-back partial tag becomes text (and a Malformed diagnostic

@@ -1,0 +1,106 @@
+"""Incremental detokenization from a token-bytes table equals the tokenizer's own decoding of
+every prefix, on SmolLM2's byte-level BPE and on a SentencePiece-style tokenizer (``▁`` pieces,
+byte fallback, dummy prefix), with multi-byte characters split across tokens."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pasta_engine.lang.detokenizer import IncrementalDetokenizer, TokenBytes, token_bytes_for
+
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Sleep well, eat well, walk every day.",
+          '<promise topic="a" tokens="10"/><async>chunk</async><sync/>', "plain words and more words"] * 30
+
+
+@pytest.fixture(scope="module")
+def smol_tok(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def sp_tok():
+    """A small SentencePiece-style BPE (Llama 2's layout): '▁' word pieces, byte fallback for
+    anything unseen, a decoder that strips the dummy prefix."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(content=" ", left=1)])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def check_every_prefix(tok, table: TokenBytes, ids: list[int]) -> None:
+    """Deltas plus what is held back equal the tokenizer's decoding of every prefix that ends on
+    a whole character (one that ends inside a character decodes to U+FFFD; a byte-fallback
+    decoder then replaces its whole byte run, which no incremental decoder can match without
+    taking text back), and of the whole sequence."""
+    detok = IncrementalDetokenizer(None, table)
+    got = ""
+    for k, t in enumerate(ids):
+        got += detok.push(t)
+        want = tok.decode(ids[: k + 1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if "\ufffd" not in want:
+            assert got + detok.pending_text() == want, (k, got, want)
+    assert got + detok.flush() == tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+TEXTS = st.lists(st.sampled_from(list("ab cé日本🙌\n\t<>/") + ["👩‍👩‍👧", "Ωmega", " the", "\u00a0", "word"]),
+                 max_size=30).map("".join)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXTS)
+def test_byte_level_table_equals_decode_on_every_prefix(smol_tok, text):
+    table = token_bytes_for(smol_tok)
+    assert table is not None and not table.strip_first_space
+    check_every_prefix(smol_tok, table, smol_tok.encode(text, add_special_tokens=False))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXTS)
+def test_sentencepiece_table_equals_decode_on_every_prefix(sp_tok, text):
+    table = token_bytes_for(sp_tok)
+    assert table is not None and table.strip_first_space
+    check_every_prefix(sp_tok, table, sp_tok.encode(text, add_special_tokens=False))
+
+
+def test_a_character_split_across_tokens_waits_for_its_last_byte(smol_tok):
+    ids = smol_tok.encode("日", add_special_tokens=False)
+    assert len(ids) > 1  # byte-level BPE splits this character
+    detok = IncrementalDetokenizer(None, token_bytes_for(smol_tok))
+    deltas = [detok.push(t) for t in ids]
+    assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "日"
+    cut = IncrementalDetokenizer(None, token_bytes_for(smol_tok))
+    cut.push(ids[0])
+    assert cut.flush() == "\ufffd"  # as the tokenizer decodes a cut character
+
+
+def test_special_tokens_and_the_fallback_without_a_table(smol_tok):
+    end = smol_tok.convert_tokens_to_ids("<|im_end|>")
+    table = token_bytes_for(smol_tok)
+    assert table[end] == b"<|im_end|>"
+    ids = smol_tok.encode("a 日 b", add_special_tokens=False) + [end]
+    fast = IncrementalDetokenizer(None, table)
+    slow = IncrementalDetokenizer(lambda x: smol_tok.decode(x, skip_special_tokens=False,
+                                                            clean_up_tokenization_spaces=False))
+    assert "".join(fast.push(t) for t in ids) + fast.flush() == "".join(slow.push(t) for t in ids) + slow.flush()
+    assert token_bytes_for(smol_tok) is table  # built once per tokenizer
+    with pytest.raises(ValueError, match="needs a decode function"):
+        IncrementalDetokenizer(None, None)
+
+
+def test_unsupported_decoders_get_no_table():
+    class NoBackend:
+        pass
+
+    assert TokenBytes.from_tokenizer(NoBackend()) is None
