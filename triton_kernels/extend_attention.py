@@ -30,6 +30,9 @@ into ``log2(e)``, as in the Triton fused-attention tutorial and FlashInfer):
   (a prefix sum over the tile), so partial pages anywhere in the view cost only masked lanes.
   A short pre-scan over the page lengths finds how many pages hold a key visible to the block
   (causal cut-off), so the main loop is a plain counted loop (software-pipelinable).
+* per-layer options (:mod:`.attention_options`): a sliding window over logical positions
+  (masked per (row, key) from the rows' positions and the cache slots' positions) and an
+  attention-logit soft-cap, constexpr switches with runtime values.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from . import register_compile_spec, upload_int32  # the package sets TRITON_INTERPRET on CPU first
+from .attention_options import check_softcap, check_window, tanh
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -54,6 +58,9 @@ def _extend_attn_kernel(
     qk_scale,  # softmax scale * log2(e), fp32
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ot, stride_oh,
+    q_pos_ptr, k_pos_ptr, stride_kpos_p,  # logical positions of the query rows / cache slots (WINDOW)
+    window,  # sliding window in tokens (WINDOW)
+    cap_log2,  # logit soft-cap * log2(e), fp32 (SOFTCAP)
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two of HEAD_DIM
@@ -62,6 +69,8 @@ def _extend_attn_kernel(
     PAGE_BLOCK: tl.constexpr,  # page_size rounded up to a power of two
     SCAN: tl.constexpr,  # page lengths per pre-scan step
     IEEE: tl.constexpr,  # float32 inputs: exact fp32 dot instead of TF32
+    WINDOW: tl.constexpr,  # keys at positions <= q_pos - window are masked
+    SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap)
 ):
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -85,6 +94,8 @@ def _extend_attn_kernel(
         q_rows = (q_start + qi).to(tl.int64) * stride_qt + head * stride_qh
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         limit = prefix + qi  # last visible view position of each row
+        if WINDOW:
+            q_lo = tl.load(q_pos_ptr + q_start + qi, mask=m_ok, other=0).to(tl.int64) - window
         last_row = tl.minimum(row0 + BLOCK_M, n_rows) - 1
         limit_max = prefix + last_row // GROUP
 
@@ -127,7 +138,15 @@ def _extend_attn_kernel(
             else:
                 qk = tl.dot(q, kt)
             visible = is_key[None, :] & (vpos[None, :] <= limit[:, None])
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            if WINDOW:
+                k_pos = tl.load(k_pos_ptr + page.to(tl.int64) * stride_kpos_p + tile_slot, mask=is_key,
+                                other=0).to(tl.int64)
+                visible = visible & (k_pos[None, :] > q_lo[:, None])
+            if SOFTCAP:
+                qk = cap_log2 * tanh(qk * (qk_scale / cap_log2))
+            else:
+                qk = qk * qk_scale
+            qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(qk - m_new[:, None])
@@ -220,6 +239,10 @@ def extend_attention(
     max_q_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    q_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged KV view (module docstring).
 
@@ -239,6 +262,13 @@ def extend_attention(
         max_q_len: upper bound on every sequence's ``q_len`` (sizes the grid; default ``Tq``,
             which needs no host sync). Pass a fixed bound when capturing CUDA graphs.
         block_m, block_n: tile sizes override (powers of two >= 16; tests and tuning).
+        sliding_window: query row ``t`` sees only the keys whose logical position is
+            ``> q_positions[t] - sliding_window`` (tokens); None: no window.
+        logit_softcap: scores ``s = q k^T * scale`` become ``cap * tanh(s / cap)`` before the
+            softmax (Gemma 2); None: no cap.
+        q_positions: ``[Tq]`` int64/int32 logical position of each query row (with ``sliding_window``).
+        key_positions: ``[num_pages, page_size]`` int32 logical position of every cache slot,
+            unit last stride (with ``sliding_window``).
 
     Returns:
         ``[Tq, Hq, D]`` in q's dtype: ``softmax(q k^T * scale) v`` over each row's visible
@@ -246,7 +276,8 @@ def extend_attention(
         Rows not covered by ``q_indptr`` are left untouched.
 
     Raises:
-        ValueError: a shape, dtype, stride or device mismatch, named in the message. Index
+        ValueError: a shape, dtype, stride or device mismatch, named in the message (missing or
+        malformed inputs of ``sliding_window``/``logit_softcap`` name the option). Index
         VALUES are not checked (that would sync with the host); see
         :func:`extend_attention_reference` for a checked host-side version.
     """
@@ -261,6 +292,8 @@ def extend_attention(
     if max_q_len is None:
         max_q_len = t
     _check(isinstance(max_q_len, int) and max_q_len >= 0, fn, f"max_q_len must be an int >= 0, got {max_q_len!r}")
+    window = check_window(sliding_window, q_positions, key_positions, t, k_cache, fn)
+    cap_log2 = check_softcap(logit_softcap, fn) * _LOG2E
     if t == 0 or nb == 0 or max_q_len == 0:
         return out
     block_d = triton.next_power_of_2(d)
@@ -281,8 +314,10 @@ def extend_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
+        q_positions if window else q_indptr, key_positions if window else q_indptr,
+        key_positions.stride(0) if window else 0, window, cap_log2,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_BLOCK=page_block,
-        SCAN=128, IEEE=q.dtype == torch.float32,
+        SCAN=128, IEEE=q.dtype == torch.float32, WINDOW=bool(window), SOFTCAP=bool(cap_log2),
         num_warps=num_warps if block_m == auto_m else 4, num_stages=2,
     )
     return out
@@ -380,17 +415,24 @@ def _register() -> None:
         "kv_page_lens_ptr": "*i32", "kv_lens_ptr": "*i32", "qk_scale": "fp32",
         **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp",
                               "stride_vs", "stride_vh", "stride_ot", "stride_oh")},
-        **{n: "constexpr" for n in ("GROUP", "HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "PAGE_BLOCK", "SCAN", "IEEE")},
+        "q_pos_ptr": "*i64", "k_pos_ptr": "*i32", "stride_kpos_p": "i32", "window": "i32", "cap_log2": "fp32",
+        **{n: "constexpr" for n in ("GROUP", "HEAD_DIM", "BLOCK_D", "BLOCK_M", "BLOCK_N", "PAGE_BLOCK", "SCAN", "IEEE",
+                                    "WINDOW", "SOFTCAP")},
     }
     # the tiles extend_attention picks for a prompt prefill (thousands of rows) and an inserted
-    # tag (a few rows): Llama-3-8B (D=128, group 4) and SmolLM2-135M (D=64, group 3), page_size 16
-    for d, group in ((128, 4), (64, 3)):
+    # tag (a few rows), page_size 16: Llama-3-8B and Qwen3-8B (D=128, group 4), SmolLM2-135M
+    # (D=64, group 3), Gemma-7B (D=256, group 1), Gemma-2-9B's sliding layers (D=256, group 2,
+    # window and soft-cap), Phi-3-mini (D=96 in a 128-wide tile, group 1, window)
+    for d, group, window, softcap in ((128, 4, False, False), (64, 3, False, False), (256, 1, False, False),
+                                      (256, 2, True, True), (96, 1, True, False)):
+        block_d = triton.next_power_of_2(d)
         for rows in (4096, 12):
-            bm, bn, _ = _tile_config(d, rows, torch.bfloat16)
+            bm, bn, _ = _tile_config(block_d, rows, torch.bfloat16)
+            options = " window" * window + " softcap" * softcap
             register_compile_spec(
-                f"extend_attn bf16 D={d} group={group} BLOCK_M={bm} BLOCK_N={bn}", _extend_attn_kernel, sig,
-                {"GROUP": group, "HEAD_DIM": d, "BLOCK_D": d, "BLOCK_M": bm, "BLOCK_N": bn, "PAGE_BLOCK": 16,
-                 "SCAN": 128, "IEEE": False},
+                f"extend_attn bf16 D={d} group={group} BLOCK_M={bm} BLOCK_N={bn}{options}", _extend_attn_kernel, sig,
+                {"GROUP": group, "HEAD_DIM": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": bn, "PAGE_BLOCK": 16,
+                 "SCAN": 128, "IEEE": False, "WINDOW": window, "SOFTCAP": softcap},
             )
 
 

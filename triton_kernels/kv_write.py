@@ -192,8 +192,10 @@ def _register() -> None:
                               "stride_vc_p", "stride_vc_s", "stride_vc_h", "stride_ot", "stride_oh", "page_size")},
         "GROUP": "constexpr", "GROUP_PAD": "constexpr", "HALF": "constexpr", "BLOCK_HALF": "constexpr",
     }
-    # Llama-3-8B (32 q heads, 8 KV heads, D=128) and SmolLM2-135M (9 q heads, 3 KV heads, D=64)
-    for d, group in ((128, 4), (64, 3)):
+    # Llama-3-8B and Qwen3-8B (32 q heads, 8 KV heads, D=128), SmolLM2-135M (9 q heads, 3 KV heads,
+    # D=64), Gemma-7B (16 heads, 16 KV heads, D=256), Gemma-2-9B (16 q heads, 8 KV heads, D=256),
+    # Phi-3-mini (32 heads, 32 KV heads, D=96)
+    for d, group in ((128, 4), (64, 3), (256, 1), (256, 2), (96, 1)):
         register_compile_spec(
             f"rope_kv_write bf16 D={d} group={group}", _rope_kv_write_kernel, sig,
             {"GROUP": group, "GROUP_PAD": triton.next_power_of_2(group), "HALF": d // 2,

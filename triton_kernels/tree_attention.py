@@ -31,6 +31,11 @@ tree or plain with a bytes-read cost model (:func:`choose_mode`).
 CUDA graphs: the grid is ``(max_work, num_kv_heads)`` from an upper bound; programs past the
 device-side work count exit at once, and ``split`` is a runtime value, so a captured launch
 serves any context length up to its capacity.
+
+Per-layer options (:mod:`.attention_options`): a sliding window over logical positions (each
+row of a group has its own position, so the mask is per (row, key)) and an attention-logit
+soft-cap, both constexpr switches with runtime values. Any ``head_dim`` runs in a
+power-of-two tile (``BLOCK_D``, masked: 96 for Phi-3-mini), any GQA group including 1.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from typing import Callable
 import torch
 
 from . import INTERPRET, register_compile_spec, upload_int32  # noqa: F401  (INTERPRET: the mode the kernels run in)
+from .attention_options import check_softcap, check_window, tanh
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -63,11 +69,12 @@ LOG2E = 1.0 / LN2
 @triton.jit
 def _merge_row(
     O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_SLOT_START, ROW_SLOTS, r, nparts, h,
-    HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
+    HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Fold the ``nparts`` partials of query row ``r`` for KV head ``h``'s query heads."""
     offs_g = tl.arange(0, GROUP_P2)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, BLOCK_D)
+    dval = offs_d < D
     gval = offs_g < GROUP
     qh = h * GROUP + offs_g
     s0 = tl.load(ROW_SLOT_START + r)
@@ -78,19 +85,19 @@ def _merge_row(
         m = tl.maximum(m, lse)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     den = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, D], tl.float32)
+    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
     for i in range(0, nparts):
         sl = tl.load(ROW_SLOTS + s0 + i).to(tl.int64)
         lse = tl.load(PART_LSE + sl * HQ + qh, mask=gval, other=float("-inf"), cache_modifier=".cg")
         w = tl.exp(lse - m_safe)
-        o = tl.load(PART_O + (sl * HQ + qh[:, None]) * D + offs_d[None, :], mask=gval[:, None], other=0.0,
-                    cache_modifier=".cg")
+        o = tl.load(PART_O + (sl * HQ + qh[:, None]) * D + offs_d[None, :], mask=gval[:, None] & dval[None, :],
+                    other=0.0, cache_modifier=".cg")
         acc += w[:, None] * o
         den += w
     out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
     rr = r.to(tl.int64)
     tl.store(O + rr * stride_ot + qh[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=gval[:, None])
+             mask=gval[:, None] & dval[None, :])
 
 
 @triton.jit
@@ -102,9 +109,11 @@ def _tree_decode_kernel(
     PAGES, PAGE_LENS,
     ROW_NPARTS, ROW_SLOT_START, ROW_SLOTS,
     PART_O, PART_LSE, COUNTERS,
-    sm_scale_log2,
-    HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr,
+    Q_POS, K_POS, stride_kpos_p,
+    sm_scale_log2, window, cap_log2,
+    HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     w = tl.program_id(0)
     h = tl.program_id(1)
@@ -118,7 +127,8 @@ def _tree_decode_kernel(
         nrows = tl.load(GROUP_NROWS + grp)
 
         offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D)
+        offs_d = tl.arange(0, BLOCK_D)
+        dval = offs_d < D
         offs_n = tl.arange(0, BLOCK_N)
         j = offs_m // GROUP_P2
         g = offs_m % GROUP_P2
@@ -126,11 +136,14 @@ def _tree_decode_kernel(
         row = tl.load(GROUP_ROWS + rstart + j, mask=mval, other=0).to(tl.int64)
         qh = h * GROUP + g
         q = tl.load(Q + row[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :],
-                    mask=mval[:, None], other=0.0)
+                    mask=mval[:, None] & dval[None, :], other=0.0)
+        if WINDOW:
+            # keys at logical positions <= q_pos - window are outside the row's window
+            q_lo = tl.load(Q_POS + row, mask=mval, other=0).to(tl.int64) - window
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         ntok = (hi - lo) * PAGE
         for start in range(0, ntok, BLOCK_N):
             t = start + offs_n
@@ -141,15 +154,23 @@ def _tree_decode_kernel(
             plen = tl.load(PAGE_LENS + pi, mask=inr, other=0)
             valid = inr & (off < plen)
             kv_off = page * stride_kp + off * stride_ks + h * stride_kh
-            k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
+            k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=valid[:, None] & dval[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k))
+            if SOFTCAP:
+                s = cap_log2 * tanh(s * (sm_scale_log2 / cap_log2))
+            else:
+                s = s * sm_scale_log2
+            if WINDOW:
+                k_pos = tl.load(K_POS + page * stride_kpos_p + off, mask=valid, other=0).to(tl.int64)
+                s = tl.where(valid[None, :] & (k_pos[None, :] > q_lo[:, None]), s, float("-inf"))
+            else:
+                s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=valid[:, None] & dval[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
@@ -158,12 +179,12 @@ def _tree_decode_kernel(
         nparts = tl.load(ROW_NPARTS + row, mask=mval, other=1)
         direct = mval & (nparts == 1) & (MERGE != 3)
         tl.store(O + row[:, None] * stride_ot + qh[:, None] * stride_oh + offs_d[None, :],
-                 o.to(O.dtype.element_ty), mask=direct[:, None])
+                 o.to(O.dtype.element_ty), mask=direct[:, None] & dval[None, :])
         if MERGE > 0:
             lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
             slot = (slot0 + j).to(tl.int64)
             pm = mval & ((nparts > 1) | (MERGE == 3))
-            tl.store(PART_O + (slot[:, None] * HQ + qh[:, None]) * D + offs_d[None, :], o, mask=pm[:, None])
+            tl.store(PART_O + (slot[:, None] * HQ + qh[:, None]) * D + offs_d[None, :], o, mask=pm[:, None] & dval[None, :])
             tl.store(PART_LSE + slot * HQ + qh, lse, mask=pm)
             if MERGE == 1:
                 # In-launch merge: the last program to deliver a partial of a row folds them.
@@ -175,14 +196,14 @@ def _tree_decode_kernel(
                         cnt = tl.atomic_add(COUNTERS + r * HKV + h, 1, sem="acq_rel")
                         if cnt == np_r - 1:
                             _merge_row(O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_SLOT_START, ROW_SLOTS,
-                                       r, np_r, h, HQ, GROUP, GROUP_P2, D)
+                                       r, np_r, h, HQ, GROUP, GROUP_P2, D, BLOCK_D)
                             tl.atomic_xchg(COUNTERS + r * HKV + h, 0, sem="relaxed")
 
 
 @triton.jit
 def _merge_kernel(
     O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_NPARTS, ROW_SLOT_START, ROW_SLOTS, NUM_ROWS,
-    HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr,
+    HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -190,7 +211,7 @@ def _merge_kernel(
         np_r = tl.load(ROW_NPARTS + r)
         if np_r > 1:
             _merge_row(O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_SLOT_START, ROW_SLOTS, r, np_r, h,
-                       HKV * GROUP, GROUP, GROUP_P2, D)
+                       HKV * GROUP, GROUP, GROUP_P2, D, BLOCK_D)
 
 
 # --------------------------------------------------------------------------- host side
@@ -446,6 +467,11 @@ def tree_decode_attention(
     block_n: int = 64,
     grid_work: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    q_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of single-token queries over their paged KV views, in one launch.
 
@@ -462,9 +488,17 @@ def tree_decode_attention(
         block_n: KV tokens per inner iteration (a multiple of 16 and of the page size or a divisor).
         grid_work: launch this many work programs (a capacity for CUDA graphs; default the plan's).
         workspace: scratch buffers (:class:`DecodeWorkspace`); None allocates them for this call.
+        sliding_window: row r sees only the keys whose logical position is
+            ``> q_positions[r] - sliding_window`` (tokens); None: no window.
+        logit_softcap: scores ``s = q k^T * scale`` become ``cap * tanh(s / cap)`` before the
+            softmax (Gemma 2); None: no cap.
+        q_positions: ``[R]`` int64/int32 logical position of each row (with ``sliding_window``).
+        key_positions: ``[num_pages, page_size]`` int32 logical position of every cache slot, unit
+            last stride (with ``sliding_window``).
 
     Returns ``out``: softmax(q k^T * scale) v per row and head. Raises ValueError on shape or
-    dtype mismatches."""
+    dtype mismatches, naming ``sliding_window``/``logit_softcap`` when their inputs are missing
+    or invalid."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     r, hq, d = q.shape
@@ -475,14 +509,17 @@ def tree_decode_attention(
         raise ValueError(f"q dtype {q.dtype} / cache dtype {k_cache.dtype} differ, or K and V strides differ")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("the last (head_dim) dimension of q and the caches must be contiguous")
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    if d < 1:
+        raise ValueError(f"head_dim must be >= 1, got {d}")
+    window = check_window(sliding_window, q_positions, key_positions, r, k_cache, "tree_decode_attention")
+    cap_log2 = check_softcap(logit_softcap, "tree_decode_attention") * LOG2E
     if not (merge in ("inline", "separate") or callable(merge)):
         raise ValueError(f"merge must be 'inline', 'separate' or a callable, got {merge!r}")
     if out is None:
         out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
     group = hq // hkv
     gp2 = _next_pow2(group)
+    block_d = max(16, _next_pow2(d))
     part_o, part_lse, counters = (workspace or DecodeWorkspace()).get(plan.n_slots, r, hq, hkv, d, q.device)
     if callable(merge):
         merge_code = 3
@@ -498,14 +535,16 @@ def tree_decode_attention(
         plan.pages, plan.page_lens,
         plan.row_nparts, plan.row_slot_start, plan.row_slots,
         part_o, part_lse, counters,
-        scale * LOG2E,
-        HKV=hkv, GROUP=group, GROUP_P2=gp2, D=d, PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=block_n,
-        MERGE=merge_code,
+        q_positions if window else plan.num_rows, key_positions if window else plan.num_rows,
+        key_positions.stride(0) if window else 0,
+        scale * LOG2E, window, cap_log2,
+        HKV=hkv, GROUP=group, GROUP_P2=gp2, D=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=block_n,
+        MERGE=merge_code, WINDOW=bool(window), SOFTCAP=bool(cap_log2),
     )
     if merge_code == 2:
         _merge_kernel[(r, hkv)](
             out, out.stride(0), out.stride(1), part_o, part_lse, plan.row_nparts, plan.row_slot_start,
-            plan.row_slots, plan.num_rows, HKV=hkv, GROUP=group, GROUP_P2=gp2, D=d,
+            plan.row_slots, plan.num_rows, HKV=hkv, GROUP=group, GROUP_P2=gp2, D=d, BLOCK_D=block_d,
         )
     elif merge_code == 3:
         merge(part_o, part_lse, plan.row_indptr, plan.row_slots, out)
@@ -522,24 +561,39 @@ def _register() -> None:
         "PAGES": "*i32", "PAGE_LENS": "*i32",
         "ROW_NPARTS": "*i32", "ROW_SLOT_START": "*i32", "ROW_SLOTS": "*i32",
         "PART_O": "*fp32", "PART_LSE": "*fp32", "COUNTERS": "*i32",
-        "sm_scale_log2": "fp32",
-        "HKV": "constexpr", "GROUP": "constexpr", "GROUP_P2": "constexpr", "D": "constexpr", "PAGE": "constexpr",
-        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "MERGE": "constexpr",
+        "Q_POS": "*i64", "K_POS": "*i32", "stride_kpos_p": "i32",
+        "sm_scale_log2": "fp32", "window": "i32", "cap_log2": "fp32",
+        "HKV": "constexpr", "GROUP": "constexpr", "GROUP_P2": "constexpr", "D": "constexpr", "BLOCK_D": "constexpr",
+        "PAGE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "MERGE": "constexpr",
+        "WINDOW": "constexpr", "SOFTCAP": "constexpr",
     }
-    for name, hkv, group, d, bm in (("llama3-8b", 8, 4, 128, 64), ("smollm2", 3, 3, 64, 64)):
-        for merge in (1, 2, 3):
+    # (name, KV heads, GQA group, head_dim, query tile, window, soft-cap, merges): Llama-3-8B and
+    # Qwen3-8B share a specialization (D=128, group 4; Qwen3's q/k norms run before the kernels)
+    shapes = (
+        ("llama3-8b", 8, 4, 128, 64, False, False, (1, 2, 3)),
+        ("smollm2", 3, 3, 64, 64, False, False, (1, 2, 3)),
+        ("gemma-7b", 16, 1, 256, 16, False, False, (1, 2, 3)),  # multi-head attention, head_dim 256
+        ("gemma-2-9b", 8, 2, 256, 32, True, True, (1,)),  # its sliding layers (full layers: WINDOW off)
+        ("gemma-2-9b-full", 8, 2, 256, 32, False, True, (1,)),
+        ("phi-3-mini", 32, 1, 96, 16, True, False, (1,)),  # head_dim 96 in a 128-wide tile
+    )
+    for name, hkv, group, d, bm, window, softcap, merges in shapes:
+        block_d = max(16, _next_pow2(d))
+        for merge in merges:
             register_compile_spec(
                 f"tree_decode[{name},merge={merge}]", _tree_decode_kernel, common,
-                {"HKV": hkv, "GROUP": group, "GROUP_P2": _next_pow2(group), "D": d, "PAGE": 16, "BLOCK_M": bm,
-                 "BLOCK_N": 64, "MERGE": merge},
+                {"HKV": hkv, "GROUP": group, "GROUP_P2": _next_pow2(group), "D": d, "BLOCK_D": block_d, "PAGE": 16,
+                 "BLOCK_M": bm, "BLOCK_N": 64, "MERGE": merge, "WINDOW": window, "SOFTCAP": softcap},
             )
-        register_compile_spec(
-            f"tree_merge[{name}]", _merge_kernel,
-            {"O": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "PART_O": "*fp32", "PART_LSE": "*fp32",
-             "ROW_NPARTS": "*i32", "ROW_SLOT_START": "*i32", "ROW_SLOTS": "*i32", "NUM_ROWS": "*i32",
-             "HKV": "constexpr", "GROUP": "constexpr", "GROUP_P2": "constexpr", "D": "constexpr"},
-            {"HKV": hkv, "GROUP": group, "GROUP_P2": _next_pow2(group), "D": d},
-        )
+        if 2 in merges:
+            register_compile_spec(
+                f"tree_merge[{name}]", _merge_kernel,
+                {"O": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "PART_O": "*fp32", "PART_LSE": "*fp32",
+                 "ROW_NPARTS": "*i32", "ROW_SLOT_START": "*i32", "ROW_SLOTS": "*i32", "NUM_ROWS": "*i32",
+                 "HKV": "constexpr", "GROUP": "constexpr", "GROUP_P2": "constexpr", "D": "constexpr",
+                 "BLOCK_D": "constexpr"},
+                {"HKV": hkv, "GROUP": group, "GROUP_P2": _next_pow2(group), "D": d, "BLOCK_D": block_d},
+            )
 
 
 _register()

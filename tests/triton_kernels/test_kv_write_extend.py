@@ -157,7 +157,7 @@ def check_kv_write(hq, hkv, d, dtype, device, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("hq,hkv", GROUPS)
 def test_kv_write_matches_torch_default(hq, hkv, d, dtype):
     check_kv_write(hq, hkv, d, dtype, "cpu", seed=hq * 1000 + d + (dtype == torch.float16))
@@ -236,6 +236,8 @@ EXTEND_CASES = [
     (16, 2, 128, 4, None),
     (9, 3, 128, 16, (16, 16)),
     (16, 2, 64, 16, None),
+    (4, 4, 256, 16, None),  # Gemma-7B: head_dim 256, group 1
+    (4, 4, 96, 4, None),  # Phi-3-mini: head_dim 96 (a padded tile)
 ]
 
 
