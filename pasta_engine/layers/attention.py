@@ -17,6 +17,16 @@ that own static buffers sized for a bucket and whose ``plan`` copies into them.
 
 :class:`TorchAttention` is the reference: it gathers each sequence's view into a dense tensor
 and calls ``scaled_dot_product_attention`` with explicit masks.
+
+Per-layer options are arguments of :meth:`AttentionBackend.attend` (the plan is per step and
+shared by all layers; a layer's options are constants, so graph-mode launches capture them):
+the softmax ``scale``, a ``sliding_window`` and an attention-logit ``logit_softcap``. A window
+is counted in logical positions (DESIGN.md section 2): a query at position ``p`` sees the keys
+of its view at positions ``> p - window``, which is ``transformers``' ``q - k < window`` on a
+sequential response, and for a PASTA thread keeps the keys that are near in the positions the
+model was trained on. The model passes each query row's position and a table of every cache
+slot's position (``key_positions``, written when the slot's key is: see
+:meth:`pasta_engine.models.llama.LlamaModel.key_positions`).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import torch.nn.functional as F
 from .rotary import apply_rope
 from .utils import to_device
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "Run"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "Run", "check_attention_options"]
 
 Run = tuple[int, list[int], list[int]]  # (segment id, pages, used slots of each page)
 
@@ -131,9 +141,36 @@ class AttentionBackend:
         v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         return q
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        positions: torch.Tensor | None = None,
+        key_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q ``[T, Hq, D]`` -> output ``[T, Hq, D]``: softmax(q k^T * scale) v over each query
-        row's visible keys, under the plan of the last :meth:`plan` call."""
+        row's visible keys, under the plan of the last :meth:`plan` call.
+
+        Args:
+            q: ``[T, Hq, D]`` rotated queries (model dtype), the step's rows in order.
+            k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` (one layer).
+            scale: softmax scale (``head_dim ** -0.5``; Gemma 2: ``query_pre_attn_scalar ** -0.5``).
+            sliding_window: row ``t`` sees only keys at logical positions
+                ``> positions[t] - sliding_window`` (tokens); None: every visible key.
+            logit_softcap: scores ``s = q k^T * scale`` become ``cap * tanh(s / cap)`` before the
+                softmax (Gemma 2); None: no cap.
+            positions: ``[T]`` int64 logical position of each row (needed with a window).
+            key_positions: ``[num_pages, page_size]`` int32 logical position of every cache slot
+                (needed with a window; slots no row sees may hold anything).
+
+        Raises ValueError naming ``sliding_window`` or ``logit_softcap`` when the option is
+        invalid or its inputs are missing (:func:`check_attention_options`); a backend that
+        cannot apply an option raises NotImplementedError naming it."""
         raise NotImplementedError
 
     def for_cuda_graph(self, max_rows: int, num_pages: int) -> "AttentionBackend":
@@ -143,6 +180,44 @@ class AttentionBackend:
 
         Raises NotImplementedError when the backend cannot run inside CUDA graphs."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot run inside CUDA graphs")
+
+
+def check_attention_options(sliding_window: int | None, logit_softcap: float | None, positions: torch.Tensor | None,
+                            key_positions: torch.Tensor | None, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Check :meth:`AttentionBackend.attend`'s per-layer options. Raises ValueError naming the
+    option: a window that is not a positive int or comes without ``positions [T]`` and
+    ``key_positions [num_pages, page_size]`` int32; a soft-cap that is not a positive number."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive int (tokens) or None, got {sliding_window!r}")
+        if positions is None or key_positions is None:
+            raise ValueError(f"sliding_window={sliding_window} needs positions [T] and key_positions "
+                             "[num_pages, page_size]")
+        if tuple(positions.shape) != (q.shape[0],) or tuple(key_positions.shape) != tuple(k_cache.shape[:2]) \
+                or key_positions.dtype != torch.int32:
+            raise ValueError(f"sliding_window needs positions [{q.shape[0]}] and key_positions "
+                             f"[{k_cache.shape[0]}, {k_cache.shape[1]}] int32, got {tuple(positions.shape)} and "
+                             f"{tuple(key_positions.shape)} {key_positions.dtype}")
+    if logit_softcap is not None and not (0.0 < float(logit_softcap) < float("inf")):
+        raise ValueError(f"logit_softcap must be a positive number or None, got {logit_softcap!r}")
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               logit_softcap: float | None) -> torch.Tensor:
+    """Masked attention ``[..., Hq, Q, D]`` over ``k, v`` ``[..., Hkv, L, D]`` with a bool
+    ``mask`` broadcastable to ``[..., Hq, Q, L]``: ``scaled_dot_product_attention``, or with a
+    soft-cap the same math written out (scores and softmax in float32, as ``transformers``'
+    eager Gemma 2 attention takes its softmax)."""
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=-3)
+        v = v.repeat_interleave(hq // hkv, dim=-3)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / logit_softcap) * logit_softcap
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(p, v.float()).to(q.dtype)
 
 
 def _slots(pages: list[int], lens: list[int], page_size: int) -> torch.Tensor:
@@ -228,25 +303,34 @@ class TorchAttention(AttentionBackend):
         self._plan = pl
         return True
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, scale, *, sliding_window=None, logit_softcap=None, positions=None,
+               key_positions=None):
         pl = self._plan
         if pl is None:
             raise RuntimeError("TorchAttention.attend before plan()")
+        check_attention_options(sliding_window, logit_softcap, positions, key_positions, q, k_cache)
         t, hq, d = q.shape
         hkv = k_cache.shape[2]
         kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+        kpos = key_positions.reshape(-1) if sliding_window is not None else None
         res = torch.empty_like(q)
         if pl.dec_rows is not None:
             k = kf[pl.dec_gather].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, N, D]
             v = vf[pl.dec_gather].transpose(0, 1)[None].to(q.dtype)
             qd = q[pl.dec_rows].transpose(0, 1)[None]  # [1, Hq, R, D]
-            out = F.scaled_dot_product_attention(qd, k, v, attn_mask=pl.dec_mask, scale=scale, enable_gqa=hq != hkv)
+            mask = pl.dec_mask
+            if kpos is not None:  # [R, N]: key position inside the row's window
+                mask = mask & (kpos[pl.dec_gather][None, :] > positions[pl.dec_rows][:, None] - sliding_window)
+            out = _attention(qd, k, v, mask, scale, logit_softcap)
             res[pl.dec_rows] = out[0].transpose(0, 1)
         if pl.gather is not None:
             k = kf[pl.gather].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
             v = vf[pl.gather].transpose(1, 2).to(q.dtype)
             qd = q[pl.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
-            out = F.scaled_dot_product_attention(qd, k, v, attn_mask=pl.mask, scale=scale,
-                                                 enable_gqa=hq != hkv).transpose(1, 2)
+            mask = pl.mask
+            if kpos is not None:  # [B, 1, Qmax, L]; padded rows keep their one key
+                inside = kpos[pl.gather][:, None, :] > positions[pl.q_index][:, :, None] - sliding_window
+                mask = mask & (inside | ~pl.q_valid[:, :, None])[:, None]
+            out = _attention(qd, k, v, mask, scale, logit_softcap).transpose(1, 2)
             res[pl.q_index[pl.q_valid]] = out[pl.q_valid]
         return res

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import UnsupportedModelError
 
-__all__ = ["apply_rope", "rope_inv_freq", "RotaryEmbedding"]
+__all__ = ["apply_rope", "rope_inv_freq", "rope_long_inv_freq", "rotary_embedding", "RotaryEmbedding"]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -50,21 +50,58 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scale)
 
 
+def rope_long_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, int] | None:
+    """LongRoPE (Phi-3): the long-context inverse frequencies ``[head_dim/2]`` float32 and the
+    position from which they apply (``original_max_position_embeddings``), or None for any
+    other RoPE type.
+
+    ``transformers`` picks the short or the long factors for a whole forward by its largest
+    position; with a KV cache that is a per-token choice (a decode step past the original
+    context uses the long factors, keys already cached keep theirs), which is what the engine
+    does for every token (as vLLM does). The two agree exactly while a prompt fits the original
+    context."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings") or getattr(hf_config, "original_max_position_embeddings")
+    inv, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, torch.device("cpu"), seq_len=int(original) + 1)
+    return inv.float(), int(original)
+
+
+def rotary_embedding(hf_config: Any, head_dim: int, device: torch.device | str, dtype: torch.dtype
+                     ) -> "RotaryEmbedding":
+    """The :class:`RotaryEmbedding` of a checkpoint (:func:`rope_inv_freq`, plus the long
+    factors of :func:`rope_long_inv_freq`). Raises what :func:`rope_inv_freq` raises."""
+    inv, scale = rope_inv_freq(hf_config, head_dim)
+    long = rope_long_inv_freq(hf_config, head_dim)
+    return RotaryEmbedding(inv, scale, torch.device(device), dtype, *(long or (None, None)))
+
+
 class RotaryEmbedding:
     """cos/sin tables for logical positions.
 
     Args:
         inv_freq: ``[head_dim/2]`` inverse frequencies; scale: cos/sin multiplier.
-        device, dtype: where the tables live and their dtype (the model's)."""
+        device, dtype: where the tables live and their dtype (the model's).
+        long_inv_freq, long_from: LongRoPE's second set of inverse frequencies ``[head_dim/2]``
+            and the first position (tokens) that uses them, or None (one set for all positions)."""
 
-    def __init__(self, inv_freq: torch.Tensor, scale: float, device: torch.device, dtype: torch.dtype):
+    def __init__(self, inv_freq: torch.Tensor, scale: float, device: torch.device, dtype: torch.dtype,
+                 long_inv_freq: torch.Tensor | None = None, long_from: int | None = None):
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         self.scale = scale
         self.dtype = dtype
+        self.long_inv_freq = None if long_inv_freq is None else long_inv_freq.to(device=device, dtype=torch.float32)
+        self.long_from = long_from
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, head_dim]`` (model dtype) for int64 ``positions`` ``[T]`` (computed in
         float32 as HF does)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        pos = positions.float()[:, None]
+        freqs = pos * self.inv_freq[None, :]
+        if self.long_inv_freq is not None:
+            freqs = torch.where((positions >= self.long_from)[:, None], pos * self.long_inv_freq[None, :], freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(self.dtype), (emb.sin() * self.scale).to(self.dtype)

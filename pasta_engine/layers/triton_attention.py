@@ -28,7 +28,7 @@ from ..triton_kernels.tree_attention import (
     plan_lists,
     tree_decode_attention,
 )
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend, AttentionMetadata, check_attention_options
 from .utils import to_device
 
 __all__ = ["TritonAttention"]
@@ -175,18 +175,24 @@ class TritonAttention(AttentionBackend):
             return csrc_ops.rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
         return super().rope_and_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, scale):
+    def attend(self, q, k_cache, v_cache, scale, *, sliding_window=None, logit_softcap=None, positions=None,
+               key_positions=None):
         p = self._plan
         if p is None:
             raise RuntimeError("TritonAttention.attend before plan()")
+        check_attention_options(sliding_window, logit_softcap, positions, key_positions, q, k_cache)
         merge = self._merge_fn()
+        opts = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, key_positions=key_positions)
         if p.decode is not None and p.dec_rows is None:
-            return tree_decode_attention(q, k_cache, v_cache, p.decode, scale, merge=merge, workspace=self._workspace)
+            return tree_decode_attention(q, k_cache, v_cache, p.decode, scale, merge=merge, workspace=self._workspace,
+                                         q_positions=positions, **opts)
         out = torch.empty_like(q)
         if p.decode is not None:
+            rows_pos = None if sliding_window is None else positions[p.dec_rows]
             out[p.dec_rows] = tree_decode_attention(q[p.dec_rows], k_cache, v_cache, p.decode, scale, merge=merge,
-                                                    workspace=self._workspace)
+                                                    workspace=self._workspace, q_positions=rows_pos, **opts)
         if p.ext_rows is not None:
+            rows_pos = None if sliding_window is None else positions[p.ext_rows]
             out[p.ext_rows] = extend_attention(q[p.ext_rows], k_cache, v_cache, *p.ext_index, scale,
-                                               max_q_len=p.ext_max_q)
+                                               max_q_len=p.ext_max_q, q_positions=rows_pos, **opts)
         return out
