@@ -36,6 +36,49 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     return build_checkpoint("tiny-qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 
 
+def _tiny(name: str, tmp_path_factory, **overrides) -> Path:
+    from pasta_engine.tools.presets import build_checkpoint
+
+    return build_checkpoint(name, tmp_path_factory.mktemp(name), overrides=overrides or None)
+
+
+# the newer architectures (windows of 8 tokens, soft-caps that bite: see tools/presets.py)
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> Path:
+    return _tiny("tiny-mistral", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return _tiny("tiny-qwen3", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma(tmp_path_factory) -> Path:
+    return _tiny("tiny-gemma", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory) -> Path:
+    return _tiny("tiny-gemma2", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory) -> Path:
+    return _tiny("tiny-phi3", tmp_path_factory)
+
+
+# without a window, for references that cannot express one (a single dense 4D mask)
+@pytest.fixture(scope="session")
+def tiny_mistral_no_window(tmp_path_factory) -> Path:
+    return _tiny("tiny-mistral", tmp_path_factory, sliding_window=None)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_no_window(tmp_path_factory) -> Path:
+    return _tiny("tiny-gemma2", tmp_path_factory, sliding_window=4096)  # >= the context: never bites
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_llama):
     from pasta_engine import Engine

@@ -1,21 +1,69 @@
-"""The shape of a checkpoint, read from its ``transformers`` config (no weights)."""
+"""The shape of a checkpoint and its architecture's options, read from its ``transformers``
+config (no weights).
+
+Every supported architecture is a Llama-family decoder (pre-norm RMSNorm blocks, RoPE, a gated
+MLP) that differs from Llama by a few options; :data:`ARCHITECTURES` lists each one's fixed
+traits, and :meth:`ModelConfig.from_hf` reads the rest (activation, soft-caps, windows, scale)
+from the config, refusing any option the forward does not implement with an
+:class:`~pasta_engine.errors.UnsupportedModelError` that names it.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedModelError
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES", "ARCHITECTURES", "ACTIVATIONS"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+#: ``model_type`` -> its fixed traits (the :class:`ModelConfig` fields it sets) and which layers
+#: honour ``config.sliding_window``: ``"none"`` (the architecture has no window), ``"all"``
+#: (every layer: Mistral, Phi-3) or ``"layer_types"`` (the layers ``config.layer_types`` marks
+#: ``"sliding_attention"``: Qwen2/3 above ``max_window_layers``, Gemma 2's alternate layers).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": {"windows": "none"},
+    "mistral": {"windows": "all"},
+    "qwen2": {"windows": "layer_types", "attention_bias": True},
+    "qwen3": {"windows": "layer_types", "qk_norm": True},
+    "gemma": {"windows": "none", "norm_unit_offset": True, "scale_embeddings": True},
+    "gemma2": {"windows": "layer_types", "norm_unit_offset": True, "scale_embeddings": True, "sandwich_norms": True},
+    "phi3": {"windows": "all"},
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+#: MLP gate activations (``transformers`` names): SwiGLU's and GeGLU's with tanh-approximated GELU.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family model (all sizes in elements; ``max_position_embeddings``,
-    the context length in tokens, None when the checkpoint does not say)."""
+    """The shape and options of a Llama-family decoder. Sizes are in elements,
+    ``max_position_embeddings`` (the context length) and windows in tokens.
+
+    Attributes:
+        model_type: the ``transformers`` architecture name (a key of :data:`ARCHITECTURES`).
+        attention_bias: q/k/v projections have biases (Qwen2; any biases the checkpoint holds are
+            applied, this flag only says they are expected).
+        max_position_embeddings: the context length, None when the checkpoint does not say.
+        hidden_act: MLP gate activation, one of :data:`ACTIVATIONS`.
+        norm_unit_offset: RMSNorm scales by ``1 + w`` in float32 and then casts (Gemma), instead
+            of casting first and scaling by ``w`` in the model dtype (Llama).
+        scale_embeddings: embeddings are multiplied by ``sqrt(hidden_size)`` rounded to the
+            model dtype (Gemma).
+        sandwich_norms: RMSNorm also on the attention and MLP outputs before each residual add
+            (Gemma 2: ``post_attention_layernorm``, ``pre_feedforward_layernorm``,
+            ``post_feedforward_layernorm``).
+        qk_norm: RMSNorm over ``head_dim`` on every query and key head before RoPE (Qwen3).
+        attention_scale: softmax scale of the attention scores (``head_dim ** -0.5``; Gemma 2:
+            ``query_pre_attn_scalar ** -0.5``).
+        attn_logit_softcap: scores become ``cap * tanh(scores / cap)`` before the softmax
+            (Gemma 2), or None.
+        final_logit_softcap: logits become ``cap * tanh(logits / cap)`` (Gemma 2), or None.
+        sliding_windows: per layer, the window in tokens of logical position (a query at
+            position ``p`` sees keys at positions ``> p - window``), or None for full attention.
+            A window at least the context length never bites and is stored as None.
+    """
 
     model_type: str
     vocab_size: int
@@ -29,27 +77,55 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     max_position_embeddings: int | None = None
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    qk_norm: bool = False
+    attention_scale: float = 0.0
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.attention_scale:
+            object.__setattr__(self, "attention_scale", self.head_dim**-0.5)
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
 
     @classmethod
     def from_hf(cls, cfg: Any) -> "ModelConfig":
         """From a ``transformers`` config. Raises UnsupportedModelError naming the
         architecture or option that is not implemented."""
         mt = getattr(cfg, "model_type", None)
-        if mt not in SUPPORTED_ARCHITECTURES:
+        if mt not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported architecture {mt!r}: pasta-engine runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        sw = getattr(cfg, "sliding_window", None)
-        active = mt != "qwen2" or getattr(cfg, "use_sliding_window", False)
-        if sw is not None and active and sw < getattr(cfg, "max_position_embeddings", sw + 1):
-            raise UnsupportedModelError(f"{mt} with an active sliding window ({sw} tokens) is not supported")
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
+        traits = dict(ARCHITECTURES[mt])
+        windows_from = traits.pop("windows")
+        act_field = "hidden_activation" if mt == "gemma2" else "hidden_act"
+        act = getattr(cfg, act_field, None) or "silu"
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"{mt} with {act_field}={act!r} is not supported (one of {', '.join(ACTIVATIONS)})")
+        if getattr(cfg, "use_bidirectional_attention", None):
+            raise UnsupportedModelError(f"{mt} with use_bidirectional_attention=True is not supported (causal only)")
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise UnsupportedModelError(f"{mt} with partial_rotary_factor={partial} is not supported (RoPE over the "
+                                        "whole head only)")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         if heads % kv:
             raise UnsupportedModelError(f"{heads} query heads are not a multiple of {kv} KV heads")
+        max_pos = getattr(cfg, "max_position_embeddings", None)
+        scale = head_dim**-0.5
+        if mt == "gemma2":
+            scale = float(cfg.query_pre_attn_scalar) ** -0.5
         return cls(
             model_type=mt,
             vocab_size=cfg.vocab_size,
@@ -61,11 +137,44 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            max_position_embeddings=getattr(cfg, "max_position_embeddings", None),
+            attention_bias=traits.pop("attention_bias", False) or bool(getattr(cfg, "attention_bias", False)),
+            max_position_embeddings=max_pos,
+            hidden_act=act,
+            attention_scale=scale,
+            attn_logit_softcap=getattr(cfg, "attn_logit_softcapping", None) if mt == "gemma2" else None,
+            final_logit_softcap=getattr(cfg, "final_logit_softcapping", None) if mt == "gemma2" else None,
+            sliding_windows=_sliding_windows(cfg, mt, windows_from, max_pos),
+            **traits,
         )
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head (the GQA group)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def embedding_scale(self) -> float:
+        """What embeddings are multiplied by (``sqrt(hidden_size)`` with ``scale_embeddings``, else 1)."""
+        return math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
+
+
+def _sliding_windows(cfg: Any, mt: str, windows_from: str, max_pos: int | None) -> tuple[int | None, ...]:
+    """Each layer's active window (see :data:`ARCHITECTURES`); raises UnsupportedModelError for
+    a layer type other than full or sliding attention."""
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
+    if windows_from == "layer_types":
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"{mt} with layer_types {unknown} is not supported "
+                                        "(full_attention and sliding_attention only)")
+    if windows_from == "none" or window is None:
+        return (None,) * n
+    marked = [True] * n if windows_from == "all" else [t == "sliding_attention" for t in types]
+    window = int(window)
+    if window < 1:
+        raise UnsupportedModelError(f"{mt} with sliding_window={window} is not supported (a window of >= 1 token)")
+    if max_pos is not None and window >= max_pos:
+        return (None,) * n  # never bites: positions stay below the context length
+    return tuple(window if m else None for m in marked)

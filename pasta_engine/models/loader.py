@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import ParameterError
-from ..layers.rotary import rope_inv_freq
+from ..layers.rotary import rotary_embedding
 from .adapter import file_sha256, merge_lora, read_manifest, shipped_adapter
 from .config import ModelConfig
 from .llama import LlamaModel
@@ -118,7 +118,7 @@ def load_model(
     kw = {"gguf_file": gguf} if gguf else {}
     hf_cfg = AutoConfig.from_pretrained(path, **kw)
     cfg = ModelConfig.from_hf(hf_cfg)
-    inv_freq, rope_scale = rope_inv_freq(hf_cfg, cfg.head_dim)
+    rotary = rotary_embedding(hf_cfg, cfg.head_dim, device, dtype)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     weights = dict(hf_model.state_dict())
     del hf_model
@@ -128,7 +128,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(path, **kw)
     except (OSError, ValueError, TypeError):
         tokenizer = None
-    runner = LlamaModel(cfg, weights, inv_freq, rope_scale, torch.device(device), dtype)
+    runner = LlamaModel(cfg, weights, rotary, torch.device(device), dtype)
     return runner, tokenizer, hf_cfg
 
 

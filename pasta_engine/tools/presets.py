@@ -5,10 +5,18 @@ download: :func:`build_checkpoint` writes a ``transformers`` checkpoint (config,
 tokenizer) with random weights at a preset's shape into a cache folder, and the engine loads
 it through the same loader as a real checkpoint.
 
-Tokenizers: tiny presets get a byte-level BPE tokenizer trained in milliseconds on a few
-PASTA-LANG sentences (320 tokens, tags split into several tokens, multi-byte characters split
-across tokens); full-size presets use the embedded SmolLM2 tokenizer when the model package is
-installed (realistic token counts), else the same tiny one.
+Tokenizers (:data:`PRESET_TOKENIZERS`): tiny presets get a byte-level BPE tokenizer trained in
+milliseconds on a few PASTA-LANG sentences (320 tokens, tags split into several tokens,
+multi-byte characters split across tokens); full-size presets use the embedded SmolLM2
+tokenizer when the model package is installed (realistic token counts), else the same tiny one.
+No family tokenizer (Llama 3's, Qwen's, Gemma's) can be built offline: they are vocabulary files
+from a hub, so every full-size preset, ``gemma-7b``, ``gemma-2-9b`` and ``qwen3-8b`` included,
+uses SmolLM2's (its 49152 ids fit every preset's vocabulary).
+
+The tiny presets of the newer architectures set their options so that each one changes the
+logits of a random-weight model (parity tests then check that it is honoured): windows of 8
+tokens, soft-caps near the size of the scores, ``query_pre_attn_scalar`` unlike ``head_dim``,
+LongRoPE factors far from 1.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 
 from ..models.loader import cache_root
 
-__all__ = ["PRESETS", "tiny_tokenizer", "preset_tokenizer", "build_checkpoint", "SHARD_BYTES"]
+__all__ = ["PRESETS", "PRESET_TOKENIZERS", "tiny_tokenizer", "preset_tokenizer", "build_checkpoint", "SHARD_BYTES"]
 
 _CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -41,6 +49,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(model_type="llama", rope_theta=10000.0, **_TINY),
     "tiny-qwen2": dict(model_type="qwen2", rope_theta=1000000.0, **{**_TINY, "num_key_value_heads": 1,
                                                                      "tie_word_embeddings": True}),
+    "tiny-mistral": dict(model_type="mistral", rope_theta=10000.0, sliding_window=8, **_TINY),
+    "tiny-qwen3": dict(model_type="qwen3", rope_theta=1000000.0, **_TINY),
+    "tiny-gemma": dict(model_type="gemma", rope_theta=10000.0, hidden_act="gelu_pytorch_tanh",
+                       **{**_TINY, "num_key_value_heads": 4, "head_dim": 32, "tie_word_embeddings": True}),
+    "tiny-gemma2": dict(model_type="gemma2", rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
+                        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=0.1,
+                        final_logit_softcapping=0.3, **{**_TINY, "tie_word_embeddings": True}),
+    "tiny-phi3": dict(model_type="phi3", original_max_position_embeddings=2048, pad_token_id=0,
+                      rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0, 1.0, 1.2, 4.0, 1.1],
+                                    "long_factor": [2.0, 5.0, 3.0, 8.0, 1.5, 6.0, 2.5, 9.0]},
+                      **{**_TINY, "num_key_value_heads": 4}),
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
                          max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -59,7 +78,26 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_attention_heads=28, num_key_value_heads=4, head_dim=128, vocab_size=152064,
                        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
                        tie_word_embeddings=False),
+    # the paper's model (Jin et al. 2025 finetune Gemma-7B): multi-head attention, head_dim 256
+    "gemma-7b": dict(model_type="gemma", hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                     num_attention_heads=16, num_key_value_heads=16, head_dim=256, vocab_size=256000,
+                     max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "gemma-2-9b": dict(model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                       max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     tie_word_embeddings=False),
 }
+
+#: name -> the tokenizer :func:`build_checkpoint` saves with it: ``"tiny"`` (:func:`tiny_tokenizer`)
+#: or ``"smollm2"`` (the embedded SmolLM2-135M-Instruct's, or the tiny one when the model
+#: package is missing); see the module docstring.
+PRESET_TOKENIZERS: dict[str, str] = {name: "tiny" if name.startswith("tiny-") else "smollm2" for name in PRESETS}
 
 _CORPUS = [
     'Here are three tips:\n1. <promise topic="sleep" tokens="30"/><async>Go to bed early.</async>\n'
@@ -91,8 +129,8 @@ def tiny_tokenizer() -> Any:
 
 
 def preset_tokenizer(name: str) -> Any:
-    """The tokenizer :func:`build_checkpoint` saves with preset ``name`` (see the module docstring)."""
-    if name.startswith("tiny-"):
+    """The tokenizer :func:`build_checkpoint` saves with preset ``name`` (:data:`PRESET_TOKENIZERS`)."""
+    if PRESET_TOKENIZERS.get(name, "tiny") == "tiny":
         return tiny_tokenizer()
     try:
         from transformers import AutoTokenizer

@@ -89,15 +89,17 @@ def dense_reference(engine, hf, res):
                     or (owner[k] > 0 and owner[k] in joined_before(f))
                 )
             mask[q, k] = vis and (owner[q] != -1 or k <= q)
+    additive = torch.zeros(n, n).masked_fill(~mask, float("-inf"))  # eager attention (Gemma 2) adds a bool mask as 0/1
     with torch.no_grad():
         logits = hf(
-            torch.tensor([seq]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])
+            torch.tensor([seq]), attention_mask=additive[None, None], position_ids=torch.tensor([pos])
         ).logits[0].float()
     return logits, owner, index, seq
 
 
 @pytest.mark.parametrize("policy", ["predicted", "none", "oracle"])
-@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_gemma", "tiny_phi3",
+                                  "tiny_mistral_no_window", "tiny_gemma2_no_window"])
 def test_replay_logits_equal_a_dense_forward_with_the_pasta_mask(ckpt, policy, request):
     path = request.getfixturevalue(ckpt)
     engine = Engine.from_pretrained(path, kv_cache_bytes=16 * 2**20, page_size=4, position_policy=policy)

@@ -1,4 +1,5 @@
-"""The model runner against transformers: logits per step, greedy tokens, loading errors."""
+"""The model runner against transformers, for every supported architecture: logits per step,
+greedy tokens, loading errors."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pasta_engine import Engine, SamplingParams, UnsupportedModelError
 from pasta_engine.models.loader import load_model
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47, 60, 61, 62, 63]
+#: one tiny random checkpoint per supported architecture (tests/conftest.py)
+CHECKPOINTS = ["tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_gemma", "tiny_gemma2", "tiny_phi3"]
 
 
 def hf_greedy(path, prompt, n):
@@ -22,7 +25,7 @@ def hf_greedy(path, prompt, n):
     return hf, out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("ckpt", CHECKPOINTS)
 def test_sequential_greedy_equals_transformers_generate(ckpt, request):
     path = request.getfixturevalue(ckpt)
     engine = Engine.from_pretrained(path, kv_cache_bytes=8 * 2**20, page_size=4)
@@ -32,7 +35,7 @@ def test_sequential_greedy_equals_transformers_generate(ckpt, request):
     assert res.stats.decode_steps == len(ref) == res.stats.critical_path
 
 
-@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("ckpt", CHECKPOINTS)
 def test_per_step_logits_match_transformers_forward(ckpt, request):
     path = request.getfixturevalue(ckpt)
     engine = Engine.from_pretrained(path, kv_cache_bytes=8 * 2**20, page_size=4)
