@@ -28,7 +28,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_dim/2]`` float32 and the cos/sin scaling (attention factor)
     of a checkpoint's RoPE (default, linear, llama3, yarn, ...), computed by ``transformers``'
-    own RoPE helpers so they match its forward exactly.
+    own RoPE helpers so they match its forward exactly. For LongRoPE these are the short
+    factors (:func:`rope_long_inv_freq` gives the long ones).
 
     Raises UnsupportedModelError for a RoPE type that depends on the sequence length
     (``dynamic``) or that transformers does not know."""

@@ -1,5 +1,6 @@
-"""Models: checkpoint shapes (:mod:`.config`), the Llama-family forward (:mod:`.llama`) and
-checkpoint loading (:mod:`.loader`). They know nothing of the engine."""
+"""Models: checkpoint shapes and architecture options (:mod:`.config`), the Llama-family forward
+that runs every supported architecture (:mod:`.llama`) and checkpoint loading (:mod:`.loader`).
+They know nothing of the engine."""
 
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .llama import LlamaModel
