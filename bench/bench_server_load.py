@@ -201,6 +201,7 @@ async def run_load(url: str, model: str, api_key: str = "none", *, requests: int
     ttft = [s.chunk_times[0] - s.start for s in valid if s.chunk_times]
     itl = [b - a for s in valid for a, b in zip(s.chunk_times, s.chunk_times[1:])]
     tokens = sum(s.usage.completion_tokens for s in valid if s.usage is not None)
+    pasta_stats = [f.choices[0].model_extra["pasta"]["stats"] for f in fulls]
     return {
         "requests": requests,
         "concurrency": requests,
@@ -220,6 +221,8 @@ async def run_load(url: str, model: str, api_key: str = "none", *, requests: int
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "max": max(ttft, default=None)},
         "itl_s": {"p50": percentile(itl, 50), "p99": percentile(itl, 99), "gaps": len(itl)},
+        "forked_responses": sum(1 for p in pasta_stats if p["forks"] > 0),
+        "mean_threads": sum(p["threads"] for p in pasta_stats) / max(1, len(pasta_stats)),
         "pages_leaked": stats.get("kv_pages_total", 0) - stats.get("kv_pages_free", 0),
         "kv_pages_total": stats.get("kv_pages_total"),
         "engine_steps": stats.get("steps"),
