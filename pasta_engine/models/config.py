@@ -55,14 +55,15 @@ class ModelConfig:
             (Gemma 2: ``post_attention_layernorm``, ``pre_feedforward_layernorm``,
             ``post_feedforward_layernorm``).
         qk_norm: RMSNorm over ``head_dim`` on every query and key head before RoPE (Qwen3).
-        attention_scale: softmax scale of the attention scores (``head_dim ** -0.5``; Gemma 2:
-            ``query_pre_attn_scalar ** -0.5``).
+        attention_scale: softmax scale of the attention scores (``head_dim ** -0.5``, also when
+            given as 0; Gemma 2: ``query_pre_attn_scalar ** -0.5``).
         attn_logit_softcap: scores become ``cap * tanh(scores / cap)`` before the softmax
             (Gemma 2), or None.
         final_logit_softcap: logits become ``cap * tanh(logits / cap)`` (Gemma 2), or None.
         sliding_windows: per layer, the window in tokens of logical position (a query at
             position ``p`` sees keys at positions ``> p - window``), or None for full attention.
-            A window at least the context length never bites and is stored as None.
+            A window at least the context length never bites and is stored as None; an empty
+            tuple means no window on any layer.
     """
 
     model_type: str
