@@ -186,3 +186,23 @@ def test_windows_follow_each_architectures_layers(tiny_gemma2, tiny_mistral, tin
     assert windows(tiny_mistral, sliding_window=4096) == (None, None)  # never bites below 4096 positions
     assert windows(tiny_qwen3) == (None, None)  # use_sliding_window off
     assert windows(tiny_qwen3, sliding_window=8, layer_types=["full_attention", "sliding_attention"]) == (None, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ckpt", ["tiny_gemma", "tiny_gemma2", "tiny_mistral"])
+def test_triton_eager_and_cuda_graphs_match_the_torch_reference_on_cuda(ckpt, request):
+    """Group 1, windows and soft-caps in captured decode steps (bfloat16; run with -m gpu)."""
+    path = request.getfixturevalue(ckpt)
+
+    def replay(**kw):
+        engine = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, kv_cache_bytes=64 * 2**20, **kw)
+        [r] = engine.replay([PROMPT * 3], [ANNOTATED], params=SamplingParams(return_logprobs=True))
+        return engine, r
+
+    _, ref = replay(attention_backend="torch")
+    _, eager = replay(attention_backend="triton", cuda_graphs=False)
+    engine, graphed = replay(attention_backend="triton", cuda_graphs=True)
+    assert engine.model_runner.cuda_graphs.replays > 0
+    for got in (eager, graphed):
+        assert got.token_ids == ref.token_ids
+        assert max(abs(a - b) for a, b in zip(ref.logprobs, got.logprobs) if a is not None) < 0.05
