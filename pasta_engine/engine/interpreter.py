@@ -254,6 +254,11 @@ class Interpreter:
     def done(self) -> bool:
         return self.finish is not None
 
+    @property
+    def live_threads(self) -> int:
+        """Threads that may still write tokens (not ended)."""
+        return sum(1 for t in self.threads if not t.ended)
+
     def take_kv_ops(self) -> list[KVOp]:
         """The KV operations since the last call, in the order they must be applied."""
         ops, self.kv_ops = self.kv_ops, []

@@ -291,7 +291,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: ``kv_pages_total``, ``kv_pages_free``, ``running``, ``waiting``
-        (requests), ``steps`` (forward passes so far). Read without the lock."""
+        (requests), ``steps`` (forward passes so far), ``preemptions`` (restarts for lack of KV
+        pages so far). Read without the lock."""
         bm = self.block_manager
         return {
             "kv_pages_total": bm.num_pages,
@@ -299,6 +300,7 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "steps": self.scheduler.total_steps,
+            "preemptions": self.scheduler.preemptions,
         }
 
     # ------------------------------------------------------------------ the loop

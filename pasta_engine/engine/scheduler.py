@@ -76,13 +76,16 @@ class Scheduler:
         block_manager: the KV cache's pages.
         max_running_requests: requests decoded together (>= 1)."""
 
-    def __init__(self, block_manager: BlockManager, max_running_requests: int = 8):
+    def __init__(self, block_manager: BlockManager, max_running_requests: int = 8, lookahead_steps: int = 8):
         self.block_manager = block_manager
         self.max_running = max_running_requests
+        self.lookahead_steps = lookahead_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.ended: list[Request] = []  # ended outside postprocess (abort, error) since take_ended()
         self.total_steps = 0
+        self.preemptions = 0
+        self._last_victim: Request | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -166,12 +169,47 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission, preemption
 
+    def _growth(self, threads: int) -> int:
+        """Pages ``threads`` live threads can take over the next ``lookahead_steps`` steps."""
+        return threads * (math.ceil(self.lookahead_steps / self.block_manager.page_size) + 1)
+
+    @staticmethod
+    def _pages_held(req: Request) -> int:
+        return len({p for view in req.views.values() for p in view.pages})
+
+    def _worst_pages(self, req: Request) -> int:
+        """Pages ``req`` can hold at most over its whole life: its prompt, every token it may
+        sample, the ``<async>`` tags of its forks, and two partly filled pages per fork (the
+        parent's page sealed at the fork, the child's last page)."""
+        it = req.interp
+        forks = len(it._forced_chunks) if it.replay else min(it.limits.max_forks, it.max_new_tokens)
+        forks = forks if it.mode == "pasta" else 0
+        tokens = len(it.prompt_ids) + it.max_new_tokens + forks * len(it.open_ids)
+        return math.ceil(tokens / self.block_manager.page_size) + 2 * forks + 1
+
+    def _reserve(self, req: Request) -> int:
+        """Free pages a running request may still claim: a request that was preempted before
+        keeps its whole worst case reserved (it must not be preempted twice); others, the
+        growth of their live threads over the next steps."""
+        if req.preemptions:
+            return max(0, self._worst_pages(req) - self._pages_held(req))
+        return self._growth(req.interp.live_threads)
+
     def _admit(self) -> None:
+        """Admit waiting requests in arrival order while each one's worst-case growth fits:
+        its prompt's pages and its own next steps' growth (for a request restarted after a
+        preemption, its whole worst case), on top of what every running request may still
+        claim. A request that does not fit waits (waiting is preferred to preempting), and so
+        does every later one (no overtaking)."""
         bm = self.block_manager
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
-            need = math.ceil(len(req.interp.prompt_ids) / bm.page_size) + 2 * (len(self.running) + 1)
-            if self.running and need > bm.num_free:
+            if req.preemptions:
+                need = self._worst_pages(req)
+            else:
+                need = math.ceil(len(req.interp.prompt_ids) / bm.page_size) + self._growth(1)
+            reserved = sum(self._reserve(r) for r in self.running)
+            if self.running and need + reserved > bm.num_free:
                 return
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -183,13 +221,26 @@ class Scheduler:
                 self.fail(req, str(e))
 
     def _preempt(self, req: Request) -> None:
-        """Free every page of ``req`` and queue it to restart from its prompt."""
+        """Free every page of ``req`` and queue it to restart from its prompt (first in line;
+        it is admitted again once its whole worst case fits)."""
         self._free(req)
         self.running.remove(req)
         req.preemptions += 1
+        self.preemptions += 1
+        self._last_victim = req
         req.reset()
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+
+    def _victim(self, work: list[tuple[Request, list[ThreadStep]]]) -> int:
+        """Index in ``work`` of the request to preempt: the newest among those restarted least
+        often, never the last victim while another could go instead (a restarted request runs
+        with its worst case reserved, so it is not thrashed)."""
+        order = sorted(range(len(work)), key=lambda i: (work[i][0].preemptions, -i))
+        for i in order:
+            if work[i][0] is not self._last_victim:
+                return i
+        return order[0]
 
     def _pages_bound(self, req: Request, steps: list[ThreadStep]) -> int:
         """Pages the postprocess of a step can take for ``req`` at most: one per sampled
@@ -236,7 +287,7 @@ class Scheduler:
                                f"{bm.num_free} of {bm.describe()} are free; raise kv_cache_bytes or lower "
                                f"max_new_tokens / max_threads")
                 break
-            self._preempt(work.pop()[0])
+            self._preempt(work.pop(self._victim(work))[0])
         batch = ScheduledBatch()
         for req, steps in work:
             for s in steps:
