@@ -26,6 +26,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -268,8 +269,7 @@ def main() -> int:
     proc = None
     settings: dict[str, Any] = {}
     if args.url is None:
-        log = RESULTS / "server_load_server.log"
-        RESULTS.mkdir(parents=True, exist_ok=True)
+        log = Path(tempfile.gettempdir()) / "pasta_engine_server_load.log"  # the server's stderr
         serve_args = ["--api-key", args.api_key, "--max-running-requests", str(args.max_running_requests),
                       "--log-level", "warning", *args.server_args.split()]
         proc, url = start_server(serve_args, log)
