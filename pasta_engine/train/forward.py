@@ -52,12 +52,19 @@ def forward_logprobs(model: Any, layout: PastaLayout) -> torch.Tensor:
     parameters) of the sampled tokens of ``layout``, in spliced order (``layout.sampled()``).
 
     One forward of ``model`` over ``layout.input_ids`` ``[1, T]`` int64 with a ``[1, 1, T, T]``
-    bool mask and ``[1, T]`` int64 position ids on the model's device; the log-softmax is taken in
+    additive mask (model dtype) and ``[1, T]`` int64 position ids on the model's device (no
+    sliding window: transformers does not apply one to a given 4D mask, so windowed models are
+    trained on responses shorter than their window); the log-softmax is taken in
     float32 only at the query rows that predict a sampled token."""
-    dev = next(model.parameters()).device
+    param = next(model.parameters())
+    dev = param.device
     ids = torch.tensor([layout.input_ids], dtype=torch.long, device=dev)
     pos = torch.tensor([layout.position_ids], dtype=torch.long, device=dev)
-    mask = layout.mask().to(dev)[None, None]
+    # an additive float mask (0 where a query attends, -inf elsewhere): every attention
+    # implementation reads it the same way (Gemma 2's eager attention would add a bool mask)
+    keep = layout.mask().to(dev)[None, None]
+    dtype = param.dtype if param.dtype.is_floating_point else torch.float32
+    mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill(~keep, torch.finfo(dtype).min)
     qs, toks = layout.sampled()
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
     logits = out.logits[0, torch.tensor(qs, device=dev)].float()
