@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..errors import ParameterError
 from .args import add_run_args, command_line, nonneg_int, positive_int
 
 __all__ = ["add_train_parser", "run_train", "add_learned_parser", "run_learned"]
@@ -45,6 +46,14 @@ def add_train_parser(subparsers: Any) -> None:
     s.add_argument("--save-every", type=positive_int, default=20, help="checkpoint every N optimizer steps")
     s.add_argument("--seed", type=nonneg_int, default=0)
     s.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    s.add_argument("--adapter", type=Path, default=None,
+                   help="continue training this adapter folder (e.g. an earlier sft run's OUT/adapter) instead of a "
+                   "fresh LoRA; its manifest's stages are kept")
+    s.add_argument("--tag-weight", type=float, default=1.0,
+                   help="loss weight of the tokens that open a tag (the fork, chunk-end and sync decisions); 1 = plain "
+                   "mean NLL")
+    s.add_argument("--forked-only", action="store_true",
+                   help="train only on answers the annotator forked (drop the unforked ones)")
     add_run_args(s)
 
     b = sub.add_parser(
@@ -104,6 +113,10 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..train.common import base_manifest
     from ..train.sft import SFTSettings, train_sft
 
+    if not args.tag_weight > 0:
+        raise ParameterError("--tag-weight", args.tag_weight, "a weight > 0 (1 = plain mean NLL)")
+    if args.adapter is not None and not (args.adapter / "adapter_config.json").exists():
+        raise ParameterError("--adapter", str(args.adapter), "a folder with adapter_config.json (a peft LoRA adapter)")
     rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
@@ -115,6 +128,9 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     tok = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
     examples, counts = build_examples(rows, _count_fn(tok), max_response_tokens=args.max_response_tokens,
                                       annotator=args.annotator, seed=args.seed)
+    if args.forked_only:
+        examples = [e for e in examples if e.promises > 0]
+        counts["forked_only"] = len(examples)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "examples.jsonl").open("w") as f:
         f.writelines(json.dumps(e.to_dict()) + "\n" for e in examples)
@@ -122,7 +138,8 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
           f"{EVAL_DATASET!r}); {counts}", file=sys.stderr)
     settings = SFTSettings(epochs=args.epochs, lr=args.lr, grad_accum=args.grad_accum, seed=args.seed,
                            max_steps=args.max_steps, save_every=args.save_every,
-                           lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha))
+                           lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha), tag_weight=args.tag_weight,
+                           init_adapter=str(args.adapter) if args.adapter is not None else None)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
                         "annotator": args.annotator, "max_response_tokens": args.max_response_tokens, **counts}

@@ -1,7 +1,8 @@
 """Training losses on the log-probabilities of the training forward.
 
 * :func:`sft_loss`: negative log-likelihood of the sampled tokens, averaged per token
-  (PASTA's first stage, Jin et al. 2025, section 4.1).
+  (PASTA's first stage, Jin et al. 2025, section 4.1), optionally weighted to stress the tokens
+  that open a tag (:func:`tag_decision_weights`).
 * :func:`bonbon_loss`: BoNBoN alignment (Gui, Garbacea and Veitch, "BoNBoN Alignment for Large
   Language Models and the Sweetness of Best-of-n Sampling", NeurIPS 2024, arXiv 2406.00832,
   section 4): ``alpha * SFT(best) + (1 - alpha) * (h - target)^2`` where ``h`` is the
@@ -14,20 +15,57 @@
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 
-__all__ = ["sft_loss", "bonbon_loss", "bonbon_target_margin"]
+__all__ = ["sft_loss", "tag_decision_ids", "tag_decision_weights", "bonbon_loss", "bonbon_target_margin"]
 
 
-def sft_loss(logprobs: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-likelihood per token: ``-logprobs.mean()`` (a scalar).
+def sft_loss(logprobs: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean negative log-likelihood per token, ``-logprobs.mean()``, or with ``weights`` the
+    weighted mean ``-(weights * logprobs).sum() / weights.sum()`` (a scalar).
 
     Args:
         logprobs: ``[S]`` float32 log-probabilities of the sampled tokens of one or more
-            responses, concatenated. Raises ValueError when empty."""
+            responses, concatenated.
+        weights: ``[S]`` float32 per-token weights (None: all 1), e.g. a larger weight on the
+            tokens where the model decides to open a tag (:func:`tag_decision_weights`).
+
+    Raises ValueError when ``logprobs`` is empty or ``weights`` has another shape or sums to 0."""
     if logprobs.numel() == 0:
         raise ValueError("sft_loss of no tokens")
-    return -logprobs.mean()
+    if weights is None:
+        return -logprobs.mean()
+    if weights.shape != logprobs.shape:
+        raise ValueError(f"weights of shape {tuple(weights.shape)} for logprobs of shape {tuple(logprobs.shape)}")
+    total = weights.sum()
+    if float(total) <= 0:
+        raise ValueError("sft_loss weights sum to 0")
+    return -(weights.to(logprobs.dtype) * logprobs).sum() / total
+
+
+def tag_decision_ids(tokenizer: Any) -> set[int]:
+    """The first token of each PASTA-LANG tag source (``<promise .../>``, ``</async>``,
+    ``<sync/>``) as the canonical tokenization encodes tags (apart from their neighbours): the
+    tokens at which a model decides to fork, end a chunk or wait. With tags as plain text this is
+    usually ``<`` and ``</``; with tags as added special tokens, the tag tokens themselves."""
+    from ..lang.tokenization import encode_tag
+
+    sources = ('<promise topic="a" tokens="10"/>', "</async>", "<sync/>")
+    return {encode_tag(tokenizer, s)[0] for s in sources}
+
+
+def tag_decision_weights(tokens: Sequence[int], decision_ids: set[int], weight: float) -> torch.Tensor:
+    """``[S]`` float32 loss weights: ``weight`` for a token in ``decision_ids``, 1 elsewhere.
+
+    One token decides whether a thread forks; in a response of a few hundred tokens it carries
+    well under 1% of the mean loss, so SFT learns the tags' form long before it learns to open
+    them as often as its data does. Weighting those tokens (``weight`` > 1) moves that decision
+    faster without changing any other token's target. Raises ValueError for ``weight`` <= 0."""
+    if not weight > 0:
+        raise ValueError(f"tag weight must be > 0, got {weight!r}")
+    return torch.tensor([weight if t in decision_ids else 1.0 for t in tokens], dtype=torch.float32)
 
 
 def bonbon_target_margin(n: int) -> float:

@@ -22,12 +22,13 @@ from typing import Any, Sequence
 import torch
 
 from ..config import Limits
+from ..models.adapter import read_manifest
 from ..lang.prompts import LEARNED_PASTA_PROMPT, PastaPrompt
 from .common import LoraSettings, LossCurve, export_adapter, git_commit, load_base, load_checkpoint, lr_lambda, \
     machine, save_checkpoint, wrap_lora
 from .data import TrainExample
 from .forward import forward_logprobs, layout_for
-from .losses import sft_loss
+from .losses import sft_loss, tag_decision_ids, tag_decision_weights
 
 __all__ = ["SFTSettings", "train_sft"]
 
@@ -48,6 +49,8 @@ class SFTSettings:
     max_steps: int | None = None
     lora: LoraSettings = field(default_factory=LoraSettings)
     pasta_prompt: PastaPrompt = LEARNED_PASTA_PROMPT
+    tag_weight: float = 1.0
+    init_adapter: str | None = None
 
 
 def train_sft(
@@ -78,7 +81,8 @@ def train_sft(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
     model, tok, path = load_base(base)
-    model = wrap_lora(model, settings.lora)
+    model = wrap_lora(model, settings.lora, adapter=settings.init_adapter)
+    decision_ids = tag_decision_ids(tok)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
@@ -114,7 +118,10 @@ def train_sft(
                 layout = layout_for(model, tok, ex.prompt, ex.annotated, settings.position_policy,
                                     pasta_prompt=settings.pasta_prompt, limits=limits)
                 lps = forward_logprobs(model, layout)
-                loss = sft_loss(lps)
+                weights = None
+                if settings.tag_weight != 1.0:
+                    weights = tag_decision_weights(layout.sampled()[1], decision_ids, settings.tag_weight)
+                loss = sft_loss(lps, weights)
                 (loss / len(batch)).backward()
                 losses.append(loss.item())
                 tokens += lps.numel()
@@ -147,9 +154,10 @@ def train_sft(
         "commit": git_commit(),
     }
     model.eval()
+    earlier = (read_manifest(settings.init_adapter) or {}).get("stages", []) if settings.init_adapter else []
     export_adapter(model, out / "adapter", {
         **(manifest or {}), "base_model": str(base or "embedded SmolLM2-135M-Instruct"), "base_path": str(path),
-        "pasta_prompt": settings.pasta_prompt.to_dict(), "stages": [summary],
+        "pasta_prompt": settings.pasta_prompt.to_dict(), "stages": [*earlier, summary],
     })
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -62,6 +62,11 @@ def test_pasta_logprobs_follow_the_engines_prompt(tiny_llama):
 def test_losses_match_hand_computed_values():
     lp = torch.tensor([-1.0, -2.0, -3.0])
     assert float(sft_loss(lp)) == pytest.approx(2.0)
+    # weighted: (1*1 + 3*2 + 1*3) / 5 = 2.0; (2*1 + 1*2 + 1*3) / 4 = 1.75
+    assert float(sft_loss(lp, torch.tensor([1.0, 3.0, 1.0]))) == pytest.approx(2.0)
+    assert float(sft_loss(lp, torch.tensor([2.0, 1.0, 1.0]))) == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="shape"):
+        sft_loss(lp, torch.tensor([1.0, 1.0]))
     assert bonbon_target_margin(2) == pytest.approx(1.0)
     assert bonbon_target_margin(4) == pytest.approx(3 * (1 + 1 / 2 + 1 / 3))
     best, worst = torch.tensor([-1.0, -1.0]), torch.tensor([-2.0, -4.0])
@@ -120,6 +125,45 @@ def test_a_few_sft_steps_lower_the_loss_and_the_adapter_merges_exactly(tiny_llam
     more = SFTSettings(**{**settings.__dict__, "epochs": 5})
     again = train_sft(ex, tmp_path / "run", more, base=str(tiny_llama), resume=True, progress=False)
     assert again["optimizer_steps"] == 10 and len(json.loads((tmp_path / "run" / "loss.json").read_text())) == 10
+
+
+def test_sft_continues_an_adapter_with_the_tag_decisions_weighted(tiny_llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    from pasta_engine.lang.tokenization import encode_tag
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample
+    from pasta_engine.train.losses import tag_decision_ids, tag_decision_weights
+    from pasta_engine.train.sft import SFTSettings, train_sft
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = tag_decision_ids(tok)
+    assert encode_tag(tok, "<sync/>")[0] in ids and encode_tag(tok, "</async>")[0] in ids
+    w = tag_decision_weights([encode_tag(tok, "<sync/>")[0], -1], ids, 4.0)
+    assert w.tolist() == [4.0, 1.0]
+    with pytest.raises(ValueError, match="tag weight"):
+        tag_decision_weights([1], ids, 0.0)
+
+    ex = [TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 2
+    lora = LoraSettings(r=8, alpha=16, dropout=0.0)
+    first = SFTSettings(epochs=1, lr=2e-2, grad_accum=2, warmup=1, lora=lora)
+    train_sft(ex, tmp_path / "a", first, base=str(tiny_llama), progress=False)
+    second = SFTSettings(epochs=2, lr=2e-2, grad_accum=2, warmup=1, lora=lora, tag_weight=5.0,
+                         init_adapter=str(tmp_path / "a" / "adapter"))
+    train_sft(ex, tmp_path / "b", second, base=str(tiny_llama), progress=False)
+    stages = json.loads((tmp_path / "b" / "adapter" / "manifest.json").read_text())["stages"]
+    assert [s["optimizer_steps"] for s in stages] == [1, 2]
+    assert stages[1]["settings"]["tag_weight"] == 5.0
+
+    def logits(adapter):
+        engine = Engine.from_pretrained(tiny_llama, adapter=adapter, kv_cache_bytes=8 * 2**20)
+        seen = []
+        engine.logits_hook = lambda req, tid, row: seen.append(row.clone())
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=1), mode="sequential")
+        return seen[0]
+
+    # the second stage started from the first adapter and moved on from it
+    assert not torch.allclose(logits(tmp_path / "a" / "adapter"), logits(tmp_path / "b" / "adapter"))
 
 
 def test_adapter_errors_are_named(tiny_llama, tmp_path):
