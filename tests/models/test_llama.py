@@ -57,7 +57,7 @@ def test_per_step_logits_match_transformers_forward(ckpt, request):
 
 @pytest.mark.slow
 def test_smollm2_sequential_equals_transformers_for_32_tokens(smollm2_dir):
-    engine = Engine.from_pretrained(None)
+    engine = Engine.from_pretrained(None, adapter=None)  # the base weights, as transformers loads them
     prompt = engine.format_prompt("Name three colors of the rainbow.", mode="sequential")
     [res] = engine.generate([prompt], SamplingParams(max_new_tokens=32), mode="sequential")
     _, ref = hf_greedy(smollm2_dir, prompt, 32)
