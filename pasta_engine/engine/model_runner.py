@@ -109,6 +109,7 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphs(model, self.kv_cache, self.backend)
         self.logits_hook: Callable[[Request, int, torch.Tensor], None] | None = None
         self.profile: list[StepProfile] | None = None
+        self.steps = 0  # steps run (the attention plan is updated, not rebuilt, from one step to the next)
 
     # ------------------------------------------------------------------ one step
 
@@ -135,7 +136,8 @@ class ModelRunner:
             if st.step.sample:
                 logits_indices.append(len(ids) - 1)
         dev = self.device
-        meta = AttentionMetadata(page_size=self.page_size, q_lens=q_lens, runs=runs)
+        self.steps += 1
+        meta = AttentionMetadata(page_size=self.page_size, q_lens=q_lens, runs=runs, slots=slots, step=self.steps)
         logits = None
         graphed = False
         if self.cuda_graphs is not None:

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from .rotary import apply_rope
 from .utils import to_device
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "Run", "check_attention_options"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "Run", "check_attention_options", "same_view",
+           "view_slots"]
 
 Run = tuple[int, list[int], list[int]]  # (segment id, pages, used slots of each page)
 
@@ -53,11 +54,19 @@ class AttentionMetadata:
         q_lens: ``q_lens[b]`` new tokens of sequence ``b`` (query rows, consecutive in the batch).
         runs: ``runs[b]``: its KV view as ``(segment id, pages, used slots of each page)`` runs,
             in view order. A run is shared (the same lists, not a copy) by every sequence whose
-            view holds that segment id, so backends that group by segment never flatten."""
+            view holds that segment id, so backends that group by segment never flatten.
+        slots: KV slot (``page * page_size + offset``) of every query row, in row order (the
+            view of sequence ``b`` ends with its rows' slots); None: read from ``runs``.
+        step: the caller's step counter, or None. When a plan is made for step ``n`` right
+            after one for step ``n - 1``, a backend may *update* the previous plan instead of
+            building it again (see :func:`same_view`): the block manager's invariant makes that
+            exact, and the tests hold the updated plan equal to a fresh one."""
 
     page_size: int
     q_lens: list[int]
     runs: list[list[Run]]
+    slots: list[int] | None = None
+    step: int | None = None
 
     @classmethod
     def from_pages(cls, page_size: int, q_lens: list[int], pages: list[list[int]], page_lens: list[list[int]]
@@ -90,6 +99,38 @@ class AttentionMetadata:
             starts.append(t)
             t += n
         return starts
+
+    def view_key(self, b: int) -> tuple[int, int]:
+        """``(id of the last run, number of runs)`` of sequence ``b``: see :func:`same_view`."""
+        r = self.runs[b]
+        return (r[-1][0], len(r))
+
+    def row_slots(self) -> list[int]:
+        """:attr:`slots`, or each query row's slot read from the end of its view."""
+        if self.slots is not None:
+            return self.slots
+        out: list[int] = []
+        for q, r in zip(self.q_lens, self.runs):
+            out += view_slots(r, self.page_size)[-q:] if q else []
+        return out
+
+
+def same_view(prev_key: tuple[int, int], key: tuple[int, int]) -> bool:
+    """Whether a sequence with :meth:`AttentionMetadata.view_key` ``key`` at step ``n`` holds
+    the view it had at step ``n - 1`` (key ``prev_key``) plus step ``n``'s new tokens, appended
+    to its last run.
+
+    Exact under the block manager's invariants (:mod:`pasta_engine.engine.block_manager`): a
+    run (segment) id is never reused; a sealed run never changes; the last run of a view at
+    plan time is the thread's own open run, which only its appends grow (one step's new tokens
+    per step); a fork makes each thread's next token start a new run (a new last id); a join
+    inserts runs (a new count) or appends them (a new last id)."""
+    return prev_key == key
+
+
+def view_slots(runs: list[Run], page_size: int) -> list[int]:
+    """Slot ids of a view's used slots, in view order."""
+    return [p * page_size + i for _, ps, ns in runs for p, n in zip(ps, ns) for i in range(n)]
 
 
 class AttentionBackend:
@@ -204,10 +245,11 @@ def check_attention_options(sliding_window: int | None, logit_softcap: float | N
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                logit_softcap: float | None) -> torch.Tensor:
-    """Masked attention ``[..., Hq, Q, D]`` over ``k, v`` ``[..., Hkv, L, D]`` with a bool
-    ``mask`` broadcastable to ``[..., Hq, Q, L]``: ``scaled_dot_product_attention``, or with a
-    soft-cap the same math written out (scores and softmax in float32, as ``transformers``'
-    eager Gemma 2 attention takes its softmax)."""
+    """Masked attention ``[..., Hq, Q, D]`` over ``k, v`` ``[..., Hkv, L, D]`` with a ``mask``
+    broadcastable to ``[..., Hq, Q, L]``: bool (True: visible) or additive float (0 or -inf, in
+    q's dtype). ``scaled_dot_product_attention``, or with a soft-cap the same math written out
+    (scores and softmax in float32, as ``transformers``' eager Gemma 2 attention takes its
+    softmax)."""
     hq, hkv = q.shape[-3], k.shape[-3]
     if logit_softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
@@ -216,7 +258,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         v = v.repeat_interleave(hq // hkv, dim=-3)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     s = torch.tanh(s / logit_softcap) * logit_softcap
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    p = torch.softmax(s, dim=-1)
     return torch.matmul(p, v.float()).to(q.dtype)
 
 
@@ -228,12 +271,107 @@ def _slots(pages: list[int], lens: list[int], page_size: int) -> torch.Tensor:
     return starts + torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
 
 
+class DecodeTable:
+    """The torch backend's decode plan, kept across steps: one table row per decode sequence
+    with the slot ids of its whole view (padded) and an additive mask (0 where a slot is used,
+    -inf in the padding).
+
+    Tensors (on the backend's device): ``slots`` ``[rows_cap, len_cap]`` int64, ``mask``
+    ``[rows_cap, len_cap]`` float32, ``lens`` ``[rows_cap]`` int64 (used slots per row).
+    Host side: ``keys[r]`` (:meth:`AttentionMetadata.view_key` of the sequence in row ``r``),
+    ``host_lens[r]`` and ``step`` (the step of the last update).
+
+    :meth:`update` makes row ``r`` hold sequence ``r`` of the step: a row whose sequence is the
+    one it held at the previous step (:func:`same_view`) only gets its new slot appended (one
+    vectorized write for all such rows); any other row is filled again from its runs (forks,
+    joins, threads that start or end, after a step that did not plan). Capacities double when
+    exceeded."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.slots = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.mask = torch.zeros(0, 0, dtype=torch.float32, device=device)
+        self.lens = torch.zeros(0, dtype=torch.long, device=device)
+        self.keys: list[tuple[int, int] | None] = []
+        self.host_lens: list[int] = []
+        self.step: int | None = None
+        self.rows_range = torch.zeros(0, dtype=torch.long, device=device)
+
+    def _grow(self, rows: int, length: int) -> None:
+        r_cap, l_cap = self.slots.shape
+        if rows <= r_cap and length <= l_cap:
+            return
+        r_new = max(rows, 2 * r_cap, 16) if rows > r_cap else r_cap
+        l_new = max(length, 2 * l_cap, 64) if length > l_cap else l_cap
+        slots = torch.zeros(r_new, l_new, dtype=torch.long, device=self.device)
+        mask = torch.full((r_new, l_new), float("-inf"), dtype=torch.float32, device=self.device)
+        lens = torch.zeros(r_new, dtype=torch.long, device=self.device)
+        slots[:r_cap, :l_cap] = self.slots
+        mask[:r_cap, :l_cap] = self.mask
+        lens[:r_cap] = self.lens
+        self.slots, self.mask, self.lens = slots, mask, lens
+        self.keys += [None] * (r_new - r_cap)
+        self.host_lens += [0] * (r_new - r_cap)
+        self.rows_range = torch.arange(r_new, device=self.device)
+
+    def update(self, meta: AttentionMetadata, seqs: list[int], new_slots: list[int]) -> int:
+        """Make rows ``0..len(seqs)-1`` hold the views of ``meta``'s sequences ``seqs`` (single
+        -token ones) whose new tokens go to ``new_slots``; returns the longest row's length."""
+        n = len(seqs)
+        keys = [meta.view_key(b) for b in seqs]
+        follows = meta.step is not None and self.step is not None and meta.step == self.step + 1
+        self.step = meta.step
+        if follows and keys == self.keys[:n]:  # the common step: every row grows by one slot
+            bump = list(range(n))
+            fill: list[int] = []
+        else:
+            bump, fill = [], []
+            for r, key in enumerate(keys):
+                (bump if follows and r < len(self.keys) and same_view(self.keys[r], key) else fill).append(r)
+        lens = self.host_lens
+        longest = max((lens[r] + 1 for r in bump), default=0)
+        fill_slots = [view_slots(meta.runs[seqs[r]], meta.page_size) for r in fill]
+        longest = max([longest] + [len(x) for x in fill_slots])
+        self._grow(n, longest)
+        lens = self.host_lens
+        if bump:
+            dev = self.device
+            if len(bump) == n:
+                rows = self.rows_range[:n]
+                new = to_device(new_slots, torch.long, dev)
+            else:
+                rows = to_device(bump, torch.long, dev)
+                new = to_device([new_slots[r] for r in bump], torch.long, dev)
+            at = self.lens[rows]
+            self.slots[rows, at] = new
+            self.mask[rows, at] = 0.0
+            self.lens[rows] = at + 1
+            for r in bump:
+                lens[r] += 1
+        if fill:
+            width = max(len(x) for x in fill_slots)
+            padded = [s for x in fill_slots for s in x + [0] * (width - len(x))]
+            rows = to_device(fill, torch.long, self.device)
+            fl = to_device([len(x) for x in fill_slots], torch.long, self.device)
+            self.slots[rows, :width] = to_device(padded, torch.long, self.device).view(len(fill), width)
+            used = torch.arange(self.mask.shape[1], device=self.device)[None, :] < fl[:, None]
+            self.mask[rows] = torch.where(used, 0.0, float("-inf"))
+            self.lens[rows] = fl
+            for r, x in zip(fill, fill_slots):
+                lens[r] = len(x)
+        for r, key in enumerate(keys):
+            self.keys[r] = key
+        for r in range(n, len(self.keys)):
+            self.keys[r] = None  # rows past this step's are stale
+        return max(lens[:n])
+
+
 @dataclass
 class _TorchPlan:
-    # single-token rows: attend over the union of their views' tokens, each KV token gathered once
-    dec_rows: torch.Tensor | None = None  # [R] rows of T
-    dec_gather: torch.Tensor | None = None  # [N] slot ids of the distinct tokens
-    dec_mask: torch.Tensor | None = None  # [1, 1, R, N] bool: row r sees token n
+    # single-token sequences: rows [0, R) of the decode table, padded to the longest view
+    dec_rows: torch.Tensor | None = None  # [R] query rows of T (None: all rows, in order)
+    dec_n: int = 0  # R
+    dec_len: int = 0  # the longest view (L)
     # multi-token rows: each sequence's view padded to a dense tensor, causal inside the chunk
     gather: torch.Tensor | None = None  # [B, Lmax] slot ids (padded with 0)
     mask: torch.Tensor | None = None  # [B, 1, Qmax, Lmax] bool
@@ -245,44 +383,45 @@ class TorchAttention(AttentionBackend):
     """Reference backend built on ``torch.nn.functional.scaled_dot_product_attention`` with
     explicit masks.
 
-    Single-token rows (decode steps) attend over the union of their views: every distinct KV
-    token of the step is gathered once and a row-by-token visibility mask (from the views'
-    shared segments) selects each row's keys, so threads sharing a prompt do not re-gather it.
-    Multi-token rows (prefill chunks, inserted tags) gather their view into a padded dense
-    tensor, with the chunk's tokens masked causally."""
+    Single-token rows (decode steps) attend over their own views, gathered from the
+    :class:`DecodeTable` the backend keeps across steps (a row's slots are appended to, not
+    rebuilt, while its view only grows): one batched attention over ``[R, L]`` padded keys.
+    (Gathering the union of the views once and masking every row against it reads shared
+    pages once but computes ``R x union`` scores, which on a CPU costs more than the repeated
+    gathers.) Multi-token rows (prefill chunks, inserted tags) gather their view into a padded
+    dense tensor, with the chunk's tokens masked causally, planned every step."""
 
     name = "torch"
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")  # until configure() says otherwise
         self._plan: _TorchPlan | None = None
+        self._table: DecodeTable | None = None
 
     def plan(self, meta: AttentionMetadata) -> bool:
         device = self.device
         pl = _TorchPlan()
-        starts = meta.q_starts()
-        dec = [b for b, n in enumerate(meta.q_lens) if n == 1]
-        ext = [b for b, n in enumerate(meta.q_lens) if n > 1]
+        q_lens = meta.q_lens
+        if all(n == 1 for n in q_lens):
+            dec, ext = list(range(len(q_lens))), []
+            dec_slots = meta.row_slots()
+        else:
+            dec = [b for b, n in enumerate(q_lens) if n == 1]
+            ext = [b for b, n in enumerate(q_lens) if n > 1]
+            starts = meta.q_starts()
+            slots = meta.row_slots()
+            dec_slots = [slots[starts[b]] for b in dec]
         ps = meta.page_size
+        if self._table is None or self._table.device != device:
+            self._table = DecodeTable(device)
         if dec:
-            seg_index: dict[int, int] = {}
-            seg_slots: list[torch.Tensor] = []
-            row_segs: list[list[int]] = []
-            for b in dec:
-                mine = []
-                for sid, pages, lens in meta.runs[b]:
-                    if sid not in seg_index:
-                        seg_index[sid] = len(seg_slots)
-                        seg_slots.append(_slots(pages, lens, ps))
-                    mine.append(seg_index[sid])
-                row_segs.append(mine)
-            sees = torch.zeros(len(dec), len(seg_slots), dtype=torch.bool)
-            for r, mine in enumerate(row_segs):
-                sees[r, mine] = True
-            token_seg = torch.repeat_interleave(torch.arange(len(seg_slots)), torch.tensor([len(x) for x in seg_slots]))
-            pl.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
-            pl.dec_gather = to_device(torch.cat(seg_slots), torch.long, device)
-            pl.dec_mask = sees[:, token_seg][None, None].to(device)
+            pl.dec_len = self._table.update(meta, dec, dec_slots)
+            pl.dec_n = len(dec)
+            if ext:
+                pl.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
+        else:
+            self._table.step = meta.step
+            self._table.keys = [None] * len(self._table.keys)
         if ext:
             q_len = torch.tensor([meta.q_lens[b] for b in ext])
             kv_len = torch.tensor([meta.kv_len(b) for b in ext])
@@ -303,6 +442,13 @@ class TorchAttention(AttentionBackend):
         self._plan = pl
         return True
 
+    def decode_views(self) -> list[list[int]]:
+        """The current plan's decode rows as slot lists (tests: compare with a fresh plan)."""
+        pl, t = self._plan, self._table
+        if pl is None or not pl.dec_n:
+            return []
+        return [t.slots[r, : t.host_lens[r]].tolist() for r in range(pl.dec_n)]
+
     def attend(self, q, k_cache, v_cache, scale, *, sliding_window=None, logit_softcap=None, positions=None,
                key_positions=None):
         pl = self._plan
@@ -313,16 +459,26 @@ class TorchAttention(AttentionBackend):
         hkv = k_cache.shape[2]
         kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
         kpos = key_positions.reshape(-1) if sliding_window is not None else None
+        if pl.dec_n:
+            n, length = pl.dec_n, pl.dec_len
+            table = self._table
+            gather = table.slots[:n, :length]
+            flat = gather.reshape(-1)
+            k = kf.index_select(0, flat).view(n, length, hkv, d).transpose(1, 2)  # [R, Hkv, L, D]
+            v = vf.index_select(0, flat).view(n, length, hkv, d).transpose(1, 2)
+            rows = pl.dec_rows
+            qd = (q if rows is None else q[rows])[:, :, None, :]  # [R, Hq, 1, D]
+            mask = table.mask[:n, :length]
+            if kpos is not None:  # key position inside the row's window
+                row_pos = positions if rows is None else positions[rows]
+                mask = mask.masked_fill(kpos[gather] <= row_pos[:, None] - sliding_window, float("-inf"))
+            out = _attention(qd, k.to(q.dtype), v.to(q.dtype), mask[:, None, None, :].to(q.dtype), scale,
+                             logit_softcap)[:, :, 0]
+            if rows is None and pl.gather is None:
+                return out
         res = torch.empty_like(q)
-        if pl.dec_rows is not None:
-            k = kf[pl.dec_gather].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, N, D]
-            v = vf[pl.dec_gather].transpose(0, 1)[None].to(q.dtype)
-            qd = q[pl.dec_rows].transpose(0, 1)[None]  # [1, Hq, R, D]
-            mask = pl.dec_mask
-            if kpos is not None:  # [R, N]: key position inside the row's window
-                mask = mask & (kpos[pl.dec_gather][None, :] > positions[pl.dec_rows][:, None] - sliding_window)
-            out = _attention(qd, k, v, mask, scale, logit_softcap)
-            res[pl.dec_rows] = out[0].transpose(0, 1)
+        if pl.dec_n:
+            res[pl.dec_rows] = out
         if pl.gather is not None:
             k = kf[pl.gather].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
             v = vf[pl.gather].transpose(1, 2).to(q.dtype)

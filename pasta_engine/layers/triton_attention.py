@@ -19,12 +19,12 @@ import torch
 
 from ..errors import ParameterError
 from ..triton_kernels.extend_attention import extend_attention, extend_indices
+from ..triton_kernels import upload_int32
 from ..triton_kernels.kv_write import rope_and_write as _rope_and_write
 from ..triton_kernels.tree_attention import (
     DecodePlan,
     DecodeWorkspace,
     StaticDecodePlan,
-    build_plan,
     plan_lists,
     tree_decode_attention,
 )
@@ -45,6 +45,31 @@ class _Plan:
     ext_rows: torch.Tensor | None = None
     ext_index: tuple | None = None
     ext_max_q: int = 0
+
+
+@dataclass
+class _Bump:
+    """What lets the next step's decode plan be an update of this one (see
+    :func:`~pasta_engine.layers.attention.same_view`): the step it was made for, each row's
+    ``(last run id, run count, last page)``, and the entries of the plan's ``page_lens`` that
+    hold each row's last page (``index`` ``[R]`` int64 on the device)."""
+
+    step: int
+    keys: list[tuple[int, int, int]]
+    index: torch.Tensor
+    ones: torch.Tensor
+    page_lens: torch.Tensor
+
+
+def _row_keys(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
+    return [(r[-1][0], len(r), r[-1][1][-1]) for r in meta.runs]
+
+
+def _bump_index(arrays: dict[str, list[int]], keys: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+    """Entries of ``arrays["page_lens"]`` holding each row's last page (a row's last run is its
+    own open one, so its pages occur once in the plan)."""
+    where = {p: i for i, p in enumerate(arrays["pages"])}
+    return to_device([where[k[2]] for k in keys], torch.long, device)
 
 
 @dataclass
@@ -94,6 +119,7 @@ class TritonAttention(AttentionBackend):
         self._plan: _Plan | None = None
         self._workspace = DecodeWorkspace()
         self._graph: _GraphState | None = None
+        self._bump: _Bump | None = None
 
     @property
     def group(self) -> int:
@@ -109,19 +135,51 @@ class TritonAttention(AttentionBackend):
 
     # ------------------------------------------------------------------ planning
 
+    def _try_bump(self, meta: AttentionMetadata) -> list[tuple[int, int, int]] | None:
+        """Update the last decode plan in place when this step only appends one token to each
+        row's last page (no fork, join, new thread or page boundary since the last step): every
+        row's used length in ``page_lens`` + 1. Returns None when it did, else the rows' keys
+        (for :meth:`_remember`)."""
+        if meta.step is None or any(n != 1 for n in meta.q_lens):
+            self._bump = None
+            return []
+        keys = _row_keys(meta)
+        b = self._bump
+        if b is not None and b.step + 1 == meta.step and b.keys == keys:
+            b.page_lens.index_add_(0, b.index, b.ones)
+            b.step = meta.step
+            return None
+        return keys
+
+    def _remember(self, meta: AttentionMetadata, keys, arrays: dict[str, list[int]], page_lens: torch.Tensor) -> None:
+        if not keys:
+            self._bump = None
+            return
+        index = _bump_index(arrays, keys, self.device)
+        self._bump = _Bump(meta.step, keys, index, torch.ones(len(keys), dtype=torch.int32, device=self.device),
+                           page_lens)
+
     def plan(self, meta: AttentionMetadata) -> bool:
+        """Plan the step (see :meth:`AttentionBackend.plan`): a pure decode step that follows
+        the last planned one with the same rows and no new page (``meta.step``) only bumps
+        the plan's page lengths on the device; anything else plans from ``meta``'s runs."""
         if not self.num_kv_heads:
             raise RuntimeError("TritonAttention.configure(num_heads, num_kv_heads, device) was not called")
         if self._graph is not None:
             return self._plan_static(meta)
+        keys = self._try_bump(meta)
+        if keys is None:
+            return True
         device = self.device
         p = _Plan()
         starts = meta.q_starts()
         dec = [b for b, n in enumerate(meta.q_lens) if n == 1]
         ext = [b for b, n in enumerate(meta.q_lens) if n > 1]
         if dec:
-            p.decode = build_plan([meta.runs[b] for b in dec], group=self.group, num_kv_heads=self.num_kv_heads,
-                                  device=device, mode=self.decode_mode)
+            arrays, info = plan_lists([meta.runs[b] for b in dec], group=self.group, num_kv_heads=self.num_kv_heads,
+                                      device=device, mode=self.decode_mode)
+            p.decode = DecodePlan(**{k: upload_int32(v if v else [0], device) for k, v in arrays.items()}, **info)
+            self._remember(meta, keys, arrays, p.decode.page_lens)
             if len(dec) != len(meta.q_lens):
                 p.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
         if ext:
@@ -136,12 +194,20 @@ class TritonAttention(AttentionBackend):
     def _plan_static(self, meta: AttentionMetadata) -> bool:
         g = self._graph
         if len(meta.q_lens) > g.max_rows or any(q != 1 for q in meta.q_lens):
+            self._bump = None
             return False
+        keys = self._try_bump(meta)
+        if keys is None:
+            return True
         arrays, info = plan_lists(
             meta.runs, group=self.group, num_kv_heads=self.num_kv_heads, device=self.device,
             mode=self.decode_mode, target_work=g.target_work, max_rows_per_item=g.rows_per_item, block_m=g.block_m,
         )
-        return g.static.load(arrays, info)
+        if not g.static.load(arrays, info):
+            self._bump = None
+            return False
+        self._remember(meta, keys, arrays, g.static.tensors["page_lens"])
+        return True
 
     def for_cuda_graph(self, max_rows: int, num_pages: int, rows_per_item: int = 16) -> "TritonAttention":
         """A graph-mode instance for up to ``max_rows`` single-token sequences over a cache of
