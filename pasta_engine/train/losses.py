@@ -46,13 +46,16 @@ def sft_loss(logprobs: torch.Tensor, weights: torch.Tensor | None = None) -> tor
 
 
 def tag_decision_ids(tokenizer: Any) -> set[int]:
-    """The first token of each PASTA-LANG tag source (``<promise .../>``, ``</async>``,
+    """The first token of each opening PASTA-LANG tag source (``<promise .../>`` and
     ``<sync/>``) as the canonical tokenization encodes tags (apart from their neighbours): the
-    tokens at which a model decides to fork, end a chunk or wait. With tags as plain text this is
-    usually ``<`` and ``</``; with tags as added special tokens, the tag tokens themselves."""
+    tokens at which a model decides to fork or to wait. With tags as plain text this is usually
+    ``<``; with tags as added special tokens, the tag tokens themselves.
+
+    ``</async>`` (a chunk's end) is left out on purpose: weighting it too taught the embedded
+    SmolLM2 to close chunks right after their first line (``<async>**Heading**:</async>``)."""
     from ..lang.tokenization import encode_tag
 
-    sources = ('<promise topic="a" tokens="10"/>', "</async>", "<sync/>")
+    sources = ('<promise topic="a" tokens="10"/>', "<sync/>")
     return {encode_tag(tokenizer, s)[0] for s in sources}
 
 

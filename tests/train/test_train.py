@@ -138,7 +138,8 @@ def test_sft_continues_an_adapter_with_the_tag_decisions_weighted(tiny_llama, tm
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     ids = tag_decision_ids(tok)
-    assert encode_tag(tok, "<sync/>")[0] in ids and encode_tag(tok, "</async>")[0] in ids
+    assert encode_tag(tok, "<sync/>")[0] in ids and encode_tag(tok, '<promise topic="x" tokens="5"/>')[0] in ids
+    assert encode_tag(tok, "</async>")[0] not in ids or encode_tag(tok, "</async>")[0] == encode_tag(tok, "<sync/>")[0]
     w = tag_decision_weights([encode_tag(tok, "<sync/>")[0], -1], ids, 4.0)
     assert w.tolist() == [4.0, 1.0]
     with pytest.raises(ValueError, match="tag weight"):
