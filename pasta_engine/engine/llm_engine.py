@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import os
 import threading
+import time
 from typing import Any, Sequence
 
 import torch
@@ -319,9 +320,16 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         try:
+            t0 = time.perf_counter()
             batch = self.scheduler.schedule()
+            t1 = time.perf_counter()
             sampled = self.model_runner.run(batch) if batch else None
+            t2 = time.perf_counter()
             progressed = self.scheduler.postprocess(batch, sampled) if batch else []
+            profile = self.model_runner.profile
+            if profile and batch:  # the runner appended this step's entry
+                profile[-1].schedule_s = t1 - t0
+                profile[-1].interp_s = time.perf_counter() - t2
         except BaseException as e:
             self.scheduler.fail_running(f"the engine step failed: {type(e).__name__}: {e}")
             raise

@@ -22,7 +22,7 @@ from ..config import EngineConfig
 from ..errors import ParameterError
 from ..layers.attention import AttentionMetadata
 from ..layers.backends import get_backend
-from ..layers.sampler import logprobs_of, sample
+from ..layers.sampler import draw_noise, logprobs_of, sample_batch
 from ..layers.utils import to_device
 from ..models.llama import LlamaModel
 from .request import Request
@@ -49,7 +49,10 @@ class StepProfile:
     """One step's numbers: sequences forwarded (one per running thread), threads sampled,
     whether a CUDA graph ran, host seconds (everything but waiting for the device), device-wait
     seconds, total seconds, the distinct KV tokens the step's attention read, and the tokens
-    forwarded."""
+    forwarded; then the split of the step's wall seconds: the attention plan (``plan_s``), the
+    forward (``forward_s``: launching it on CUDA, a graph's planning and copies included),
+    sampling and the copy back (``sample_s``), and, filled in by the engine, the scheduler
+    (``schedule_s``) and handing the tokens to the interpreters (``interp_s``)."""
 
     sequences: int
     sampled: int
@@ -59,6 +62,11 @@ class StepProfile:
     total_s: float
     kv_tokens: int
     tokens: int
+    plan_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    schedule_s: float = 0.0
+    interp_s: float = 0.0
 
 
 class ModelRunner:
@@ -110,6 +118,7 @@ class ModelRunner:
         self.logits_hook: Callable[[Request, int, torch.Tensor], None] | None = None
         self.profile: list[StepProfile] | None = None
         self.steps = 0  # steps run (the attention plan is updated, not rebuilt, from one step to the next)
+        self._range = torch.arange(64, device=model.device)
 
     # ------------------------------------------------------------------ one step
 
@@ -118,8 +127,11 @@ class ModelRunner:
 
         Returns :class:`~pasta_engine.engine.scheduler.SampledTokens` in the batch's sampling
         order; a request whose sampling raised is named in its ``errors`` (its tokens are
-        placeholders). Exceptions from the forward itself propagate (they belong to no single
-        request)."""
+        placeholders). On CUDA the step is only launched: the tokens come back by one
+        asynchronous copy into pinned memory, waited for on the first read of the result (so
+        the caller does its token-independent host work while the device runs); on a CPU the
+        same code runs synchronously. Exceptions from the forward itself propagate (they
+        belong to no single request)."""
         t_start = time.perf_counter()
         ids: list[int] = []
         positions: list[int] = []
@@ -128,18 +140,20 @@ class ModelRunner:
         runs: list[list] = []
         logits_indices: list[int] = []
         for st in batch.threads:
-            ids += st.step.tokens
-            positions += st.step.positions
+            step = st.step
+            ids += step.tokens
+            positions += step.positions
             slots += st.slots
-            q_lens.append(len(st.step.tokens))
+            q_lens.append(len(step.tokens))
             runs.append(st.runs)
-            if st.step.sample:
+            if step.sample:
                 logits_indices.append(len(ids) - 1)
         dev = self.device
         self.steps += 1
         meta = AttentionMetadata(page_size=self.page_size, q_lens=q_lens, runs=runs, slots=slots, step=self.steps)
         logits = None
         graphed = False
+        t_plan = t_fwd = time.perf_counter()
         if self.cuda_graphs is not None:
             every_seq = self.cuda_graphs.run(meta, ids, positions, slots)
             if every_seq is not None:
@@ -148,62 +162,136 @@ class ModelRunner:
                 logits = every_seq if all_sample else every_seq.index_select(0, to_device(logits_indices, torch.long, dev))
         if logits is None:
             self.backend.plan(meta)
+            t_fwd = time.perf_counter()
+            all_sample = len(logits_indices) == len(ids)
             logits = self.model.forward(
                 to_device(ids, torch.long, dev), to_device(positions, torch.long, dev),
-                to_device(slots, torch.long, dev), self.kv_cache, self.backend, to_device(logits_indices, torch.long, dev),
+                to_device(slots, torch.long, dev), self.kv_cache, self.backend,
+                self._arange(len(ids)) if all_sample else to_device(logits_indices, torch.long, dev),
             )
+        t_sample = time.perf_counter()
         gpu_wait = 0.0
         if self.profile is not None and dev.type == "cuda":
-            t_launched = time.perf_counter()
             torch.cuda.synchronize(dev)
-            gpu_wait = time.perf_counter() - t_launched
+            gpu_wait = time.perf_counter() - t_sample
+            t_sample = time.perf_counter()
         sampled = self._sample(batch.sampling, logits)
         if self.profile is not None:
-            total = time.perf_counter() - t_start
-            self.profile.append(StepProfile(len(q_lens), len(logits_indices), graphed, total - gpu_wait, gpu_wait, total,
-                                            _distinct_kv_tokens(runs), len(ids)))
+            sampled.errors  # noqa: B018  (waits: the profile splits host time from device time)
+            t_end = time.perf_counter()
+            total = t_end - t_start
+            self.profile.append(StepProfile(
+                len(q_lens), len(logits_indices), graphed, total - gpu_wait, gpu_wait, total,
+                _distinct_kv_tokens(runs), len(ids), plan_s=t_fwd - t_plan,
+                forward_s=t_sample - t_fwd - gpu_wait if not graphed else t_sample - t_plan - gpu_wait,
+                sample_s=t_end - t_sample))
         return sampled
 
+    def _arange(self, n: int) -> torch.Tensor:
+        """``arange(n)`` int64 on the device, from a cached one."""
+        if self._range.shape[0] < n:
+            self._range = torch.arange(max(n, 2 * self._range.shape[0]), device=self.device)
+        return self._range[:n]
+
     def _sample(self, sampling: list[ScheduledThread], logits: torch.Tensor) -> SampledTokens:
-        """Every request's tokens chosen on the device, then one transfer back."""
-        picks: list[torch.Tensor] = []
+        """Every sampling thread's token in one batched call (:func:`~pasta_engine.layers.sampler.sample_batch`),
+        then one transfer back, waited for on the first read of the result.
+
+        Per request (rows of one request are consecutive): the logits hook, forced tokens (a
+        request whose rows are all forced samples nothing), and its random numbers, drawn from
+        its own seeded generator for all its rows (:func:`~pasta_engine.layers.sampler.draw_noise`)
+        as the per-request :func:`~pasta_engine.layers.sampler.sample` does, so a request's
+        tokens do not depend on the others in the batch. A failure in one request's part names
+        that request in ``errors``."""
+        n = len(sampling)
+        if n == 0:
+            return SampledTokens([], [], {})
+        dev = logits.device
         errors: dict[str, str] = {}
+        forced: list[int] = []
+        greedy: list[bool] = []
+        temps: list[float] = []
+        top_k: list[int] = []
+        top_p: list[float] = []
+        want_lp: list[bool] = []
+        draws: list[tuple[int, int, Request]] = []
+        vocab = logits.shape[-1]
         at = 0
         for _, group_iter in groupby(sampling, key=lambda st: id(st.request)):
             group = list(group_iter)
             req = group[0].request
-            lg = logits[at : at + len(group)]
-            at += len(group)
-            try:
-                tokens = self._choose(req, group, lg)
-                if req.params.return_logprobs:
-                    lps = logprobs_of(lg, tokens)
-                else:
-                    lps = torch.zeros(len(group), device=lg.device)
-                picks.append(torch.stack([tokens.double(), lps.double()]))
-            except Exception as e:  # noqa: BLE001  (the failure belongs to this request only)
-                errors[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-                picks.append(torch.zeros(2, len(group), dtype=torch.float64, device=lg.device))
-        host = torch.cat(picks, dim=1).tolist() if picks else [[], []]
-        return SampledTokens([int(t) for t in host[0]], host[1], errors)
+            m = len(group)
+            prm = req.params
+            if self.logits_hook is not None:
+                try:
+                    for st, row in zip(group, logits[at : at + m]):
+                        self.logits_hook(req, st.step.tid, row)
+                except Exception as e:  # noqa: BLE001  (the failure belongs to this request only)
+                    errors[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+            fr = [st.step.forced for st in group]
+            samples = not prm.greedy and any(f is None for f in fr)
+            forced += [-1 if f is None else f for f in fr]
+            greedy += [not samples] * m
+            temps += [prm.temperature if samples else 1.0] * m
+            top_k += [prm.top_k if samples and 0 < prm.top_k < vocab else vocab] * m
+            top_p += [prm.top_p if samples and prm.top_p < 1.0 else float("inf")] * m
+            want_lp += [prm.return_logprobs] * m
+            if samples:
+                draws.append((at, m, req))
+            at += m
+        if all(f >= 0 for f in forced):  # replay: nothing to sample
+            tokens, bad = to_device(forced, torch.long, dev), None
+        else:
+            noise = None
+            if draws:
+                noise = torch.ones_like(logits)
+                for a, m, req in draws:
+                    try:
+                        if req.sampler_state is None:
+                            gen = torch.Generator(device=dev)
+                            gen.manual_seed(req.params.seed)
+                            req.sampler_state = gen
+                        draw_noise(noise[a : a + m], req.sampler_state)
+                    except Exception as e:  # noqa: BLE001  (the failure belongs to this request only)
+                        errors[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+            kmask = any(k < vocab for k in top_k)
+            pmask = any(p < 1.0 for p in top_p)
+            params = to_device(temps + top_p, torch.float32, dev).view(2, n, 1)
+            tokens, bad = sample_batch(
+                logits, to_device(greedy, torch.bool, dev), params[0],
+                to_device(top_k, torch.long, dev).view(n, 1) if kmask else None, params[1] if pmask else None, noise)
+            if any(f >= 0 for f in forced):
+                f = to_device(forced, torch.long, dev)
+                tokens = torch.where(f >= 0, f, tokens)
+        if any(want_lp):
+            lps = logprobs_of(logits, tokens)
+            if not all(want_lp):
+                lps = torch.where(to_device(want_lp, torch.bool, dev), lps, 0.0)
+        else:
+            lps = torch.zeros(n, device=dev)
+        rows = [tokens.double(), lps.double()] + ([bad.double()] if bad is not None else [])
+        out = torch.stack(rows)
+        if dev.type == "cuda":
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = out, None
 
-    def _choose(self, req: Request, group: list[ScheduledThread], logits: torch.Tensor) -> torch.Tensor:
-        if self.logits_hook is not None:
-            for st, row in zip(group, logits):
-                self.logits_hook(req, st.step.tid, row)
-        forced = [st.step.forced for st in group]
-        dev = logits.device
-        if all(f is not None for f in forced):
-            return to_device(forced, torch.long, dev)
-        if req.sampler_state is None:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(req.params.seed)
-            req.sampler_state = gen
-        tokens = sample(logits, req.params, req.sampler_state)
-        if any(f is not None for f in forced):
-            is_forced = to_device([f is not None for f in forced], torch.bool, dev)
-            tokens = torch.where(is_forced, to_device([f or 0 for f in forced], torch.long, dev), tokens)
-        return tokens
+        def wait() -> tuple[list[int], list[float], dict[str, str]]:
+            if done is not None:
+                done.synchronize()
+            values = host.tolist()
+            toks = [int(t) for t in values[0]]
+            if bad is not None and any(values[2]):
+                for st, b in zip(sampling, values[2]):
+                    if b and st.request.request_id not in errors:
+                        errors[st.request.request_id] = ("sampling failed: RuntimeError: probability tensor contains "
+                                                         "either inf, nan or element < 0")
+            return toks, values[1], errors
+
+        return SampledTokens(wait=wait)
 
     @property
     def weight_bytes(self) -> int:
@@ -218,8 +306,8 @@ class ModelRunner:
 
 def _distinct_kv_tokens(runs: list[list]) -> int:
     """Distinct KV tokens a step's attention reads (shared segments counted once)."""
-    used: dict[int, int] = {}
+    used: dict[int, list[int]] = {}
     for row_runs in runs:
-        for _, pages, lens in row_runs:
-            used.update(zip(pages, lens))
-    return sum(used.values())
+        for sid, _, lens in row_runs:
+            used[sid] = lens
+    return sum(sum(lens) for lens in used.values())

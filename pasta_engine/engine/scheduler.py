@@ -22,6 +22,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..errors import KVCacheExhausted
 from .block_manager import BlockManager, KVView, Run
@@ -57,16 +58,38 @@ class ScheduledBatch:
         return bool(self.threads)
 
 
-@dataclass
 class SampledTokens:
     """What the model runner picked: ``token_ids[i]`` and ``logprobs[i]`` for the i-th sampling
     thread of the batch (logprobs are 0.0 when the request did not ask for them), and
     ``errors``: request id -> message for requests whose sampling failed (their entries are
-    placeholders)."""
+    placeholders).
 
-    token_ids: list[int]
-    logprobs: list[float]
-    errors: dict[str, str] = field(default_factory=dict)
+    The values may still be on their way from the device: ``wait`` (when given) is called once,
+    on the first read of any field, and returns ``(token_ids, logprobs, errors)``; that read is
+    the step's one host-device sync, so readers do the work that needs no token first."""
+
+    def __init__(self, token_ids: list[int] | None = None, logprobs: list[float] | None = None,
+                 errors: dict[str, str] | None = None, wait: Callable[[], tuple] | None = None):
+        self._values = None if wait is not None else (token_ids or [], logprobs or [], errors or {})
+        self._wait = wait
+
+    def _get(self) -> tuple[list[int], list[float], dict[str, str]]:
+        if self._values is None:
+            self._values = self._wait()
+            self._wait = None
+        return self._values
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._get()[0]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self._get()[1]
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return self._get()[2]
 
 
 class Scheduler:
@@ -308,9 +331,16 @@ class Scheduler:
         by_req: dict[int, tuple[Request, list[ScheduledThread]]] = {}
         for st in batch.threads:
             by_req.setdefault(id(st.request), (st.request, []))[1].append(st)
+        # first what needs no sampled token (the device may still be running the step)
+        for req, threads in by_req.values():
+            if req.finished:
+                continue
+            for st in threads:
+                req.pending_slots.pop(st.step.tid, None)
+            req.interp.step_done([st.step for st in threads])
         at = 0
         out: list[tuple[Request, list[int]]] = []
-        errors = sampled.errors if sampled is not None else {}
+        errors = sampled.errors if sampled is not None else {}  # waits for the tokens
         for req, threads in by_req.values():
             n_sample = sum(1 for st in threads if st.step.sample)
             toks = sampled.token_ids[at : at + n_sample] if sampled is not None else []
@@ -324,10 +354,6 @@ class Scheduler:
                 out.append((req, []))
                 continue
             it = req.interp
-            for st in threads:
-                req.pending_slots.pop(st.step.tid, None)
-            steps = [st.step for st in threads]
-            it.step_done(steps)
             sampling = [st.step for st in threads if st.step.sample]
             if sampling:
                 req.steps += 1

@@ -277,9 +277,10 @@ class DecodeTable:
     -inf in the padding).
 
     Tensors (on the backend's device): ``slots`` ``[rows_cap, len_cap]`` int64, ``mask``
-    ``[rows_cap, len_cap]`` float32, ``lens`` ``[rows_cap]`` int64 (used slots per row).
-    Host side: ``keys[r]`` (:meth:`AttentionMetadata.view_key` of the sequence in row ``r``),
-    ``host_lens[r]`` and ``step`` (the step of the last update).
+    ``[rows_cap, len_cap]`` float32, ``next`` ``[rows_cap]`` int64 (flat index of each row's
+    first unused entry). Host side: ``keys[r]`` (:meth:`AttentionMetadata.view_key` of the
+    sequence in row ``r``), ``lens[r]`` (used entries), ``longest`` and ``step`` (the step of
+    the last update).
 
     :meth:`update` makes row ``r`` hold sequence ``r`` of the step: a row whose sequence is the
     one it held at the previous step (:func:`same_view`) only gets its new slot appended (one
@@ -291,11 +292,11 @@ class DecodeTable:
         self.device = device
         self.slots = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.mask = torch.zeros(0, 0, dtype=torch.float32, device=device)
-        self.lens = torch.zeros(0, dtype=torch.long, device=device)
-        self.keys: list[tuple[int, int] | None] = []
-        self.host_lens: list[int] = []
+        self.next = torch.zeros(0, dtype=torch.long, device=device)
+        self.keys: list[tuple[int, int]] = []
+        self.lens: list[int] = []
+        self.longest = 0
         self.step: int | None = None
-        self.rows_range = torch.zeros(0, dtype=torch.long, device=device)
 
     def _grow(self, rows: int, length: int) -> None:
         r_cap, l_cap = self.slots.shape
@@ -305,65 +306,61 @@ class DecodeTable:
         l_new = max(length, 2 * l_cap, 64) if length > l_cap else l_cap
         slots = torch.zeros(r_new, l_new, dtype=torch.long, device=self.device)
         mask = torch.full((r_new, l_new), float("-inf"), dtype=torch.float32, device=self.device)
-        lens = torch.zeros(r_new, dtype=torch.long, device=self.device)
         slots[:r_cap, :l_cap] = self.slots
         mask[:r_cap, :l_cap] = self.mask
-        lens[:r_cap] = self.lens
-        self.slots, self.mask, self.lens = slots, mask, lens
-        self.keys += [None] * (r_new - r_cap)
-        self.host_lens += [0] * (r_new - r_cap)
-        self.rows_range = torch.arange(r_new, device=self.device)
+        self.slots, self.mask = slots, mask
+        self.lens += [0] * (r_new - r_cap)
+        self.next = torch.arange(r_new, device=self.device) * l_new + to_device(self.lens, torch.long, self.device)
 
     def update(self, meta: AttentionMetadata, seqs: list[int], new_slots: list[int]) -> int:
         """Make rows ``0..len(seqs)-1`` hold the views of ``meta``'s sequences ``seqs`` (single
         -token ones) whose new tokens go to ``new_slots``; returns the longest row's length."""
         n = len(seqs)
-        keys = [meta.view_key(b) for b in seqs]
+        runs = meta.runs
+        keys = [(runs[b][-1][0], len(runs[b])) for b in seqs]
         follows = meta.step is not None and self.step is not None and meta.step == self.step + 1
         self.step = meta.step
-        if follows and keys == self.keys[:n]:  # the common step: every row grows by one slot
-            bump = list(range(n))
-            fill: list[int] = []
-        else:
-            bump, fill = [], []
-            for r, key in enumerate(keys):
-                (bump if follows and r < len(self.keys) and same_view(self.keys[r], key) else fill).append(r)
-        lens = self.host_lens
-        longest = max((lens[r] + 1 for r in bump), default=0)
-        fill_slots = [view_slots(meta.runs[seqs[r]], meta.page_size) for r in fill]
-        longest = max([longest] + [len(x) for x in fill_slots])
-        self._grow(n, longest)
-        lens = self.host_lens
+        lens = self.lens
+        dev = self.device
+        if follows and keys == self.keys:  # the common step: every row grows by one slot
+            if self.longest + 1 > self.slots.shape[1]:
+                self._grow(n, self.longest + 1)
+                lens = self.lens
+            at = self.next[:n]
+            self.slots.view(-1).index_copy_(0, at, to_device(new_slots, torch.long, dev))
+            self.mask.view(-1).index_fill_(0, at, 0.0)
+            at += 1
+            for r in range(n):
+                lens[r] += 1
+            self.longest += 1
+            return self.longest
+        bump, fill = [], []
+        for r, key in enumerate(keys):
+            (bump if follows and r < len(self.keys) and same_view(self.keys[r], key) else fill).append(r)
+        fill_slots = [view_slots(runs[seqs[r]], meta.page_size) for r in fill]
+        self._grow(n, max([lens[r] + 1 for r in bump] + [len(x) for x in fill_slots]))
+        lens = self.lens
+        cap = self.slots.shape[1]
         if bump:
-            dev = self.device
-            if len(bump) == n:
-                rows = self.rows_range[:n]
-                new = to_device(new_slots, torch.long, dev)
-            else:
-                rows = to_device(bump, torch.long, dev)
-                new = to_device([new_slots[r] for r in bump], torch.long, dev)
-            at = self.lens[rows]
-            self.slots[rows, at] = new
-            self.mask[rows, at] = 0.0
-            self.lens[rows] = at + 1
+            at = self.next[to_device(bump, torch.long, dev)]
+            self.slots.view(-1).index_copy_(0, at, to_device([new_slots[r] for r in bump], torch.long, dev))
+            self.mask.view(-1).index_fill_(0, at, 0.0)
             for r in bump:
                 lens[r] += 1
         if fill:
             width = max(len(x) for x in fill_slots)
             padded = [s for x in fill_slots for s in x + [0] * (width - len(x))]
-            rows = to_device(fill, torch.long, self.device)
-            fl = to_device([len(x) for x in fill_slots], torch.long, self.device)
-            self.slots[rows, :width] = to_device(padded, torch.long, self.device).view(len(fill), width)
-            used = torch.arange(self.mask.shape[1], device=self.device)[None, :] < fl[:, None]
+            rows = to_device(fill, torch.long, dev)
+            fl = to_device([len(x) for x in fill_slots], torch.long, dev)
+            self.slots[rows, :width] = to_device(padded, torch.long, dev).view(len(fill), width)
+            used = torch.arange(cap, device=dev)[None, :] < fl[:, None]
             self.mask[rows] = torch.where(used, 0.0, float("-inf"))
-            self.lens[rows] = fl
             for r, x in zip(fill, fill_slots):
                 lens[r] = len(x)
-        for r, key in enumerate(keys):
-            self.keys[r] = key
-        for r in range(n, len(self.keys)):
-            self.keys[r] = None  # rows past this step's are stale
-        return max(lens[:n])
+        self.next = torch.arange(len(lens), device=dev) * cap + to_device(lens, torch.long, dev)
+        self.keys = keys
+        self.longest = max(lens[:n])
+        return self.longest
 
 
 @dataclass
@@ -421,7 +418,7 @@ class TorchAttention(AttentionBackend):
                 pl.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
         else:
             self._table.step = meta.step
-            self._table.keys = [None] * len(self._table.keys)
+            self._table.keys = []
         if ext:
             q_len = torch.tensor([meta.q_lens[b] for b in ext])
             kv_len = torch.tensor([meta.kv_len(b) for b in ext])
@@ -447,7 +444,7 @@ class TorchAttention(AttentionBackend):
         pl, t = self._plan, self._table
         if pl is None or not pl.dec_n:
             return []
-        return [t.slots[r, : t.host_lens[r]].tolist() for r in range(pl.dec_n)]
+        return [t.slots[r, : t.lens[r]].tolist() for r in range(pl.dec_n)]
 
     def attend(self, q, k_cache, v_cache, scale, *, sliding_window=None, logit_softcap=None, positions=None,
                key_positions=None):

@@ -1,0 +1,74 @@
+"""One sampling call per step picks the tokens per-request sampling picks, for the same seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pasta_engine.config import SamplingParams
+from pasta_engine.layers.sampler import draw_noise, logprobs_of, sample, sample_batch
+
+VOCAB = 97
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, seed=1),
+    SamplingParams(temperature=1.3, top_k=5, seed=2),
+    SamplingParams(temperature=0.9, top_p=0.6, seed=3),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=4),
+    SamplingParams(temperature=1.0, top_k=VOCAB + 3, seed=5),  # top_k past the vocabulary: no filter
+    SamplingParams(temperature=2.0, top_p=1e-6, seed=6),  # keeps one token
+]
+
+
+def _batched(params: list[SamplingParams], sizes: list[int], logits: torch.Tensor, gens) -> torch.Tensor:
+    n = logits.shape[0]
+    rows = [p for p, m in zip(params, sizes) for _ in range(m)]
+    greedy = torch.tensor([p.greedy for p in rows])
+    temp = torch.tensor([[1.0 if p.greedy else p.temperature] for p in rows])
+    top_k = torch.tensor([[p.top_k if not p.greedy and 0 < p.top_k < VOCAB else VOCAB] for p in rows])
+    top_p = torch.tensor([[p.top_p if not p.greedy and p.top_p < 1.0 else float("inf")] for p in rows])
+    noise = torch.ones(n, VOCAB)
+    at = 0
+    for p, m, g in zip(params, sizes, gens):
+        if not p.greedy:
+            draw_noise(noise[at : at + m], g)
+        at += m
+    tokens, bad = sample_batch(logits, greedy, temp, top_k, top_p, noise)
+    assert not bad.any()
+    return tokens
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_call_for_all_requests_equals_per_request_sampling(seed):
+    torch.manual_seed(seed)
+    order = torch.randperm(len(MIXED)).tolist()
+    params = [MIXED[i] for i in order]
+    sizes = torch.randint(1, 5, (len(params),)).tolist()
+    steps = 5
+    per_gens = [torch.Generator().manual_seed(p.seed) for p in params]
+    batch_gens = [torch.Generator().manual_seed(p.seed) for p in params]
+    for _ in range(steps):  # several steps: each generator's stream advances alike
+        logits = torch.randn(sum(sizes), VOCAB) * 4
+        expect, at = [], 0
+        for p, m, g in zip(params, sizes, per_gens):
+            expect.append(sample(logits[at : at + m], p, g))
+            at += m
+        expect = torch.cat(expect)
+        got = _batched(params, sizes, logits, batch_gens)
+        assert torch.equal(got, expect)
+        torch.testing.assert_close(logprobs_of(logits, got), logprobs_of(logits, expect), rtol=0, atol=1e-6)
+
+
+def test_a_bad_distribution_is_flagged_not_sampled():
+    logits = torch.randn(3, VOCAB)
+    logits[1, 4] = float("nan")
+    noise = draw_noise(torch.ones(3, VOCAB), torch.Generator().manual_seed(0))
+    _, bad = sample_batch(logits, torch.tensor([False, False, True]), torch.ones(3, 1), None, None, noise)
+    assert bad.tolist() == [False, True, False]
+
+
+def test_all_greedy_is_argmax():
+    logits = torch.randn(4, VOCAB)
+    tokens, bad = sample_batch(logits, torch.ones(4, dtype=torch.bool), torch.ones(4, 1), None, None, None)
+    assert torch.equal(tokens, logits.argmax(-1)) and bad is None
