@@ -57,6 +57,7 @@ class KVView:
     segments: list[Segment] = field(default_factory=list)
     open: Segment | None = None
     n_shared: int = 0
+    runs_cache: list[Run] | None = field(default=None, repr=False)  # BlockManager.runs, until segments change
 
     @property
     def pages(self) -> list[int]:
@@ -162,6 +163,7 @@ class BlockManager:
         if view.open is None:
             view.open = Segment(self._new_id())
             view.segments.append(view.open)
+            view.runs_cache = None
         seg = view.open
         slots: list[int] = []
         while n > 0:
@@ -193,15 +195,19 @@ class BlockManager:
         self.pool.incref([p for seg in own for p in seg.pages])
         at = len(parent.segments) - 1 if parent.open is not None else len(parent.segments)
         parent.segments[at:at] = own
+        parent.runs_cache = None
 
     def release(self, view: KVView) -> None:
         """Drop ``view``'s page references (pages at refcount 0 become free). Releasing a view
         twice is harmless: the view is empty afterwards."""
         self.pool.decref(view.pages)
-        view.segments, view.open = [], None
+        view.segments, view.open, view.runs_cache = [], None, None
 
     @staticmethod
     def runs(view: KVView) -> list[Run]:
         """``view`` as attention metadata: its segments as :data:`Run` tuples, in view order
-        (the lists are shared, not copied)."""
-        return [(seg.id, seg.pages, seg.lens) for seg in view.segments]
+        (the lists are shared, not copied; the list itself is kept until the view's segments
+        change, so read it, never modify it)."""
+        if view.runs_cache is None:
+            view.runs_cache = [(seg.id, seg.pages, seg.lens) for seg in view.segments]
+        return view.runs_cache

@@ -143,6 +143,7 @@ class Thread:
     pieces: list[str] = field(default_factory=list)
     clean: list[str] = field(default_factory=list)
     clean_len: int = 0
+    clean_joined: tuple[int, str] = (0, "")  # the first n pieces of ``clean``, joined (clean_text per step)
     logprobs: list[float | None] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
@@ -161,6 +162,15 @@ class Thread:
     @property
     def ended(self) -> bool:
         return self.status in (ThreadStatus.FLUSH, ThreadStatus.DONE)
+
+
+def _joined(t: Thread) -> str:
+    """``"".join(t.clean)``, joining only the pieces added since the last call."""
+    n, text = t.clean_joined
+    if n < len(t.clean):
+        text += "".join(t.clean[n:])
+        t.clean_joined = (len(t.clean), text)
+    return text
 
 
 # --------------------------------------------------------------------------- interpreter
@@ -594,10 +604,10 @@ class Interpreter:
         """What a reader sees so far: the clean (tag-free) text of the main thread with each
         chunk's clean text spliced at its promise. A partial tag still being decoded is held
         back; at the end this equals ``strip_tags(annotated_text())``."""
-        text = "".join(self.main.clean)
+        text = _joined(self.main)
         parts, at = [], 0
         for c in sorted(self._ran(), key=lambda c: (c.fork_clean, c.tid)):
-            parts += [text[at : c.fork_clean], "".join(c.clean)]
+            parts += [text[at : c.fork_clean], _joined(c)]
             at = c.fork_clean
         parts.append(text[at:])
         return "".join(parts)

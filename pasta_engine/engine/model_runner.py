@@ -209,13 +209,8 @@ class ModelRunner:
         dev = logits.device
         errors: dict[str, str] = {}
         forced: list[int] = []
-        greedy: list[bool] = []
-        temps: list[float] = []
-        top_k: list[int] = []
-        top_p: list[float] = []
         want_lp: list[bool] = []
-        draws: list[tuple[int, int, Request]] = []
-        vocab = logits.shape[-1]
+        groups: list[tuple[int, int, Request, bool]] = []  # (first row, rows, request, samples)
         at = 0
         for _, group_iter in groupby(sampling, key=lambda st: id(st.request)):
             group = list(group_iter)
@@ -229,23 +224,34 @@ class ModelRunner:
                 except Exception as e:  # noqa: BLE001  (the failure belongs to this request only)
                     errors[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
             fr = [st.step.forced for st in group]
-            samples = not prm.greedy and any(f is None for f in fr)
             forced += [-1 if f is None else f for f in fr]
-            greedy += [not samples] * m
-            temps += [prm.temperature if samples else 1.0] * m
-            top_k += [prm.top_k if samples and 0 < prm.top_k < vocab else vocab] * m
-            top_p += [prm.top_p if samples and prm.top_p < 1.0 else float("inf")] * m
             want_lp += [prm.return_logprobs] * m
-            if samples:
-                draws.append((at, m, req))
+            groups.append((at, m, req, not prm.greedy and any(f is None for f in fr)))
             at += m
         if all(f >= 0 for f in forced):  # replay: nothing to sample
+            if dev.type != "cuda" and not any(want_lp):
+                # nothing to bring back from a CPU (on CUDA the copy back stays: it is the step's
+                # one sync, which keeps the host from refilling pinned inputs still being copied)
+                return SampledTokens(forced, [0.0] * n, errors)
             tokens, bad = to_device(forced, torch.long, dev), None
         else:
+            vocab = logits.shape[-1]
+            greedy: list[bool] = []
+            temps: list[float] = []
+            top_k: list[int] = []
+            top_p: list[float] = []
+            for _, m, req, samples in groups:
+                prm = req.params
+                greedy += [not samples] * m
+                temps += [prm.temperature if samples else 1.0] * m
+                top_k += [prm.top_k if samples and 0 < prm.top_k < vocab else vocab] * m
+                top_p += [prm.top_p if samples and prm.top_p < 1.0 else float("inf")] * m
             noise = None
-            if draws:
+            if any(g[3] for g in groups):
                 noise = torch.ones_like(logits)
-                for a, m, req in draws:
+                for a, m, req, samples in groups:
+                    if not samples:
+                        continue
                     try:
                         if req.sampler_state is None:
                             gen = torch.Generator(device=dev)

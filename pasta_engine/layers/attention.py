@@ -292,7 +292,7 @@ class DecodeTable:
         self.device = device
         self.slots = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.mask = torch.zeros(0, 0, dtype=torch.float32, device=device)
-        self.next = torch.zeros(0, dtype=torch.long, device=device)
+        self._set_next(torch.zeros(0, dtype=torch.long, device=device))
         self.keys: list[tuple[int, int]] = []
         self.lens: list[int] = []
         self.longest = 0
@@ -310,7 +310,14 @@ class DecodeTable:
         mask[:r_cap, :l_cap] = self.mask
         self.slots, self.mask = slots, mask
         self.lens += [0] * (r_new - r_cap)
-        self.next = torch.arange(r_new, device=self.device) * l_new + to_device(self.lens, torch.long, self.device)
+        self._set_next(torch.arange(r_new, device=self.device) * l_new + to_device(self.lens, torch.long, self.device))
+
+    def _set_next(self, nxt: torch.Tensor) -> None:
+        self.next = nxt
+        # on a CPU the per-step bump writes through numpy views (a few microseconds, where
+        # each torch op costs as much as the whole write)
+        self._np = (self.slots.numpy().reshape(-1), self.mask.numpy().reshape(-1), nxt.numpy()) \
+            if self.device.type == "cpu" else None
 
     def update(self, meta: AttentionMetadata, seqs: list[int], new_slots: list[int]) -> int:
         """Make rows ``0..len(seqs)-1`` hold the views of ``meta``'s sequences ``seqs`` (single
@@ -326,9 +333,15 @@ class DecodeTable:
             if self.longest + 1 > self.slots.shape[1]:
                 self._grow(n, self.longest + 1)
                 lens = self.lens
-            at = self.next[:n]
-            self.slots.view(-1).index_copy_(0, at, to_device(new_slots, torch.long, dev))
-            self.mask.view(-1).index_fill_(0, at, 0.0)
+            if self._np is not None:
+                slots_np, mask_np, next_np = self._np
+                at = next_np[:n]
+                slots_np[at] = new_slots
+                mask_np[at] = 0.0
+            else:
+                at = self.next[:n]
+                self.slots.view(-1).index_copy_(0, at, to_device(new_slots, torch.long, dev))
+                self.mask.view(-1).index_fill_(0, at, 0.0)
             at += 1
             for r in range(n):
                 lens[r] += 1
@@ -357,7 +370,7 @@ class DecodeTable:
             self.mask[rows] = torch.where(used, 0.0, float("-inf"))
             for r, x in zip(fill, fill_slots):
                 lens[r] = len(x)
-        self.next = torch.arange(len(lens), device=dev) * cap + to_device(lens, torch.long, dev)
+        self._set_next(torch.arange(len(lens), device=dev) * cap + to_device(lens, torch.long, dev))
         self.keys = keys
         self.longest = max(lens[:n])
         return self.longest

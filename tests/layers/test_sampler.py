@@ -22,13 +22,13 @@ MIXED = [
 
 
 def _batched(params: list[SamplingParams], sizes: list[int], logits: torch.Tensor, gens) -> torch.Tensor:
-    n = logits.shape[0]
+    n, dev = logits.shape[0], logits.device
     rows = [p for p, m in zip(params, sizes) for _ in range(m)]
-    greedy = torch.tensor([p.greedy for p in rows])
-    temp = torch.tensor([[1.0 if p.greedy else p.temperature] for p in rows])
-    top_k = torch.tensor([[p.top_k if not p.greedy and 0 < p.top_k < VOCAB else VOCAB] for p in rows])
-    top_p = torch.tensor([[p.top_p if not p.greedy and p.top_p < 1.0 else float("inf")] for p in rows])
-    noise = torch.ones(n, VOCAB)
+    greedy = torch.tensor([p.greedy for p in rows], device=dev)
+    temp = torch.tensor([[1.0 if p.greedy else p.temperature] for p in rows], device=dev)
+    top_k = torch.tensor([[p.top_k if not p.greedy and 0 < p.top_k < VOCAB else VOCAB] for p in rows], device=dev)
+    top_p = torch.tensor([[p.top_p if not p.greedy and p.top_p < 1.0 else float("inf")] for p in rows], device=dev)
+    noise = torch.ones(n, VOCAB, device=dev)
     at = 0
     for p, m, g in zip(params, sizes, gens):
         if not p.greedy:
@@ -39,17 +39,16 @@ def _batched(params: list[SamplingParams], sizes: list[int], logits: torch.Tenso
     return tokens
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_one_call_for_all_requests_equals_per_request_sampling(seed):
+def _compare(seed: int, device: str) -> None:
     torch.manual_seed(seed)
     order = torch.randperm(len(MIXED)).tolist()
     params = [MIXED[i] for i in order]
     sizes = torch.randint(1, 5, (len(params),)).tolist()
     steps = 5
-    per_gens = [torch.Generator().manual_seed(p.seed) for p in params]
-    batch_gens = [torch.Generator().manual_seed(p.seed) for p in params]
+    per_gens = [torch.Generator(device=device).manual_seed(p.seed) for p in params]
+    batch_gens = [torch.Generator(device=device).manual_seed(p.seed) for p in params]
     for _ in range(steps):  # several steps: each generator's stream advances alike
-        logits = torch.randn(sum(sizes), VOCAB) * 4
+        logits = torch.randn(sum(sizes), VOCAB).to(device) * 4
         expect, at = [], 0
         for p, m, g in zip(params, sizes, per_gens):
             expect.append(sample(logits[at : at + m], p, g))
@@ -58,6 +57,18 @@ def test_one_call_for_all_requests_equals_per_request_sampling(seed):
         got = _batched(params, sizes, logits, batch_gens)
         assert torch.equal(got, expect)
         torch.testing.assert_close(logprobs_of(logits, got), logprobs_of(logits, expect), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_call_for_all_requests_equals_per_request_sampling(seed):
+    _compare(seed, "cpu")
+
+
+@pytest.mark.gpu
+def test_one_call_equals_per_request_sampling_on_cuda():
+    """On CUDA too (``torch.multinomial`` draws its Exp(1) race from the CUDA generator)."""
+    for seed in range(6):
+        _compare(seed, "cuda")
 
 
 def test_a_bad_distribution_is_flagged_not_sampled():
