@@ -118,7 +118,6 @@ class ModelRunner:
         self.logits_hook: Callable[[Request, int, torch.Tensor], None] | None = None
         self.profile: list[StepProfile] | None = None
         self.steps = 0  # steps run (the attention plan is updated, not rebuilt, from one step to the next)
-        self._range = torch.arange(64, device=model.device)
 
     # ------------------------------------------------------------------ one step
 
@@ -167,7 +166,7 @@ class ModelRunner:
             logits = self.model.forward(
                 to_device(ids, torch.long, dev), to_device(positions, torch.long, dev),
                 to_device(slots, torch.long, dev), self.kv_cache, self.backend,
-                self._arange(len(ids)) if all_sample else to_device(logits_indices, torch.long, dev),
+                None if all_sample else to_device(logits_indices, torch.long, dev),
             )
         t_sample = time.perf_counter()
         gpu_wait = 0.0
@@ -186,12 +185,6 @@ class ModelRunner:
                 forward_s=t_sample - t_fwd - gpu_wait if not graphed else t_sample - t_plan - gpu_wait,
                 sample_s=t_end - t_sample))
         return sampled
-
-    def _arange(self, n: int) -> torch.Tensor:
-        """``arange(n)`` int64 on the device, from a cached one."""
-        if self._range.shape[0] < n:
-            self._range = torch.arange(max(n, 2 * self._range.shape[0]), device=self.device)
-        return self._range[:n]
 
     def _sample(self, sampling: list[ScheduledThread], logits: torch.Tensor) -> SampledTokens:
         """Every sampling thread's token in one batched call (:func:`~pasta_engine.layers.sampler.sample_batch`),

@@ -182,6 +182,39 @@ class AttentionBackend:
         v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         return q
 
+    def rope_and_write_qkv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`rope_and_write` on a packed projection.
+
+        Args:
+            qkv: ``[T, (Hq + 2 * Hkv) * D]``: each row's q heads, then k heads, then v heads
+                (the fused q/k/v GEMM's output, model dtype).
+            num_heads: ``Hq`` (``Hkv`` and ``D`` are read from ``k_cache``).
+            cos, sin, k_cache, v_cache, slot_mapping: as :meth:`rope_and_write`.
+
+        Returns rotated q ``[T, Hq, D]`` (a view into a ``[T, Hq + Hkv, D]`` tensor). A backend
+        that overrides :meth:`rope_and_write` gets it called on the split heads; otherwise q
+        and k are rotated by one :func:`apply_rope` over their adjacent heads (the same
+        elementwise ops as two calls, so bitwise the same values, with half the launches)."""
+        t = qkv.shape[0]
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        heads = qkv.view(t, num_heads + 2 * hkv, d)
+        if type(self).rope_and_write is not AttentionBackend.rope_and_write:
+            return self.rope_and_write(heads[:, :num_heads], heads[:, num_heads : num_heads + hkv],
+                                       heads[:, num_heads + hkv :], cos, sin, k_cache, v_cache, slot_mapping)
+        qk = apply_rope(heads[:, : num_heads + hkv], cos, sin)
+        k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, qk[:, num_heads:].to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, heads[:, num_heads + hkv :].to(v_cache.dtype))
+        return qk[:, :num_heads]
+
     def attend(
         self,
         q: torch.Tensor,

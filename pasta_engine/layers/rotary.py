@@ -96,10 +96,32 @@ class RotaryEmbedding:
         self.dtype = dtype
         self.long_inv_freq = None if long_inv_freq is None else long_inv_freq.to(device=device, dtype=torch.float32)
         self.long_from = long_from
+        self._table: torch.Tensor | None = None  # CPU: [positions, 2, head_dim] cos/sin rows
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, head_dim]`` (model dtype) for int64 ``positions`` ``[T]`` (computed in
-        float32 as HF does)."""
+        float32 as HF does).
+
+        On a CPU they are rows of a table of every position below a power of two above the
+        largest seen so far (at least 4,096 positions; ``8 * head_dim`` bytes per position in
+        float32): one ``index_select`` per step instead of seven small ops. Each row is
+        computed by the same elementwise ops as the direct way (:meth:`compute`), so the values
+        are bitwise equal (tests/layers/test_forward_fast_paths.py); the two returned views
+        share one ``[T, 2, head_dim]`` tensor. On other devices (where a table bound would need
+        a device sync) they are computed directly."""
+        if positions.device.type != "cpu" or positions.shape[0] == 0:
+            return self.compute(positions)
+        hi = int(positions.max())
+        if self._table is None or hi >= self._table.shape[0]:
+            n = max(4096, 1 << (hi + 1).bit_length())  # a power of two above hi
+            cos, sin = self.compute(torch.arange(n, device=positions.device))
+            self._table = torch.stack((cos, sin), dim=1)  # [n, 2, head_dim]
+        rows = self._table.index_select(0, positions)
+        return rows[:, 0], rows[:, 1]
+
+    def compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, head_dim]`` (model dtype) for int64 ``positions`` ``[T]``, computed
+        directly (float32 frequencies, LongRoPE's long factors from ``long_from`` on)."""
         pos = positions.float()[:, None]
         freqs = pos * self.inv_freq[None, :]
         if self.long_inv_freq is not None:

@@ -127,6 +127,8 @@ class LlamaModel:
                             if c.scale_embeddings else None)
         self.windowed = any(win is not None for win in c.sliding_windows)
         self._key_positions: dict[int, torch.Tensor] = {}
+        self._fused_norm = (self.device.type == "cpu" and dtype == torch.float32
+                            and self.norm.dtype == torch.float32 and hasattr(torch, "rms_norm"))
 
     @property
     def weight_bytes(self) -> int:
@@ -137,7 +139,15 @@ class LlamaModel:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over the last dim of ``x`` (any leading shape), in float32."""
+        """RMSNorm over the last dim of ``x`` (any leading shape), in float32.
+
+        A float32 model on a CPU calls ``torch.rms_norm`` (one dispatch instead of eight):
+        there it computes the same ops in the same order, bitwise equal to the written-out
+        norm for both weight conventions (tests/layers/test_forward_fast_paths.py). Elsewhere
+        (half precision multiplies the weight after the cast; CUDA's fused kernel reduces in
+        another order) the written-out norm runs."""
+        if self._fused_norm and x.dtype == torch.float32:
+            return torch.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         if self.config.norm_unit_offset:
@@ -166,7 +176,7 @@ class LlamaModel:
         slot_mapping: torch.Tensor,
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """Run all layers over a mixed batch.
 
@@ -178,7 +188,8 @@ class LlamaModel:
                 are written into it (and their positions into :meth:`key_positions` when a
                 layer has a sliding window).
             backend: the attention backend, already planned for this step.
-            logits_indices: ``[S]`` int64 rows of ``T`` whose next-token logits are wanted.
+            logits_indices: ``[S]`` int64 rows of ``T`` whose next-token logits are wanted, or
+                None for every row (``S = T``).
 
         Returns float32 logits ``[S, vocab_size]``.
         """
@@ -198,12 +209,14 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["in_norm"])
             qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-            q, k, v = q.view(t, nq, d), k.view(t, nkv, d), v.view(t, nkv, d)
+            k_cache, v_cache = kv_cache[i].unbind(0)
             if c.qk_norm:
+                q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+                q, k, v = q.view(t, nq, d), k.view(t, nkv, d), v.view(t, nkv, d)
                 q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
-            q = backend.rope_and_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+                q = backend.rope_and_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+            else:
+                q = backend.rope_and_write_qkv(qkv, nq, cos, sin, k_cache, v_cache, slot_mapping)
             window = c.sliding_windows[i]
             o = backend.attend(q, k_cache, v_cache, c.attention_scale, sliding_window=window,
                                logit_softcap=c.attn_logit_softcap, **(window_inputs if window is not None else {}))
@@ -217,7 +230,7 @@ class LlamaModel:
             if c.sandwich_norms:
                 x = self._rms_norm(x, layer["mlp_out_norm"])
             h = h + x
-        h = self._rms_norm(h[logits_indices], self.norm)
+        h = self._rms_norm(h if logits_indices is None else h[logits_indices], self.norm)
         logits = F.linear(h, self.lm_head)
         if c.final_logit_softcap is not None:  # in the model dtype, as transformers does
             logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
