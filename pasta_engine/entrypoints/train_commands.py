@@ -40,6 +40,7 @@ def add_train_parser(subparsers: Any) -> None:
     s.add_argument("--epochs", type=positive_int, default=2)
     s.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (AdamW, warm-up then cosine)")
     s.add_argument("--grad-accum", type=positive_int, default=8, help="examples per optimizer step")
+    s.add_argument("--warmup", type=nonneg_int, default=10, help="optimizer steps of linear learning-rate warm-up")
     s.add_argument("--lora-r", type=positive_int, default=16)
     s.add_argument("--lora-alpha", type=positive_int, default=32)
     s.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
@@ -136,7 +137,7 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         f.writelines(json.dumps(e.to_dict()) + "\n" for e in examples)
     print(f"train sft: {counts['kept']} examples from {len(rows)} training rows ({counts['forked']} forked; never "
           f"{EVAL_DATASET!r}); {counts}", file=sys.stderr)
-    settings = SFTSettings(epochs=args.epochs, lr=args.lr, grad_accum=args.grad_accum, seed=args.seed,
+    settings = SFTSettings(epochs=args.epochs, lr=args.lr, grad_accum=args.grad_accum, seed=args.seed, warmup=args.warmup,
                            max_steps=args.max_steps, save_every=args.save_every,
                            lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha), tag_weight=args.tag_weight,
                            init_adapter=str(args.adapter) if args.adapter is not None else None)
