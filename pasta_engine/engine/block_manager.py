@@ -154,6 +154,11 @@ class BlockManager:
 
         Returns their slot indices. Raises KVCacheExhausted (naming the budget) when the pool
         runs dry; the view is left unchanged in that case."""
+        seg = view.open
+        if n == 1 and seg is not None and seg.pages and seg.lens[-1] < self.page_size:  # a decode step's slot
+            used = seg.lens[-1]
+            seg.lens[-1] = used + 1
+            return [seg.pages[-1] * self.page_size + used]
         need = self.pages_needed(view, n)
         if need > self.pool.num_free:
             raise KVCacheExhausted(

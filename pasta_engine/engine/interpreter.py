@@ -337,8 +337,18 @@ class Interpreter:
             thread.tokens.append(token)
             thread.pieces.append(piece)
             thread.logprobs.append(logprob)
-            self._give(thread, [token])
-            self._on_text(thread, piece)
+            # _give(thread, [token]) for one token (new lists: a ThreadStep may hold the old ones)
+            pos = thread.next_pos
+            thread.pending, thread.pending_pos = [token], [pos]
+            thread.positions.append(pos)
+            thread.next_pos = pos + 1
+            self.kv_ops.append(KVAppend(thread.tid, 1))
+            if thread.parser.feed_plain(piece):  # no tag can start or continue in it: all text
+                if piece:
+                    thread.clean.append(piece)
+                    thread.clean_len += len(piece)
+            else:
+                self._on_text(thread, piece)
             if not thread.ended and thread.cap is not None and thread.n_sampled >= thread.cap:
                 self._note(thread, f"reached its cap of {thread.cap} tokens; closed by the interpreter")
                 self._end_thread(thread, "cap", flush=True)

@@ -278,10 +278,18 @@ class Scheduler:
         """Apply the interpreter's KV operations to the block manager. Raises
         KVCacheExhausted when an append finds no page (the caller fails the request)."""
         bm = self.block_manager
+        views, pending = req.views, req.pending_slots
         for op in req.interp.take_kv_ops():
-            if isinstance(op, KVAppend):
-                view = req.views.setdefault(op.tid, KVView())
-                req.pending_slots.setdefault(op.tid, []).extend(bm.append(view, op.n))
+            if type(op) is KVAppend:
+                view = views.get(op.tid)
+                if view is None:
+                    view = views[op.tid] = KVView()
+                slots = bm.append(view, op.n)
+                have = pending.get(op.tid)
+                if have is None:
+                    pending[op.tid] = slots
+                else:
+                    have.extend(slots)
             elif isinstance(op, KVFork):
                 req.views[op.child] = bm.fork(req.views[op.parent])
             elif isinstance(op, KVJoin):

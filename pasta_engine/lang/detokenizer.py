@@ -191,7 +191,11 @@ class IncrementalDetokenizer:
         token_id = int(token_id)
         self.ids.append(token_id)
         if self._table is not None:
-            text, self._tail = self._table.decode(self._tail + self._table[token_id])
+            data = self._tail + self._table.table[token_id]
+            try:  # whole characters (the common case); else TokenBytes.decode keeps the tail
+                text, self._tail = data.decode("utf-8"), b""
+            except UnicodeDecodeError:
+                text, self._tail = self._table.decode(data)
             if text and not self._started:
                 self._started = True
                 if self._table.strip_first_space and text.startswith(" "):

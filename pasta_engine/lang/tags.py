@@ -272,6 +272,15 @@ class TagParser:
             i += 1
         return out if len(out) < 2 else _merge_text(out)
 
+    def feed_plain(self, text: str) -> bool:
+        """Consume ``text`` when it is all text: no ``<`` in it and no partial tag held back
+        (what :meth:`feed` would return as one :class:`Text`, or nothing for ``""``); returns
+        True then. Otherwise consumes nothing and returns False (call :meth:`feed`)."""
+        if self._buf or "<" in text:
+            return False
+        self._count += len(text)
+        return True
+
     def finish(self) -> list[Parsed]:
         """End of stream: a held-back partial tag becomes text (and a Malformed diagnostic
         when it began like a PASTA-LANG tag)."""

@@ -207,3 +207,24 @@ def test_split_splice_inverse_on_generated_responses(items, tail):
     th = split_threads(ann)
     assert [c.content for c in th.chunks] == [b for _, b in items]
     assert splice(th.main, th.chunks) == ann
+
+
+@settings(max_examples=300, deadline=None)
+@given(cut(fragments()))
+def test_feed_plain_consumes_what_feed_returns_as_text(case):
+    """The interpreter's fast path: feed_plain, then feed where it declines, parses like feed alone."""
+    text, pieces = case
+    fast, slow = TagParser(), TagParser()
+    events, want = [], []
+    for piece in pieces:
+        want += slow.feed(piece)
+        if fast.feed_plain(piece):
+            assert "<" not in piece
+            events += [Text(piece)] if piece else []
+        else:
+            events += fast.feed(piece)
+    events += fast.finish()
+    want += slow.finish()
+    assert normalize(events) == normalize(want)
+    for a, b in zip([e for e in events if not isinstance(e, Text)], [e for e in want if not isinstance(e, Text)]):
+        assert a.end == b.end if hasattr(a, "end") else a == b
