@@ -415,6 +415,8 @@ class _TorchPlan:
     dec_rows: torch.Tensor | None = None  # [R] query rows of T (None: all rows, in order)
     dec_n: int = 0  # R
     dec_len: int = 0  # the longest view (L)
+    dec_flat: torch.Tensor | None = None  # [R * L] int64 the rows' slots (set by the first attend)
+    dec_mask: torch.Tensor | None = None  # [R, 1, 1, L] additive mask in q's dtype (idem)
     # multi-token rows: each sequence's view padded to a dense tensor, causal inside the chunk
     gather: torch.Tensor | None = None  # [B, Lmax] slot ids (padded with 0)
     mask: torch.Tensor | None = None  # [B, 1, Qmax, Lmax] bool
@@ -505,18 +507,25 @@ class TorchAttention(AttentionBackend):
         if pl.dec_n:
             n, length = pl.dec_n, pl.dec_len
             table = self._table
-            gather = table.slots[:n, :length]
-            flat = gather.reshape(-1)
+            if pl.dec_flat is None:  # once per step, shared by the layers
+                pl.dec_flat = table.slots[:n, :length].reshape(-1)
+            flat = pl.dec_flat
             k = kf.index_select(0, flat).view(n, length, hkv, d).transpose(1, 2)  # [R, Hkv, L, D]
             v = vf.index_select(0, flat).view(n, length, hkv, d).transpose(1, 2)
+            if k.dtype != q.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
             rows = pl.dec_rows
-            qd = (q if rows is None else q[rows])[:, :, None, :]  # [R, Hq, 1, D]
-            mask = table.mask[:n, :length]
+            qd = (q if rows is None else q.index_select(0, rows)).unsqueeze(2)  # [R, Hq, 1, D]
             if kpos is not None:  # key position inside the row's window
                 row_pos = positions if rows is None else positions[rows]
-                mask = mask.masked_fill(kpos[gather] <= row_pos[:, None] - sliding_window, float("-inf"))
-            out = _attention(qd, k.to(q.dtype), v.to(q.dtype), mask[:, None, None, :].to(q.dtype), scale,
-                             logit_softcap)[:, :, 0]
+                mask = table.mask[:n, :length].masked_fill(
+                    kpos[flat].view(n, length) <= row_pos[:, None] - sliding_window, float("-inf"))
+                mask = mask.view(n, 1, 1, length).to(q.dtype)
+            else:
+                if pl.dec_mask is None or pl.dec_mask.dtype != q.dtype:  # [R, 1, 1, L], once per step
+                    pl.dec_mask = table.mask[:n, :length].view(n, 1, 1, length).to(q.dtype)
+                mask = pl.dec_mask
+            out = _attention(qd, k, v, mask, scale, logit_softcap).select(2, 0)
             if rows is None and pl.gather is None:
                 return out
         res = torch.empty_like(q)

@@ -111,12 +111,20 @@ class RotaryEmbedding:
         a device sync) they are computed directly."""
         if positions.device.type != "cpu" or positions.shape[0] == 0:
             return self.compute(positions)
-        hi = int(positions.max())
-        if self._table is None or hi >= self._table.shape[0]:
+        rows = None
+        if self._table is not None:
+            try:
+                rows = self._table.index_select(0, positions)
+            except IndexError:  # a position past the table (no bound check on the common path)
+                pass
+        if rows is None:
+            if int(positions.min()) < 0:  # no row for it in the table
+                return self.compute(positions)
+            hi = int(positions.max())
             n = max(4096, 1 << (hi + 1).bit_length())  # a power of two above hi
             cos, sin = self.compute(torch.arange(n, device=positions.device))
             self._table = torch.stack((cos, sin), dim=1)  # [n, 2, head_dim]
-        rows = self._table.index_select(0, positions)
+            rows = self._table.index_select(0, positions)
         return rows[:, 0], rows[:, 1]
 
     def compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -195,7 +195,7 @@ class LlamaModel:
         """
         c = self.config
         t = input_ids.shape[0]
-        h = self.embed[input_ids]
+        h = self.embed.index_select(0, input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         cos, sin = self.rotary(positions)
