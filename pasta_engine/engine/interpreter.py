@@ -173,6 +173,12 @@ def _joined(t: Thread) -> str:
     return text
 
 
+def _reading_order(t: Thread) -> tuple[int, int]:
+    """Where a chunk's clean text goes: after ``fork_clean`` characters of the main thread's
+    (ties in fork order)."""
+    return (t.fork_clean, t.tid)
+
+
 # --------------------------------------------------------------------------- interpreter
 
 
@@ -615,10 +621,16 @@ class Interpreter:
         chunk's clean text spliced at its promise. A partial tag still being decoded is held
         back; at the end this equals ``strip_tags(annotated_text())``."""
         text = _joined(self.main)
+        ran = [c for c in self.threads[1:] if c.finish != "not_run"]  # self._ran()
+        if not ran:
+            return text
+        ran.sort(key=_reading_order)
         parts, at = [], 0
-        for c in sorted(self._ran(), key=lambda c: (c.fork_clean, c.tid)):
-            parts += [text[at : c.fork_clean], _joined(c)]
-            at = c.fork_clean
+        for c in ran:
+            fc = c.fork_clean
+            parts.append(text[at:fc])
+            parts.append(_joined(c))
+            at = fc
         parts.append(text[at:])
         return "".join(parts)
 

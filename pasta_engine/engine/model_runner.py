@@ -163,9 +163,10 @@ class ModelRunner:
             self.backend.plan(meta)
             t_fwd = time.perf_counter()
             all_sample = len(logits_indices) == len(ids)
+            # the three int64 inputs in one transfer, as rows of one [3, T] tensor
+            ids_t, positions_t, slots_t = to_device(ids + positions + slots, torch.long, dev).view(3, -1).unbind(0)
             logits = self.model.forward(
-                to_device(ids, torch.long, dev), to_device(positions, torch.long, dev),
-                to_device(slots, torch.long, dev), self.kv_cache, self.backend,
+                ids_t, positions_t, slots_t, self.kv_cache, self.backend,
                 None if all_sample else to_device(logits_indices, torch.long, dev),
             )
         t_sample = time.perf_counter()
@@ -305,8 +306,5 @@ class ModelRunner:
 
 def _distinct_kv_tokens(runs: list[list]) -> int:
     """Distinct KV tokens a step's attention reads (shared segments counted once)."""
-    used: dict[int, list[int]] = {}
-    for row_runs in runs:
-        for sid, _, lens in row_runs:
-            used[sid] = lens
-    return sum(sum(lens) for lens in used.values())
+    used = {run[0]: run[2] for row_runs in runs for run in row_runs}
+    return sum(map(sum, used.values()))

@@ -313,7 +313,8 @@ class DecodeTable:
     ``[rows_cap, len_cap]`` float32, ``next`` ``[rows_cap]`` int64 (flat index of each row's
     first unused entry). Host side: ``keys[r]`` (:meth:`AttentionMetadata.view_key` of the
     sequence in row ``r``), ``lens[r]`` (used entries), ``longest`` and ``step`` (the step of
-    the last update).
+    the last update) and ``bumped`` (the last update's new slot of each row when every row only
+    grew by it, else None).
 
     :meth:`update` makes row ``r`` hold sequence ``r`` of the step: a row whose sequence is the
     one it held at the previous step (:func:`same_view`) only gets its new slot appended (one
@@ -330,6 +331,7 @@ class DecodeTable:
         self.lens: list[int] = []
         self.longest = 0
         self.step: int | None = None
+        self.bumped: list[int] | None = None  # the last update's new slots when it only appended
 
     def _grow(self, rows: int, length: int) -> None:
         r_cap, l_cap = self.slots.shape
@@ -360,6 +362,7 @@ class DecodeTable:
         keys = [(runs[b][-1][0], len(runs[b])) for b in seqs]
         follows = meta.step is not None and self.step is not None and meta.step == self.step + 1
         self.step = meta.step
+        self.bumped = None
         lens = self.lens
         dev = self.device
         if follows and keys == self.keys:  # the common step: every row grows by one slot
@@ -379,6 +382,7 @@ class DecodeTable:
             for r in range(n):
                 lens[r] += 1
             self.longest += 1
+            self.bumped = new_slots
             return self.longest
         bump, fill = [], []
         for r, key in enumerate(keys):
@@ -417,11 +421,25 @@ class _TorchPlan:
     dec_len: int = 0  # the longest view (L)
     dec_flat: torch.Tensor | None = None  # [R * L] int64 the rows' slots (set by the first attend)
     dec_mask: torch.Tensor | None = None  # [R, 1, 1, L] additive mask in q's dtype (idem)
+    dec_bump: tuple[torch.Tensor, torch.Tensor] | None = None  # mirror positions, slots [R] (idem)
     # multi-token rows: each sequence's view padded to a dense tensor, causal inside the chunk
     gather: torch.Tensor | None = None  # [B, Lmax] slot ids (padded with 0)
     mask: torch.Tensor | None = None  # [B, 1, Qmax, Lmax] bool
     q_index: torch.Tensor | None = None  # [B, Qmax] row of T (padded with 0)
     q_valid: torch.Tensor | None = None  # [B, Qmax] bool
+
+
+@dataclass
+class _Mirror:
+    # one layer's copy of the decode rows' K/V: [rows_cap, len_cap, Hkv, D] each (the decode
+    # table's capacities), valid for the table as it was at plan step `synced`
+    k: torch.Tensor
+    v: torch.Tensor
+    synced: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
 
 class TorchAttention(AttentionBackend):
@@ -437,11 +455,15 @@ class TorchAttention(AttentionBackend):
     dense tensor, with the chunk's tokens masked causally, planned every step."""
 
     name = "torch"
+    #: bytes all layers' K/V mirrors may take together (see :meth:`_mirrored`); past it the
+    #: rows are gathered from the cache every step
+    mirror_bytes = 64 * 2**20
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")  # until configure() says otherwise
         self._plan: _TorchPlan | None = None
         self._table: DecodeTable | None = None
+        self._mirrors: dict[tuple, _Mirror] = {}  # per layer's cache: (data_ptr, shape, dtype) -> mirror
 
     def plan(self, meta: AttentionMetadata) -> bool:
         device = self.device
@@ -467,6 +489,7 @@ class TorchAttention(AttentionBackend):
         else:
             self._table.step = meta.step
             self._table.keys = []
+            self._table.bumped = None
         if ext:
             q_len = torch.tensor([meta.q_lens[b] for b in ext])
             kv_len = torch.tensor([meta.kv_len(b) for b in ext])
@@ -494,6 +517,53 @@ class TorchAttention(AttentionBackend):
             return []
         return [t.slots[r, : t.lens[r]].tolist() for r in range(pl.dec_n)]
 
+    def _dec_flat(self, pl: _TorchPlan) -> torch.Tensor:
+        """The decode rows' slots ``[R * L]`` int64 (padding: slot 0), made once per step."""
+        if pl.dec_flat is None:
+            pl.dec_flat = self._table.slots[: pl.dec_n, : pl.dec_len].reshape(-1)
+        return pl.dec_flat
+
+    def _mirrored(self, pl: _TorchPlan, k_cache: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode rows' keys and values ``[R, L, Hkv, D]`` (views of this layer's
+        :class:`_Mirror`), or None when the mirrors would pass :attr:`mirror_bytes`.
+
+        The mirror holds, for each decode-table row, a copy of its view's K/V. After a step in
+        which every row only grew by its new token (:attr:`DecodeTable.bumped`) it takes just
+        those ``R`` tokens from the cache (written by this step's :meth:`rope_and_write`);
+        after any other step (forks, joins, new threads, a grown table, a step without a plan
+        number) it is gathered again from the cache. The values are the gathered ones, so the
+        attention is bitwise the same (padding holds finite stale values, masked to -inf as
+        before)."""
+        table, n, length = self._table, pl.dec_n, pl.dec_len
+        key = (k_cache.data_ptr(), tuple(k_cache.shape), k_cache.dtype)
+        m = self._mirrors.get(key)
+        cap = tuple(table.slots.shape)
+        if m is None or tuple(m.k.shape[:2]) != cap:
+            nbytes = 2 * cap[0] * cap[1] * kf[0].numel() * kf.element_size()
+            others = sum(x.nbytes for k2, x in self._mirrors.items() if k2 != key)
+            if others + nbytes > self.mirror_bytes:
+                self._mirrors.pop(key, None)
+                return None
+            shape = (*cap, *kf.shape[1:])
+            m = _Mirror(torch.zeros(shape, dtype=kf.dtype, device=kf.device),
+                        torch.zeros(shape, dtype=vf.dtype, device=vf.device))
+            self._mirrors[key] = m
+        step = table.step
+        if step is None or m.synced != step:
+            if step is not None and m.synced == step - 1 and table.bumped is not None:
+                if pl.dec_bump is None:  # once per step: flat mirror positions of the new tokens, their slots
+                    pl.dec_bump = (table.next[:n] - 1, to_device(table.bumped, torch.long, table.device))
+                at, new = pl.dec_bump
+                m.k.view(-1, *kf.shape[1:]).index_copy_(0, at, kf.index_select(0, new))
+                m.v.view(-1, *vf.shape[1:]).index_copy_(0, at, vf.index_select(0, new))
+            else:
+                flat = self._dec_flat(pl)
+                m.k[:n, :length] = kf.index_select(0, flat).view(n, length, *kf.shape[1:])
+                m.v[:n, :length] = vf.index_select(0, flat).view(n, length, *vf.shape[1:])
+            m.synced = step
+        return m.k[:n, :length], m.v[:n, :length]
+
     def attend(self, q, k_cache, v_cache, scale, *, sliding_window=None, logit_softcap=None, positions=None,
                key_positions=None):
         pl = self._plan
@@ -507,11 +577,11 @@ class TorchAttention(AttentionBackend):
         if pl.dec_n:
             n, length = pl.dec_n, pl.dec_len
             table = self._table
-            if pl.dec_flat is None:  # once per step, shared by the layers
-                pl.dec_flat = table.slots[:n, :length].reshape(-1)
-            flat = pl.dec_flat
-            k = kf.index_select(0, flat).view(n, length, hkv, d).transpose(1, 2)  # [R, Hkv, L, D]
-            v = vf.index_select(0, flat).view(n, length, hkv, d).transpose(1, 2)
+            kv = self._mirrored(pl, k_cache, kf, vf)
+            if kv is None:
+                flat = self._dec_flat(pl)
+                kv = kf.index_select(0, flat).view(n, length, hkv, d), vf.index_select(0, flat).view(n, length, hkv, d)
+            k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [R, Hkv, L, D]
             if k.dtype != q.dtype:
                 k, v = k.to(q.dtype), v.to(q.dtype)
             rows = pl.dec_rows
@@ -519,7 +589,7 @@ class TorchAttention(AttentionBackend):
             if kpos is not None:  # key position inside the row's window
                 row_pos = positions if rows is None else positions[rows]
                 mask = table.mask[:n, :length].masked_fill(
-                    kpos[flat].view(n, length) <= row_pos[:, None] - sliding_window, float("-inf"))
+                    kpos[self._dec_flat(pl)].view(n, length) <= row_pos[:, None] - sliding_window, float("-inf"))
                 mask = mask.view(n, 1, 1, length).to(q.dtype)
             else:
                 if pl.dec_mask is None or pl.dec_mask.dtype != q.dtype:  # [R, 1, 1, L], once per step

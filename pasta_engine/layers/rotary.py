@@ -21,8 +21,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate ``x`` ``[T, H, D]`` by RoPE with ``cos``/``sin`` ``[T, D]`` (the "rotate half"
     convention of HF Llama; Su et al. 2021, RoFormer, section 3.4.2). Returns ``[T, H, D]``."""
     d = x.shape[-1] // 2
-    rot = torch.cat((-x[..., d:], x[..., :d]), dim=-1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
+    rot = torch.cat((x.narrow(-1, d, d).neg(), x.narrow(-1, 0, d)), dim=-1)
+    return x * cos.unsqueeze(1) + rot * sin.unsqueeze(1)
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:

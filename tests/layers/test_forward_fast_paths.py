@@ -81,3 +81,34 @@ def test_cpu_rms_norm_equals_written_out(dim, shape, unit_offset):
     xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     want = xf * w if unit_offset else w * xf
     assert torch.equal(torch.rms_norm(x, (dim,), w, eps), want)
+
+
+def test_kv_mirror_equals_gathering_and_respects_its_budget():
+    """The torch backend's per-layer K/V mirror (appended to on plain decode steps) attends
+    bitwise like gathering the views from the cache, which it falls back to past mirror_bytes."""
+    from pasta_engine.layers.attention import AttentionMetadata
+
+    ps, hkv, hq, d = 4, 1, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(16, ps, hkv, d, generator=gen), torch.randn(16, ps, hkv, d, generator=gen)
+    mirrored, gathered = TorchAttention(), TorchAttention()
+    gathered.mirror_bytes = 0
+    lens = [3, 6]
+    for step in range(1, 8):
+        lens = [n + 1 for n in lens]
+        pages = [[0, 1, 2, 3][: -(-lens[0] // ps)], [4, 5, 6, 7][: -(-lens[1] // ps)]]
+        page_lens = [[min(ps, n - i * ps) for i in range(len(p))] for n, p in zip(lens, pages)]
+        meta = AttentionMetadata.from_pages(ps, [1, 1], pages, page_lens)
+        runs = [[(b + 1, p, n)] for b, (p, n) in enumerate(zip(pages, page_lens))]  # ids stay: rows only grow
+        meta.runs, meta.step = runs, step
+        slots = meta.row_slots()
+        k_cache.view(-1, hkv, d)[torch.tensor(slots)] = torch.randn(2, hkv, d, generator=gen)
+        v_cache.view(-1, hkv, d)[torch.tensor(slots)] = torch.randn(2, hkv, d, generator=gen)
+        q = torch.randn(2, hq, d, generator=gen)
+        outs = []
+        for b in (mirrored, gathered):
+            b.plan(AttentionMetadata(ps, [1, 1], runs, step=step))
+            outs.append(b.attend(q, k_cache, v_cache, d**-0.5))
+        assert torch.equal(outs[0], outs[1])
+    assert mirrored._mirrors and not gathered._mirrors
+    assert mirrored._table.bumped is not None  # the last steps appended to the mirror

@@ -100,7 +100,9 @@ def test_incremental_plan_equals_a_fresh_plan(events, page_size, prompt, seed):
             fresh.plan(AttentionMetadata(**meta))
             _same_plan(inc, fresh)
             if i == 0:  # the torch plans also attend alike
+                # this step's new keys and values (the torch backend's mirrors copy just these)
                 k_cache.view(-1, HKV, D)[torch.tensor(slots)] = torch.randn(len(slots), HKV, D, generator=rng)
+                v_cache.view(-1, HKV, D)[torch.tensor(slots)] = torch.randn(len(slots), HKV, D, generator=rng)
                 a = inc.attend(q, k_cache, v_cache, D**-0.5)
                 b = fresh.attend(q, k_cache, v_cache, D**-0.5)
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
