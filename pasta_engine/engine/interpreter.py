@@ -164,6 +164,9 @@ class Thread:
         return self.status in (ThreadStatus.FLUSH, ThreadStatus.DONE)
 
 
+_RUNNING = ThreadStatus.RUNNING
+
+
 def _joined(t: Thread) -> str:
     """``"".join(t.clean)``, joining only the pieces added since the last call."""
     n, text = t.clean_joined
@@ -283,17 +286,21 @@ class Interpreter:
     def schedule_threads(self) -> list[ThreadStep]:
         """Threads to forward this step: every flush, then up to ``max_threads`` sampling
         threads (the main thread first, then children in fork order)."""
-        if self.done:
+        if self.finish is not None:
             return []
-        steps = [ThreadStep(t.tid, t.pending, t.pending_pos, False) for t in self.threads
-                 if t.status is ThreadStatus.FLUSH]
+        flush, queued, running = ThreadStatus.FLUSH, ThreadStatus.QUEUED, _RUNNING
+        steps = [ThreadStep(t.tid, t.pending, t.pending_pos, False) for t in self.threads if t.status is flush]
         width = self.limits.max_threads or len(self.threads)
-        runnable = [t for t in self.threads if t.status in (ThreadStatus.RUNNING, ThreadStatus.QUEUED)]
-        for t in runnable[:width]:
-            t.status = ThreadStatus.RUNNING
-            t.started = True
-            forced = t.forced[0] if t.forced else None
-            steps.append(ThreadStep(t.tid, t.pending, t.pending_pos, True, forced))
+        for t in self.threads:
+            if width <= 0:
+                break
+            status = t.status
+            if status is running or status is queued:
+                width -= 1
+                t.status = running
+                t.started = True
+                forced = t.forced
+                steps.append(ThreadStep(t.tid, t.pending, t.pending_pos, True, forced[0] if forced else None))
         return steps
 
     def step_done(self, steps: Sequence[ThreadStep]) -> None:
@@ -315,10 +322,10 @@ class Interpreter:
         """Apply a token sampled (or forced) for thread ``tid`` after its forward.
 
         Raises RuntimeError when the thread cannot take a token (not running)."""
-        if self.done:
+        if self.finish is not None:
             return  # the request ended earlier in this step (e.g. at max_new_tokens)
         thread = self.threads[tid]
-        if thread.status is not ThreadStatus.RUNNING:
+        if thread.status is not _RUNNING:
             raise RuntimeError(f"thread {thread.tid} cannot take a token in status {thread.status}")
         if self.max_positions is not None and thread.next_pos >= self.max_positions:
             # the token would sit at a position the model does not have: it is not kept
@@ -355,13 +362,13 @@ class Interpreter:
                     thread.clean_len += len(piece)
             else:
                 self._on_text(thread, piece)
-            if not thread.ended and thread.cap is not None and thread.n_sampled >= thread.cap:
+            if thread.cap is not None and not thread.ended and thread.n_sampled >= thread.cap:
                 self._note(thread, f"reached its cap of {thread.cap} tokens; closed by the interpreter")
                 self._end_thread(thread, "cap", flush=True)
-            if not thread.ended and thread.forced is not None and not thread.forced:
+            if thread.forced is not None and not thread.forced and not thread.ended:
                 self._note(thread, "trace ended without a closing tag")
                 self._end_thread(thread, "trace_end", flush=not thread.is_main)
-        if not self.done and self.total_sampled >= self.max_new_tokens:
+        if self.total_sampled >= self.max_new_tokens and self.finish is None:
             self._finish_request("length")
 
     # ------------------------------------------------------------------ internals

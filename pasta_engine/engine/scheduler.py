@@ -320,13 +320,16 @@ class Scheduler:
                 break
             self._preempt(work.pop(self._victim(work))[0])
         batch = ScheduledBatch()
+        out = batch.threads
+        runs = BlockManager.runs
         for req, steps in work:
+            pending, views = req.pending_slots, req.views
             for s in steps:
-                slots = req.pending_slots.get(s.tid, [])
+                slots = pending.get(s.tid, [])
                 if len(slots) != len(s.tokens):
                     raise RuntimeError(f"request {req.request_id} thread {s.tid}: {len(s.tokens)} pending tokens but "
                                        f"{len(slots)} reserved KV slots")
-                batch.threads.append(ScheduledThread(req, s, slots, BlockManager.runs(req.views[s.tid])))
+                out.append(ScheduledThread(req, s, slots, runs(views[s.tid])))
         return batch
 
     def postprocess(self, batch: ScheduledBatch, sampled: SampledTokens | None) -> list[tuple[Request, list[int]]]:
@@ -343,16 +346,22 @@ class Scheduler:
         for req, threads in by_req.values():
             if req.finished:
                 continue
-            for st in threads:
-                req.pending_slots.pop(st.step.tid, None)
-            req.interp.step_done([st.step for st in threads])
+            pending = req.pending_slots
+            steps = [st.step for st in threads]
+            for s in steps:
+                pending.pop(s.tid, None)
+            req.interp.step_done(steps)
         at = 0
         out: list[tuple[Request, list[int]]] = []
-        errors = sampled.errors if sampled is not None else {}  # waits for the tokens
+        if sampled is not None:
+            errors, all_toks, all_lps = sampled.errors, sampled.token_ids, sampled.logprobs  # waits for the tokens
+        else:
+            errors, all_toks, all_lps = {}, [], []
         for req, threads in by_req.values():
-            n_sample = sum(1 for st in threads if st.step.sample)
-            toks = sampled.token_ids[at : at + n_sample] if sampled is not None else []
-            lps = sampled.logprobs[at : at + n_sample] if sampled is not None else []
+            sampling = [st.step for st in threads if st.step.sample]
+            n_sample = len(sampling)
+            toks = all_toks[at : at + n_sample]
+            lps = all_lps[at : at + n_sample]
             at += n_sample
             if req.finished:
                 continue
@@ -362,14 +371,18 @@ class Scheduler:
                 out.append((req, []))
                 continue
             it = req.interp
-            sampling = [st.step for st in threads if st.step.sample]
             if sampling:
                 req.steps += 1
-                req.max_width = max(req.max_width, len(sampling))
-                req.prefill_tokens += sum(len(s.tokens) for s in sampling if not it.threads[s.tid].n_sampled)
-                want_lp = req.params.return_logprobs
-                for s, tok, lp in zip(sampling, toks, lps):
-                    it.on_token(s.tid, tok, lp if want_lp else None)
+                req.max_width = max(req.max_width, n_sample)
+                its = it.threads
+                req.prefill_tokens += sum(len(s.tokens) for s in sampling if not its[s.tid].n_sampled)
+                on_token = it.on_token
+                if req.params.return_logprobs:
+                    for s, tok, lp in zip(sampling, toks, lps):
+                        on_token(s.tid, tok, lp)
+                else:
+                    for s, tok in zip(sampling, toks):
+                        on_token(s.tid, tok, None)
             try:
                 self._apply_kv_ops(req)
             except KVCacheExhausted as e:
