@@ -201,6 +201,11 @@ class ModelRunner:
         if n == 0:
             return SampledTokens([], [], {})
         dev = logits.device
+        if self.logits_hook is None and dev.type != "cuda":
+            # a CPU replay step without logprobs (the general path below returns the same)
+            forced_fast = [st.step.forced for st in sampling]
+            if None not in forced_fast and not any(st.request.params.return_logprobs for st in sampling):
+                return SampledTokens(forced_fast, [0.0] * n, {})
         errors: dict[str, str] = {}
         forced: list[int] = []
         want_lp: list[bool] = []
