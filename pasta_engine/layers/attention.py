@@ -448,8 +448,9 @@ class TorchAttention(AttentionBackend):
 
     Single-token rows (decode steps) attend over their own views, gathered from the
     :class:`DecodeTable` the backend keeps across steps (a row's slots are appended to, not
-    rebuilt, while its view only grows): one batched attention over ``[R, L]`` padded keys.
-    (Gathering the union of the views once and masking every row against it reads shared
+    rebuilt, while its view only grows): one batched attention over ``[R, L]`` padded keys,
+    read from a per-layer copy of the rows' K/V that a plain decode step appends ``R`` tokens
+    to (:meth:`_mirrored`; up to :attr:`mirror_bytes`, else gathered from the cache). (Gathering the union of the views once and masking every row against it reads shared
     pages once but computes ``R x union`` scores, which on a CPU costs more than the repeated
     gathers.) Multi-token rows (prefill chunks, inserted tags) gather their view into a padded
     dense tensor, with the chunk's tokens masked causally, planned every step."""
