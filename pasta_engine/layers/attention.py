@@ -40,7 +40,7 @@ from .rotary import apply_rope
 from .utils import to_device
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "Run", "check_attention_options", "same_view",
-           "view_slots"]
+           "view_slots", "write_kv"]
 
 Run = tuple[int, list[int], list[int]]  # (segment id, pages, used slots of each page)
 
@@ -175,12 +175,8 @@ class AttentionBackend:
             slot_mapping: ``[T]`` int64 cache slot (``page * page_size + offset``) per token.
 
         Returns rotated q ``[T, Hq, D]``. Default: torch ops."""
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        hkv, d = k.shape[1], k.shape[2]
-        k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-        return q
+        write_kv(apply_rope(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+        return apply_rope(q, cos, sin)
 
     def rope_and_write_qkv(
         self,
@@ -211,8 +207,7 @@ class AttentionBackend:
             return self.rope_and_write(heads[:, :num_heads], heads[:, num_heads : num_heads + hkv],
                                        heads[:, num_heads + hkv :], cos, sin, k_cache, v_cache, slot_mapping)
         qk = apply_rope(heads[:, : num_heads + hkv], cos, sin)
-        k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, qk[:, num_heads:].to(k_cache.dtype))
-        v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, heads[:, num_heads + hkv :].to(v_cache.dtype))
+        write_kv(qk[:, num_heads:], heads[:, num_heads + hkv :], k_cache, v_cache, slot_mapping)
         return qk[:, :num_heads]
 
     def attend(
@@ -254,6 +249,17 @@ class AttentionBackend:
 
         Raises NotImplementedError when the backend cannot run inside CUDA graphs."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot run inside CUDA graphs")
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write rotated ``k`` and raw ``v`` ``[T, Hkv, D]`` into one layer's cache ``k_cache``,
+    ``v_cache`` (``[num_pages, page_size, Hkv, D]`` or ``[num_slots, Hkv, D]``; cast to the
+    cache dtype) at int64 ``slot_mapping`` ``[T]`` (``page * page_size + offset``), in place.
+    Raises what ``index_copy_`` raises for a slot outside the cache."""
+    hkv, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def check_attention_options(sliding_window: int | None, logit_softcap: float | None, positions: torch.Tensor | None,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import write_kv
 from .rotary import apply_rope
 
 __all__ = [
@@ -195,18 +196,13 @@ def rope_kv_write_reference(
     (:func:`pasta_engine.layers.rotary.apply_rope` in the input dtype, then ``index_copy_`` into the
     cache), plus the kernel's rule that tokens whose slot is outside ``[0, num_slots)`` write no
     K/V (filtering them syncs with the host; the reference is not meant for CUDA graphs)."""
-    q_rot = apply_rope(q, cos, sin)
     k_rot = apply_rope(k, cos, sin)
-    hkv, d = k.shape[1], k.shape[2]
-    kc = k_cache.view(-1, hkv, d)
-    vc = v_cache.view(-1, hkv, d)
     slots = slot_mapping
-    keep = (slots >= 0) & (slots < kc.shape[0])
+    keep = (slots >= 0) & (slots < k_cache.numel() // (k.shape[1] * k.shape[2]))
     if not bool(keep.all()):
         slots, k_rot, v = slots[keep], k_rot[keep], v[keep]
-    kc.index_copy_(0, slots, k_rot.to(kc.dtype))
-    vc.index_copy_(0, slots, v.to(vc.dtype))
-    return q_rot
+    write_kv(k_rot, v, k_cache, v_cache, slots)
+    return apply_rope(q, cos, sin)
 
 
 def _check_merge_inputs(part_o, part_lse, row_indptr, row_slots, out, out_lse) -> None:
