@@ -63,8 +63,6 @@ def stop_server(srv: ServerProcess) -> None:
 @pytest.fixture(scope="session")
 def server(tiny_llama, tmp_path_factory):
     """``pasta-engine serve`` over the tiny random-weight checkpoint, with an API key."""
-    for mod in ("fastapi", "uvicorn", "openai", "httpx"):
-        pytest.importorskip(mod, reason=f"{mod} is not installed: pip install -e '.[serve,test]'")
     srv = start_server(["--model", str(tiny_llama), "--served-model-name", MODEL, "--api-key", API_KEY,
                         "--kv-cache-mb", "32", "--page-size", "4", "--max-new-tokens", "24",
                         "--max-running-requests", "16"], tmp_path_factory.mktemp("server") / "server.log")

@@ -8,6 +8,7 @@ import os
 import shutil
 
 import pytest
+from playwright import sync_api
 
 ANNOTATED = ('Two tips: <promise topic="sleep" tokens="10"/><async>Sleep early, every day.</async> and '
              '<promise topic="walk" tokens="10"/><async>Walk after lunch.</async><sync/> That is all.')
@@ -23,9 +24,6 @@ def chromium() -> str:
 
 
 def test_page_shows_threads_side_by_side(server, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="playwright is not installed: pip install -e '.[test]' (it drives the "
-                                   "system's Chromium; no browser download needed)")
     exe = chromium()
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])

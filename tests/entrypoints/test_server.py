@@ -8,13 +8,11 @@ import asyncio
 import json
 import time
 
+import httpx
+import openai
 import pytest
 
-httpx = pytest.importorskip("httpx", reason="httpx is not installed: pip install -e '.[serve,test]'")
-openai = pytest.importorskip("openai", reason="the openai client is not installed: pip install -e '.[serve,test]'")
-pytest.importorskip("fastapi", reason="FastAPI is not installed: pip install -e '.[serve]'")
-
-from pasta_engine.lang.tags import strip_tags  # noqa: E402
+from pasta_engine.lang.tags import strip_tags
 
 ANNOTATED = ('Two tips: <promise topic="sleep" tokens="10"/><async>Sleep early, every day.</async> and '
              '<promise topic="walk" tokens="10"/><async>Walk.</async><sync/> That is all.')

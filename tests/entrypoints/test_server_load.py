@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("openai", reason="the openai client is not installed: pip install -e '.[serve,test]'")
-
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_server_load.py"
 REPLAYS = [
     'Plan: <promise topic="pack" tokens="10"/><async>Pack light.</async> then '
