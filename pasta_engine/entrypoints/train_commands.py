@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ParameterError
-from .args import add_run_args, command_line, nonneg_int, positive_int
+from .args import _int_at_least, add_run_args, command_line, nonneg_int, positive_int
 
 __all__ = ["add_train_parser", "run_train", "add_learned_parser", "run_learned"]
 
@@ -68,7 +68,7 @@ def add_train_parser(subparsers: Any) -> None:
     b.add_argument("--adapter", type=Path, required=True, help="the SFT adapter folder to start from")
     b.add_argument("--out", type=Path, required=True, help="output folder")
     b.add_argument("--model", default=None, help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
-    b.add_argument("--n", type=positive_int, default=4, help="samples per prompt (>= 2; the paper's best-of-n)")
+    b.add_argument("--n", type=_int_at_least(2), default=4, help="samples per prompt (>= 2; the paper's best-of-n)")
     b.add_argument("--rounds", type=positive_int, default=1)
     b.add_argument("--temperature", type=float, default=0.8)
     b.add_argument("--max-new-tokens", type=positive_int, default=320)
@@ -103,15 +103,11 @@ def add_learned_parser(bench_subparsers: Any) -> None:
     add_run_args(p)
 
 
-def _count_fn(tokenizer: Any):
-    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
-
-
 def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from ..tools.bench import count_tokens_fn
     from ..tools.traces import read_prompts
-    from ..train.common import LoraSettings
+    from ..train.common import LoraSettings, base_manifest, load_tokenizer
     from ..train.data import EVAL_DATASET, build_examples, split_rows
-    from ..train.common import base_manifest
     from ..train.sft import SFTSettings, train_sft
 
     if not args.tag_weight > 0:
@@ -121,13 +117,8 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
-    from transformers import AutoTokenizer
-
-    from ..models.loader import resolve_model_path
-
-    path, gguf = resolve_model_path(args.model)
-    tok = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
-    examples, counts = build_examples(rows, _count_fn(tok), max_response_tokens=args.max_response_tokens,
+    count = count_tokens_fn(load_tokenizer(args.model))
+    examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
                                       annotator=args.annotator, seed=args.seed)
     if args.forked_only:
         examples = [e for e in examples if e.promises > 0]
@@ -162,8 +153,6 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if args.limit is not None:
         rows = rows[: args.limit]
     prompts = [r.instruction for r in random.Random(args.seed).sample(rows, min(args.sample_prompts, len(rows)))]
-    if args.n < 2:
-        raise ValueError(f"--n must be >= 2 (best and worst of n), got {args.n}")
     settings = BonbonSettings(n=args.n, rounds=args.rounds, temperature=args.temperature,
                               max_new_tokens=args.max_new_tokens, quality_weight=args.quality_weight, alpha=args.alpha,
                               lr=args.lr, seed=args.seed)

@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "LoraSettings",
     "load_base",
+    "load_tokenizer",
     "wrap_lora",
     "export_adapter",
     "LossCurve",
@@ -47,15 +48,24 @@ class LoraSettings:
 def load_base(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any, Path]:
     """``(transformers model, tokenizer, checkpoint folder)`` of a Llama-family checkpoint (None:
     the embedded SmolLM2-135M-Instruct's cached safetensors copy)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from ..models.loader import resolve_model_path
 
     path, gguf = resolve_model_path(model)
-    kw = {"gguf_file": gguf} if gguf else {}
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
-    tok = AutoTokenizer.from_pretrained(path, **kw)
-    return hf, tok, path
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **({"gguf_file": gguf} if gguf else {}))
+    return hf, load_tokenizer(model), path
+
+
+def load_tokenizer(model: str | os.PathLike | None) -> Any:
+    """The ``transformers`` tokenizer of checkpoint ``model`` (None: the embedded
+    SmolLM2-135M-Instruct), without loading its weights. Raises FileNotFoundError for a bad path."""
+    from transformers import AutoTokenizer
+
+    from ..models.loader import resolve_model_path
+
+    path, gguf = resolve_model_path(model)
+    return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
 
 
 def wrap_lora(model: Any, settings: LoraSettings, adapter: str | os.PathLike | None = None) -> Any:

@@ -271,3 +271,24 @@ def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, cap
     exported = json.loads((out / "model_outputs_adapter_pasta.json").read_text())
     assert [x["instruction"] for x in exported] == ["eval one", "eval two"]
     assert (out / "learned.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_train_sft_command_writes_an_adapter_and_bonbon_needs_two_samples(tiny_llama, tmp_path, capsys):
+    from pasta_engine.entrypoints.cli import main
+
+    answer = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": PROMPT, "dataset": "koala", "output": answer},
+                                   {"instruction": "eval", "dataset": "vicuna", "output": answer}]))
+    out = tmp_path / "sft"
+    rc = main(["train", "sft", "--prompts", str(prompts), "--model", str(tiny_llama), "--out", str(out),
+               "--grad-accum", "1", "--max-steps", "1", "--lora-r", "4", "--lora-alpha", "8"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    [ex] = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]  # never the vicuna row
+    assert ex["prompt"] == PROMPT
+    assert json.loads((out / "adapter" / "manifest.json").read_text())["stages"][0]["optimizer_steps"] == 1
+    with pytest.raises(SystemExit) as e:  # best and worst of n need n >= 2: a usage error before any work
+        main(["train", "bonbon", "--prompts", str(prompts), "--adapter", str(out / "adapter"), "--out",
+              str(tmp_path / "bb"), "--n", "1"])
+    assert e.value.code == 2 and "--n" in capsys.readouterr().err
