@@ -145,10 +145,8 @@ def train_bonbon(
         if not pairs:
             raise ValueError(f"round {k + 1}: no best/worst pair among {len(rows)} samples (all equal or none ended)")
         # the reference model is this round's starting adapter: its log-probabilities first
-        from peft import PeftModel
-
         policy_base, _, _ = load_base(base)
-        policy = PeftModel.from_pretrained(policy_base, str(current), is_trainable=True)
+        policy = wrap_lora(policy_base, adapter=current)
         limits = Limits(max_threads=None)
 
         def lay(text: str, prompt: str):

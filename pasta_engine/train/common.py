@@ -68,9 +68,9 @@ def load_tokenizer(model: str | os.PathLike | None) -> Any:
     return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
 
 
-def wrap_lora(model: Any, settings: LoraSettings, adapter: str | os.PathLike | None = None) -> Any:
+def wrap_lora(model: Any, settings: LoraSettings = LoraSettings(), adapter: str | os.PathLike | None = None) -> Any:
     """``model`` wrapped by peft with a trainable LoRA adapter: fresh (``settings``), or the
-    adapter saved in folder ``adapter`` (trainable, to continue from)."""
+    adapter saved in folder ``adapter`` (trainable, to continue from; ``settings`` unused)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter is not None:
