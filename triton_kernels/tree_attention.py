@@ -57,6 +57,7 @@ __all__ = [
     "StaticDecodePlan",
     "DecodeWorkspace",
     "build_plan",
+    "upload_plan",
     "plan_lists",
     "choose_mode",
     "tree_decode_attention",
@@ -301,6 +302,12 @@ def build_plan(views: list[View], *, device: torch.device | str, **options) -> D
     :func:`plan_lists` (same arguments) as int32 tensors on ``device``, copied without a
     host-device sync. Raises what :func:`plan_lists` raises."""
     arrays, info = plan_lists(views, device=device, **options)
+    return upload_plan(arrays, info, device)
+
+
+def upload_plan(arrays: dict[str, list[int]], info: dict, device: torch.device | str) -> DecodePlan:
+    """The :class:`DecodePlan` of :func:`plan_lists`' result: each list as an int32 tensor on
+    ``device`` (an empty list as ``[0]``), copied without a host-device sync."""
     dev = torch.device(device)
     return DecodePlan(**{k: upload_int32(v if v else [0], dev) for k, v in arrays.items()}, **info)
 

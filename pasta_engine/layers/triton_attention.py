@@ -19,7 +19,6 @@ import torch
 
 from ..errors import ParameterError
 from ..triton_kernels.extend_attention import extend_attention, extend_indices
-from ..triton_kernels import upload_int32
 from ..triton_kernels.kv_write import rope_and_write as _rope_and_write
 from ..triton_kernels.tree_attention import (
     DecodePlan,
@@ -27,6 +26,7 @@ from ..triton_kernels.tree_attention import (
     StaticDecodePlan,
     plan_lists,
     tree_decode_attention,
+    upload_plan,
 )
 from .attention import AttentionBackend, AttentionMetadata, check_attention_options
 from .utils import to_device
@@ -178,7 +178,7 @@ class TritonAttention(AttentionBackend):
         if dec:
             arrays, info = plan_lists([meta.runs[b] for b in dec], group=self.group, num_kv_heads=self.num_kv_heads,
                                       device=device, mode=self.decode_mode)
-            p.decode = DecodePlan(**{k: upload_int32(v if v else [0], device) for k, v in arrays.items()}, **info)
+            p.decode = upload_plan(arrays, info, device)
             self._remember(meta, keys, arrays, p.decode.page_lens)
             if len(dec) != len(meta.q_lens):
                 p.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
