@@ -19,6 +19,13 @@ from .args import _int_at_least, add_run_args, command_line, nonneg_int, positiv
 __all__ = ["add_train_parser", "run_train", "add_learned_parser", "run_learned"]
 
 
+def _add_io_args(p: argparse.ArgumentParser, prompts_help: str) -> None:
+    """``--prompts`` (required; ``prompts_help`` says which rows are used), ``--out``, ``--model``."""
+    p.add_argument("--prompts", type=Path, required=True, help=prompts_help)
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--model", default=None, help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+
+
 def add_train_parser(subparsers: Any) -> None:
     """Add ``train sft | bonbon`` to the ``pasta-engine`` subcommands."""
     t = subparsers.add_parser("train", help="teach a model PASTA-LANG: sft (LoRA on annotated answers), bonbon")
@@ -29,10 +36,7 @@ def add_train_parser(subparsers: Any) -> None:
         "adapter with the training forward that sees every token as the engine's pasta-mode replay does. Writes OUT/"
         "adapter (float16, manifest), OUT/checkpoint (resumable), OUT/loss.json and loss.png, OUT/examples.jsonl.",
     )
-    s.add_argument("--prompts", type=Path, required=True,
-                   help="AlpacaEval JSON with reference answers (../shared/data/alpaca_eval/gpt4_1106_preview_outputs.json)")
-    s.add_argument("--out", type=Path, required=True, help="output folder")
-    s.add_argument("--model", default=None, help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    _add_io_args(s, "AlpacaEval JSON with reference answers (../shared/data/alpaca_eval/gpt4_1106_preview_outputs.json)")
     s.add_argument("--annotator", choices=("mixed", "sot", "apar"), default="mixed",
                    help="how answers get their tags (mixed: sot where a list forks, apar otherwise)")
     s.add_argument("--max-response-tokens", type=positive_int, default=448,
@@ -64,10 +68,8 @@ def add_train_parser(subparsers: Any) -> None:
         "text, penalised for repeated lines), and train on best vs worst with the BoNBoN loss (arXiv 2406.00832). Writes "
         "OUT/round{k}/ (samples, pairs, loss curve, adapter) and OUT/adapter.",
     )
-    b.add_argument("--prompts", type=Path, required=True, help="AlpacaEval JSON (the training split is used)")
+    _add_io_args(b, "AlpacaEval JSON (the training split is used)")
     b.add_argument("--adapter", type=Path, required=True, help="the SFT adapter folder to start from")
-    b.add_argument("--out", type=Path, required=True, help="output folder")
-    b.add_argument("--model", default=None, help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     b.add_argument("--n", type=_int_at_least(2), default=4, help="samples per prompt (>= 2; the paper's best-of-n)")
     b.add_argument("--rounds", type=positive_int, default=1)
     b.add_argument("--temperature", type=float, default=0.8)
@@ -92,9 +94,7 @@ def add_learned_parser(bench_subparsers: Any) -> None:
         "end to end, the quality proxy side by side, AlpacaEval model_outputs. Writes OUT/summary.json, prompts.jsonl, "
         "learned.png.",
     )
-    p.add_argument("--prompts", type=Path, required=True, help="AlpacaEval JSON (the vicuna rows are used)")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--model", default=None, help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
+    _add_io_args(p, "AlpacaEval JSON (the vicuna rows are used)")
     p.add_argument("--adapter", default="auto", help="adapter folder (default: the shipped one)")
     p.add_argument("--no-base-pasta", action="store_true", help="skip the base model in pasta mode (halves the run)")
     p.add_argument("--repeats", type=positive_int, default=1, help="replays per mode; the fastest counts")
