@@ -30,6 +30,7 @@ API key 401, a dead engine 503. An error after a stream has started is a last ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -37,7 +38,7 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
@@ -359,6 +360,26 @@ async def _merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, 
             s.abort()
 
 
+class _EventStream(StreamingResponse):
+    """A server-sent event response that closes its generator however it ends (done, the client
+    gone, the task cancelled) and then calls ``on_close``: Starlette leaves an unfinished body
+    generator to the garbage collector, and a generator that never started runs no ``finally``
+    at all, so the requests' abort cannot wait for either."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._on_close()
+
+
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -507,17 +528,22 @@ async def _respond(srv: _Server, request: Request, streams: list[RequestStream],
                    chat: bool):
     log = srv.logs[cid]
     if opts.stream:
-        return StreamingResponse(_stream(srv, streams, opts, cid, chat, log), media_type="text/event-stream")
+        def on_close() -> None:  # no-ops after a normal end
+            for s in streams:
+                s.abort()
+            log.close()
+
+        return _EventStream(_stream(srv, streams, opts, cid, chat, log), on_close)
     collect = asyncio.create_task(_collect(srv, streams, opts, cid, chat, log))
     gone = asyncio.create_task(_until_disconnected(request))
     try:
         await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not collect.done():  # the client left: abort its requests
+        if not collect.done():  # the client left (or this handler was cancelled): abort its requests
             collect.cancel()
             log.close()
-    if collect.cancelled():
+    if not collect.done():  # cancelled above (a cancelled task is done only once it has run again)
         return JSONResponse({}, status_code=499)
     return JSONResponse(collect.result())
 
@@ -527,13 +553,14 @@ async def _collect(srv: _Server, streams: list[RequestStream], opts: _Options, c
     texts: dict[int, list[str]] = {i: [] for i in range(len(streams))}
     finals: dict[int, StreamOutput] = {}
     try:
-        async for i, out in _merged(streams):
-            texts[i].append(out.text)
-            log.add(_event_records(i, out))
-            if out.finished:
-                finals[i] = out
-                if out.finish_reason == "error":
-                    raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
+        async with contextlib.aclosing(_merged(streams)) as merged:  # an error aborts the other choices now
+            async for i, out in merged:
+                texts[i].append(out.text)
+                log.add(_event_records(i, out))
+                if out.finished:
+                    finals[i] = out
+                    if out.finish_reason == "error":
+                        raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
     except Exception as e:
         raise _as_openai_error(e) from None
     finally:
@@ -580,25 +607,26 @@ async def _stream(srv: _Server, streams: list[RequestStream], opts: _Options, ci
         if chat:
             for i in range(len(streams)):
                 yield chunk([{**choice(i, ""), "delta": {"role": "assistant", "content": ""}}])
-        async for i, out in _merged(streams):
-            log.add(_event_records(i, out))
-            if opts.events and (out.events or not out.finished):
-                ext = {"events": [e.to_dict() for e in out.events], "decode_steps": out.decode_steps,
-                       "tokens_decoded": out.tokens_decoded}
-                yield chunk([choice(i, out.text, pasta=ext)])
-            elif out.text:
-                yield chunk([choice(i, out.text)])
-            if out.finished:
-                finals[i] = out
-                if out.finish_reason == "error":
-                    raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
-                extra: dict[str, Any] = {"pasta": srv.choice_ext(out)}
-                if out.stop_reason is not None:
-                    extra["stop_reason"] = out.stop_reason
-                c = choice(i, None, out.finish_reason, **extra)
-                if opts.logprobs:
-                    c["logprobs"] = await srv.logprobs(out, chat)
-                yield chunk([c])
+        async with contextlib.aclosing(_merged(streams)) as merged:  # an error aborts the other choices now
+            async for i, out in merged:
+                log.add(_event_records(i, out))
+                if opts.events and (out.events or not out.finished):
+                    ext = {"events": [e.to_dict() for e in out.events], "decode_steps": out.decode_steps,
+                           "tokens_decoded": out.tokens_decoded}
+                    yield chunk([choice(i, out.text, pasta=ext)])
+                elif out.text:
+                    yield chunk([choice(i, out.text)])
+                if out.finished:
+                    finals[i] = out
+                    if out.finish_reason == "error":
+                        raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
+                    extra: dict[str, Any] = {"pasta": srv.choice_ext(out)}
+                    if out.stop_reason is not None:
+                        extra["stop_reason"] = out.stop_reason
+                    c = choice(i, None, out.finish_reason, **extra)
+                    if opts.logprobs:
+                        c["logprobs"] = await srv.logprobs(out, chat)
+                    yield chunk([c])
         if opts.include_usage:
             yield _sse({"id": cid, "object": obj, "created": created, "model": srv.model_name, "choices": [],
                         "usage": _usage(_prompt_tokens(finals, opts.n), finals)})
