@@ -33,6 +33,7 @@ dead: every open request's iterator and every later call raise
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -472,6 +473,9 @@ class AsyncEngine:
         with self._state:
             if self._dead is None:
                 self._dead = err
+        for rid in self._tracked:  # free their pages (a failed step already has; an error elsewhere has not)
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
         self._fail_pending(self._dead)
 
     def _fail_pending(self, err: EngineDeadError) -> None:
