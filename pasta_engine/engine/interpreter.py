@@ -357,9 +357,7 @@ class Interpreter:
             thread.next_pos = pos + 1
             self.kv_ops.append(KVAppend(thread.tid, 1))
             if thread.parser.feed_plain(piece):  # no tag can start or continue in it: all text
-                if piece:
-                    thread.clean.append(piece)
-                    thread.clean_len += len(piece)
+                self._add_clean(thread, piece)
             else:
                 self._on_text(thread, piece)
             if thread.cap is not None and not thread.ended and thread.n_sampled >= thread.cap:
@@ -628,7 +626,7 @@ class Interpreter:
         chunk's clean text spliced at its promise. A partial tag still being decoded is held
         back; at the end this equals ``strip_tags(annotated_text())``."""
         text = _joined(self.main)
-        ran = [c for c in self.threads[1:] if c.finish != "not_run"]  # self._ran()
+        ran = self._ran()
         if not ran:
             return text
         ran.sort(key=_reading_order)
