@@ -183,7 +183,7 @@ class ModelRunner:
             self.profile.append(StepProfile(
                 len(q_lens), len(logits_indices), graphed, total - gpu_wait, gpu_wait, total,
                 _distinct_kv_tokens(runs), len(ids), plan_s=t_fwd - t_plan,
-                forward_s=t_sample - t_fwd - gpu_wait if not graphed else t_sample - t_plan - gpu_wait,
+                forward_s=t_sample - t_fwd - gpu_wait,  # graphed: t_fwd == t_plan (the graph plans inside)
                 sample_s=t_end - t_sample))
         return sampled
 
