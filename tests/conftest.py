@@ -22,61 +22,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    from pasta_engine.tools.presets import build_checkpoint
+def _tiny_checkpoint(preset: str, **overrides):
+    """A session fixture: preset ``preset``'s random-weight checkpoint (its config changed by
+    ``overrides``), built once into a temporary folder."""
 
-    return build_checkpoint("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
+    @pytest.fixture(scope="session")
+    def fixture(tmp_path_factory) -> Path:
+        from pasta_engine.tools.presets import build_checkpoint
 
+        return build_checkpoint(preset, tmp_path_factory.mktemp(preset), overrides=overrides or None)
 
-@pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory) -> Path:
-    from pasta_engine.tools.presets import build_checkpoint
-
-    return build_checkpoint("tiny-qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
-
-
-def _tiny(name: str, tmp_path_factory, **overrides) -> Path:
-    from pasta_engine.tools.presets import build_checkpoint
-
-    return build_checkpoint(name, tmp_path_factory.mktemp(name), overrides=overrides or None)
+    return fixture
 
 
+tiny_llama = _tiny_checkpoint("tiny-llama")
+tiny_qwen2 = _tiny_checkpoint("tiny-qwen2")
 # the newer architectures (windows of 8 tokens, soft-caps that bite: see tools/presets.py)
-@pytest.fixture(scope="session")
-def tiny_mistral(tmp_path_factory) -> Path:
-    return _tiny("tiny-mistral", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3(tmp_path_factory) -> Path:
-    return _tiny("tiny-qwen3", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma(tmp_path_factory) -> Path:
-    return _tiny("tiny-gemma", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma2(tmp_path_factory) -> Path:
-    return _tiny("tiny-gemma2", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def tiny_phi3(tmp_path_factory) -> Path:
-    return _tiny("tiny-phi3", tmp_path_factory)
-
-
+tiny_mistral = _tiny_checkpoint("tiny-mistral")
+tiny_qwen3 = _tiny_checkpoint("tiny-qwen3")
+tiny_gemma = _tiny_checkpoint("tiny-gemma")
+tiny_gemma2 = _tiny_checkpoint("tiny-gemma2")
+tiny_phi3 = _tiny_checkpoint("tiny-phi3")
 # without a window, for references that cannot express one (a single dense 4D mask)
-@pytest.fixture(scope="session")
-def tiny_mistral_no_window(tmp_path_factory) -> Path:
-    return _tiny("tiny-mistral", tmp_path_factory, sliding_window=None)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma2_no_window(tmp_path_factory) -> Path:
-    return _tiny("tiny-gemma2", tmp_path_factory, sliding_window=4096)  # >= the context: never bites
+tiny_mistral_no_window = _tiny_checkpoint("tiny-mistral", sliding_window=None)
+tiny_gemma2_no_window = _tiny_checkpoint("tiny-gemma2", sliding_window=4096)  # >= the context: never bites
 
 
 @pytest.fixture(scope="session")
