@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ from ..models.adapter import read_manifest
 from .common import LossCurve, export_adapter, git_commit, load_base, lr_lambda, machine, wrap_lora
 from .forward import forward_logprobs, layout_for
 from .losses import bonbon_loss
-from .quality import LikelihoodQuality, speedup_plus_quality
+from .quality import LikelihoodQuality, Scorer, speedup_plus_quality
 
 __all__ = ["BonbonSettings", "sample_and_rank", "best_and_worst", "train_bonbon"]
 
@@ -60,7 +60,7 @@ class BonbonSettings:
 
 
 def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSettings,
-                    scorer: Callable[[str, str], float], seed: int) -> list[dict[str, Any]]:
+                    scorer: Scorer, seed: int) -> list[dict[str, Any]]:
     """Sample ``settings.n`` pasta-mode responses per prompt with ``engine`` and score them.
 
     Returns one row per sample: prompt index, prompt, sample index, annotated and clean text,
@@ -106,7 +106,7 @@ def train_bonbon(
     settings: BonbonSettings = BonbonSettings(),
     *,
     base: str | None = None,
-    scorer: Callable[[str, str], float] | None = None,
+    scorer: Scorer | None = None,
     manifest: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:

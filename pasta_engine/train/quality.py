@@ -12,7 +12,7 @@ exports ``model_outputs`` in AlpacaEval's format). The scorer is pluggable: anyt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -74,8 +74,3 @@ def speedup_plus_quality(theoretical_speedup: float, quality: float, weight: flo
     """The BoNBoN ranking score (Jin et al. 2025, section 4.2): theoretical speedup plus
     ``weight`` (lambda) times quality."""
     return theoretical_speedup + weight * quality
-
-
-def score_all(scorer: Scorer, prompts: Sequence[str], texts: Sequence[str]) -> list[float]:
-    """``scorer`` over pairs of prompts and clean texts."""
-    return [scorer(p, t) for p, t in zip(prompts, texts)]
