@@ -178,10 +178,8 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         options["position_policy"] = args.position_policy
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20
-    if getattr(args, "no_adapter", False):
-        adapter = None
-    elif getattr(args, "adapter", None) is not None:
-        adapter = args.adapter
+    if getattr(args, "no_adapter", False) or getattr(args, "adapter", None) is not None:
+        adapter = adapter_choice(args)  # the flags win over the caller's default
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, dtype_name), adapter=adapter, **options)
     settings = {
         "model": label,

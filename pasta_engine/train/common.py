@@ -111,6 +111,7 @@ class LossCurve:
     points: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, **point: Any) -> None:
+        """Append one point (e.g. ``step``, ``loss`` in nats/token, ``lr``, ``tokens``, ``elapsed_s``)."""
         self.points.append(point)
 
     def save(self, out: Path, title: str) -> None:
@@ -141,7 +142,8 @@ class LossCurve:
 
 def save_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]) -> None:
     """Write a resumable checkpoint into ``out/checkpoint`` (adapter, optimizer, schedule and
-    ``state``: step, epoch, position in the data order), replacing the previous one atomically."""
+    ``state``: the trainer's counters, e.g. ``{"step": optimizer steps done, "elapsed_s": training
+    seconds so far}``), replacing the previous one atomically."""
     tmp = out / "checkpoint.tmp"
     if tmp.exists():
         import shutil
