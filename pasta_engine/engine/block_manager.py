@@ -37,7 +37,7 @@ __all__ = ["PagePool", "Segment", "KVView", "BlockManager", "Run"]
 Run = tuple[int, list[int], list[int]]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Segment:
     """A run of pages one thread wrote between two forks/joins (``lens[i]`` slots of
     ``pages[i]`` are used). Views share segments by reference: once sealed (after a fork) a
@@ -48,7 +48,7 @@ class Segment:
     lens: list[int] = field(default_factory=list)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class KVView:
     """One thread's view: a list of segments (shared ones first), the last of which may be
     ``open`` for this thread's appends. ``n_shared``: leading segments received at fork (the rest

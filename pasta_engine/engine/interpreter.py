@@ -72,7 +72,7 @@ class ThreadStatus(enum.Enum):
 # --------------------------------------------------------------------------- KV operations
 
 
-@dataclass
+@dataclass(slots=True)
 class KVAppend:
     """Reserve KV slots for ``n`` tokens just given to thread ``tid`` (forwarded next step)."""
 
@@ -80,7 +80,7 @@ class KVAppend:
     n: int
 
 
-@dataclass
+@dataclass(slots=True)
 class KVFork:
     """Thread ``child`` starts with the KV view thread ``parent`` has now (shared, not copied)."""
 
@@ -88,7 +88,7 @@ class KVFork:
     child: int
 
 
-@dataclass
+@dataclass(slots=True)
 class KVJoin:
     """The children's own KV pages join ``parent``'s view (before its pending tokens)."""
 
@@ -96,7 +96,7 @@ class KVJoin:
     children: list[int]
 
 
-@dataclass
+@dataclass(slots=True)
 class KVRelease:
     """Thread ``tid`` is gone: drop its references to KV pages."""
 
@@ -106,7 +106,7 @@ class KVRelease:
 KVOp = KVAppend | KVFork | KVJoin | KVRelease
 
 
-@dataclass
+@dataclass(slots=True)
 class ThreadStep:
     """One thread's work in a step: forward ``tokens`` at logical ``positions``; sample after
     the last one when ``sample`` is True (False for a flush). ``forced`` is the token replay
@@ -122,7 +122,7 @@ class ThreadStep:
 # --------------------------------------------------------------------------- threads
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Thread:
     """One decoding thread. ``tokens``/``pieces``/``logprobs`` hold what it wrote (inserted tag
     tokens first for a child, with ``logprob`` None); ``clean`` holds its text with tags left

@@ -32,7 +32,7 @@ from .request import Request, RequestStatus
 __all__ = ["Scheduler", "ScheduledThread", "ScheduledBatch", "SampledTokens"]
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledThread:
     """One thread's work this step: its interpreter step, the KV slots its tokens are written
     to, and its KV view as attention metadata runs (the view ends with those slots)."""

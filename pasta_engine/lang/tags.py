@@ -228,7 +228,7 @@ def _scan(buf: str) -> tuple[str, Tag | None]:
 # --------------------------------------------------------------------------- parser
 
 
-@dataclass
+@dataclass(slots=True)
 class TagParser:
     """Incremental PASTA-LANG tokenizer-independent parser.
 
