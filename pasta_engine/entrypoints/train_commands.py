@@ -57,8 +57,11 @@ def add_train_parser(subparsers: Any) -> None:
     s.add_argument("--tag-weight", type=float, default=1.0,
                    help="loss weight of the tokens that open a tag (the fork, chunk-end and sync decisions); 1 = plain "
                    "mean NLL")
+    s.add_argument("--min-promises", type=nonneg_int, default=0,
+                   help="train only on answers the annotator gave at least this many promises (1 drops the unforked "
+                   "ones; 2 keeps the answers with parallel chunks, whose theoretical speedup the model should learn)")
     s.add_argument("--forked-only", action="store_true",
-                   help="train only on answers the annotator forked (drop the unforked ones)")
+                   help="the same as --min-promises 1 (kept so earlier manifests' commands run unchanged)")
     add_run_args(s)
 
     b = sub.add_parser(
@@ -120,9 +123,10 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     count = count_tokens_fn(load_tokenizer(args.model))
     examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
                                       annotator=args.annotator, seed=args.seed)
-    if args.forked_only:
-        examples = [e for e in examples if e.promises > 0]
-        counts["forked_only"] = len(examples)
+    min_promises = max(args.min_promises, 1 if args.forked_only else 0)
+    if min_promises:
+        examples = [e for e in examples if e.promises >= min_promises]
+        counts[f"min_promises_{min_promises}"] = len(examples)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "examples.jsonl").open("w") as f:
         f.writelines(json.dumps(e.to_dict()) + "\n" for e in examples)
