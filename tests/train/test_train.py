@@ -292,3 +292,21 @@ def test_train_sft_command_writes_an_adapter_and_bonbon_needs_two_samples(tiny_l
         main(["train", "bonbon", "--prompts", str(prompts), "--adapter", str(out / "adapter"), "--out",
               str(tmp_path / "bb"), "--n", "1"])
     assert e.value.code == 2 and "--n" in capsys.readouterr().err
+
+
+def test_train_sft_min_promises_drops_answers_with_fewer_promises(tiny_llama, tmp_path, capsys):
+    from pasta_engine.entrypoints.cli import main
+
+    listed = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
+    plain = "Sleep well."
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": PROMPT, "dataset": "koala", "output": listed},
+                                   {"instruction": "plain", "dataset": "koala", "output": plain}]))
+    out = tmp_path / "sft"
+    rc = main(["train", "sft", "--prompts", str(prompts), "--model", str(tiny_llama), "--out", str(out),
+               "--grad-accum", "1", "--max-steps", "1", "--lora-r", "4", "--lora-alpha", "8", "--min-promises", "1"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [PROMPT] and rows[0]["promises"] >= 1  # the unforked answer is gone
+    assert "min_promises_1" in err
