@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from ..layers.attention import AttentionBackend
+from ..layers.linear import linear
 from ..layers.rotary import RotaryEmbedding
 from .config import ModelConfig
 
@@ -208,7 +209,7 @@ class LlamaModel:
             window_inputs = {"positions": positions, "key_positions": table[:-1].view(kv_cache.shape[2], -1)}
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["in_norm"])
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             k_cache, v_cache = kv_cache[i].unbind(0)
             if c.qk_norm:
                 q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
@@ -220,18 +221,18 @@ class LlamaModel:
             window = c.sliding_windows[i]
             o = backend.attend(q, k_cache, v_cache, c.attention_scale, sliding_window=window,
                                logit_softcap=c.attn_logit_softcap, **(window_inputs if window is not None else {}))
-            o = F.linear(o.reshape(t, nq * d), layer["o"], layer["o_bias"])
+            o = linear(o.reshape(t, nq * d), layer["o"], layer["o_bias"])
             if c.sandwich_norms:
                 o = self._rms_norm(o, layer["attn_out_norm"])
             h = h + o
             x = self._rms_norm(h, layer["mlp_norm"])
-            g, u = F.linear(x, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
-            x = F.linear(self.act(g) * u, layer["down"], layer["down_bias"])
+            g, u = linear(x, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
+            x = linear(self.act(g) * u, layer["down"], layer["down_bias"])
             if c.sandwich_norms:
                 x = self._rms_norm(x, layer["mlp_out_norm"])
             h = h + x
         h = self._rms_norm(h if logits_indices is None else h[logits_indices], self.norm)
-        logits = F.linear(h, self.lm_head)
+        logits = linear(h, self.lm_head)
         if c.final_logit_softcap is not None:  # in the model dtype, as transformers does
             logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
         return logits.float()
