@@ -119,6 +119,17 @@ class ModelRunner:
         self.profile: list[StepProfile] | None = None
         self.steps = 0  # steps run (the attention plan is updated, not rebuilt, from one step to the next)
 
+    def warm_up(self) -> int:
+        """On a CPU, make :func:`~pasta_engine.layers.linear.linear`'s per-shape GEMM choice for
+        every projection and every decode row count now (else each is made, once, by the first
+        step with that many rows); benchmarks call it before timing. Returns the number of
+        choices made (0 on CUDA)."""
+        if self.device.type != "cpu":
+            return 0
+        from ..layers.linear import prepare
+
+        return prepare(self.model.projection_weights())
+
     # ------------------------------------------------------------------ one step
 
     def run(self, batch: ScheduledBatch) -> SampledTokens:

@@ -139,6 +139,12 @@ class LlamaModel:
             tensors += [t for t in layer.values() if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def projection_weights(self) -> list[torch.Tensor]:
+        """The weights :func:`~pasta_engine.layers.linear.linear` multiplies in a forward:
+        every layer's q/k/v, output, gate/up and down projections ``[out, in]``, then the LM
+        head ``[vocab, hidden]``."""
+        return [layer[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim of ``x`` (any leading shape), in float32.
 

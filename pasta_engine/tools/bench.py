@@ -351,6 +351,8 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
     rows = resumed_rows(out, [t.prompt for t in traces], resume)
     settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, batch_size=1,
                     annotators=sorted({t.annotator for t in traces}))
+    if warmup and len(rows) < len(traces):
+        engine.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
     for t in warmup_traces(traces) * (warmup if len(rows) < len(traces) else 0):
         for mode in ("sequential", "pasta"):
             engine.replay([t.prompt], [t.annotated_response], mode=mode)
@@ -475,6 +477,8 @@ def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams
     out.mkdir(parents=True, exist_ok=True)
     rows = resumed_rows(out, [p.instruction for p in prompts], resume)
     settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, batch_size=1)
+    if warmup and len(rows) < len(prompts):
+        engine.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
     for _ in range(warmup if len(rows) < len(prompts) else 0):
         for mode in ("sequential", "pasta"):
             engine.generate([prompts[0].instruction],

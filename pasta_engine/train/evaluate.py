@@ -156,6 +156,7 @@ def evaluate_learned(prompts: Sequence[PromptRow], base_engine: Any, adapter_eng
     # warm-up (untimed): one short answer in each mode on each engine
     warm = SamplingParams(max_new_tokens=8)
     for engine, modes in ((base_engine, ("sequential", "pasta")), (adapter_engine, ("pasta",))):
+        engine.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
         for m in modes:
             engine.generate([prompts[0].instruction], warm, mode=m)
     bar = tqdm(total=len(prompts), initial=len(rows), desc="bench learned", unit="prompt", file=sys.stderr)

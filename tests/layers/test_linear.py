@@ -70,3 +70,13 @@ def test_the_timing_choice_returns_a_bool_and_reads_cold_copies(monkeypatch):
     monkeypatch.setattr(lin, "_best_of", spy)
     choice = lin._choose(torch.randn(2, 256), torch.randn(1024, 256))
     assert isinstance(choice, bool) and passes == [3, 3]
+
+
+def test_prepare_chooses_once_for_each_distinct_shape_and_row_count(monkeypatch):
+    seen = []
+    monkeypatch.setattr(lin, "_choose", lambda x, w: seen.append((tuple(w.shape), x.shape[0])) or False)
+    big_a, big_b = torch.randn(1024, 256), torch.randn(512, 512)
+    weights = [big_a, big_a.clone(), big_b, torch.randn(8, 8), torch.randn(1024)]  # a copy, a small, a 1-D one
+    assert lin.prepare(weights, max_rows=3) == 6
+    assert seen == [((1024, 256), r) for r in (1, 2, 3)] + [((512, 512), r) for r in (1, 2, 3)]
+    assert lin.prepare(weights, max_rows=3) == 0  # already made
