@@ -621,10 +621,18 @@ class Interpreter:
         parts.append(text[at:])
         return "".join(parts)
 
-    def clean_text(self) -> str:
+    def clean_counts(self) -> tuple[int, ...]:
+        """A snapshot for :meth:`clean_text`: how many clean pieces each thread holds now (the
+        pieces are only ever appended to, so the counts fix the text as of now)."""
+        return tuple([len(t.clean) for t in self.threads])
+
+    def clean_text(self, counts: tuple[int, ...] | None = None) -> str:
         """What a reader sees so far: the clean (tag-free) text of the main thread with each
         chunk's clean text spliced at its promise. A partial tag still being decoded is held
-        back; at the end this equals ``strip_tags(annotated_text())``."""
+        back; at the end this equals ``strip_tags(annotated_text())``. With ``counts`` (from
+        :meth:`clean_counts`), the text as it was when they were taken."""
+        if counts is not None:
+            return self._clean_text_at(counts)
         text = _joined(self.main)
         ran = self._ran()
         if not ran:
@@ -635,6 +643,18 @@ class Interpreter:
             fc = c.fork_clean
             parts.append(text[at:fc])
             parts.append(_joined(c))
+            at = fc
+        parts.append(text[at:])
+        return "".join(parts)
+
+    def _clean_text_at(self, counts: tuple[int, ...]) -> str:
+        threads = self.threads
+        text = "".join(threads[0].clean[: counts[0]])
+        ran = sorted((c for c in threads[1 : len(counts)] if counts[c.tid]), key=_reading_order)
+        parts, at = [], 0
+        for c in ran:
+            fc = c.fork_clean
+            parts += [text[at:fc], "".join(c.clean[: counts[c.tid]])]
             at = fc
         parts.append(text[at:])
         return "".join(parts)

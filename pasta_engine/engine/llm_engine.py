@@ -340,10 +340,12 @@ class Engine:
     @staticmethod
     def _output(req: Request, new_tokens: list[int]) -> RequestOutput:
         finished = req.finished
+        interp = req.interp
+        counts = interp.clean_counts()
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_tokens,
-            text=req.interp.clean_text(),
+            text=lambda: interp.clean_text(counts),
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
             error=req.error,

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from ..layers.attention import AttentionBackend
-from ..layers.linear import linear
+from ..layers.linear import MIN_WEIGHT_ELEMENTS, linear
 from ..layers.rotary import RotaryEmbedding
 from .config import ModelConfig
 
@@ -127,6 +127,10 @@ class LlamaModel:
         self.embed_scale = (torch.tensor(c.embedding_scale, dtype=dtype, device=device)
                             if c.scale_embeddings else None)
         self.windowed = any(win is not None for win in c.sliding_windows)
+        # layers.linear's per-shape GEMM choice where some weight can take part (CPU, large
+        # weights); plain F.linear otherwise, without even its checks (tiny models)
+        self._linear = (linear if self.device.type == "cpu"
+                        and any(w.numel() >= MIN_WEIGHT_ELEMENTS for w in self.projection_weights()) else F.linear)
         self._key_positions: dict[int, torch.Tensor] = {}
         self._fused_norm = (self.device.type == "cpu" and dtype == torch.float32
                             and self.norm.dtype == torch.float32 and hasattr(torch, "rms_norm"))
@@ -215,7 +219,7 @@ class LlamaModel:
             window_inputs = {"positions": positions, "key_positions": table[:-1].view(kv_cache.shape[2], -1)}
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["in_norm"])
-            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = self._linear(x, layer["qkv"], layer["qkv_bias"])
             k_cache, v_cache = kv_cache[i].unbind(0)
             if c.qk_norm:
                 q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
@@ -227,18 +231,18 @@ class LlamaModel:
             window = c.sliding_windows[i]
             o = backend.attend(q, k_cache, v_cache, c.attention_scale, sliding_window=window,
                                logit_softcap=c.attn_logit_softcap, **(window_inputs if window is not None else {}))
-            o = linear(o.reshape(t, nq * d), layer["o"], layer["o_bias"])
+            o = self._linear(o.reshape(t, nq * d), layer["o"], layer["o_bias"])
             if c.sandwich_norms:
                 o = self._rms_norm(o, layer["attn_out_norm"])
             h = h + o
             x = self._rms_norm(h, layer["mlp_norm"])
-            g, u = linear(x, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
-            x = linear(self.act(g) * u, layer["down"], layer["down_bias"])
+            g, u = self._linear(x, layer["gate_up"], layer["gate_up_bias"]).chunk(2, dim=-1)
+            x = self._linear(self.act(g) * u, layer["down"], layer["down_bias"])
             if c.sandwich_norms:
                 x = self._rms_norm(x, layer["mlp_out_norm"])
             h = h + x
         h = self._rms_norm(h if logits_indices is None else h[logits_indices], self.norm)
-        logits = linear(h, self.lm_head)
+        logits = self._linear(h, self.lm_head)
         if c.final_logit_softcap is not None:  # in the model dtype, as transformers does
             logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
         return logits.float()

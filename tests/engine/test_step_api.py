@@ -167,3 +167,19 @@ def test_interleaved_add_step_abort(engine, reference, ops, victim):
             assert out.result.token_ids == reference[i].token_ids
     s = engine.stats()
     assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == s["waiting"] == 0
+
+
+def test_output_text_read_late_is_the_text_as_of_its_step(engine, tiny_llama):
+    from pasta_engine.lang.tags import strip_tags
+
+    rid = engine.add_request("Give me tips.", annotated_response=ANNOTATED)
+    req = engine.scheduler.waiting[0]
+    kept, eager = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            kept.append(out)
+            eager.append(req.interp.clean_text())  # what the step's text was, computed now
+    assert len(kept) > 3 and all(o.request_id == rid for o in kept)
+    assert [o.text for o in kept] == eager  # read only after the request ended
+    assert len(set(eager)) > 2  # the text grew step by step (not one final string)
+    assert kept[-1].text == strip_tags(ANNOTATED)
