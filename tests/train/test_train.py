@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,18 +274,29 @@ def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, cap
     assert (out / "learned.png").read_bytes().startswith(b"\x89PNG")
 
 
+LISTED = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
+
+
+def _sft_command(tiny_llama, tmp_path, capsys, rows: list[dict], *extra: str) -> tuple[Path, Path, str]:
+    """``pasta-engine train sft`` for one step on ``rows``: (prompts file, out folder, stderr)."""
+    from pasta_engine.entrypoints.cli import main
+
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(rows))
+    out = tmp_path / "sft"
+    rc = main(["train", "sft", "--prompts", str(prompts), "--model", str(tiny_llama), "--out", str(out),
+               "--grad-accum", "1", "--max-steps", "1", "--lora-r", "4", "--lora-alpha", "8", *extra])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    return prompts, out, err
+
+
 def test_train_sft_command_writes_an_adapter_and_bonbon_needs_two_samples(tiny_llama, tmp_path, capsys):
     from pasta_engine.entrypoints.cli import main
 
-    answer = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
-    prompts = tmp_path / "p.json"
-    prompts.write_text(json.dumps([{"instruction": PROMPT, "dataset": "koala", "output": answer},
-                                   {"instruction": "eval", "dataset": "vicuna", "output": answer}]))
-    out = tmp_path / "sft"
-    rc = main(["train", "sft", "--prompts", str(prompts), "--model", str(tiny_llama), "--out", str(out),
-               "--grad-accum", "1", "--max-steps", "1", "--lora-r", "4", "--lora-alpha", "8"])
-    _, err = capsys.readouterr()
-    assert rc == 0, err
+    prompts, out, _ = _sft_command(tiny_llama, tmp_path, capsys,
+                                   [{"instruction": PROMPT, "dataset": "koala", "output": LISTED},
+                                    {"instruction": "eval", "dataset": "vicuna", "output": LISTED}])
     [ex] = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]  # never the vicuna row
     assert ex["prompt"] == PROMPT
     assert json.loads((out / "adapter" / "manifest.json").read_text())["stages"][0]["optimizer_steps"] == 1
@@ -295,18 +307,10 @@ def test_train_sft_command_writes_an_adapter_and_bonbon_needs_two_samples(tiny_l
 
 
 def test_train_sft_min_promises_drops_answers_with_fewer_promises(tiny_llama, tmp_path, capsys):
-    from pasta_engine.entrypoints.cli import main
-
-    listed = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
-    plain = "Sleep well."
-    prompts = tmp_path / "p.json"
-    prompts.write_text(json.dumps([{"instruction": PROMPT, "dataset": "koala", "output": listed},
-                                   {"instruction": "plain", "dataset": "koala", "output": plain}]))
-    out = tmp_path / "sft"
-    rc = main(["train", "sft", "--prompts", str(prompts), "--model", str(tiny_llama), "--out", str(out),
-               "--grad-accum", "1", "--max-steps", "1", "--lora-r", "4", "--lora-alpha", "8", "--min-promises", "1"])
-    _, err = capsys.readouterr()
-    assert rc == 0, err
+    _, out, err = _sft_command(tiny_llama, tmp_path, capsys,
+                               [{"instruction": PROMPT, "dataset": "koala", "output": LISTED},
+                                {"instruction": "plain", "dataset": "koala", "output": "Sleep well."}],
+                               "--min-promises", "1")
     rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [PROMPT] and rows[0]["promises"] >= 1  # the unforked answer is gone
     assert "min_promises_1" in err
