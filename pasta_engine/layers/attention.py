@@ -129,7 +129,8 @@ def same_view(prev_key: tuple[int, int], key: tuple[int, int]) -> bool:
 
 
 def view_slots(runs: list[Run], page_size: int) -> list[int]:
-    """Slot ids of a view's used slots, in view order."""
+    """The KV slot (``page * page_size + offset``) of every used slot of a view given as
+    :data:`Run` tuples, in view order: one int per token of the view (``page_size`` in tokens)."""
     return [p * page_size + i for _, ps, ns in runs for p, n in zip(ps, ns) for i in range(n)]
 
 
@@ -302,14 +303,6 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return torch.matmul(p, v.float()).to(q.dtype)
 
 
-def _slots(pages: list[int], lens: list[int], page_size: int) -> torch.Tensor:
-    """Slot ids ``[sum(lens)]`` of the used part of each page, in view order."""
-    p = torch.tensor(pages, dtype=torch.long)
-    n = torch.tensor(lens, dtype=torch.long)
-    starts = torch.repeat_interleave(p * page_size, n)
-    return starts + torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-
-
 class DecodeTable:
     """The torch backend's decode plan, kept across steps: one table row per decode sequence
     with the slot ids of its whole view (padded) and an additive mask (0 where a slot is used,
@@ -362,10 +355,11 @@ class DecodeTable:
 
     def update(self, meta: AttentionMetadata, seqs: list[int], new_slots: list[int]) -> int:
         """Make rows ``0..len(seqs)-1`` hold the views of ``meta``'s sequences ``seqs`` (single
-        -token ones) whose new tokens go to ``new_slots``; returns the longest row's length."""
+        -token ones) whose new tokens go to ``new_slots`` (one KV slot each); returns the longest
+        row's length in tokens. Raises nothing of its own (tensor errors propagate)."""
         n = len(seqs)
         runs = meta.runs
-        keys = [(runs[b][-1][0], len(runs[b])) for b in seqs]
+        keys = [(runs[b][-1][0], len(runs[b])) for b in seqs]  # meta.view_key(b), inlined (per step)
         follows = meta.step is not None and self.step is not None and meta.step == self.step + 1
         self.step = meta.step
         self.bumped = None
@@ -385,8 +379,7 @@ class DecodeTable:
                 self.slots.view(-1).index_copy_(0, at, to_device(new_slots, torch.long, dev))
                 self.mask.view(-1).index_fill_(0, at, 0.0)
             at += 1
-            for r in range(n):
-                lens[r] += 1
+            lens[:n] = [x + 1 for x in lens[:n]]
             self.longest += 1
             self.bumped = new_slots
             return self.longest
@@ -503,7 +496,7 @@ class TorchAttention(AttentionBackend):
             qmax, lmax = int(q_len.max()), int(kv_len.max())
             gather = torch.zeros(len(ext), lmax, dtype=torch.long)
             for i, b in enumerate(ext):
-                gather[i, : int(kv_len[i])] = _slots(meta.pages(b), meta.page_lens(b), ps)
+                gather[i, : int(kv_len[i])] = torch.tensor(view_slots(meta.runs[b], ps), dtype=torch.long)
             qi, kj = torch.arange(qmax), torch.arange(lmax)
             # query i of a sequence sees key j iff j <= kv_len - q_len + i
             limit = (kv_len - q_len)[:, None] + qi[None, :]

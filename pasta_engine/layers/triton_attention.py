@@ -62,7 +62,8 @@ class _Bump:
 
 
 def _row_keys(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
-    return [(r[-1][0], len(r), r[-1][1][-1]) for r in meta.runs]
+    """Each row's :meth:`AttentionMetadata.view_key` plus its last page (a new page ends the bump)."""
+    return [(*meta.view_key(b), r[-1][1][-1]) for b, r in enumerate(meta.runs)]
 
 
 def _bump_index(arrays: dict[str, list[int]], keys: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
