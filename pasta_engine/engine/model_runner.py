@@ -213,7 +213,9 @@ class ModelRunner:
             return SampledTokens([], [], {})
         dev = logits.device
         if self.logits_hook is None and dev.type != "cuda":
-            # a CPU replay step without logprobs (the general path below returns the same)
+            # a CPU replay step without logprobs: nothing to sample and nothing to bring back (on
+            # CUDA the copy back stays: it is the step's one sync, which keeps the host from
+            # refilling pinned inputs still being copied; with a hook the general path runs it)
             forced_fast = [st.step.forced for st in sampling]
             if None not in forced_fast and not any(st.request.params.return_logprobs for st in sampling):
                 return SampledTokens(forced_fast, [0.0] * n, {})
@@ -239,10 +241,6 @@ class ModelRunner:
             groups.append((at, m, req, not prm.greedy and any(f is None for f in fr)))
             at += m
         if all(f >= 0 for f in forced):  # replay: nothing to sample
-            if dev.type != "cuda" and not any(want_lp):
-                # nothing to bring back from a CPU (on CUDA the copy back stays: it is the step's
-                # one sync, which keeps the host from refilling pinned inputs still being copied)
-                return SampledTokens(forced, [0.0] * n, errors)
             tokens, bad = to_device(forced, torch.long, dev), None
         else:
             vocab = logits.shape[-1]
