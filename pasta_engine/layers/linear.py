@@ -23,11 +23,12 @@ rounding (about 1e-6 relative); within one process a shape's choice never change
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["linear", "prepare", "MAX_ROWS", "MIN_WEIGHT_ELEMENTS", "MIN_GAIN", "COLD_BYTES", "gemm_choices"]
+__all__ = ["linear", "linear_for", "prepare", "MAX_ROWS", "MIN_WEIGHT_ELEMENTS", "MIN_GAIN", "COLD_BYTES", "gemm_choices"]
 
 #: row counts above this always run ``F.linear`` (the GEMM is then efficient either way)
 MAX_ROWS = 8
@@ -86,7 +87,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` for ``x`` ``[R, in]`` and ``weight`` ``[out, in]`` (same
     float dtype), returning ``[R, out]``; on a CPU with ``R <= MAX_ROWS`` and a large weight it
     may compute ``(weight @ x^T)^T`` instead, whichever was faster for this shape (see the
-    module docstring). Any other input (CUDA, more rows, other ranks) goes to ``F.linear``."""
+    module docstring). Any other input (CUDA, more rows, other ranks) goes to ``F.linear``,
+    which raises as usual for mismatched shapes or dtypes. The first call for a new (shape,
+    dtype, rows) times both orientations (tens of milliseconds for a large weight; see
+    :func:`prepare` to do it ahead)."""
     rows = x.shape[0] if x.dim() == 2 else 0
     if (x.device.type != "cpu" or not 0 < rows <= MAX_ROWS or weight.numel() < MIN_WEIGHT_ELEMENTS
             or not x.dtype.is_floating_point or x.dtype != weight.dtype):
@@ -99,6 +103,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     y = _transposed(x, weight)
     return y if bias is None else y + bias
+
+
+def linear_for(weights, device: torch.device) -> Callable[..., torch.Tensor]:
+    """The linear function a model with these projection ``weights`` (2-D ``[out, in]``) on
+    ``device`` should call: :func:`linear` when one of them can take part in the choice (a CPU
+    and a weight of at least :data:`MIN_WEIGHT_ELEMENTS` elements), else ``F.linear`` itself,
+    so small models do not even pay :func:`linear`'s checks (about 1 us a call)."""
+    if torch.device(device).type == "cpu" and any(w.numel() >= MIN_WEIGHT_ELEMENTS for w in weights):
+        return linear
+    return F.linear
 
 
 def prepare(weights, max_rows: int = MAX_ROWS) -> int:

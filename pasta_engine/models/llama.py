@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from ..layers.attention import AttentionBackend
-from ..layers.linear import MIN_WEIGHT_ELEMENTS, linear
+from ..layers.linear import linear_for
 from ..layers.rotary import RotaryEmbedding
 from .config import ModelConfig
 
@@ -127,10 +127,7 @@ class LlamaModel:
         self.embed_scale = (torch.tensor(c.embedding_scale, dtype=dtype, device=device)
                             if c.scale_embeddings else None)
         self.windowed = any(win is not None for win in c.sliding_windows)
-        # layers.linear's per-shape GEMM choice where some weight can take part (CPU, large
-        # weights); plain F.linear otherwise, without even its checks (tiny models)
-        self._linear = (linear if self.device.type == "cpu"
-                        and any(w.numel() >= MIN_WEIGHT_ELEMENTS for w in self.projection_weights()) else F.linear)
+        self._linear = linear_for(self.projection_weights(), self.device)  # CPU: per-shape GEMM orientation
         self._key_positions: dict[int, torch.Tensor] = {}
         self._fused_norm = (self.device.type == "cpu" and dtype == torch.float32
                             and self.norm.dtype == torch.float32 and hasattr(torch, "rms_norm"))

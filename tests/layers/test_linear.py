@@ -80,3 +80,10 @@ def test_prepare_chooses_once_for_each_distinct_shape_and_row_count(monkeypatch)
     assert lin.prepare(weights, max_rows=3) == 6
     assert seen == [((1024, 256), r) for r in (1, 2, 3)] + [((512, 512), r) for r in (1, 2, 3)]
     assert lin.prepare(weights, max_rows=3) == 0  # already made
+
+
+def test_linear_for_picks_f_linear_unless_a_large_cpu_weight_can_take_part():
+    small, big = torch.randn(64, 32), torch.randn(1024, 256)
+    assert lin.linear_for([small], torch.device("cpu")) is F.linear
+    assert lin.linear_for([small, big], torch.device("cpu")) is lin.linear
+    assert lin.linear_for([big], torch.device("cuda")) is F.linear  # only a device name: no GPU needed
