@@ -138,6 +138,7 @@ class RequestOutput:
 
     @property
     def text(self) -> str:
+        """The clean response as of this output's step (built on the first read, then kept)."""
         if self._text is None:
             self._text, self._text_fn = self._text_fn(), None
         return self._text

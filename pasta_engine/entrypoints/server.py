@@ -85,6 +85,7 @@ class OpenAIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
@@ -143,6 +144,8 @@ class _Server:
     # ------------------------------------------------------------------ checks
 
     def check_auth(self, request: Request) -> None:
+        """Raise OpenAIError 401 unless the request sends ``Authorization: Bearer <api_key>``
+        (no check when the server has no key)."""
         if self.api_key is None:
             return
         got = request.headers.get("authorization", "")
@@ -151,6 +154,8 @@ class _Server:
                               type="authentication_error", code="invalid_api_key")
 
     def check_model(self, body: dict[str, Any]) -> None:
+        """Raise OpenAIError 404 (param ``model``) when the request names a model other than
+        the one served; a request without ``model`` gets the served one."""
         model = body.get("model")
         if model is None:
             return

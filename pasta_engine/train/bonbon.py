@@ -63,8 +63,11 @@ def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSetting
                     scorer: Scorer, seed: int) -> list[dict[str, Any]]:
     """Sample ``settings.n`` pasta-mode responses per prompt with ``engine`` and score them.
 
-    Returns one row per sample: prompt index, prompt, sample index, annotated and clean text,
-    finish reason, theoretical speedup, forks, quality and score."""
+    ``scorer(prompt, clean text) -> float`` (:data:`~pasta_engine.train.quality.Scorer`, the quality term)
+    ranks them; ``seed + i`` seeds the i-th sample. Returns one row per sample (JSON-ready):
+    prompt index, prompt, sample index, annotated and clean (``text``) text, finish reason, theoretical
+    speedup (a ratio of decode steps), forks, quality (nats per token) and score. Raises what
+    the engine and the scorer raise."""
     plist = [p for p in prompts for _ in range(settings.n)]
     params = [SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                              top_p=settings.top_p, seed=seed + i) for i in range(len(plist))]
@@ -82,7 +85,9 @@ def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSetting
 
 def best_and_worst(rows: list[dict[str, Any]], best_must_finish: bool = True) -> list[tuple[dict, dict]]:
     """Per prompt, the best-scored sample (one that ended by itself, with ``best_must_finish``)
-    and the worst; prompts whose best and worst tie or read the same are left out."""
+    and the worst, as ``(best row, worst row)`` of :func:`sample_and_rank`'s rows; prompts whose
+    best and worst tie or read the same, or with no eligible best, are left out. Raises
+    KeyError for rows without ``prompt_index``, ``score``, ``finish_reason`` or ``annotated``."""
     by: dict[int, list[dict]] = {}
     for r in rows:
         by.setdefault(r["prompt_index"], []).append(r)

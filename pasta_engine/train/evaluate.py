@@ -39,7 +39,19 @@ def _timed_replay(engine: Any, prompt: str, annotated: str, mode: str, repeats: 
 
 def learned_row(prompt: str, base_engine: Any, adapter_engine: Any, params: SamplingParams, quality: Any,
                 repeats: int = 1, base_pasta: bool = True) -> dict[str, Any]:
-    """Every measure of one evaluation prompt (see the module docstring)."""
+    """Every measure of one evaluation prompt (see the module docstring).
+
+    Args:
+        prompt: the user prompt (the chat template is the engines'); params: greedy or sampled
+            settings for every generation; quality: ``(prompt, clean text) -> float`` (the
+            proxy, nats per token); repeats: replays per mode, the fastest counts;
+            base_pasta: also answer with the base model in pasta mode.
+
+    Returns a JSON-ready dict: per side its text, tokens, wall seconds, finish reason, quality
+    and repeated-line fraction; for the adapter also forks, threads, decode steps, critical
+    path, theoretical speedup and the same-content realized speedup with both wall times
+    (seconds); ``end_to_end_speedup`` (base sequential wall / adapter pasta wall) and
+    ``length_ratio`` (adapter tokens / base tokens). Raises what the engines raise."""
     seq = base_engine.generate([prompt], params, mode="sequential")[0]
     ad = adapter_engine.generate([prompt], params, mode="pasta")[0]
     ad_seq = _timed_replay(adapter_engine, prompt, ad.annotated_text, "sequential", repeats)
