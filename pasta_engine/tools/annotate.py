@@ -80,12 +80,15 @@ class Annotation:
 
     ``annotated``: the response with PASTA-LANG tags inserted (the response itself when it
     was left unannotated); ``promises``/``syncs``: tags inserted; ``note``: why the response
-    was left unannotated or kept whole, None otherwise."""
+    was left unannotated or kept whole, None otherwise; ``annotator``: which annotator placed
+    the tags (``sot``, ``apar``, ``model``; for ``mixed`` the one that forked), None when no
+    promise was placed."""
 
     annotated: str
     promises: int = 0
     syncs: int = 0
     note: str | None = None
+    annotator: str | None = None
 
 
 def approx_token_count(text: str) -> int:
@@ -356,7 +359,7 @@ def _finish(response: str, forks: list[_Fork], syncs: list[int], count: CountTok
     problem = verify_annotation(response, annotated)
     if problem is not None:
         return Annotation(response, note=f"{name}: left unannotated ({problem})")
-    return Annotation(annotated, promises=len(forks), syncs=len(syncs))
+    return Annotation(annotated, promises=len(forks), syncs=len(syncs), annotator=name)
 
 
 def _precheck(response: str, name: str) -> Annotation | None:
@@ -507,5 +510,6 @@ def annotate_with_model(
     for r in results:
         note = "; ".join(r.diagnostics[:5]) + (f"; ... {len(r.diagnostics) - 5} more" if len(r.diagnostics) > 5 else "")
         syncs = sum(isinstance(e, Sync) for e in parse(r.annotated_text))
-        out.append(Annotation(r.annotated_text, promises=r.stats.forks, syncs=syncs, note=note or None))
+        out.append(Annotation(r.annotated_text, promises=r.stats.forks, syncs=syncs, note=note or None,
+                              annotator="model" if r.stats.forks else None))
     return out

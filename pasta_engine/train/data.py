@@ -100,19 +100,12 @@ def build_examples(
         if cut is None:
             counts["too_long"] += 1
             continue
-        used = annotator
-        if annotator == "mixed":  # annotate_mixed, keeping which annotator forked
-            a = annotate(cut, "sot", count_tokens)
-            used = "sot"
-            if not a.promises:
-                a, used = annotate(cut, "apar", count_tokens), "apar"
-        else:
-            a = annotate(cut, annotator, count_tokens)
+        a = annotate(cut, annotator, count_tokens)
         if strip_tags(a.annotated) != cut:
             counts["filtered"] += 1
             continue
-        used = used if a.promises else "none"
-        out.append(TrainExample(r.instruction, a.annotated, r.dataset, used, a.promises, count_tokens(cut)))
+        out.append(TrainExample(r.instruction, a.annotated, r.dataset, a.annotator or "none", a.promises,
+                                count_tokens(cut)))
         counts["kept"] += 1
         counts["forked"] += a.promises > 0
     random.Random(seed).shuffle(out)

@@ -294,3 +294,17 @@ def test_the_random_markdown_strategy_reaches_forks():
     quick = settings(max_examples=2000, database=None, deadline=None, phases=[Phase.generate], derandomize=True)
     find(markdown, lambda r: annotate_sot(r).promises >= 3 and annotate_sot(r).syncs >= 1, settings=quick)
     find(markdown, lambda r: annotate_apar(r).promises >= 3, settings=quick)
+
+
+def test_annotation_names_the_annotator_that_placed_its_promises():
+    from pasta_engine.tools.annotate import annotate
+
+    listed = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
+    prose = ("Sleep matters a great deal for health and mood, and most adults need seven hours or more.\n\n"
+             "Exercise helps too: a daily walk of thirty minutes improves sleep quality and energy levels.\n\n"
+             "Finally, keep a regular schedule, going to bed and getting up at the same times each day.\n")
+    for text, name in ((listed, "sot"), (prose, "apar")):
+        a = annotate(text, "mixed")
+        assert a.promises > 0 and a.annotator == name and annotate(text, name).annotator == name
+    plain = annotate("Sleep well.", "mixed")
+    assert plain.promises == 0 and plain.annotator is None
