@@ -53,6 +53,7 @@ __all__ = [
     "KVOp",
     "Interpreter",
     "Spliced",
+    "reading_order_key",
     "MODES",
 ]
 
@@ -176,7 +177,7 @@ def _joined(t: Thread) -> str:
     return text
 
 
-def _reading_order(t: Thread) -> tuple[int, int]:
+def reading_order_key(t: Thread) -> tuple[int, int]:
     """Where a chunk's clean text goes: after ``fork_clean`` characters of the main thread's
     (ties in fork order)."""
     return (t.fork_clean, t.tid)
@@ -637,7 +638,7 @@ class Interpreter:
         ran = self._ran()
         if not ran:
             return text
-        ran.sort(key=_reading_order)
+        ran.sort(key=reading_order_key)
         parts, at = [], 0
         for c in ran:
             fc = c.fork_clean
@@ -650,7 +651,7 @@ class Interpreter:
     def _clean_text_at(self, counts: tuple[int, ...]) -> str:
         threads = self.threads
         text = "".join(threads[0].clean[: counts[0]])
-        ran = sorted((c for c in threads[1 : len(counts)] if counts[c.tid]), key=_reading_order)
+        ran = sorted((c for c in threads[1 : len(counts)] if counts[c.tid]), key=reading_order_key)
         parts, at = [], 0
         for c in ran:
             fc = c.fork_clean

@@ -31,7 +31,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .interpreter import Interpreter, Thread
+from .interpreter import Interpreter, Thread, reading_order_key
 
 __all__ = [
     "OutputKind",
@@ -100,7 +100,7 @@ class ThreadEvent:
 def _order(interp: Interpreter) -> list[Thread]:
     """The children in reading order: by splice offset in the main thread's clean text, then
     fork order (the order :meth:`Interpreter.clean_text` splices them in)."""
-    return sorted(interp.threads[1:], key=lambda c: (c.fork_clean, c.tid))
+    return sorted(interp.threads[1:], key=reading_order_key)
 
 
 def reading_order_prefix(interp: Interpreter) -> str:
@@ -222,7 +222,7 @@ class ReadingOrderStream:
     def _events(self, interp: Interpreter, finish_reason: str | None) -> list[ThreadEvent]:
         out: list[ThreadEvent] = []
         main = interp.main
-        forks = sorted((c for c in interp.threads[1:] if c.tid not in self._forked), key=lambda c: (c.fork_clean, c.tid))
+        forks = sorted((c for c in interp.threads[1:] if c.tid not in self._forked), key=reading_order_key)
         main_text = "".join(main.clean)
         sent = self._thread_sent.get(0, 0)
         # the main thread's new text, with each new fork at its splice point (a column view then
