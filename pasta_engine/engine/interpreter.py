@@ -490,6 +490,12 @@ class Interpreter:
             child.logprobs.append(None)
         self._give(child, list(self.open_ids))
         self._outstanding.append(child)
+        if child.forced is not None and not child.forced:
+            # replay of a trace that ends right after this <async>: the child has no token to
+            # take, so it ends now (its <async> still flushes into the cache), as a thread whose
+            # trace runs out mid-chunk does in on_token
+            self._note(child, "trace ended without a closing tag")
+            self._end_thread(child, "trace_end", flush=True)
         return True
 
     def _reserved(self, p: Promise, chunk: list[int] | None) -> int:

@@ -219,3 +219,14 @@ def test_bad_engine_settings_fail_at_construction(tiny_llama):
             Engine.from_pretrained(tiny_llama, device="cuda")
     with pytest.raises(ParameterError, match="dtype"):
         Engine.from_pretrained(tiny_llama, dtype="float32")
+
+
+def test_replay_of_a_trace_ending_right_after_async_ends_the_chunk_and_frees_its_pages(tiny_llama):
+    from pasta_engine import Engine
+
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=4 * 2**20, page_size=4)
+    [r] = engine.replay(["Tips:"], ['Intro <promise topic="a" tokens="5"/><async>'], mode="pasta")
+    assert r.stats.finish_reason == "stop" and r.text == "Intro "
+    assert any("trace ended without a closing tag" in d for d in r.diagnostics)
+    s = engine.stats()
+    assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0

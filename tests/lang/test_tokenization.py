@@ -29,6 +29,7 @@ CASES = [
     'x<promise topic="a" tokens="10"/>\n\n<async>line\n</async>\n<sync/>\n\nAfter the sync.',
     'broken <promise topic="a" tokens="x"/> and <async>stray</async> and <sync /> and </async>',
     'unclosed <promise topic="a" tokens="20"/><async>never closed',
+    '<promise topic="a" tokens="0"/><async>',  # the trace ends right after <async>: an empty chunk (hypothesis)
     'émoji 🙌 <promise topic="ü" tokens="10"/><async>日本語のテキスト</async><sync/>ok',
 ]
 
