@@ -367,6 +367,11 @@ class Interpreter:
             if thread.forced is not None and not thread.forced and not thread.ended:
                 self._note(thread, "trace ended without a closing tag")
                 self._end_thread(thread, "trace_end", flush=not thread.is_main)
+            if self.max_positions is not None and thread.next_pos >= self.max_positions and not thread.ended \
+                    and self.finish is None:
+                # the thread's next token has no position left: end now, not after a forward whose token is dropped
+                self._note(thread, f"reached the model's context length of {self.max_positions} positions")
+                self._finish_request("length")
         if self.total_sampled >= self.max_new_tokens and self.finish is None:
             self._finish_request("length")
 

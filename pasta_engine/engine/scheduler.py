@@ -266,11 +266,21 @@ class Scheduler:
         return order[0]
 
     def _pages_bound(self, req: Request, steps: list[ThreadStep]) -> int:
-        """Pages the postprocess of a step can take for ``req`` at most: one per sampled
-        token, plus a forked child's inserted tag (two promises per token at most)."""
+        """Pages the postprocess of a step can take for ``req`` at most: per sampled token, the
+        page its slot needs (none while the thread's last page has room), plus, on the main
+        thread while a fork is still possible, a forked child's inserted tag (two promises per
+        token at most). A replay forks only for the chunks its trace still holds, so once they
+        are forked its bound is exact and a replay that fits the cache is never refused."""
         it = req.interp
-        open_pages = math.ceil(len(it.open_ids) / self.block_manager.page_size) if it.mode == "pasta" else 0
-        return sum(1 + (2 * open_pages if s.tid == 0 else 0) for s in steps if s.sample)
+        bm = self.block_manager
+        forks_left = 0
+        if it.mode == "pasta":
+            forks_left = min(2, it.limits.max_forks - it.n_forks)
+            if it.replay:
+                forks_left = min(forks_left, len(it._forced_chunks) - it.n_promises)
+        open_pages = math.ceil(len(it.open_ids) / bm.page_size) * max(0, forks_left)
+        views = req.views
+        return sum(bm.pages_needed(views[s.tid], 1) + (open_pages if s.tid == 0 else 0) for s in steps if s.sample)
 
     # ------------------------------------------------------------------ KV operations
 

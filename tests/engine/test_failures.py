@@ -230,3 +230,50 @@ def test_replay_of_a_trace_ending_right_after_async_ends_the_chunk_and_frees_its
     assert any("trace ended without a closing tag" in d for d in r.diagnostics)
     s = engine.stats()
     assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0
+
+
+THREE_CHUNKS = ('Tips: <promise topic="a" tokens="10"/><async>Sleep well every night, it matters.</async> '
+                '<promise topic="b" tokens="10"/><async>Walk daily.</async> <promise topic="c" tokens="10"/>'
+                '<async>Eat greens and fruit.</async><sync/> Done with the list.')
+
+
+def test_a_replay_that_fits_the_kv_cache_is_not_refused(tiny_llama):
+    """A cache of exactly the pages a replay holds at its peak runs it (the per-step page bound
+    counts a page only where a thread's last page is full, and fork tags only while the trace
+    has chunks left); one page fewer fails it alone, with an error that names the cache."""
+    big = Engine.from_pretrained(tiny_llama, kv_cache_bytes=4 * 2**20, page_size=4)
+    per_page = big.model_runner.kv_cache_bytes // big.model_runner.num_pages
+    peak = 0
+    postprocess = big.scheduler.postprocess
+
+    def tracked(*a, **k):
+        nonlocal peak
+        out = postprocess(*a, **k)
+        peak = max(peak, big.block_manager.num_pages - big.block_manager.num_free)
+        return out
+
+    big.scheduler.postprocess = tracked
+    [ref] = big.replay(["tips"], [THREE_CHUNKS])
+    assert ref.stats.finish_reason == "stop" and ref.stats.forks == 3
+    for pages in (peak, peak + 1, peak + 2, peak + 3):  # refused up to peak + 3 before
+        engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=pages * per_page, page_size=4)
+        assert engine.stats()["kv_pages_total"] == pages
+        [r] = engine.replay(["tips"], [THREE_CHUNKS])
+        assert r.stats.finish_reason == "stop" and r.token_ids == ref.token_ids, (pages, r.error)
+        assert all_free(engine)
+    short = Engine.from_pretrained(tiny_llama, kv_cache_bytes=(peak - 1) * per_page, page_size=4)
+    [r] = short.replay(["tips"], [THREE_CHUNKS])
+    assert r.stats.finish_reason == "error" and "KV cache exhausted" in r.error and all_free(short)
+
+
+@pytest.mark.parametrize("prompt_len", [58, 63])
+def test_a_prompt_at_the_context_edge_runs_no_forward_whose_token_is_dropped(tmp_path, prompt_len):
+    """With a context of 64, a prompt of n tokens leaves 64 - n positions: 64 - n tokens in
+    64 - n forwards (the last token is kept without a forward whose sample would be dropped)."""
+    path = build_checkpoint("tiny-llama", tmp_path / "ctx64", overrides={"max_position_embeddings": 64})
+    engine = Engine.from_pretrained(path, kv_cache_bytes=4 * 2**20, page_size=4)
+    [r] = engine.generate([[7] * prompt_len], SamplingParams(max_new_tokens=200), mode="sequential")
+    assert r.stats.finish_reason == "length" and engine.eos_ids[0] not in r.token_ids
+    assert len(r.token_ids) == 64 - prompt_len and max(r.positions) == 63
+    assert r.stats.decode_steps == engine.stats()["steps"] == 64 - prompt_len
+    assert all_free(engine)

@@ -250,11 +250,10 @@ def test_replay_script_structure_matches_the_interpreter():
 
 def test_context_length_ends_the_request_with_length():
     it = make_interp(max_positions=6, limits=Limits(max_threads=None))
-    feed_main(it, ["a", "b", "a", "b"])  # prompt at 0,1; tokens at 2..5
+    feed_main(it, ["a", "b", "a"])  # prompt at 0,1; tokens at 2..4
     assert not it.done
-    it.schedule_threads()
-    it.on_token(0, PIECES.index("a"))  # would sit at position 6: not kept
-    assert it.done and it.finish == "length"
+    feed_main(it, ["b"])  # at position 5, the last: the request ends without a forward for position 6
+    assert it.done and it.finish == "length" and it.schedule_threads() == []
     assert max(it.main.positions) == 5
     assert any("context length of 6" in d for d in it.diagnostics)
     # after a promise the main thread's reserved range counts too
