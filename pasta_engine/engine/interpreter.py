@@ -39,6 +39,7 @@ from typing import Sequence
 
 from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
+from ..lang.grammar import grammar_state
 from ..lang.tags import ASYNC_CLOSE, AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagParser, Text
 from ..metrics import ResponseStructure
 
@@ -111,13 +112,15 @@ KVOp = KVAppend | KVFork | KVJoin | KVRelease
 class ThreadStep:
     """One thread's work in a step: forward ``tokens`` at logical ``positions``; sample after
     the last one when ``sample`` is True (False for a flush). ``forced`` is the token replay
-    takes instead of sampling (None: sample)."""
+    takes instead of sampling (None: sample). ``grammar`` is the thread's
+    :class:`~pasta_engine.lang.grammar.GrammarState` (``FREE``: no mask)."""
 
     tid: int
     tokens: list[int]
     positions: list[int]
     sample: bool
     forced: int | None = None
+    grammar: int = 0  # GrammarState: which tokens the sampler masks for this thread (0: none)
 
 
 # --------------------------------------------------------------------------- threads
@@ -206,6 +209,9 @@ class Interpreter:
             ``</async>``), or None for a promise without a chunk.
         token_bytes: the tokenizer's token-bytes table (fast incremental detokenization, see
             :mod:`pasta_engine.lang.detokenizer`), or None to detokenize through ``decode``.
+        grammar: report each sampling thread's :class:`~pasta_engine.lang.grammar.GrammarState`
+            in its :class:`ThreadStep` (the tokenizer has the PASTA-LANG piece tokens); only in
+            pasta mode and outside replay (forced tokens need no mask).
 
     Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay.
 
@@ -229,6 +235,7 @@ class Interpreter:
         forced_main: Sequence[int] | None = None,
         forced_chunks: Sequence[Sequence[int] | None] | None = None,
         token_bytes: TokenBytes | None = None,
+        grammar: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected 'pasta' or 'sequential'")
@@ -248,6 +255,7 @@ class Interpreter:
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_positions = max_positions
         self.replay = forced_main is not None
+        self.grammar = bool(grammar) and mode == "pasta" and not self.replay
         self._forced_chunks = [None if c is None else [int(t) for t in c] for c in (forced_chunks or [])]
         self.threads: list[Thread] = []
         self.kv_ops: list[KVOp] = []
@@ -301,8 +309,13 @@ class Interpreter:
                 t.status = running
                 t.started = True
                 forced = t.forced
-                steps.append(ThreadStep(t.tid, t.pending, t.pending_pos, True, forced[0] if forced else None))
+                steps.append(ThreadStep(t.tid, t.pending, t.pending_pos, True, forced[0] if forced else None,
+                                        self._grammar_state(t) if self.grammar else 0))
         return steps
+
+    def _grammar_state(self, t: Thread) -> int:
+        """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample."""
+        return grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks)
 
     def step_done(self, steps: Sequence[ThreadStep]) -> None:
         """Call after the forward of ``steps`` (before :meth:`on_token`): flushes end."""

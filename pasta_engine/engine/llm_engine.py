@@ -39,6 +39,8 @@ import torch
 from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..errors import ContextLengthError, ParameterError
 from ..lang.prompts import PastaPrompt
+from ..lang.detokenizer import token_bytes_table
+from ..lang.grammar import state_masks, tag_tokens_of
 from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN
 from ..lang.tokenization import decode, encode_prompt, encode_tag, encode_text, eos_token_ids
 from ..models.llama import LlamaModel
@@ -87,6 +89,11 @@ class Engine:
             raise ParameterError("tokenizer", None, message=str(e)) from None
         self.open_ids = encode_tag(tokenizer, ASYNC_OPEN)
         self.close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
+        # PASTA-LANG pieces as tokens (an adapter that added them): the sampler enforces the grammar
+        self.tag_tokens = tag_tokens_of(tokenizer)
+        if self.tag_tokens is not None:
+            self.model_runner.set_grammar(state_masks(self.tag_tokens, token_bytes_table(tokenizer),
+                                                      self.model.lm_head.shape[0], self.eos_ids))
         self.max_positions = model.config.max_position_embeddings
         self.source: str | os.PathLike | None = None  # what from_pretrained loaded
         self.adapter: Any = None  # the LoRA adapter folder merged into the weights, if any
@@ -125,7 +132,7 @@ class Engine:
         (architecture), ParameterError (settings, a device this torch cannot use, an adapter
         trained for another base model)."""
         from ..models.adapter import read_manifest
-        from ..models.loader import resolve_adapter
+        from ..models.loader import add_adapter_tokens, resolve_adapter
 
         config = options.pop("config", None)
         adapter_dir, manifest = resolve_adapter(model, adapter)
@@ -141,6 +148,8 @@ class Engine:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if tokenizer is not None and adapter_dir is not None:
+            add_adapter_tokens(tokenizer, adapter_dir)  # the adapter's added tokens (PASTA-LANG pieces)
         engine = cls(runner, tokenizer if tokenizer is not None else tok, hf_cfg, config=config)
         engine.source = model
         engine.adapter = adapter_dir
@@ -232,6 +241,7 @@ class Engine:
         make, max_new_tokens = interpreter_factory(
             self.tokenizer, prompt_ids, mode=mode, max_new_tokens=params.max_new_tokens, limits=limits, policy=policy,
             max_positions=self.max_positions, eos_ids=self.eos_ids, annotated_response=annotated_response,
+            grammar=self.tag_tokens is not None,
         )
         if max_new_tokens != params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=max_new_tokens)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -81,7 +81,8 @@ class ModelRunner:
         num_pages: KV pages the budget holds (the block manager's pool).
         kv_cache: ``[num_layers, 2, num_pages, page_size, Hkv, D]`` in the model's dtype.
         logits_hook: testing aid, called as ``hook(request, thread_id, logits_row)`` for every
-            sampled row (float32 ``[vocab]``) before sampling.
+            sampled row (float32 ``[vocab]``) before sampling; the hook may change the row in
+            place (bias the model: the grammar mask still applies after it).
         profile: a list to append one :class:`StepProfile` per step to (benchmarks; it adds
             one device synchronization per step to split host time from GPU time).
 
@@ -116,6 +117,7 @@ class ModelRunner:
 
             self.cuda_graphs = CudaGraphs(model, self.kv_cache, self.backend)
         self.logits_hook: Callable[[Request, int, torch.Tensor], None] | None = None
+        self.grammar_masks: torch.Tensor | None = None  # [states, vocab] bool: True = masked (set_grammar)
         self.profile: list[StepProfile] | None = None
         self.steps = 0  # steps run (the attention plan is updated, not rebuilt, from one step to the next)
 
@@ -129,6 +131,29 @@ class ModelRunner:
         from ..layers.linear import prepare
 
         return prepare(self.model.projection_weights())
+
+    def set_grammar(self, masks: Sequence[tuple[bool, Sequence[int]]] | None) -> None:
+        """Enforce a token grammar in the sampler: ``masks[state]`` is ``(allow, ids)`` as
+        :func:`pasta_engine.lang.grammar.state_masks` returns it (allow only ``ids``, or forbid
+        them); a sampling thread whose :class:`~pasta_engine.engine.interpreter.ThreadStep`
+        says ``grammar=state`` gets every other token's logit set to ``-inf`` before sampling
+        (one ``[rows, vocab]`` gather and ``masked_fill`` per step). None: no grammar.
+
+        Raises ValueError for an id outside the LM head's ``vocab`` rows."""
+        if masks is None:
+            self.grammar_masks = None
+            return
+        vocab = self.model.lm_head.shape[0]
+        table = torch.zeros((len(masks), vocab), dtype=torch.bool)
+        for row, (allow, ids) in enumerate(masks):
+            if any(not 0 <= i < vocab for i in ids):
+                raise ValueError(f"grammar state {row} names a token id outside the vocabulary of {vocab}")
+            if allow:
+                table[row] = True
+                table[row, list(ids)] = False
+            elif ids:
+                table[row, list(ids)] = True
+        self.grammar_masks = table.to(self.device)
 
     # ------------------------------------------------------------------ one step
 
@@ -219,6 +244,8 @@ class ModelRunner:
             forced_fast = [st.step.forced for st in sampling]
             if None not in forced_fast and not any(st.request.params.return_logprobs for st in sampling):
                 return SampledTokens(forced_fast, [0.0] * n, {})
+        if self.logits_hook is not None:
+            logits = logits.clone()  # a normal tensor: a hook may change its row in place (bias the model)
         errors: dict[str, str] = {}
         forced: list[int] = []
         want_lp: list[bool] = []
@@ -240,6 +267,10 @@ class ModelRunner:
             want_lp += [prm.return_logprobs] * m
             groups.append((at, m, req, not prm.greedy and any(f is None for f in fr)))
             at += m
+        if self.grammar_masks is not None:
+            states = [st.step.grammar for st in sampling]
+            if any(states):  # the PASTA-LANG grammar: forbidden tokens get -inf (logprobs see the mask too)
+                logits = logits.masked_fill(self.grammar_masks[to_device(states, torch.long, dev)], float("-inf"))
         if all(f >= 0 for f in forced):  # replay: nothing to sample
             tokens, bad = to_device(forced, torch.long, dev), None
         else:

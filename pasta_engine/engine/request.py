@@ -174,6 +174,7 @@ def interpreter_factory(
         prompt_ids: the formatted prompt.
         mode: ``pasta`` or ``sequential``.
         max_new_tokens: the request's token budget (a replay raises it to the response's
+    grammar: bool = False,
             length when smaller).
         limits, policy, max_positions, eos_ids: as :class:`~pasta_engine.engine.interpreter.Interpreter`.
         annotated_response: make it a replay of this response (forced tokens of
@@ -187,6 +188,8 @@ def interpreter_factory(
         max_new_tokens = max(max_new_tokens, len(script.sequential_ids) + 1)
         if mode == "pasta":
             forced_main, forced_chunks = script.forced_main, script.forced_chunks
+        grammar: the sampler enforces the PASTA-LANG grammar (the tokenizer has the piece
+            tokens of :mod:`pasta_engine.lang.grammar`); see ``Interpreter(grammar=)``.
         else:
             forced_main = script.sequential_ids
     open_ids = encode_tag(tokenizer, ASYNC_OPEN)
@@ -207,6 +210,7 @@ def interpreter_factory(
 class Request:
     """The engine's state of one request.
 
+            grammar=grammar,
     ``make_interpreter`` builds a fresh interpreter (again after a preemption). The scheduler
     owns ``views`` (thread id -> KV view) and ``pending_slots`` (thread id -> KV slots reserved
     for the tokens it forwards next); the model runner owns ``sampler_state`` (the seeded

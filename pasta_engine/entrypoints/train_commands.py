@@ -62,6 +62,10 @@ def add_train_parser(subparsers: Any) -> None:
                    "ones; 2 keeps the answers with parallel chunks, whose theoretical speedup the model should learn)")
     s.add_argument("--forked-only", action="store_true",
                    help="the same as --min-promises 1 (kept so earlier manifests' commands run unchanged)")
+    s.add_argument("--tag-tokens", action="store_true",
+                   help="a fresh adapter adds the PASTA-LANG pieces to the tokenizer as tokens and trains their "
+                   "embedding rows (a promise costs ~7 tokens instead of ~17; the engine then masks what the grammar "
+                   "forbids); the manifest records the added tokens")
     add_run_args(s)
 
     b = sub.add_parser(
@@ -135,7 +139,8 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     settings = SFTSettings(epochs=args.epochs, lr=args.lr, grad_accum=args.grad_accum, seed=args.seed, warmup=args.warmup,
                            max_steps=args.max_steps, save_every=args.save_every,
                            lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha), tag_weight=args.tag_weight,
-                           init_adapter=str(args.adapter) if args.adapter is not None else None)
+                           init_adapter=str(args.adapter) if args.adapter is not None else None,
+                           tag_tokens=args.tag_tokens)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
                         "annotator": args.annotator, "max_response_tokens": args.max_response_tokens, **counts}

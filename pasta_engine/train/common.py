@@ -11,7 +11,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ __all__ = [
     "load_base",
     "load_tokenizer",
     "wrap_lora",
+    "init_token_rows",
     "export_adapter",
     "LossCurve",
     "lr_lambda",
@@ -68,10 +69,43 @@ def load_tokenizer(model: str | os.PathLike | None) -> Any:
     return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
 
 
-def wrap_lora(model: Any, settings: LoraSettings = LoraSettings(), adapter: str | os.PathLike | None = None) -> Any:
+def init_token_rows(model: Any, tokenizer: Any, ids: Sequence[int], texts: Sequence[str]) -> None:
+    """Set the input-embedding row of each new token ``ids[i]`` to the mean of the rows of the
+    tokens its text ``texts[i]`` had before (in place; deterministic, and a start the model
+    already reads as that text: Hewitt 2021, "Initializing new word embeddings for pretrained
+    language models"; an untied LM head's rows likewise). The tokens of the text are found with :func:`encode_text` (which never
+    yields the new special tokens)."""
+    from ..lang.tokenization import encode_text
+
+    mats = [model.get_input_embeddings().weight]
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not mats[0]:  # an untied LM head: its rows too
+        mats.append(head.weight)
+    with torch.no_grad():
+        for tid, text in zip(ids, texts):
+            old = torch.tensor(encode_text(tokenizer, text))
+            for w in mats:
+                w[tid] = w[old].mean(dim=0)
+
+
+def wrap_lora(model: Any, settings: LoraSettings = LoraSettings(), adapter: str | os.PathLike | None = None,
+              tokenizer: Any = None, tag_tokens: bool = False) -> Any:
     """``model`` wrapped by peft with a trainable LoRA adapter: fresh (``settings``), or the
-    adapter saved in folder ``adapter`` (trainable, to continue from; ``settings`` unused)."""
+    adapter saved in folder ``adapter`` (trainable, to continue from; ``settings`` unused).
+
+    Added tokens: an ``adapter`` whose manifest lists ``added_tokens`` gives ``tokenizer`` those
+    tokens and the model the rows for them first. A fresh adapter with ``tag_tokens`` adds the
+    PASTA-LANG pieces (:func:`~pasta_engine.lang.grammar.add_tag_tokens`) to ``tokenizer`` (in
+    place), grows the embedding to ``len(tokenizer)`` rows, starts each new row at the mean of its
+    text's token rows (:func:`init_token_rows`) and trains those rows with the adapter (peft's
+    ``trainable_token_indices``; with tied embeddings the LM head shares them).
+
+    Raises ValueError when added tokens are asked for without a ``tokenizer``."""
     from peft import LoraConfig, PeftModel, get_peft_model
+
+    from ..lang.grammar import TAG_PIECES, add_tag_tokens
+    from ..models.adapter import added_tokens, read_manifest
+    from ..models.loader import add_adapter_tokens
 
     if adapter is not None:
         return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
@@ -80,13 +114,28 @@ def wrap_lora(model: Any, settings: LoraSettings = LoraSettings(), adapter: str 
     return get_peft_model(model, cfg)
 
 
+    extra: dict[str, Any] = {}
+    if tag_tokens:
+        if tokenizer is None:
+            raise ValueError("tag_tokens=True needs the tokenizer")
+        rows = model.get_input_embeddings().weight.shape[0]
+        tags = add_tag_tokens(tokenizer)
+        new = [(i, p) for i, p in zip(tags.ids, TAG_PIECES) if i >= rows]
+        if new:
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+            init_token_rows(model, tokenizer, [i for i, _ in new], [p for _, p in new])
+            rows_new = [i for i, _ in new]
+            tied = model.get_output_embeddings() is None or (
+                model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+            # tied: the LM head is the embedding (peft keeps the tie); untied: train its rows too
+            extra["trainable_token_indices"] = rows_new if tied else {"embed_tokens": rows_new, "lm_head": rows_new}
 def export_adapter(peft_model: Any, out: Path, manifest: dict[str, Any]) -> Path:
     """Save the adapter in peft's format with float16 tensors (half the bytes of float32; the
     engine merges in float32) and ``manifest.json``. Returns ``out``."""
     from safetensors.torch import load_file, save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(str(out))
+    peft_model.save_pretrained(str(out), save_embedding_layers=False)  # added rows: trainable_token_indices
     st = out / "adapter_model.safetensors"
     tensors = {k: v.to(torch.float16).contiguous() for k, v in load_file(st).items()}
     save_file(tensors, st)
@@ -149,7 +198,7 @@ def save_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any, 
         import shutil
 
         shutil.rmtree(tmp)
-    peft_model.save_pretrained(str(tmp / "adapter"))
+    peft_model.save_pretrained(str(tmp / "adapter"), save_embedding_layers=False)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "state": state,
                 "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
     final = out / "checkpoint"

@@ -23,6 +23,7 @@ import torch
 
 from ..config import Limits
 from ..models.adapter import read_manifest
+from ..lang.grammar import tag_tokens_of
 from ..lang.prompts import LEARNED_PASTA_PROMPT, PastaPrompt
 from .common import LoraSettings, LossCurve, export_adapter, git_commit, load_base, load_checkpoint, lr_lambda, \
     machine, save_checkpoint, wrap_lora
@@ -51,6 +52,7 @@ class SFTSettings:
     pasta_prompt: PastaPrompt = LEARNED_PASTA_PROMPT
     tag_weight: float = 1.0
     init_adapter: str | None = None
+    tag_tokens: bool = False  # a fresh adapter adds the PASTA-LANG pieces as tokens (lang.grammar)
 
 
 def train_sft(
@@ -81,7 +83,9 @@ def train_sft(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
     model, tok, path = load_base(base)
-    model = wrap_lora(model, settings.lora, adapter=settings.init_adapter)
+    model = wrap_lora(model, settings.lora, adapter=settings.init_adapter, tokenizer=tok,
+                      tag_tokens=settings.tag_tokens and settings.init_adapter is None)
+    tags = tag_tokens_of(tok)  # the pieces as tokens (added now, or by the adapter continued from)
     decision_ids = tag_decision_ids(tok)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,208 @@
+"""PASTA-LANG tags as added tokens, and the grammar the sampler enforces with them (no torch).
+
+Each fixed piece of PASTA-LANG can be one token of the tokenizer (DESIGN.md section 2):
+
+====================  ==========================================
+piece                 role
+====================  ==========================================
+``<promise topic="``  opens a promise (main thread only)
+``" tokens="``        ends the topic, starts the predicted length
+``"/>``               closes the promise (also ordinary text)
+``<async>``           opens a chunk (the interpreter inserts it)
+``</async>``          closes a chunk (async threads only)
+``<sync/>``           barrier (main thread only)
+====================  ==========================================
+
+The text the model writes and the user reads stays the paper's syntax (Jin et al., ICML 2025,
+arXiv 2502.11517, section 3): a piece token decodes to exactly its text, so the tag parser
+(:mod:`pasta_engine.lang.tags`) reads tags the same way whether they came as pieces or as text.
+A promise ``<promise topic="Sleep" tokens="10"/>`` is then 6 tokens on SmolLM2
+(``<promise topic="``, ``Sleep``, ``" tokens="``, ``1``, ``0``, ``"/>``) instead of 17.
+
+:func:`add_tag_tokens` adds the pieces a tokenizer lacks as special tokens (so user text and
+prose that contains ``<async>`` still tokenizes as text: :func:`~pasta_engine.lang.tokenization.encode_text`
+splits special tokens) and :func:`tag_tokens_of` finds them in a tokenizer that has them.
+
+Grammar: with the pieces as tokens, what a thread may write next depends on where it is, and the
+sampler masks the rest (:class:`GrammarState`, one row of a ``[states, vocab]`` mask per state,
+applied to a whole step's logits in one tensor operation by the model runner):
+
+* main thread, outside a tag: no ``</async>``, no ``<async>`` (the interpreter writes it), no
+  ``" tokens="``; once the fork cap is reached, no ``<promise topic="`` either;
+* async thread (inside a chunk): no ``<promise topic="`` (no nesting), no ``<sync/>``, no
+  ``<async>``, no ``" tokens="``;
+* inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one),
+  then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
+  :data:`MAX_TOPIC_CHARS` characters must end;
+* inside the length: digits only (at least one, at most :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "PROMISE_OPEN",
+    "PROMISE_LENGTH",
+    "PROMISE_CLOSE",
+    "TAG_PIECES",
+    "MAX_TOPIC_CHARS",
+    "MAX_LENGTH_DIGITS",
+    "TagTokens",
+    "add_tag_tokens",
+    "tag_tokens_of",
+    "GrammarState",
+    "grammar_state",
+    "state_masks",
+]
+
+PROMISE_OPEN = '<promise topic="'
+PROMISE_LENGTH = '" tokens="'
+PROMISE_CLOSE = '"/>'
+#: The fixed pieces of PASTA-LANG, each one token in a tokenizer that has them.
+TAG_PIECES = (PROMISE_OPEN, PROMISE_LENGTH, PROMISE_CLOSE, "<async>", "</async>", "<sync/>")
+#: A promise topic this long (characters) must end: the sampler then allows only ``" tokens="``.
+MAX_TOPIC_CHARS = 64
+#: A predicted length this many digits long must end: the sampler then allows only ``"/>``.
+MAX_LENGTH_DIGITS = 4
+
+
+@dataclass(frozen=True)
+class TagTokens:
+    """The token id of each piece (see the module docstring)."""
+
+    promise_open: int
+    promise_length: int
+    promise_close: int
+    async_open: int
+    async_close: int
+    sync: int
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """The six ids, in :data:`TAG_PIECES` order."""
+        return (self.promise_open, self.promise_length, self.promise_close, self.async_open, self.async_close,
+                self.sync)
+
+    def as_dict(self) -> dict[str, int]:
+        """``piece text -> id`` (what an adapter's manifest records)."""
+        return dict(zip(TAG_PIECES, self.ids))
+
+
+def _single_id(tokenizer: Any, piece: str) -> int | None:
+    ids = tokenizer.encode(piece, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def tag_tokens_of(tokenizer: Any) -> TagTokens | None:
+    """The piece tokens of ``tokenizer`` (a ``transformers`` tokenizer), or None when any piece
+    is not one token (a tokenizer without the added tokens: tags are written as text)."""
+    ids = [_single_id(tokenizer, p) for p in TAG_PIECES]
+    if any(i is None for i in ids) or len(set(ids)) != len(ids):
+        return None
+    return TagTokens(*ids)  # type: ignore[arg-type]
+
+
+def add_tag_tokens(tokenizer: Any) -> TagTokens:
+    """Add every piece that is not yet one token to ``tokenizer`` as a special token (in place;
+    special so that :func:`~pasta_engine.lang.tokenization.encode_text` keeps such text in user
+    prompts and prose as text), in :data:`TAG_PIECES` order. Idempotent.
+
+    Returns the pieces' ids. The model's embeddings must then have ``len(tokenizer)`` rows
+    (``resize_token_embeddings``). Raises ValueError when the tokenizer still does not encode
+    each piece as one token (a tokenizer whose normalizer rewrites the pieces)."""
+    from tokenizers import AddedToken
+
+    missing = [p for p in TAG_PIECES if _single_id(tokenizer, p) is None]
+    if missing:
+        tokenizer.add_tokens([AddedToken(p, special=True, normalized=False, lstrip=False, rstrip=False)
+                              for p in missing], special_tokens=True)
+    tags = tag_tokens_of(tokenizer)
+    if tags is None:
+        raise ValueError(f"the tokenizer does not encode the PASTA-LANG pieces {TAG_PIECES} as one token each "
+                         "after adding them")
+    return tags
+
+
+class GrammarState(enum.IntEnum):
+    """Where a sampling thread is in the grammar; the index of its row in :func:`state_masks`.
+
+    ``FREE``: no mask (sequential mode, replay, or a tokenizer without the piece tokens)."""
+
+    FREE = 0
+    MAIN = 1
+    MAIN_NO_FORK = 2
+    CHUNK = 3
+    TOPIC_EMPTY = 4
+    TOPIC = 5
+    TOPIC_FULL = 6
+    LENGTH_EMPTY = 7
+    LENGTH = 8
+    LENGTH_FULL = 9
+
+
+def grammar_state(is_main: bool, pending: str, can_fork: bool = True) -> GrammarState:
+    """The state of a pasta-mode thread from the tag parser's held-back text.
+
+    Args:
+        is_main: the main thread (else an async thread).
+        pending: :attr:`~pasta_engine.lang.tags.TagParser.pending` (a partial tag, or ``""``).
+        can_fork: the request may still fork (below its fork cap).
+
+    A partial promise written as text tokens (``<prom``) is not constrained: only what follows a
+    ``<promise topic="`` prefix is (the piece token writes exactly that prefix)."""
+    if not is_main:
+        return GrammarState.CHUNK
+    if not pending.startswith(PROMISE_OPEN):
+        return GrammarState.MAIN if can_fork else GrammarState.MAIN_NO_FORK
+    rest = pending[len(PROMISE_OPEN):]
+    topic, sep, digits = rest.partition(PROMISE_LENGTH)
+    if not sep:
+        if not topic:
+            return GrammarState.TOPIC_EMPTY
+        return GrammarState.TOPIC_FULL if len(topic) >= MAX_TOPIC_CHARS else GrammarState.TOPIC
+    if not digits:
+        return GrammarState.LENGTH_EMPTY
+    return GrammarState.LENGTH_FULL if len(digits) >= MAX_LENGTH_DIGITS else GrammarState.LENGTH
+
+
+def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
+                eos_ids: Iterable[int]) -> list[tuple[bool, list[int]]]:
+    """What each :class:`GrammarState` lets a thread sample, as ``(allow, ids)`` per state in
+    state order: ``allow=False`` forbids ``ids`` (everything else allowed), ``allow=True``
+    allows only ``ids``. The model runner turns them into a ``[states, vocab]`` bool mask once.
+
+    Args:
+        tags: the piece tokens.
+        token_bytes: bytes each token id decodes to (``TokenBytes.table``); ids past its end
+            (padding rows of the LM head) count as neither topic text nor digits.
+        vocab: the logits' width (the LM head's rows; may exceed ``len(token_bytes)``).
+        eos_ids: end-of-sequence ids (never allowed inside a tag).
+
+    Raises ValueError when a state would allow nothing (a vocabulary without digit tokens)."""
+    eos = set(int(e) for e in eos_ids)
+    pieces = set(tags.ids)
+    n = min(vocab, len(token_bytes))
+    topic_ok = [i for i in range(n) if token_bytes[i] and i not in pieces and i not in eos
+                and not any(c in token_bytes[i] for c in (b'"', b"<", b">", b"\n"))]
+    digits = [i for i in range(n) if token_bytes[i] and i not in pieces and i not in eos
+              and token_bytes[i].isdigit() and token_bytes[i].isascii()]
+    if not topic_ok or not digits:
+        raise ValueError("the vocabulary has no topic-text or no digit tokens: the promise grammar cannot be enforced")
+    main_never = [tags.async_open, tags.async_close, tags.promise_length]
+    out: list[tuple[bool, list[int]]] = [
+        (False, []),  # FREE
+        (False, main_never),  # MAIN
+        (False, main_never + [tags.promise_open]),  # MAIN_NO_FORK
+        (False, [tags.promise_open, tags.sync, tags.async_open, tags.promise_length]),  # CHUNK
+        (True, topic_ok),  # TOPIC_EMPTY
+        (True, topic_ok + [tags.promise_length]),  # TOPIC
+        (True, [tags.promise_length]),  # TOPIC_FULL
+        (True, digits),  # LENGTH_EMPTY
+        (True, digits + [tags.promise_close]),  # LENGTH
+        (True, [tags.promise_close]),  # LENGTH_FULL
+    ]
+    assert len(out) == len(GrammarState)
+    return out

@@ -1,0 +1,161 @@
+"""PASTA-LANG pieces as added tokens: an adapter that adds them saves, loads into the base model
+(embeddings grown, tokenizer extended) and gives the logits of peft's own forward; the engine
+then tokenizes, replays and enforces the grammar with them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pasta_engine import Engine, SamplingParams
+from pasta_engine.lang.grammar import TAG_PIECES, GrammarState, grammar_state, tag_tokens_of
+from pasta_engine.lang.tags import strip_tags
+from pasta_engine.lang.tokenization import encode_text, tokenize_annotated
+from pasta_engine.train import pasta_logprobs
+from pasta_engine.train.common import LoraSettings, export_adapter, wrap_lora
+
+ANNOTATED = (
+    "Tips:\n1. "
+    '<promise topic="sleep" tokens="30"/><async>Go to bed early.</async>\n2. '
+    '<promise topic="screens" tokens="20"/><async>Avoid screens.</async>\n'
+    "<sync/>\nDone."
+)
+PROMPT = "Give me sleep tips."
+
+
+def _make_adapter(ckpt, out):
+    """A LoRA adapter with the PASTA-LANG pieces as added tokens, its weights (LoRA and token
+    rows) moved away from their start so that a merge that dropped them would show."""
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    vocab = len(tok)
+    model = wrap_lora(hf, LoraSettings(r=4, alpha=8, dropout=0.0), tokenizer=tok, tag_tokens=True)
+    tags = tag_tokens_of(tok)
+    assert tags is not None and len(tok) > vocab
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    export_adapter(model.eval(), out, {"added_tokens": tags.as_dict()})
+    return model, tok
+
+
+@pytest.fixture(scope="module", params=["tiny_qwen2", "tiny_llama"])  # tied and untied LM head
+def tagged(request, tmp_path_factory):
+    ckpt = request.getfixturevalue(request.param)
+    out = tmp_path_factory.mktemp("tagged") / "adapter"
+    peft_model, tok = _make_adapter(ckpt, out)
+    return ckpt, out, peft_model, tok
+
+
+def test_the_adapter_adds_the_pieces_and_merges_to_peft_logits(tagged):
+    ckpt, adapter, peft_model, tok = tagged
+    manifest = json.loads((adapter / "manifest.json").read_text())
+    assert set(manifest["added_tokens"]) == set(TAG_PIECES)
+    engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
+    tags = tag_tokens_of(engine.tokenizer)
+    assert tags is not None and tags.as_dict() == manifest["added_tokens"]
+    assert engine.model.config.vocab_size == len(tok) == engine.model.lm_head.shape[0]
+    # prompt ids that hold the new tokens: the merged rows must equal peft's
+    prompt = [5, 6, tags.promise_open, 7, tags.promise_length, 8, tags.promise_close, tags.async_open, 9]
+    seen = []
+    engine.logits_hook = lambda req, tid, row: seen.append(row.clone())
+    [res] = engine.generate([prompt], SamplingParams(max_new_tokens=5), mode="sequential")
+    with torch.no_grad():
+        want = peft_model(torch.tensor([prompt + res.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
+    torch.testing.assert_close(torch.stack(seen), want[: len(seen)], rtol=1e-3, atol=1e-3)
+
+
+def test_annotated_text_tokenizes_with_the_pieces_and_replays_exactly(tagged):
+    ckpt, adapter, _, _ = tagged
+    engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
+    tok = engine.tokenizer
+    tags = tag_tokens_of(tok)
+    at = tokenize_annotated(tok, ANNOTATED)
+    assert at.open_ids == [tags.async_open]
+    # a promise is: open, topic text, length piece, digits, close
+    want = [tags.promise_open, *encode_text(tok, "sleep"), tags.promise_length, *encode_text(tok, "30"),
+            tags.promise_close]
+    assert at.main_ids[at.promise_ends[0] - len(want): at.promise_ends[0]] == want
+    # the same text in a user's prompt is text, never a piece token
+    assert not set(encode_text(tok, ANNOTATED)) & {tags.promise_open, tags.promise_length, tags.async_open,
+                                                     tags.async_close, tags.sync}
+    for mode in ("pasta", "sequential"):
+        [res] = engine.replay([PROMPT], [ANNOTATED], mode=mode)
+        assert res.text == strip_tags(ANNOTATED)
+    [res] = engine.replay([PROMPT], [ANNOTATED], mode="pasta")
+    assert res.stats.decode_steps == res.stats.critical_path and res.stats.forks == 2
+
+
+def test_training_forward_equals_replay_with_the_pieces(tagged):
+    ckpt, adapter, _, _ = tagged
+    engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
+    [res] = engine.replay([PROMPT], [ANNOTATED], params=SamplingParams(return_logprobs=True))
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    policy = wrap_lora(hf, adapter=adapter, tokenizer=tok).eval()
+    ids, lps = pasta_logprobs(policy, tok, PROMPT, ANNOTATED)
+    assert ids == res.token_ids
+    got = torch.tensor([x for x in lps if x is not None])
+    want = torch.tensor([x for x in res.logprobs if x is not None])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
+def _boost(ids):
+    def hook(req, tid, row):
+        row[list(ids)] += 1e4  # the model now prefers these far above anything else
+    return hook
+
+
+def test_the_grammar_mask_keeps_forbidden_pieces_out(tagged):
+    ckpt, adapter, _, _ = tagged
+    engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
+    tags = tag_tokens_of(engine.tokenizer)
+    # the model wants </async> on the main thread and <async>: both are masked there
+    engine.logits_hook = _boost([tags.async_close, tags.async_open, tags.promise_length])
+    [res] = engine.generate(["Hi"], SamplingParams(max_new_tokens=12), mode="pasta")
+    assert res.stats.finish_reason in ("stop", "length"), res.error
+    assert not set(res.token_ids) & {tags.async_close, tags.async_open, tags.promise_length}
+    # a model that wants to promise: the promise then follows the grammar to its close, and
+    # the chunk never promises or syncs (no nesting) although the model prefers to
+    state: dict = {}
+
+    def hook(req, tid, row):
+        if tid == 0 and not state.get("promised"):
+            row[tags.promise_open] += 1e4
+        elif tid > 0:
+            row[[tags.promise_open, tags.sync]] += 1e4
+    # a random model predicts 9999 tokens: reserve a constant range instead
+    engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20, position_policy="constant:8")
+    engine.logits_hook = hook
+    [res] = engine.generate(["Hi"], SamplingParams(max_new_tokens=40), mode="pasta")
+    assert res.stats.finish_reason in ("stop", "length"), res.error
+    by_thread: dict[int, list[int]] = {}
+    for t, th in zip(res.token_ids, res.threads):
+        by_thread.setdefault(th, []).append(t)
+    main = by_thread[0]
+    assert main[0] == tags.promise_open
+    # the first promise completes: open, >= 1 topic token, length piece, >= 1 digit, close
+    k = main.index(tags.promise_length)
+    assert k >= 2 and tags.promise_close in main[k + 2:]
+    assert res.stats.forks >= 1, res.annotated_text
+    for tid, toks in by_thread.items():
+        if tid > 0:
+            assert not set(toks) & {tags.promise_open, tags.sync}, res.annotated_text
+
+
+def test_grammar_states_follow_the_parsers_pending_text():
+    assert grammar_state(False, "") is GrammarState.CHUNK
+    assert grammar_state(True, "") is GrammarState.MAIN
+    assert grammar_state(True, "", can_fork=False) is GrammarState.MAIN_NO_FORK
+    assert grammar_state(True, "<prom") is GrammarState.MAIN  # text tokens: not constrained
+    assert grammar_state(True, '<promise topic="') is GrammarState.TOPIC_EMPTY
+    assert grammar_state(True, '<promise topic="Sleep') is GrammarState.TOPIC
+    assert grammar_state(True, '<promise topic="' + "x" * 64) is GrammarState.TOPIC_FULL
+    assert grammar_state(True, '<promise topic="a" tokens="') is GrammarState.LENGTH_EMPTY
+    assert grammar_state(True, '<promise topic="a" tokens="3') is GrammarState.LENGTH
+    assert grammar_state(True, '<promise topic="a" tokens="3000') is GrammarState.LENGTH_FULL
