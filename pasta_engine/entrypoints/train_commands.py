@@ -59,7 +59,7 @@ def add_train_parser(subparsers: Any) -> None:
                    "mean NLL")
     s.add_argument("--min-promises", type=nonneg_int, default=0,
                    help="train only on answers the annotator gave at least this many promises (1 drops the unforked "
-                   "ones; 2 keeps the answers with parallel chunks, whose theoretical speedup the model should learn)")
+                   "ones; 2 keeps the answers with parallel chunks, whose content speedup the model should learn)")
     s.add_argument("--forked-only", action="store_true",
                    help="the same as --min-promises 1 (kept so earlier manifests' commands run unchanged)")
     s.add_argument("--tag-tokens", action="store_true",
@@ -67,6 +67,21 @@ def add_train_parser(subparsers: Any) -> None:
                    "embedding rows (a promise costs ~7 tokens instead of ~17; the engine then masks what the grammar "
                    "forbids); the manifest records the added tokens")
     add_run_args(s)
+
+    a = sub.add_parser(
+        "answers", help="the base model's own answers to the training prompts (an SFT data source)",
+        description="Answer every training prompt (every AlpacaEval subset but vicuna) with the base model, sequentially, "
+        "batched through the engine, seeded per row; resumable (OUT/answers.jsonl grows per batch). Writes "
+        "OUT/answers.json in AlpacaEval's format, which `train sft --prompts` reads.",
+    )
+    _add_io_args(a, "AlpacaEval JSON with instructions (the training split is used)")
+    a.add_argument("--max-new-tokens", type=positive_int, default=320)
+    a.add_argument("--temperature", type=float, default=0.2, help="default: the SmolLM2-135M-Instruct model card's")
+    a.add_argument("--top-p", type=float, default=0.9, help="default: the SmolLM2-135M-Instruct model card's")
+    a.add_argument("--batch", type=positive_int, default=32, help="prompts per engine call (the unit of resumption)")
+    a.add_argument("--max-running-requests", type=positive_int, default=16, help="requests decoded together")
+    a.add_argument("--seed", type=nonneg_int, default=0)
+    add_run_args(a)
 
     b = sub.add_parser(
         "bonbon", help="rounds of BoNBoN preference optimization from an SFT adapter",
@@ -97,8 +112,9 @@ def add_learned_parser(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser(
         "learned", help="evaluation split: base model vs learned adapter (forks, speedups, quality proxy, exports)",
         description="On AlpacaEval's vicuna subset (never trained on), greedy, batch 1: the base model sequentially and in "
-        "pasta mode, the adapter in pasta mode; fork rate, theoretical speedup, realized speedup on the same content and "
-        "end to end, the quality proxy side by side, AlpacaEval model_outputs. Writes OUT/summary.json, prompts.jsonl, "
+        "pasta mode, the adapter in pasta mode; the content speedup (theoretical: content tokens / critical path; "
+        "realized: the clean text decoded sequentially vs the pasta run), fork rate, tag-token fraction, the end-to-end "
+        "speedup with its length ratio and the answers cut by the token budget, the quality proxy side by side, AlpacaEval model_outputs. Writes OUT/summary.json, prompts.jsonl, "
         "learned.png.",
     )
     _add_io_args(p, "AlpacaEval JSON (the vicuna rows are used)")
@@ -175,9 +191,32 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     return 0
 
 
+def _answers(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from ..config import SamplingParams
+    from ..engine.llm_engine import Engine
+    from ..tools.traces import read_prompts
+    from ..train.answers import generate_answers
+    from ..train.data import EVAL_DATASET, split_rows
+
+    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # ParameterError names a bad flag value
+    rows = split_rows(read_prompts(args.prompts), "train")
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    engine = Engine.from_pretrained(args.model, adapter=None, max_running_requests=args.max_running_requests)
+    summary = generate_answers(engine, rows, args.out, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, top_p=args.top_p, batch=args.batch, seed=args.seed,
+                               generator=str(args.model or "SmolLM2-135M-Instruct"))
+    summary["command"] = command_line(argv)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"train answers: {summary['answers']} answers to {summary['rows']} training prompts (never "
+          f"{EVAL_DATASET!r}); {summary['length_cut']} cut at {args.max_new_tokens} tokens", file=sys.stderr)
+    print(f"wrote {args.out / 'answers.json'}")
+    return 0
+
+
 def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the ``train`` subcommand in ``args``. Returns the exit status."""
-    commands = {"sft": _sft, "bonbon": _bonbon}
+    commands = {"sft": _sft, "bonbon": _bonbon, "answers": _answers}
     return commands[args.train_command](args, argv)
 
 

@@ -1,0 +1,95 @@
+"""The model's own answers to the training prompts: the SFT data source that does not drift.
+
+The paper annotates responses and finetunes on them (Jin et al., ICML 2025, arXiv 2502.11517,
+section 4.1). Reference answers written by a much larger model make a 135M model imitate text it
+cannot write, and its chunks drift (repeated headings, loops). Here the base model answers each
+training prompt itself, sequentially and without PASTA-LANG; the annotators then mark those
+answers (:func:`pasta_engine.train.data.build_examples`), so SFT teaches only *where to fork*,
+on text the model already writes.
+
+Sampling defaults follow the SmolLM2-135M-Instruct model card's example (``temperature=0.2``,
+``top_p=0.9``); every request is seeded by its row, so a rerun gives the same answers. Requests
+run through the engine in batches (continuous batching, ``max_running_requests`` at a time) and
+each finished batch is appended to ``answers.jsonl``: an interrupted run resumes where it
+stopped. ``answers.json`` (AlpacaEval's format: ``dataset``, ``instruction``, ``output``,
+``generator``) is what ``pasta-engine train sft --prompts`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..config import SamplingParams
+from ..tools.traces import PromptRow
+
+__all__ = ["MODEL_CARD_SAMPLING", "generate_answers"]
+
+#: SmolLM2-135M-Instruct's model-card sampling (its ``generate`` example): temperature, top-p.
+MODEL_CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
+def _done(path: Path) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                rows[r["instruction"]] = r
+    return rows
+
+
+def generate_answers(engine: Any, rows: Sequence[PromptRow], out: Path, *, max_new_tokens: int = 320,
+                     temperature: float = MODEL_CARD_SAMPLING["temperature"],
+                     top_p: float = MODEL_CARD_SAMPLING["top_p"], batch: int = 32, seed: int = 0,
+                     generator: str = "SmolLM2-135M-Instruct", progress: bool = True) -> dict[str, Any]:
+    """Answer every row's instruction with ``engine`` in sequential mode and write them.
+
+    Args:
+        engine: an :class:`~pasta_engine.engine.llm_engine.Engine` (the base model: no adapter).
+        rows: the prompts (training split only: the caller filters).
+        out: folder for ``answers.jsonl`` (appended per batch; resumed), ``answers.json`` and
+            ``summary.json``.
+        max_new_tokens: the answer budget in tokens; temperature, top_p: sampling; batch: prompts
+            handed to the engine per ``generate`` call (the unit of resumption); seed: request
+            ``i`` is seeded ``seed + i``.
+        generator: the name written into each row's ``generator`` field.
+        progress: one line per batch on stderr.
+
+    Returns the summary: rows, answers, how many ended at the budget (``length``), tokens per
+    second of the whole run, the settings."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "answers.jsonl"
+    done = _done(log)
+    todo = [(i, r) for i, r in enumerate(rows) if r.instruction not in done]
+    t0 = time.perf_counter()
+    tokens = 0
+    for at in range(0, len(todo), batch):
+        part = todo[at: at + batch]
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed + i)
+                  for i, _ in part]
+        results = engine.generate([r.instruction for _, r in part], params, mode="sequential")
+        with log.open("a", encoding="utf-8") as f:
+            for (i, r), res in zip(part, results):
+                row = {"dataset": r.dataset, "instruction": r.instruction, "output": res.text, "generator": generator,
+                       "finish_reason": res.stats.finish_reason, "tokens": res.stats.tokens_decoded, "index": i}
+                done[r.instruction] = row
+                tokens += res.stats.tokens_decoded
+                f.write(json.dumps(row) + "\n")
+        if progress:
+            el = time.perf_counter() - t0
+            print(f"answers: {len(done)}/{len(rows)} ({tokens / max(el, 1e-9):.1f} tokens/s this run)", file=sys.stderr,
+                  flush=True)
+    ordered = [done[r.instruction] for r in rows if r.instruction in done]
+    (out / "answers.json").write_text(json.dumps(ordered, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    summary = {"rows": len(rows), "answers": len(ordered),
+               "length_cut": sum(1 for r in ordered if r["finish_reason"] == "length"),
+               "errors": sum(1 for r in ordered if r["finish_reason"] == "error"),
+               "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                            "seed": seed, "mode": "sequential", "source": "SmolLM2-135M-Instruct model card"},
+               "this_run_seconds": round(time.perf_counter() - t0, 1), "this_run_tokens": tokens}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
