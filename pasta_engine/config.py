@@ -140,7 +140,7 @@ class PositionPolicy:
 
     @classmethod
     def parse(cls, spec: "str | PositionPolicy") -> "PositionPolicy":
-        """Parse ``predicted``, ``none``, ``oracle`` or ``constant:K`` (K >= 0).
+        """Parse ``predicted``, ``none``, ``oracle`` or ``constant:K`` (K an integer in ``[0, 10**9)``).
 
         Raises ParameterError naming the bad spec."""
         if isinstance(spec, PositionPolicy):
@@ -152,7 +152,7 @@ class PositionPolicy:
             return cls(kind=s)
         if s.startswith("constant:"):
             k = s.split(":", 1)[1].strip()
-            if k.isdigit():
+            if k.isascii() and k.isdigit() and len(k) <= 9:  # not "²" (a digit int() refuses), no 5,000 digits
                 return cls(kind="constant", constant=int(k))
         raise ParameterError("position_policy", spec, "'predicted', 'none', 'oracle' or 'constant:K' with K >= 0")
 

@@ -71,7 +71,8 @@ def test_limits_reject_bad_values(kwargs, field):
         Limits(**kwargs)
 
 
-@pytest.mark.parametrize("spec", ["constant:x", "constant:-1", "fast", 3, None, "constant:"])
+@pytest.mark.parametrize("spec", ["constant:x", "constant:-1", "fast", 3, None, "constant:", "constant:\u00b2",
+                                  "constant:" + "9" * 5000])
 def test_position_policy_names_the_bad_spec(spec):
     with pytest.raises(ParameterError, match="position_policy"):
         PositionPolicy.parse(spec)
