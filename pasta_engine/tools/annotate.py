@@ -67,9 +67,10 @@ ANNOTATORS = ("sot", "apar", "mixed", "model")
 
 #: Items or paragraphs shorter than this many tokens are not forked by default.
 MIN_CHUNK_TOKENS = 10
-#: A topic keeps at most this many words and characters.
-TOPIC_WORDS = 6
-TOPIC_CHARS = 48
+#: A topic keeps at most this many words and characters: short, because every topic token is
+#: decoded on the main thread's critical path (the paper's topics are a few words).
+TOPIC_WORDS = 4
+TOPIC_CHARS = 32
 
 CountTokens = Callable[[str], int]
 

@@ -194,7 +194,7 @@ def test_topics_are_sanitized():
     a = annotate_sot(response)
     promises = check_well_formed(response, a.annotated)
     assert len(promises) == 2
-    assert promises[0].topic == "Quoted b bold /b title with"
+    assert promises[0].topic == "Quoted b bold /b"  # at most TOPIC_WORDS (4) words
 
 
 def test_responses_containing_tags_are_left_alone_and_say_so():
