@@ -1,23 +1,37 @@
 """Speedup metrics, defined once (DESIGN.md section 3; Jin et al., ICML 2025, section 5).
 
+The question a user asks is whether PASTA delivers the answer's *content* sooner than decoding
+that content one token at a time. Tag tokens are overhead, not content, so the headline figure
+counts only content.
+
 Units: a *step* is one forward pass that samples tokens for a request. The prompt's prefill
 pass counts as the first step because it samples the first response token, so a sequential
 response of T sampled tokens (EOS included) takes T steps and has critical path T.
 
+* content tokens: the clean text (tags stripped) under the canonical tokenization
+  (``pasta_engine.lang.tokenization.encode_text``): no tag tokens, no end-of-sequence token.
 * critical path: steps the response needs with unlimited parallel width, from its structure:
   the main thread samples one token per step; a child forked at the main token sampled at
   step ``s`` samples its ``L`` tokens at steps ``s+1 .. s+L``; after a sync completed at step
   ``s`` the main thread's next token comes at ``max(s, ends of outstanding children) + 1``;
-  the response ends when the main thread and every child have ended.
-* theoretical speedup = steps of sequential decoding of the same content / critical path,
-  where the same content is every token of the spliced response (the ``<async>`` tokens the
-  interpreter inserts included: one thread would have to decode them);
-  the paper's variant divides a sequential baseline response's token count instead
-  (:func:`theoretical_speedup_vs_baseline`).
-* theoretical parallelism = tokens sampled by all threads / critical path: the mean number of
-  threads sampling per step.
-* realized speedup = wall time of sequential decoding / wall time of PASTA decoding;
-  aggregated over prompts by geometric mean.
+  the response ends when the main thread and every child have ended. Tag tokens are on it.
+* **content speedup** (the headline): theoretical = content tokens / critical path
+  (:func:`content_speedup`); realized = wall time of decoding the clean text sequentially /
+  wall time of the PASTA run, same weights (:func:`realized_speedup`). The EOS step is not
+  content, so a sequential answer of T content tokens ended by EOS has T / (T + 1).
+  Aggregated over prompts by geometric mean (:func:`geomean`), as the paper does.
+* token parallelism = tokens sampled by all threads, tags and EOS included / critical path
+  (:func:`token_parallelism`): how parallel the run was (the mean number of threads sampling
+  per step), not how much sooner the content came.
+* tag tokens = tokens sampled - EOS tokens sampled - content tokens (:func:`tag_tokens`), and
+  the tag-token fraction = tag tokens / tokens sampled (:func:`tag_token_fraction`).
+* end-to-end speedup = wall time of a sequential baseline answering the prompt / wall time of
+  the PASTA answer (:func:`realized_speedup` of two different answers). Always reported with
+  the length ratio (:func:`length_ratio`: content tokens of PASTA / of the baseline) and the
+  fraction of answers cut by the token budget (:func:`cut_fraction`): a shorter answer is not a
+  faster one.
+* realized/theoretical ratio (:func:`realized_over_theoretical`): how much of the available
+  content speedup the engine turns into time.
 """
 
 from __future__ import annotations
@@ -30,13 +44,18 @@ __all__ = [
     "ResponseStructure",
     "critical_path",
     "simulate_steps",
-    "theoretical_speedup",
-    "theoretical_speedup_vs_baseline",
-    "theoretical_parallelism",
+    "content_speedup",
+    "token_parallelism",
+    "tag_tokens",
+    "tag_token_fraction",
     "realized_speedup",
     "realized_over_theoretical",
+    "length_ratio",
+    "cut_fraction",
+    "theoretical_speedup_vs_baseline",
     "step_speedup",
     "geomean",
+    "geomean_positive",
 ]
 
 
@@ -63,9 +82,10 @@ class ResponseStructure:
         return self.main_tokens + sum(n for _, n in self.forks)
 
     @property
-    def content_tokens(self) -> int:
-        """Tokens of the spliced response (sampled plus inserted): the steps sequential
-        decoding of the same content takes."""
+    def spliced_tokens(self) -> int:
+        """Tokens of the spliced response, tags included (sampled plus inserted): the steps
+        one thread takes to decode the annotated response (not the content: see
+        :func:`content_speedup`)."""
         return self.tokens + self.inserted
 
 
@@ -128,25 +148,65 @@ def simulate_steps(s: ResponseStructure, max_threads: int | None = None) -> int:
     return steps
 
 
-def theoretical_speedup(s: ResponseStructure, critical: int | None = None) -> float:
-    """Steps of sequential decoding of the same content / critical path (one thread vs many).
-    ``critical``: the critical path when already computed."""
-    return s.content_tokens / (critical or critical_path(s))
+def content_speedup(content_tokens: int, critical: int) -> float:
+    """The theoretical content speedup, the headline figure (DESIGN.md section 3): content
+    tokens / critical path (tokens / steps).
+
+    Args:
+        content_tokens: tokens of the clean text (tags stripped) under the canonical
+            tokenization, no tag tokens and no EOS.
+        critical: the critical path in steps (:func:`critical_path`); tag tokens are on it.
+
+    A response without content has 0. Raises ValueError for a negative token count or a
+    non-positive critical path."""
+    if content_tokens < 0:
+        raise ValueError(f"content tokens must be >= 0, got {content_tokens}")
+    if critical <= 0:
+        raise ValueError(f"the critical path must be positive, got {critical}")
+    return content_tokens / critical
+
+
+def token_parallelism(s: ResponseStructure, critical: int | None = None) -> float:
+    """Tokens sampled by all threads (tags and EOS included) / critical path (tokens / steps):
+    the mean number of threads sampling per step, how parallel the run was, not how much
+    sooner its content came (that is :func:`content_speedup`). ``critical``: the critical path
+    when already computed. Raises ValueError for a structure with no step."""
+    cp = critical or critical_path(s)
+    if cp <= 0:
+        raise ValueError("token parallelism of a response with no step")
+    return s.tokens / cp
+
+
+def tag_tokens(tokens_decoded: int, content_tokens: int, eos_tokens: int) -> int:
+    """Tokens sampled that are not content: ``tokens_decoded - eos_tokens - content_tokens``,
+    at least 0 (tokens).
+
+    The tag tokens, plus the tokens of text the clean output drops (a malformed or partial
+    tag); a model whose own tokens merge differently than the canonical tokenization of the
+    clean text moves it by a few tokens either way (0 is the floor)."""
+    return max(0, tokens_decoded - eos_tokens - content_tokens)
+
+
+def tag_token_fraction(tags: int, tokens_decoded: int) -> float:
+    """Tag tokens / tokens sampled by all threads (:func:`tag_tokens`; 0 when nothing was
+    sampled). Raises ValueError for negative counts."""
+    if tags < 0 or tokens_decoded < 0:
+        raise ValueError(f"token counts must be >= 0, got {tags} and {tokens_decoded}")
+    return tags / tokens_decoded if tokens_decoded else 0.0
 
 
 def theoretical_speedup_vs_baseline(s: ResponseStructure, baseline_tokens: int) -> float:
-    """The paper's variant: a sequential baseline response's length / critical path."""
+    """The paper's variant: a sequential baseline answer's length / critical path. Pass the
+    baseline's content tokens to compare content with content."""
     return baseline_tokens / critical_path(s)
-
-
-def theoretical_parallelism(s: ResponseStructure, critical: int | None = None) -> float:
-    """Tokens sampled by all threads / critical path: mean sampling threads per step.
-    ``critical``: the critical path when already computed."""
-    return s.tokens / (critical or critical_path(s))
 
 
 def realized_speedup(sequential_wall_s: float, pasta_wall_s: float) -> float:
     """Wall time of sequential decoding / wall time of PASTA decoding (seconds / seconds).
+
+    The realized content speedup when the sequential run decoded the PASTA answer's clean text
+    (same weights, same prompt); the end-to-end speedup when it is a baseline answering the
+    prompt itself (report it with :func:`length_ratio` and :func:`cut_fraction`).
 
     Raises ValueError for a non-positive time."""
     if sequential_wall_s <= 0 or pasta_wall_s <= 0:
@@ -155,9 +215,10 @@ def realized_speedup(sequential_wall_s: float, pasta_wall_s: float) -> float:
 
 
 def step_speedup(sequential_steps: int, pasta_steps: int) -> float:
-    """Decode steps of sequential decoding / decode steps of PASTA decoding (equals the
-    theoretical speedup when the same content is decoded at unlimited width). Raises ValueError
-    for a non-positive step count."""
+    """Decode steps of sequential decoding / decode steps of PASTA decoding. For the clean text
+    decoded sequentially (content tokens + 1 EOS step) against a PASTA replay at unlimited
+    width, it is (content tokens + 1) / critical path. Raises ValueError for a non-positive
+    step count."""
     if sequential_steps <= 0 or pasta_steps <= 0:
         raise ValueError(f"step counts must be positive, got {sequential_steps} and {pasta_steps}")
     return sequential_steps / pasta_steps
@@ -165,8 +226,26 @@ def step_speedup(sequential_steps: int, pasta_steps: int) -> float:
 
 def realized_over_theoretical(realized: float, theoretical: float) -> float:
     """How much of the available speedup the engine turns into time (DESIGN.md section 3):
-    realized speedup / theoretical speedup; 1 is the ideal."""
+    realized content speedup / theoretical content speedup; 1 is the ideal."""
     return realized / theoretical
+
+
+def length_ratio(pasta_content_tokens: int, baseline_content_tokens: int) -> float:
+    """Content tokens of the PASTA answer / content tokens of the baseline's answer (tokens /
+    tokens), the figure every end-to-end speedup carries: below 1, part of that speedup is a
+    shorter answer. Raises ValueError for a baseline without content or a negative count."""
+    if baseline_content_tokens <= 0 or pasta_content_tokens < 0:
+        raise ValueError(f"length ratio of {pasta_content_tokens} over {baseline_content_tokens} content tokens")
+    return pasta_content_tokens / baseline_content_tokens
+
+
+def cut_fraction(finish_reasons: Iterable[str]) -> float:
+    """Fraction of answers cut by the token budget (finish reason ``length``), the other figure
+    every end-to-end speedup carries. Raises ValueError for no answers."""
+    reasons = list(finish_reasons)
+    if not reasons:
+        raise ValueError("cut fraction of no answers")
+    return sum(1 for r in reasons if r == "length") / len(reasons)
 
 
 def geomean(values: Iterable[float]) -> float:
@@ -178,3 +257,11 @@ def geomean(values: Iterable[float]) -> float:
     if any(v <= 0 for v in vals):
         raise ValueError("geometric mean needs positive values")
     return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def geomean_positive(values: Iterable[float | None]) -> float | None:
+    """Geometric mean of the positive values, None when there is none: for content speedups,
+    where an answer without content (0) has no speedup to average; a caller reports how many
+    it left out (for example ``empty_answers``)."""
+    vals = [v for v in values if v is not None and v > 0]
+    return geomean(vals) if vals else None

@@ -6,7 +6,7 @@
 >>> while engine.has_unfinished_requests():
 ...     for out in engine.step():
 ...         if out.finished:
-...             print(out.result.text, out.stats.theoretical_speedup)
+...             print(out.result.text, out.stats.content_speedup)
 
 :meth:`Engine.step` is the whole loop body: the scheduler says which threads run, the model
 runner forwards them once and samples, the scheduler hands the tokens back to the interpreters.
@@ -246,7 +246,8 @@ class Engine:
         if max_new_tokens != params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
         try:
-            req = Request(request_id=request_id, index=index or 0, mode=mode, params=params, make_interpreter=make)
+            req = Request(request_id=request_id, index=index or 0, mode=mode, params=params, make_interpreter=make,
+                          count_content_tokens=lambda text: len(self.encode(text)))  # RequestStats.content_tokens
         except ValueError as e:  # e.g. the oracle position policy outside replay
             raise ParameterError("position_policy", str(policy), message=str(e)) from None
         why = self.scheduler.check_fits(req)

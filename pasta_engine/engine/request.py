@@ -48,26 +48,35 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestStats:
-    """Per-request numbers (units in the names; definitions in :mod:`pasta_engine.metrics`).
+    """Per-request numbers (units in the names; definitions in :mod:`pasta_engine.metrics`,
+    DESIGN.md section 3). The content figures come first: tag tokens are overhead, not content.
 
-    decode_steps: forward passes that sampled for the request (the prompt's prefill pass
-    included: it samples the first token); prefill_tokens: tokens forwarded without being
-    sampled (prompt, inserted ``<async>`` tags); tokens_decoded: tokens sampled by all threads
-    (EOS included); threads: threads that ran (main + children); forks: children forked;
-    max_width: most threads sampling in one step; critical_path: steps at unlimited width;
-    theoretical_speedup, theoretical_parallelism: see metrics; wall_s: seconds from admission
-    to finish; preemptions: times the request was restarted for lack of KV pages;
-    finish_reason: one of :data:`FINISH_REASONS`."""
+    content_tokens: tokens of the clean ``text`` (tags stripped) under the canonical
+    tokenization (:func:`pasta_engine.lang.tokenization.encode_text`), no tag tokens and no
+    EOS; content_speedup: the theoretical content speedup, content_tokens / critical_path (0 for
+    an answer without content); decode_steps: forward passes that sampled for the request (the
+    prompt's prefill pass included: it samples the first token); prefill_tokens: tokens
+    forwarded without being sampled (prompt, inserted ``<async>`` tags); tokens_decoded: tokens
+    sampled by all threads (tags and EOS included); tag_tokens: tokens_decoded - EOS tokens
+    sampled - content_tokens, at least 0 (:func:`pasta_engine.metrics.tag_tokens`: the tag
+    tokens, plus any text the clean output drops); threads: threads that ran (main + children);
+    forks: children forked; max_width: most threads sampling in one step; critical_path: steps
+    at unlimited width (tag tokens are on it); token_parallelism: tokens_decoded /
+    critical_path, how parallel the run was (1.0 when nothing was sampled); wall_s: seconds
+    from admission to finish; preemptions: times the request was restarted for lack of KV
+    pages; finish_reason: one of :data:`FINISH_REASONS`."""
 
+    content_tokens: int
+    content_speedup: float
     decode_steps: int
     prefill_tokens: int
     tokens_decoded: int
+    tag_tokens: int
     threads: int
     forks: int
     max_width: int
     critical_path: int
-    theoretical_speedup: float
-    theoretical_parallelism: float
+    token_parallelism: float
     wall_s: float
     preemptions: int
     finish_reason: str
@@ -215,7 +224,10 @@ class Request:
     owns ``views`` (thread id -> KV view) and ``pending_slots`` (thread id -> KV slots reserved
     for the tokens it forwards next); the model runner owns ``sampler_state`` (the seeded
     generator). Counters: ``steps`` (forward passes that sampled for it), ``prefill_tokens``,
-    ``max_width``, ``preemptions``; times in seconds from ``time.perf_counter``."""
+    ``max_width``, ``preemptions``; times in seconds from ``time.perf_counter``.
+    ``count_content_tokens``: the length of a text under the model's canonical tokenization,
+    for the content figures of :class:`RequestStats`; None (a request built without a
+    tokenizer) gives 0 content and tag tokens."""
 
     request_id: str
     index: int
@@ -236,6 +248,7 @@ class Request:
     wall_s: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
+    count_content_tokens: Callable[[str], int] | None = None
 
     def __post_init__(self) -> None:
         if self.interp is None:
@@ -258,20 +271,25 @@ class Request:
         sp = it.spliced()
         st = it.structure()
         cp = metrics.critical_path(st)
-        speedup = metrics.theoretical_speedup(st, cp) if cp else 1.0  # cp 0: nothing was sampled
-        parallelism = metrics.theoretical_parallelism(st, cp) if cp else 1.0
+        parallelism = metrics.token_parallelism(st, cp) if cp else 1.0  # cp 0: nothing was sampled
         annotated = it.annotated_text()
+        text = strip_tags(annotated)
+        content = self.count_content_tokens(text) if self.count_content_tokens is not None else 0
+        eos = sum(1 for t in it.threads if t.finish == "eos")
+        tags = metrics.tag_tokens(it.total_sampled, content, eos) if self.count_content_tokens is not None else 0
         forks = sum(1 for t in it.threads[1:] if t.finish != "not_run")
         stats = RequestStats(
+            content_tokens=content,
+            content_speedup=metrics.content_speedup(content, cp) if cp else 0.0,
             decode_steps=self.steps,
             prefill_tokens=self.prefill_tokens,
             tokens_decoded=it.total_sampled,
+            tag_tokens=tags,
             threads=1 + forks,
             forks=forks,
             max_width=self.max_width,
             critical_path=cp,
-            theoretical_speedup=speedup,
-            theoretical_parallelism=parallelism,
+            token_parallelism=parallelism,
             wall_s=self.wall_s,
             preemptions=self.preemptions,
             finish_reason=self.finish_reason or "",
@@ -281,7 +299,7 @@ class Request:
             request_id=self.request_id,
             mode=it.mode,
             prompt_ids=list(it.prompt_ids),
-            text=strip_tags(annotated),
+            text=text,
             annotated_text=annotated,
             token_ids=sp.ids,
             logprobs=sp.logprobs if self.params.return_logprobs else None,

@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_output_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--mode", choices=("pasta", "sequential", "both"), default="pasta",
-                       help="both: run each prompt sequentially, then with PASTA, and report the realized speedup")
+                       help="both: run each prompt sequentially and with PASTA, and report the content speedup (the "
+                       "pasta answer's clean text replayed sequentially vs the pasta run; generate also reports the "
+                       "end-to-end speedup with the length ratio)")
         p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
 
     g = sub.add_parser("generate", help="decode responses to prompts")
@@ -67,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="speedup benchmarks: speedup (replay), pareto (generate), annotate (traces)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     s = bsub.add_parser(
-        "speedup", help="realized vs theoretical speedup: replay annotated traces in pasta and sequential mode",
-        description="Replay each annotated response in pasta mode and the same content in sequential mode "
-        "(same model, same tokens), one prompt at a time; write summary.json, prompts.jsonl and speedup.png into --out.",
+        "speedup", help="content speedup, realized vs theoretical: replay annotated traces in pasta mode and their "
+        "clean text sequentially",
+        description="Replay each annotated response in pasta mode and its clean text (tags stripped, no tag tokens) in "
+        "sequential mode (same model, same prompt), one prompt at a time; the content speedup is the headline "
+        "(DESIGN.md section 3); write summary.json, prompts.jsonl and speedup.png into --out.",
     )
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--traces", type=Path, help="trace file (JSONL: prompt, annotated_response, annotator)")
@@ -128,8 +132,9 @@ def _print_result(res: Any, label: str) -> None:
         print(f"--- {label}: annotated ---")
         print(res.annotated_text.strip())
     print(
-        f"[{label}] tokens {s.tokens_decoded}, decode steps {s.decode_steps}, threads {s.threads}, "
-        f"critical path {s.critical_path}, theoretical speedup {s.theoretical_speedup:.2f}x, "
+        f"[{label}] content tokens {s.content_tokens}, content speedup {s.content_speedup:.2f}x (content tokens / "
+        f"critical path {s.critical_path}); tokens decoded {s.tokens_decoded} ({s.tag_tokens} tag tokens), token "
+        f"parallelism {s.token_parallelism:.2f}x, decode steps {s.decode_steps}, threads {s.threads}, "
         f"{s.wall_s:.2f} s ({s.tokens_decoded / max(s.wall_s, 1e-9):.1f} tokens/s), finish {s.finish_reason}"
     )
     if res.error:
@@ -168,23 +173,40 @@ def _hf_generate(engine: Any, prompt_ids: list[int], max_new_tokens: int) -> dic
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    from ..metrics import geomean, realized_over_theoretical
+    """Aggregates over prompts, the content figures first (DESIGN.md section 3): geometric means
+    of the content speedups (answers without content left out), then token parallelism, the
+    tag-token fraction, and the end-to-end speedup with its length ratio and answers cut by the
+    token budget (generate --mode both)."""
+    from ..metrics import cut_fraction, geomean_positive, realized_over_theoretical, tag_token_fraction
 
     out: dict[str, Any] = {"prompts": len(rows)}
     pasta = [r["pasta"] for r in rows if "pasta" in r]
     seq = [r["sequential"] for r in rows if "sequential" in r]
+    both = [r for r in rows if "realized_content_speedup" in r]
     if pasta:
+        out["geomean_content_speedup"] = geomean_positive(p["stats"]["content_speedup"] for p in pasta)
+    if both:
+        out["geomean_realized_content_speedup"] = geomean_positive(r["realized_content_speedup"] for r in both)
+        out["geomean_realized_over_theoretical"] = geomean_positive(
+            realized_over_theoretical(r["realized_content_speedup"], r["pasta"]["stats"]["content_speedup"])
+            for r in both if r["pasta"]["stats"]["content_speedup"] > 0
+        )
+    e2e = [r for r in rows if "end_to_end_speedup" in r]
+    if e2e:
+        out["geomean_end_to_end_speedup"] = geomean_positive(r["end_to_end_speedup"] for r in e2e)
+        out["geomean_length_ratio"] = geomean_positive(r["length_ratio"] for r in e2e)
+        out["cut_fraction_sequential"] = cut_fraction(r["sequential"]["stats"]["finish_reason"] for r in e2e)
+        out["cut_fraction_pasta"] = cut_fraction(r["pasta"]["stats"]["finish_reason"] for r in e2e)
+    if pasta:
+        out["empty_answers"] = sum(1 for p in pasta if p["stats"]["content_tokens"] == 0)
         out["forked_responses"] = sum(1 for p in pasta if p["stats"]["forks"] > 0)
         out["mean_threads"] = sum(p["stats"]["threads"] for p in pasta) / len(pasta)
-        out["geomean_theoretical_speedup"] = geomean(p["stats"]["theoretical_speedup"] for p in pasta)
+        out["geomean_token_parallelism"] = geomean_positive(p["stats"]["token_parallelism"] for p in pasta)
+        out["tag_token_fraction"] = tag_token_fraction(sum(p["stats"]["tag_tokens"] for p in pasta),
+                                                       sum(p["stats"]["tokens_decoded"] for p in pasta))
         out["pasta_tokens_per_s"] = sum(p["stats"]["tokens_decoded"] for p in pasta) / sum(p["stats"]["wall_s"] for p in pasta)
     if seq:
         out["sequential_tokens_per_s"] = sum(s["stats"]["tokens_decoded"] for s in seq) / sum(s["stats"]["wall_s"] for s in seq)
-    if pasta and seq:
-        out["geomean_realized_speedup"] = geomean(r["realized_speedup"] for r in rows)
-        out["geomean_realized_over_theoretical"] = geomean(
-            realized_over_theoretical(r["realized_speedup"], r["pasta"]["stats"]["theoretical_speedup"]) for r in rows
-        )
     hf = [r["transformers"] for r in rows if "transformers" in r]
     if hf:
         out["transformers_tokens_per_s"] = sum(h["tokens"] for h in hf) / sum(h["wall_s"] for h in hf)
@@ -194,12 +216,13 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[str] | None) -> int:
     from ..config import SamplingParams
-    from ..metrics import realized_speedup
 
     if args.limit is not None:
         prompts, responses = prompts[: args.limit], (responses[: args.limit] if responses is not None else None)
     params = sampling_params(args) if responses is None else SamplingParams(max_new_tokens=1)
     modes = ["sequential", "pasta"] if args.mode == "both" else [args.mode]
+    if responses is not None and args.mode == "both":
+        modes = ["pasta", "sequential"]  # the sequential side replays the pasta answer's clean text
     # generate: the learned adapter answers in pasta mode, the base model sequentially (unless
     # --adapter / --no-adapter say otherwise); replay forces the same content on one engine
     engines: dict[Any, Any] = {}
@@ -218,12 +241,16 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
     rows = []
     for i, prompt in enumerate(prompts):
         row: dict[str, Any] = {"index": i, "prompt": prompt}
+        results: dict[str, Any] = {}
         for mode in modes:
             engine = per_mode[mode]
             if responses is None:
                 [res] = engine.generate([prompt], params, mode=mode)
+            elif mode == "sequential" and "pasta" in results:  # replay --mode both: the clean text
+                [res] = engine.replay([prompt], [results["pasta"].text], mode=mode, params=params)
             else:
                 [res] = engine.replay([prompt], [responses[i]], mode=mode, params=params)
+            results[mode] = res
             row[mode] = res.to_dict()
             if not args.json:
                 _print_result(res, f"prompt {i} {mode}")
@@ -235,9 +262,9 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
                     print(f"[prompt {i} transformers] {hf['tokens']} tokens in {hf['wall_s']:.2f} s "
                           f"({hf['tokens_per_s']:.1f} tokens/s), same tokens: {hf['same_tokens']}")
         if len(modes) == 2:
-            row["realized_speedup"] = realized_speedup(row["sequential"]["stats"]["wall_s"], row["pasta"]["stats"]["wall_s"])
+            row = {**_speedups(per_mode["pasta"], prompt, results, generated=responses is None), **row}
             if not args.json:
-                print(f"[prompt {i}] realized speedup {row['realized_speedup']:.2f}x")
+                _print_speedups(row, f"prompt {i}")
         if args.json:
             print(json.dumps(row), flush=True)
         rows.append(row)
@@ -249,7 +276,46 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
     return 0
 
 
+def _speedups(engine: Any, prompt: Any, results: dict[str, Any], generated: bool) -> dict[str, Any]:
+    """A ``--mode both`` row's figures, content first (DESIGN.md section 3): the pasta answer's
+    content speedup, theoretical and realized (its clean text replayed sequentially on the pasta
+    engine: same weights, same prompt; in replay that is the sequential side already); in
+    generate also the end-to-end speedup (the sequential answer's wall / the pasta answer's)
+    with the length ratio (content tokens pasta / sequential) and each side's finish reason."""
+    from ..metrics import length_ratio, realized_speedup
+
+    pas = results["pasta"]
+    clean = engine.replay([prompt], [pas.text], mode="sequential")[0] if generated else results["sequential"]
+    row: dict[str, Any] = {
+        "content_speedup": pas.stats.content_speedup,
+        "realized_content_speedup": realized_speedup(clean.stats.wall_s, pas.stats.wall_s),
+        "clean_text_sequential_wall_s": clean.stats.wall_s,
+    }
+    if generated:
+        seq = results["sequential"].stats
+        row.update(end_to_end_speedup=realized_speedup(seq.wall_s, pas.stats.wall_s),
+                   length_ratio=length_ratio(pas.stats.content_tokens, seq.content_tokens) if seq.content_tokens else None,
+                   finish_reasons={"sequential": seq.finish_reason, "pasta": pas.stats.finish_reason})
+    return row
+
+
+def _print_speedups(row: dict[str, Any], label: str) -> None:
+    line = (f"[{label}] content speedup {row['content_speedup']:.2f}x theoretical, "
+            f"{row['realized_content_speedup']:.2f}x realized (clean text decoded sequentially / pasta wall time)")
+    if "end_to_end_speedup" in row:
+        ratio = row["length_ratio"]
+        line += (f"; end to end {row['end_to_end_speedup']:.2f}x vs the sequential answer (length ratio "
+                 f"{'n/a' if ratio is None else f'{ratio:.2f}'}, finish {row['finish_reasons']['sequential']} / "
+                 f"{row['finish_reasons']['pasta']})")
+    print(line)
+
+
 # --------------------------------------------------------------------------- bench
+
+
+def _x(value: float | None, unit: str = "x") -> str:
+    """A summary figure for a line of text (``n/a`` when there was nothing to average)."""
+    return "n/a" if value is None else f"{value:.3f}{unit}"
 
 
 def _limit(rows: list, limit: int | None) -> list:
@@ -283,9 +349,11 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                     responses=str(args.responses) if args.responses else None)
     result = run_speedup(engine, traces, out, settings, warmup=args.warmup, repeats=args.repeats, resume=args.resume)
     s = result["summary"]
-    print(f"bench speedup: {s['prompts']} prompts, {s['forked_responses']} forked; geomean theoretical "
-          f"{s['geomean_theoretical_speedup']:.3f}x, realized {s['geomean_realized_speedup']:.3f}x, "
-          f"realized/theoretical {s['geomean_realized_over_theoretical']:.3f}", file=sys.stderr)
+    print(f"bench speedup: {s['prompts']} prompts, {s['forked_responses']} forked; geomean content speedup "
+          f"{_x(s['geomean_content_speedup'])} theoretical, {_x(s['geomean_realized_content_speedup'])} realized "
+          f"(clean text sequential / pasta wall), realized/theoretical {_x(s['geomean_realized_over_theoretical'], '')}; "
+          f"token parallelism {_x(s['geomean_token_parallelism'])}, tag tokens {s['tag_token_fraction']:.0%} of "
+          f"those decoded", file=sys.stderr)
     print(f"wrote {out / 'summary.json'}, {out / 'prompts.jsonl'}, {out / 'speedup.png'}")
     return 0
 
@@ -303,8 +371,11 @@ def _bench_pareto(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     result = run_pareto(engine, prompts, params, args.out, settings, warmup=args.warmup, repeats=args.repeats,
                         resume=args.resume)
     s = result["summary"]
-    print(f"bench pareto: {s['prompts']} prompts, {s['forked_responses']} forked; geomean realized speedup "
-          f"{s['geomean_realized_speedup']:.3f}x, length ratio {s['geomean_length_ratio']:.3f}", file=sys.stderr)
+    print(f"bench pareto: {s['prompts']} prompts, {s['forked_responses']} forked; geomean content speedup "
+          f"{_x(s['geomean_content_speedup'])} theoretical, {_x(s['geomean_realized_content_speedup'])} realized; "
+          f"end to end {_x(s['geomean_end_to_end_speedup'])} with length ratio {_x(s['geomean_length_ratio'], '')}, "
+          f"cut by the token budget {s['cut_fraction_sequential']:.0%} sequential / {s['cut_fraction_pasta']:.0%} "
+          f"pasta; tag tokens {s['tag_token_fraction']:.0%} of those decoded", file=sys.stderr)
     out = args.out
     print(f"wrote {out / 'summary.json'}, {out / 'prompts.jsonl'}, {out / 'model_outputs_sequential.json'}, "
           f"{out / 'model_outputs_pasta.json'}")

@@ -10,8 +10,9 @@ A thin FastAPI app (run by uvicorn) over :class:`~pasta_engine.engine.async_engi
 * the ``pasta`` extension: in a request, ``{"mode": "pasta" | "sequential", "position_policy":
   ..., "max_threads": N (0 = unlimited), "max_forks": N, "events": bool, "annotated_response":
   str}`` (``annotated_response`` replays that response: forced decoding); in each choice of a
-  response, ``{"annotated_text", "stats": {decode_steps, critical_path, theoretical_speedup,
-  threads, ...}, "diagnostics"}``; with ``events`` each streamed chunk's choice carries the
+  response, ``{"annotated_text", "stats": {content_tokens, content_speedup, decode_steps,
+  tokens_decoded, tag_tokens, critical_path, token_parallelism, threads, ...}, "diagnostics"}``
+  (:class:`~pasta_engine.engine.request.RequestStats`, the content figures first); with ``events`` each streamed chunk's choice carries the
   thread events of that step (``pasta.events``) and the counters ``decode_steps`` and
   ``tokens_decoded``.
 * ``GET /v1/pasta/events/{id}``: the thread events of a completion (by the ``id`` of its

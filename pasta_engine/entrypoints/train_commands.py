@@ -86,7 +86,7 @@ def add_train_parser(subparsers: Any) -> None:
     b = sub.add_parser(
         "bonbon", help="rounds of BoNBoN preference optimization from an SFT adapter",
         description="Sample N annotated responses per training prompt with the engine (pasta mode, the current adapter), "
-        "score each by theoretical speedup + lambda x quality (a proxy: the base model's mean log-likelihood of the clean "
+        "score each by content speedup (content tokens / critical path) + lambda x quality (a proxy: the base model's mean log-likelihood of the clean "
         "text, penalised for repeated lines), and train on best vs worst with the BoNBoN loss (arXiv 2406.00832). Writes "
         "OUT/round{k}/ (samples, pairs, loss curve, adapter) and OUT/adapter.",
     )
@@ -96,7 +96,7 @@ def add_train_parser(subparsers: Any) -> None:
     b.add_argument("--rounds", type=positive_int, default=1)
     b.add_argument("--temperature", type=float, default=0.8)
     b.add_argument("--max-new-tokens", type=positive_int, default=320)
-    b.add_argument("--quality-weight", type=float, default=1.0, help="lambda of speedup + lambda x quality")
+    b.add_argument("--quality-weight", type=float, default=1.0, help="lambda of content speedup + lambda x quality")
     b.add_argument("--alpha", type=float, default=0.5, help="weight of the SFT term on the best sample")
     b.add_argument("--lr", type=float, default=5e-5)
     b.add_argument("--seed", type=nonneg_int, default=0)
@@ -184,8 +184,8 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     summary = train_bonbon(prompts, args.adapter, args.out, settings, base=args.model,
                            manifest={"bonbon_command": command_line(argv)})
     for r in summary["rounds"]:
-        print(f"train bonbon round {r['round']}: {r['pairs']} pairs of {r['samples']} samples; mean speedup "
-              f"{r['mean_theoretical_speedup']:.2f}, margin {r['first_margin']:.2f} -> {r['last_margin']:.2f}",
+        print(f"train bonbon round {r['round']}: {r['pairs']} pairs of {r['samples']} samples; mean content speedup "
+              f"{r['mean_content_speedup']:.2f}, margin {r['first_margin']:.2f} -> {r['last_margin']:.2f}",
               file=sys.stderr)
     print(f"wrote {args.out / 'adapter'}")
     return 0
@@ -252,9 +252,15 @@ def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
                               repeats=args.repeats, base_pasta=not args.no_base_pasta, resume=args.resume)
     s = result["summary"]
     a = s["adapter_pasta"]
-    print(f"bench learned: {s['prompts']} prompts; adapter forked on {a['forked']} ({a['fork_rate']:.0%}), geomean "
-          f"theoretical {a['geomean_theoretical_speedup']:.2f}x, same-content realized "
-          f"{a['geomean_same_content_realized_speedup']:.2f}x, end to end {s['geomean_end_to_end_speedup']:.2f}x; quality "
-          f"proxy base {s['base_sequential']['mean_quality']:.3f} vs adapter {a['mean_quality']:.3f}", file=sys.stderr)
+    def x(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+
+    print(f"bench learned: {s['prompts']} prompts; adapter: geomean content speedup {x(a['geomean_content_speedup'])}x "
+          f"theoretical, {x(a['geomean_realized_content_speedup'])}x realized (clean text sequential / pasta), forked on "
+          f"{a['forked']} ({a['fork_rate']:.0%}), tag tokens {a['tag_token_fraction']:.0%} of those decoded; end to end "
+          f"{x(s['geomean_end_to_end_speedup'])}x vs the base model sequential, length ratio "
+          f"{x(s['geomean_length_ratio'])}, cut by the token budget {s['cut_fraction_base_sequential']:.0%} base / "
+          f"{s['cut_fraction_adapter_pasta']:.0%} adapter; quality proxy base {s['base_sequential']['mean_quality']:.3f} "
+          f"vs adapter {a['mean_quality']:.3f}", file=sys.stderr)
     print(f"wrote {args.out / 'summary.json'}, {args.out / 'prompts.jsonl'}, {args.out / 'learned.png'}")
     return 0

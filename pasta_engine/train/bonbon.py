@@ -1,7 +1,8 @@
 """Stage 2: rounds of BoNBoN preference optimization (Jin et al. 2025, section 4.2).
 
 Each round: the engine itself samples ``n`` annotated responses per training prompt in pasta mode
-(temperature > 0, the current adapter merged); each sample is scored by theoretical speedup +
+(temperature > 0, the current adapter merged); each sample is scored by its content speedup
+(content tokens / critical path, :mod:`pasta_engine.metrics`: tag tokens are overhead) +
 lambda x quality (:mod:`pasta_engine.train.quality`, a proxy); the best and the worst sample of
 a prompt form a pair (only a sample that ended by itself can be the best: one cut at the token
 limit would teach stopping there); the adapter is trained on the pairs with the BoNBoN loss
@@ -65,8 +66,8 @@ def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSetting
 
     ``scorer(prompt, clean text) -> float`` (:data:`~pasta_engine.train.quality.Scorer`, the quality term)
     ranks them; ``seed + i`` seeds the i-th sample. Returns one row per sample (JSON-ready):
-    prompt index, prompt, sample index, annotated and clean (``text``) text, finish reason, theoretical
-    speedup (a ratio of decode steps), forks, quality (nats per token) and score. Raises what
+    prompt index, prompt, sample index, annotated and clean (``text``) text, finish reason, content
+    speedup (content tokens / critical path), forks, quality (nats per token) and score. Raises what
     the engine and the scorer raise."""
     plist = [p for p in prompts for _ in range(settings.n)]
     params = [SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
@@ -77,9 +78,9 @@ def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSetting
         q = scorer(p, r.text)
         rows.append({"prompt_index": i // settings.n, "prompt": p, "sample": i % settings.n,
                      "annotated": r.annotated_text, "text": r.text, "finish_reason": r.stats.finish_reason,
-                     "theoretical_speedup": r.stats.theoretical_speedup, "forks": r.stats.forks,
+                     "content_speedup": r.stats.content_speedup, "forks": r.stats.forks,
                      "tokens": r.stats.tokens_decoded, "quality": q,
-                     "score": speedup_plus_quality(r.stats.theoretical_speedup, q, settings.quality_weight)})
+                     "score": speedup_plus_quality(r.stats.content_speedup, q, settings.quality_weight)})
     return rows
 
 
@@ -195,7 +196,7 @@ def train_bonbon(
             "round": k + 1, "prompts": len(prompts), "samples": len(rows), "pairs": len(pairs),
             "sample_seconds": round(sample_s, 1), "optimizer_steps": steps,
             "mean_score": sum(r["score"] for r in rows) / len(rows),
-            "mean_theoretical_speedup": sum(r["theoretical_speedup"] for r in rows) / len(rows),
+            "mean_content_speedup": sum(r["content_speedup"] for r in rows) / len(rows),
             "forked_samples": sum(1 for r in rows if r["forks"] > 0),
             "mean_quality": sum(r["quality"] for r in rows) / len(rows),
             "first_margin": curve.points[0]["margin"], "last_margin": curve.points[-1]["margin"],

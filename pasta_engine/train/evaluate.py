@@ -4,11 +4,14 @@ On the evaluation split (AlpacaEval's ``vicuna`` subset), greedy, one prompt at 
 for the **base model** (pasta mode with the long PASTA-LANG system prompt, and sequential with a
 plain prompt) and the **adapter** (pasta mode with its one-line prompt):
 
-* fork statistics: responses that forked, mean threads, geometric-mean theoretical speedup;
-* realized speedup on the same content: the pasta response replayed sequentially vs in pasta
-  mode on the same engine (wall time ratio; DESIGN.md section 3);
+* the content speedup first (DESIGN.md section 3; tag tokens are overhead, not content):
+  theoretical (content tokens / critical path) and realized (the pasta answer's clean text
+  replayed sequentially vs the annotated answer replayed in pasta mode, same engine: a wall
+  time ratio); then fork statistics (responses that forked, mean threads), token parallelism
+  and the tag-token fraction;
 * end to end: the base model answering sequentially vs the adapter in pasta mode (wall time
-  ratio), with the length ratio of the two answers;
+  ratio), with the length ratio of the two answers (content tokens) and the fraction of answers
+  cut by the token budget on each side;
 * the quality proxy (:mod:`pasta_engine.train.quality`) of each answer, side by side;
 * AlpacaEval-format ``model_outputs`` of the base model's sequential answers and the adapter's
   pasta answers, for a judge's length-controlled win rate.
@@ -24,7 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..config import SamplingParams
-from ..metrics import geomean, realized_speedup
+from ..metrics import cut_fraction, geomean_positive, length_ratio, realized_speedup, tag_token_fraction
 from ..tools.bench import export_row, resumed_rows
 from ..tools.traces import PromptRow
 from .quality import LikelihoodQuality, repeated_line_fraction
@@ -37,6 +40,18 @@ def _timed_replay(engine: Any, prompt: str, annotated: str, mode: str, repeats: 
     return min(runs, key=lambda r: r.stats.wall_s)
 
 
+def _content(engine: Any, prompt: str, res: Any, repeats: int) -> dict[str, Any]:
+    """The content figures of a pasta answer ``res``: its content speedup, theoretical and
+    realized (its clean text replayed sequentially / its annotated text replayed in pasta mode,
+    both on ``engine``, the fastest of ``repeats`` each), with both wall times (seconds)."""
+    pas = _timed_replay(engine, prompt, res.annotated_text, "pasta", repeats)
+    seq = _timed_replay(engine, prompt, res.text, "sequential", repeats)
+    return {"content_tokens": res.stats.content_tokens, "content_speedup": res.stats.content_speedup,
+            "realized_content_speedup": realized_speedup(seq.stats.wall_s, pas.stats.wall_s),
+            "clean_text_sequential_wall_s": seq.stats.wall_s, "pasta_replay_wall_s": pas.stats.wall_s,
+            "tag_tokens": res.stats.tag_tokens, "token_parallelism": res.stats.token_parallelism}
+
+
 def learned_row(prompt: str, base_engine: Any, adapter_engine: Any, params: SamplingParams, quality: Any,
                 repeats: int = 1, base_pasta: bool = True) -> dict[str, Any]:
     """Every measure of one evaluation prompt (see the module docstring).
@@ -47,45 +62,47 @@ def learned_row(prompt: str, base_engine: Any, adapter_engine: Any, params: Samp
             proxy, nats per token); repeats: replays per mode, the fastest counts;
             base_pasta: also answer with the base model in pasta mode.
 
-    Returns a JSON-ready dict: per side its text, tokens, wall seconds, finish reason, quality
-    and repeated-line fraction; for the adapter also forks, threads, decode steps, critical
-    path, theoretical speedup and the same-content realized speedup with both wall times
-    (seconds); ``end_to_end_speedup`` (base sequential wall / adapter pasta wall) and
-    ``length_ratio`` (adapter tokens / base tokens). Raises what the engines raise."""
+    Returns a JSON-ready dict: per side its text, content tokens, tokens decoded (``tokens``),
+    wall seconds, finish reason (``length``: cut by the token budget), quality and repeated-line
+    fraction; for the pasta sides first the content figures (:func:`_content`: content speedup,
+    realized content speedup with both wall times in seconds, tag tokens, token parallelism),
+    then forks, threads, decode steps and critical path; ``end_to_end_speedup`` (base sequential
+    wall / adapter pasta wall) and ``length_ratio`` (adapter content tokens / base content
+    tokens, None when the base answer has none). Raises what the engines raise."""
     seq = base_engine.generate([prompt], params, mode="sequential")[0]
     ad = adapter_engine.generate([prompt], params, mode="pasta")[0]
-    ad_seq = _timed_replay(adapter_engine, prompt, ad.annotated_text, "sequential", repeats)
-    ad_pas = _timed_replay(adapter_engine, prompt, ad.annotated_text, "pasta", repeats)
+    s = seq.stats
     row: dict[str, Any] = {
-        "base_sequential": {"text": seq.text, "tokens": seq.stats.tokens_decoded, "wall_s": seq.stats.wall_s,
-                            "finish_reason": seq.stats.finish_reason, "quality": quality(prompt, seq.text),
+        "base_sequential": {"text": seq.text, "content_tokens": s.content_tokens, "tokens": s.tokens_decoded,
+                            "wall_s": s.wall_s, "finish_reason": s.finish_reason, "quality": quality(prompt, seq.text),
                             "repeated_lines": repeated_line_fraction(seq.text)},
-        "adapter_pasta": {"text": ad.text, "annotated": ad.annotated_text, "tokens": ad.stats.tokens_decoded,
-                          "wall_s": ad.stats.wall_s, "finish_reason": ad.stats.finish_reason, "forks": ad.stats.forks,
+        "adapter_pasta": {**_content(adapter_engine, prompt, ad, repeats), "text": ad.text,
+                          "annotated": ad.annotated_text, "tokens": ad.stats.tokens_decoded, "wall_s": ad.stats.wall_s,
+                          "finish_reason": ad.stats.finish_reason, "forks": ad.stats.forks,
                           "threads": ad.stats.threads, "decode_steps": ad.stats.decode_steps,
-                          "critical_path": ad.stats.critical_path, "theoretical_speedup": ad.stats.theoretical_speedup,
-                          "quality": quality(prompt, ad.text), "repeated_lines": repeated_line_fraction(ad.text),
-                          "same_content_realized_speedup": realized_speedup(ad_seq.stats.wall_s, ad_pas.stats.wall_s),
-                          "same_content_sequential_wall_s": ad_seq.stats.wall_s,
-                          "same_content_pasta_wall_s": ad_pas.stats.wall_s},
-        "end_to_end_speedup": realized_speedup(seq.stats.wall_s, ad.stats.wall_s),
-        "length_ratio": ad.stats.tokens_decoded / seq.stats.tokens_decoded,
+                          "critical_path": ad.stats.critical_path, "quality": quality(prompt, ad.text),
+                          "repeated_lines": repeated_line_fraction(ad.text)},
+        "end_to_end_speedup": realized_speedup(s.wall_s, ad.stats.wall_s),
+        "length_ratio": length_ratio(ad.stats.content_tokens, s.content_tokens) if s.content_tokens else None,
     }
     if base_pasta:
         bp = base_engine.generate([prompt], params, mode="pasta")[0]
-        bp_seq = _timed_replay(base_engine, prompt, bp.annotated_text, "sequential", repeats)
-        bp_pas = _timed_replay(base_engine, prompt, bp.annotated_text, "pasta", repeats)
-        row["base_pasta"] = {"text": bp.text, "annotated": bp.annotated_text, "tokens": bp.stats.tokens_decoded,
-                             "wall_s": bp.stats.wall_s, "forks": bp.stats.forks, "threads": bp.stats.threads,
-                             "theoretical_speedup": bp.stats.theoretical_speedup, "quality": quality(prompt, bp.text),
-                             "same_content_realized_speedup": realized_speedup(bp_seq.stats.wall_s, bp_pas.stats.wall_s),
-                             "end_to_end_speedup": realized_speedup(seq.stats.wall_s, bp.stats.wall_s)}
+        row["base_pasta"] = {**_content(base_engine, prompt, bp, repeats), "text": bp.text,
+                             "annotated": bp.annotated_text, "tokens": bp.stats.tokens_decoded,
+                             "wall_s": bp.stats.wall_s, "finish_reason": bp.stats.finish_reason,
+                             "forks": bp.stats.forks, "threads": bp.stats.threads, "quality": quality(prompt, bp.text),
+                             "end_to_end_speedup": realized_speedup(s.wall_s, bp.stats.wall_s),
+                             "length_ratio": (length_ratio(bp.stats.content_tokens, s.content_tokens)
+                                              if s.content_tokens else None)}
     return row
 
 
 def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Aggregates over prompts (geometric means of ratios, as the paper; arithmetic means of the
-    quality proxy). Raises ValueError for no rows."""
+    """Aggregates over prompts (geometric means of ratios, as the paper, answers without content
+    left out of the content figures; arithmetic means of the quality proxy): per side the content
+    speedups first, the tag-token fraction (tag tokens / tokens decoded) and the fraction cut by
+    the token budget; the end-to-end speedup with its length ratio. Raises ValueError for no
+    rows."""
     if not rows:
         raise ValueError("no rows to summarize")
     n = len(rows)
@@ -94,22 +111,28 @@ def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         xs = [r[key] for r in rows if key in r]
         if not xs:
             return {}
-        out = {
-            "responses": len(xs),
+        out: dict[str, Any] = {"responses": len(xs)}
+        if "content_speedup" in xs[0]:
+            out["geomean_content_speedup"] = geomean_positive(x["content_speedup"] for x in xs)
+            out["geomean_realized_content_speedup"] = geomean_positive(x["realized_content_speedup"] for x in xs)
+            out["tag_token_fraction"] = tag_token_fraction(sum(x["tag_tokens"] for x in xs),
+                                                           sum(x["tokens"] for x in xs))
+            out["geomean_token_parallelism"] = geomean_positive(x["token_parallelism"] for x in xs)
+        out.update({
             "forked": sum(1 for x in xs if x.get("forks", 0) > 0),
             "fork_rate": sum(1 for x in xs if x.get("forks", 0) > 0) / len(xs),
             "mean_threads": sum(x.get("threads", 1) for x in xs) / len(xs),
             "mean_tokens": sum(x["tokens"] for x in xs) / len(xs),
             "mean_quality": sum(x["quality"] for x in xs) / len(xs),
             "finished_by_eos": sum(1 for x in xs if x.get("finish_reason", "stop") == "stop"),
-        }
-        if "theoretical_speedup" in xs[0]:
-            out["geomean_theoretical_speedup"] = geomean(x["theoretical_speedup"] for x in xs)
-            out["geomean_same_content_realized_speedup"] = geomean(x["same_content_realized_speedup"] for x in xs)
+            "cut_fraction": cut_fraction(x.get("finish_reason", "stop") for x in xs),
+            "empty_answers": sum(1 for x in xs if x.get("content_tokens", 1) == 0),
+        })
         if "repeated_lines" in xs[0]:
             out["mean_repeated_lines"] = sum(x["repeated_lines"] for x in xs) / len(xs)
         if "end_to_end_speedup" in xs[0]:
-            out["geomean_end_to_end_speedup_vs_base_sequential"] = geomean(x["end_to_end_speedup"] for x in xs)
+            out["geomean_end_to_end_speedup_vs_base_sequential"] = geomean_positive(x["end_to_end_speedup"] for x in xs)
+            out["geomean_length_ratio_vs_base_sequential"] = geomean_positive(x["length_ratio"] for x in xs)
         return out
 
     return {
@@ -117,15 +140,17 @@ def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "base_sequential": side("base_sequential"),
         "base_pasta": side("base_pasta"),
         "adapter_pasta": side("adapter_pasta"),
-        "geomean_end_to_end_speedup": geomean(r["end_to_end_speedup"] for r in rows),
-        "geomean_length_ratio": geomean(r["length_ratio"] for r in rows),
+        "geomean_end_to_end_speedup": geomean_positive(r["end_to_end_speedup"] for r in rows),
+        "geomean_length_ratio": geomean_positive(r["length_ratio"] for r in rows),
+        "cut_fraction_base_sequential": cut_fraction(r["base_sequential"]["finish_reason"] for r in rows),
+        "cut_fraction_adapter_pasta": cut_fraction(r["adapter_pasta"]["finish_reason"] for r in rows),
         "quality_proxy": "base model mean log-likelihood per token of the clean answer given the plain prompt, "
                          "minus 2.0 x the fraction of repeated lines (nats per token; higher is better; a proxy)",
     }
 
 
 def plot_learned(rows: Sequence[dict[str, Any]], path: Path) -> Path | None:
-    """PNG: per prompt, the adapter's theoretical vs same-content realized speedup (y = x), and
+    """PNG: per prompt, the adapter's theoretical vs realized content speedup (y = x), and
     the quality proxy of the base model's sequential answer vs the adapter's."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -135,13 +160,13 @@ def plot_learned(rows: Sequence[dict[str, Any]], path: Path) -> Path | None:
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(1, 2)
-    th = [r["adapter_pasta"]["theoretical_speedup"] for r in rows]
-    re_ = [r["adapter_pasta"]["same_content_realized_speedup"] for r in rows]
+    th = [r["adapter_pasta"]["content_speedup"] for r in rows]
+    re_ = [r["adapter_pasta"]["realized_content_speedup"] for r in rows]
     ax1.scatter(th, re_, s=14, alpha=0.7)
-    hi = max([1.0, *th, *re_]) * 1.05
-    ax1.plot([0.9, hi], [0.9, hi], "k--", lw=1, label="y = x")
-    ax1.set_xlabel("theoretical speedup")
-    ax1.set_ylabel("realized speedup, same content")
+    hi, lo = max([1.0, *th, *re_]) * 1.05, min([1.0, *th, *re_]) * 0.95
+    ax1.plot([lo, hi], [lo, hi], "k--", lw=1, label="y = x")
+    ax1.set_xlabel("content speedup, theoretical (content tokens / critical path)")
+    ax1.set_ylabel("content speedup, realized (clean text sequential / pasta)")
     ax1.set_title("adapter in pasta mode, per prompt")
     ax1.legend(fontsize=8)
     qb = [r["base_sequential"]["quality"] for r in rows]
@@ -164,7 +189,7 @@ def evaluate_learned(prompts: Sequence[PromptRow], base_engine: Any, adapter_eng
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
-    rows = resumed_rows(out, [p.instruction for p in prompts], resume)
+    rows = resumed_rows(out, [p.instruction for p in prompts], resume, need="adapter_pasta.content_speedup")
     # warm-up (untimed): one short answer in each mode on each engine
     warm = SamplingParams(max_new_tokens=8)
     for engine, modes in ((base_engine, ("sequential", "pasta")), (adapter_engine, ("pasta",))):

@@ -70,7 +70,8 @@ class LikelihoodQuality:
         return self.mean_loglik(prompt, text) - self.repeat_penalty * repeated_line_fraction(text)
 
 
-def speedup_plus_quality(theoretical_speedup: float, quality: float, weight: float) -> float:
-    """The BoNBoN ranking score (Jin et al. 2025, section 4.2): theoretical speedup plus
-    ``weight`` (lambda) times quality."""
-    return theoretical_speedup + weight * quality
+def speedup_plus_quality(content_speedup: float, quality: float, weight: float) -> float:
+    """The BoNBoN ranking score (Jin et al. 2025, section 4.2): the content speedup (content
+    tokens / critical path, :func:`pasta_engine.metrics.content_speedup`) plus ``weight``
+    (lambda) times quality."""
+    return content_speedup + weight * quality

@@ -160,7 +160,9 @@ def test_replay_steps_equal_the_critical_path_or_its_width_bound(tiny_llama, wid
     assert s.max_width <= (width or 99)
     script = replay_script(engine.tokenizer, ANNOTATED, engine.tokenizer.eos_token_id)
     assert s.decode_steps == simulate_steps(script.structure, width)
-    assert s.theoretical_speedup == pytest.approx(seq.stats.decode_steps / s.critical_path)
+    assert s.token_parallelism == pytest.approx(s.tokens_decoded / s.critical_path)
+    assert s.content_tokens == len(engine.encode(res.text))  # the clean text: no tag tokens, no EOS
+    assert s.content_speedup == pytest.approx(s.content_tokens / s.critical_path)
 
 
 def test_replay_on_a_real_tokenizer_keeps_steps_equal_to_critical_path(smollm2_dir):

@@ -18,10 +18,20 @@ def test_generate_both_modes_as_json(tiny_llama, capsys):
     out, err = capsys.readouterr()
     assert rc == 0
     row = json.loads(out.strip().splitlines()[-1])
-    assert set(row) >= {"prompt", "sequential", "pasta", "realized_speedup"}
-    assert row["pasta"]["stats"]["tokens_decoded"] <= 12
-    assert row["realized_speedup"] > 0
-    assert "summary:" in err and "geomean_realized_speedup" in err
+    assert set(row) >= {"prompt", "sequential", "pasta", "content_speedup", "realized_content_speedup",
+                        "end_to_end_speedup", "length_ratio", "finish_reasons"}
+    p, q = row["pasta"]["stats"], row["sequential"]["stats"]
+    assert p["tokens_decoded"] <= 12
+    assert list(p)[:2] == ["content_tokens", "content_speedup"]  # the content figures first
+    assert row["content_speedup"] == p["content_speedup"] == pytest.approx(p["content_tokens"] / p["critical_path"])
+    assert row["realized_content_speedup"] > 0
+    assert row["end_to_end_speedup"] == pytest.approx(q["wall_s"] / p["wall_s"])
+    if q["content_tokens"]:
+        assert row["length_ratio"] == pytest.approx(p["content_tokens"] / q["content_tokens"])
+    summary = json.loads(err.split("summary: ", 1)[1].splitlines()[0])
+    assert list(summary)[1:3] == ["geomean_content_speedup", "geomean_realized_content_speedup"]
+    assert {"geomean_end_to_end_speedup", "geomean_length_ratio", "cut_fraction_sequential", "cut_fraction_pasta",
+            "tag_token_fraction"} <= set(summary)
 
 
 def test_prompts_file_and_human_output(tiny_llama, tmp_path, capsys):
@@ -46,7 +56,11 @@ def test_replay_traces(tiny_llama, tmp_path, capsys):
     row = json.loads(out)
     assert row["pasta"]["annotated_text"] == ANNOTATED
     assert row["pasta"]["stats"]["decode_steps"] == row["pasta"]["stats"]["critical_path"]
-    assert row["sequential"]["token_ids"] == row["pasta"]["token_ids"]
+    # the sequential side decodes the clean text: no tag token, one step per content token + EOS
+    assert row["sequential"]["text"] == row["pasta"]["text"]
+    assert row["sequential"]["stats"]["decode_steps"] == row["pasta"]["stats"]["content_tokens"] + 1
+    assert row["realized_content_speedup"] == pytest.approx(
+        row["sequential"]["stats"]["wall_s"] / row["pasta"]["stats"]["wall_s"])
 
 
 def test_errors_are_one_line_not_tracebacks(tmp_path, capsys):

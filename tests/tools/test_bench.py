@@ -13,8 +13,8 @@ from pasta_engine import Engine, Limits
 from pasta_engine.engine.replay import replay_script
 from pasta_engine.entrypoints.cli import main
 from pasta_engine.lang.tags import ASYNC_CLOSE, ASYNC_OPEN, strip_tags
-from pasta_engine.lang.tokenization import tokenize_annotated
-from pasta_engine.metrics import ResponseStructure, critical_path, geomean, simulate_steps, theoretical_speedup
+from pasta_engine.lang.tokenization import encode_text, tokenize_annotated
+from pasta_engine.metrics import ResponseStructure, critical_path, geomean, simulate_steps
 from pasta_engine.tools.annotate import annotate_sot
 from pasta_engine.tools.presets import preset_tokenizer
 from pasta_engine.tools.traces import read_traces
@@ -61,23 +61,26 @@ def test_hand_built_trace_with_a_sync_that_waits(unlimited):
     assert end1 > s  # the long chunk is still running at the sync: the main thread waits
     cp = max(s, end1, end2) + (main_tokens - s)
     opened = 2 * len(e.open_ids)
-    content = main_tokens + L1 + L2 + opened  # what one thread decodes for the same response
-    assert cp < content
+    spliced = main_tokens + L1 + L2 + opened  # what one thread decodes for the annotated response
+    assert cp < spliced
+    content = len(encode_text(e.tokenizer, strip_tags(annotated)))  # the clean text: no tag token, no EOS
 
     script = replay_script(e.tokenizer, annotated, e.tokenizer.eos_token_id)
     assert script.structure == ResponseStructure(main_tokens, [(k1, L1), (k2, L2)], [s], inserted=opened)
     assert critical_path(script.structure) == cp
-    assert theoretical_speedup(script.structure) == pytest.approx(content / cp)
-    assert len(script.sequential_ids) == content
+    assert script.structure.spliced_tokens == len(script.sequential_ids) == spliced
 
     [pasta] = e.replay([PROMPT], [annotated])
     [seq] = e.replay([PROMPT], [annotated], mode="sequential")
     assert pasta.annotated_text == annotated
     assert pasta.stats.critical_path == pasta.stats.decode_steps == cp
-    assert pasta.stats.theoretical_speedup == pytest.approx(content / cp)
-    assert pasta.stats.theoretical_parallelism == pytest.approx((main_tokens + L1 + L2) / cp)
-    assert seq.stats.decode_steps == seq.stats.tokens_decoded == content
+    assert pasta.stats.content_tokens == content
+    assert pasta.stats.content_speedup == pytest.approx(content / cp)
+    assert pasta.stats.token_parallelism == pytest.approx((main_tokens + L1 + L2) / cp)
+    assert seq.stats.decode_steps == seq.stats.tokens_decoded == spliced
     assert seq.token_ids == pasta.token_ids
+    [clean] = e.replay([PROMPT], [pasta.text], mode="sequential")  # the content alone, in one thread
+    assert clean.stats.decode_steps == content + 1 and clean.text == pasta.text
 
 
 def test_hand_built_trace_where_the_end_joins_and_one_without_promises(unlimited):
@@ -91,16 +94,17 @@ def test_hand_built_trace_where_the_end_joins_and_one_without_promises(unlimited
     main_tokens = k1 + n_tok(e, m2) + 1
     L1 = n_tok(e, c1 + ASYNC_CLOSE)
     cp = max(main_tokens, k1 + L1)  # end of sequence is an implicit sync
-    content = main_tokens + L1 + len(e.open_ids)
+    content = len(encode_text(e.tokenizer, strip_tags(annotated)))
     [r] = e.replay([PROMPT], [annotated])
     assert r.stats.decode_steps == r.stats.critical_path == cp
-    assert r.stats.theoretical_speedup == pytest.approx(content / cp)
+    assert r.stats.content_speedup == pytest.approx(content / cp)
 
     plain = "Sleep well. " * 5
     [r] = e.replay([PROMPT], [plain])
     assert r.stats.forks == 0 and r.stats.threads == 1
     assert r.stats.decode_steps == r.stats.critical_path == n_tok(e, plain) + 1
-    assert r.stats.theoretical_speedup == 1.0
+    assert r.stats.content_tokens == n_tok(e, plain) and r.stats.tag_tokens == 0
+    assert r.stats.content_speedup == pytest.approx(n_tok(e, plain) / (n_tok(e, plain) + 1))  # EOS is no content
 
 
 LIST_RESPONSE = (
@@ -175,9 +179,9 @@ def cache(tmp_path, monkeypatch):
 
 
 SUMMARY_KEYS = {
-    "prompts", "forked_responses", "mean_threads", "geomean_theoretical_speedup", "geomean_theoretical_parallelism",
-    "geomean_step_speedup", "geomean_realized_speedup", "geomean_realized_over_theoretical", "tokens_total",
-    "wall_s_total", "wall_s_total_sequential",
+    "prompts", "forked_responses", "mean_threads", "geomean_content_speedup", "geomean_realized_content_speedup",
+    "geomean_realized_over_theoretical", "geomean_step_speedup", "geomean_token_parallelism", "tag_token_fraction",
+    "content_tokens_total", "tokens_decoded_total", "wall_s_total", "wall_s_total_sequential", "text_mismatches",
 }
 SETTINGS_KEYS = {"model", "preset", "device", "device_name", "dtype", "torch_version", "command_line", "limit",
                  "attention_backend", "position_policy", "max_threads", "annotators"}
@@ -190,21 +194,24 @@ def check_speedup_outputs(out, n, width=None):
     rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(rows) == n == s["prompts"]
     for r in rows:
-        assert r["same_tokens"]
+        assert r["same_text"]  # the sequential side decoded the pasta answer's clean text
         if width is None:
             assert r["decode_steps"] == r["critical_path"]  # --max-threads 0: unlimited width
-        assert r["critical_path"] <= r["decode_steps"] <= r["tokens"]
+        assert r["critical_path"] <= r["decode_steps"] <= r["tokens_decoded"]
         assert r["max_width"] <= (width or r["threads"])
-        assert r["decode_steps_sequential"] == r["tokens"]
-        assert r["theoretical_speedup"] == pytest.approx(r["tokens"] / r["critical_path"])
-        assert r["realized_speedup"] == pytest.approx(r["wall_s_sequential"] / r["wall_s"])
-        assert r["realized_over_theoretical"] == pytest.approx(r["realized_speedup"] / r["theoretical_speedup"])
+        assert r["decode_steps_sequential"] == r["tokens_sequential"] == r["content_tokens"] + 1  # + EOS, no tags
+        assert r["content_speedup"] == pytest.approx(r["content_tokens"] / r["critical_path"])
+        assert r["realized_content_speedup"] == pytest.approx(r["wall_s_sequential"] / r["wall_s"])
+        assert r["realized_over_theoretical"] == pytest.approx(r["realized_content_speedup"] / r["content_speedup"])
+        assert r["tag_tokens"] == r["tokens_decoded"] - 1 - r["content_tokens"]
         if r["forks"] == 0:
-            assert r["theoretical_speedup"] == 1.0 and r["threads"] == 1
-    assert s["geomean_theoretical_speedup"] == pytest.approx(geomean(r["theoretical_speedup"] for r in rows))
-    assert s["geomean_realized_speedup"] == pytest.approx(geomean(r["realized_speedup"] for r in rows))
+            assert r["tag_tokens"] == 0 and r["threads"] == 1
+            assert r["content_speedup"] == pytest.approx(r["content_tokens"] / (r["content_tokens"] + 1))
+    assert s["geomean_content_speedup"] == pytest.approx(geomean(r["content_speedup"] for r in rows))
+    assert s["geomean_realized_content_speedup"] == pytest.approx(geomean(r["realized_content_speedup"] for r in rows))
     assert s["forked_responses"] == sum(r["forks"] > 0 for r in rows)
-    assert s["tokens_total"] == sum(r["tokens"] for r in rows)
+    assert s["content_tokens_total"] == sum(r["content_tokens"] for r in rows)
+    assert s["tag_token_fraction"] == pytest.approx(sum(r["tag_tokens"] for r in rows) / s["tokens_decoded_total"])
     png = (out / "speedup.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
     return summary, rows
@@ -273,6 +280,12 @@ def test_bench_speedup_resumes_an_interrupted_run(responses_file, cache, tmp_pat
     rc = main([*common[:5], str(other), *common[6:], "--resume"])
     _, err = capsys.readouterr()
     assert rc == 2 and "prompts.jsonl row 1 is for another prompt" in err
+    # a row of an older version (tag-inclusive figures, no content speedup) is not mixed in
+    old_rows = [{k: v for k, v in json.loads(line).items() if k != "content_speedup"} for line in rows]
+    (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old_rows[:2]))
+    rc = main([*common, "--resume"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "row 1 has no 'content_speedup'" in err and "older pasta-engine" in err
 
 
 def test_bench_annotate_with_the_model(responses_file, cache, tmp_path, capsys):
@@ -302,13 +315,19 @@ def test_bench_pareto(responses_file, cache, tmp_path, capsys):
         assert len({x["generator"] for x in exported}) == 1 and mode in exported[0]["generator"]
     for r in rows:
         assert r["tokens_pasta"] <= 12 and r["tokens_sequential"] <= 12
-        assert r["length_ratio"] == pytest.approx(r["tokens_pasta"] / r["tokens_sequential"])
-        assert r["realized_speedup"] == pytest.approx(r["wall_s_sequential"] / r["wall_s"])
-        assert r["throughput_ratio"] == pytest.approx(r["realized_speedup"] * r["length_ratio"])
+        assert list(r)[3:7] == ["content_speedup", "realized_content_speedup", "end_to_end_speedup", "length_ratio"]
+        assert r["content_speedup"] == pytest.approx(r["content_tokens_pasta"] / r["critical_path"])
+        assert r["realized_content_speedup"] == pytest.approx(r["wall_s_clean_sequential"] / r["wall_s"])
+        assert r["length_ratio"] == pytest.approx(r["content_tokens_pasta"] / r["content_tokens_sequential"])
+        assert r["end_to_end_speedup"] == pytest.approx(r["wall_s_sequential"] / r["wall_s"])
+        assert r["throughput_ratio"] == pytest.approx(r["end_to_end_speedup"] * r["length_ratio"])
     s = json.loads((out / "summary.json").read_text())["summary"]
     assert s["prompts"] == 2
     assert s["geomean_length_ratio"] == pytest.approx(math.sqrt(rows[0]["length_ratio"] * rows[1]["length_ratio"]))
-    assert set(s) >= {"geomean_realized_speedup", "fork_rate", "mean_forks", "capped_chunks", "malformed_tags"}
+    assert s["cut_fraction_pasta"] == sum(r["finish_reason"] == "length" for r in rows) / 2
+    assert set(s) >= {"geomean_content_speedup", "geomean_realized_content_speedup", "geomean_end_to_end_speedup",
+                      "cut_fraction_sequential", "tag_token_fraction", "fork_rate", "mean_forks", "capped_chunks",
+                      "malformed_tags"}
 
 
 def test_bench_errors_are_one_line_and_named(cache, tmp_path, capsys):

@@ -236,7 +236,7 @@ def test_a_bonbon_round_on_a_tiny_model(tiny_llama, tmp_path):
     [r] = summary["rounds"]
     assert r["samples"] == 6 and r["pairs"] == 2 and r["optimizer_steps"] == 2
     samples = [json.loads(x) for x in (tmp_path / "bb" / "round1" / "samples.jsonl").read_text().splitlines()]
-    assert all(s["score"] == pytest.approx(s["theoretical_speedup"] - len(s["text"]) / 100) for s in samples)
+    assert all(s["score"] == pytest.approx(s["content_speedup"] - len(s["text"]) / 100) for s in samples)
     manifest = json.loads((tmp_path / "bb" / "adapter" / "manifest.json").read_text())
     assert [s["stage"] for s in manifest["stages"]] == ["sft", "bonbon"]
     engine = Engine.from_pretrained(tiny_llama, adapter=tmp_path / "bb" / "adapter", kv_cache_bytes=8 * 2**20)
@@ -264,11 +264,16 @@ def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, cap
     rows = [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()]
     assert [r["instruction"] for r in rows] == ["eval one", "eval two"]
     s = json.loads((out / "summary.json").read_text())["summary"]
-    assert s["prompts"] == 2 and set(s) >= {"base_sequential", "base_pasta", "adapter_pasta"}
+    assert s["prompts"] == 2 and set(s) >= {"base_sequential", "base_pasta", "adapter_pasta", "geomean_length_ratio",
+                                            "cut_fraction_base_sequential", "cut_fraction_adapter_pasta"}
+    assert list(s["adapter_pasta"])[1:3] == ["geomean_content_speedup", "geomean_realized_content_speedup"]
     for r in rows:
         a = r["adapter_pasta"]
-        assert a["tokens"] <= 6 and a["theoretical_speedup"] >= 1.0
-        assert r["length_ratio"] == pytest.approx(a["tokens"] / r["base_sequential"]["tokens"])
+        assert a["tokens"] <= 6 and a["content_speedup"] == pytest.approx(a["content_tokens"] / a["critical_path"])
+        assert a["realized_content_speedup"] == pytest.approx(a["clean_text_sequential_wall_s"] / a["pasta_replay_wall_s"])
+        b = r["base_sequential"]
+        if b["content_tokens"]:
+            assert r["length_ratio"] == pytest.approx(a["content_tokens"] / b["content_tokens"])
     exported = json.loads((out / "model_outputs_adapter_pasta.json").read_text())
     assert [x["instruction"] for x in exported] == ["eval one", "eval two"]
     assert (out / "learned.png").read_bytes().startswith(b"\x89PNG")
