@@ -23,6 +23,7 @@ if "TRITON_INTERPRET" not in _os.environ:
 from .config import EngineConfig, Limits, PositionPolicy, SamplingParams
 from .engine import AsyncEngine, Engine, RequestOutput, RequestResult, RequestStats, StreamOutput, ThreadEvent
 from .errors import (
+    CheckpointError,
     ContextLengthError,
     EngineDeadError,
     KVCacheExhausted,
@@ -46,6 +47,7 @@ __all__ = [
     "PastaEngineError",
     "ParameterError",
     "ContextLengthError",
+    "CheckpointError",
     "KVCacheExhausted",
     "UnsupportedModelError",
     "EngineDeadError",

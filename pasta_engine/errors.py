@@ -16,6 +16,7 @@ __all__ = [
     "PastaEngineError",
     "ParameterError",
     "ContextLengthError",
+    "CheckpointError",
     "KVCacheExhausted",
     "UnsupportedModelError",
     "EngineDeadError",
@@ -51,6 +52,14 @@ class ParameterError(ValueError, PastaEngineError):
 class ContextLengthError(ParameterError):
     """A prompt leaves no room for a response under the model's context length
     (``max_position_embeddings``), or could never fit in the KV cache."""
+
+
+class CheckpointError(ParameterError):
+    """A checkpoint or adapter a user named cannot be used as it is: a file that is truncated or
+    not what its name says (``config.json``, weights, ``.gguf``, tokenizer), a config whose sizes
+    are impossible (``num_attention_heads: 0``), or weights that disagree with the config (a
+    vocabulary of another size). ``param`` is ``"model"``, ``"adapter"`` or ``"tokenizer"`` and
+    ``value`` the path; the message names the file and what is wrong with it."""
 
 
 class KVCacheExhausted(RuntimeError, PastaEngineError):

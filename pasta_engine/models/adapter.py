@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import ParameterError, UnsupportedModelError
+from ..errors import CheckpointError, ParameterError, UnsupportedModelError
 
 __all__ = ["merge_lora", "read_manifest", "added_tokens", "file_sha256", "SHIPPED_ADAPTERS", "shipped_adapter"]
 
@@ -55,10 +56,24 @@ def shipped_adapter(name: str = "smollm2-135m-pasta") -> Path | None:
     return path if (path / "adapter_config.json").exists() else None
 
 
+def _read_json_object(path: Path, adapter_dir: str | Path) -> dict[str, Any]:
+    """``path`` read as a JSON object; CheckpointError naming the adapter and the file if it is not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: {path.name} is not a "
+                              f"JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: {path.name} holds a "
+                              f"JSON {type(value).__name__}, not an object")
+    return value
+
+
 def read_manifest(adapter_dir: str | Path) -> dict[str, Any] | None:
-    """The adapter's ``manifest.json`` (None when it has none)."""
+    """The adapter's ``manifest.json`` (None when it has none). Raises CheckpointError (a
+    ParameterError naming the adapter) when it is not a JSON object."""
     p = Path(adapter_dir) / "manifest.json"
-    return json.loads(p.read_text()) if p.exists() else None
+    return _read_json_object(p, adapter_dir) if p.exists() else None
 
 
 def added_tokens(manifest: dict[str, Any] | None) -> dict[str, int]:
@@ -117,11 +132,16 @@ def _adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     st = adapter_dir / "adapter_model.safetensors"
-    if st.exists():
-        return load_file(st)
     binf = adapter_dir / "adapter_model.bin"
-    if binf.exists():
-        return torch.load(binf, map_location="cpu", weights_only=True)
+    for file in (st, binf):
+        if not file.exists():
+            continue
+        try:
+            return load_file(st) if file is st else torch.load(binf, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001  (safetensors, pickle and OS errors: the file is unreadable)
+            first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: cannot read "
+                                  f"{file.name} (truncated or not a weights file): {first[:200]}") from None
     raise FileNotFoundError(f"{adapter_dir} has no adapter_model.safetensors (a peft LoRA adapter folder)")
 
 
@@ -138,12 +158,14 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path) -> lis
 
     Raises FileNotFoundError for a folder that is no adapter, UnsupportedModelError for a peft
     option this merge does not implement (DoRA, biases, fan-in-fan-out, extra modules to save),
-    ParameterError when a LoRA pair names a weight the checkpoint does not have or shapes disagree."""
+    ParameterError when a LoRA pair names a weight the checkpoint does not have or shapes disagree,
+    CheckpointError (a ParameterError naming the adapter) for an ``adapter_config.json`` that is
+    not JSON or has no valid rank ``r``, or weights that cannot be read (truncated)."""
     adapter_dir = Path(adapter_dir)
     cfg_path = adapter_dir / "adapter_config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"{adapter_dir} is not a LoRA adapter folder (no adapter_config.json)")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = _read_json_object(cfg_path, adapter_dir)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise UnsupportedModelError(f"adapter type {cfg.get('peft_type')!r} is not supported (LoRA only)")
     for opt, bad in (("use_dora", True), ("fan_in_fan_out", True)):
@@ -151,8 +173,15 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path) -> lis
             raise UnsupportedModelError(f"LoRA option {opt}={bad} is not supported")
     if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
         raise UnsupportedModelError("LoRA adapters with trained biases or modules_to_save are not supported")
-    r = int(cfg["r"])
-    alpha = float(cfg.get("lora_alpha", r))
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: adapter_config.json "
+                              f"has r={r!r}{' (missing)' if 'r' not in cfg else ''}: the LoRA rank must be an integer >= 1")
+    alpha = cfg.get("lora_alpha", r)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: adapter_config.json "
+                              f"has lora_alpha={alpha!r}: expected a number")
+    alpha = float(alpha)
     scale = alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r
     tensors = _adapter_tensors(adapter_dir)
     merged = _merge_token_rows(weights, cfg, tensors, adapter_dir)
@@ -168,6 +197,9 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path) -> lis
             raise ParameterError("adapter", str(adapter_dir),
                                  message=f"the adapter adapts {base!r}, which the checkpoint does not have")
         w = weights[base]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: {name} "
+                                  f"{tuple(a.shape)} and its lora_B {tuple(b.shape)} do not share a rank")
         delta = b.float() @ a.float()
         if delta.shape != w.shape:
             raise ParameterError("adapter", str(adapter_dir),

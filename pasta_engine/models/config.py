@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import UnsupportedModelError
+from ..errors import CheckpointError, UnsupportedModelError
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES", "ARCHITECTURES", "ACTIVATIONS"]
+__all__ = ["ModelConfig", "check_sizes", "SUPPORTED_ARCHITECTURES", "ARCHITECTURES", "ACTIVATIONS"]
 
 #: ``model_type`` -> its fixed traits (the :class:`ModelConfig` fields it sets) and which layers
 #: honour ``config.sliding_window``: ``"none"`` (the architecture has no window), ``"all"``
@@ -99,7 +99,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: Any) -> "ModelConfig":
         """From a ``transformers`` config. Raises UnsupportedModelError naming the
-        architecture or option that is not implemented."""
+        architecture or option that is not implemented, CheckpointError naming a size that is
+        not an integer >= 1 (``num_attention_heads: 0``)."""
         mt = getattr(cfg, "model_type", None)
         if mt not in ARCHITECTURES:
             raise UnsupportedModelError(
@@ -118,6 +119,7 @@ class ModelConfig:
         if partial not in (None, 1, 1.0):
             raise UnsupportedModelError(f"{mt} with partial_rotary_factor={partial} is not supported (RoPE over the "
                                         "whole head only)")
+        check_sizes(cfg)
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
@@ -157,6 +159,26 @@ class ModelConfig:
     def embedding_scale(self) -> float:
         """What embeddings are multiplied by (``sqrt(hidden_size)`` with ``scale_embeddings``, else 1)."""
         return math.sqrt(self.hidden_size) if self.scale_embeddings else 1.0
+
+
+def check_sizes(cfg: Any) -> None:
+    """Check the sizes of a config (a ``transformers`` config, or ``config.json`` read as a
+    namespace, before ``transformers`` divides by them): each an integer >= 1 where given, and
+    ``hidden_size`` a multiple of ``num_attention_heads`` when there is no ``head_dim``.
+
+    Raises CheckpointError naming the field and its value."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        v = getattr(cfg, name, None)
+        if v is None and name in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise CheckpointError("model", None, message=f"config.json: {name}={v!r} is not a size (expected an "
+                                  "integer >= 1)")
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    if getattr(cfg, "head_dim", None) is None and hidden % heads:
+        raise CheckpointError("model", None, message=f"config.json: hidden_size={hidden} is not a multiple of "
+                              f"num_attention_heads={heads} (and no head_dim is given)")
 
 
 def _sliding_windows(cfg: Any, mt: str, windows_from: str, max_pos: int | None) -> tuple[int | None, ...]:

