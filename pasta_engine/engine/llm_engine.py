@@ -76,10 +76,22 @@ class Engine:
         if config is not None and options:
             raise ParameterError(next(iter(options)), None, message="pass either config= or keyword options, not both")
         self.config = config if config is not None else EngineConfig.from_kwargs(**options)
+        rows = model.config.vocab_size
+        if hasattr(tokenizer, "__len__") and len(tokenizer) > rows:
+            raise ParameterError("tokenizer", len(tokenizer), message=f"the tokenizer has {len(tokenizer)} tokens but the "
+                                 f"model's vocabulary holds {rows}: they come from different checkpoints")
         self.model = model
         self.tokenizer = tokenizer
         self.hf_config = hf_config
-        self.model_runner = ModelRunner(model, self.config)
+        _check_kv_budget(self.config.kv_cache_bytes, model.device)
+        try:
+            self.model_runner = ModelRunner(model, self.config)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            if "alloc" not in str(e).lower() and "out of memory" not in str(e).lower():
+                raise
+            raise ParameterError("kv_cache_bytes", self.config.kv_cache_bytes, message=(
+                f"cannot allocate the KV cache ({_mib(self.config.kv_cache_bytes)} on {model.device}): "
+                f"{str(e).splitlines()[0][:200]}; lower kv_cache_bytes (--kv-cache-mb)")) from None
         self.block_manager = BlockManager(self.model_runner.num_pages, self.config.page_size,
                                           self.model_runner.kv_cache_bytes)
         self.scheduler = Scheduler(self.block_manager, self.config.max_running_requests)
@@ -120,7 +132,8 @@ class Engine:
                 package, converted once to a cached safetensors copy); a local HF directory;
                 or a ``.gguf`` file (the architectures of :data:`pasta_engine.models.config.SUPPORTED_ARCHITECTURES`).
             device: ``"cpu"`` or ``"cuda"``; dtype: float32 / float16 / bfloat16.
-            tokenizer: a ``transformers`` tokenizer or a path to one (default: the checkpoint's).
+            tokenizer: a ``transformers`` tokenizer or the path of a local tokenizer folder (or
+                ``.gguf`` file) (default: the checkpoint's).
             adapter: a LoRA adapter folder (peft format) merged into the weights at load;
                 ``"auto"`` (default): the adapter shipped for the embedded model, which taught it
                 PASTA-LANG, when ``model`` is None, else none; None: the base weights. An
@@ -128,12 +141,23 @@ class Engine:
                 ``pasta_prompt`` is given.
             options: :class:`~pasta_engine.config.EngineConfig` fields (or ``config=``).
 
-        Raises FileNotFoundError (bad path, missing model package), UnsupportedModelError
-        (architecture), ParameterError (settings, a device this torch cannot use, an adapter
-        trained for another base model)."""
+        Raises FileNotFoundError (a model path that does not exist, missing model package),
+        UnsupportedModelError (architecture), ParameterError (an argument of the wrong type,
+        settings, a device this torch cannot use, a KV cache larger than the device's memory, an
+        adapter trained for another base model), CheckpointError (a ParameterError: a truncated
+        or inconsistent checkpoint, adapter or tokenizer, naming the file)."""
         from ..models.adapter import read_manifest
-        from ..models.loader import add_adapter_tokens, resolve_adapter
+        from ..models.loader import add_adapter_tokens, load_tokenizer, resolve_adapter
 
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise ParameterError("model", model, "None (the embedded model), or the path of a checkpoint folder or "
+                                 ".gguf file")
+        if adapter is not None and not isinstance(adapter, (str, os.PathLike)):
+            raise ParameterError("adapter", adapter, "'auto', None, or the path of a LoRA adapter folder")
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer)  # before the weights: a bad path fails at once
+        elif tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
+            raise ParameterError("tokenizer", tokenizer, "a transformers tokenizer, or the path of a tokenizer folder")
         config = options.pop("config", None)
         adapter_dir, manifest = resolve_adapter(model, adapter)
         if config is None:
@@ -143,11 +167,8 @@ class Engine:
         device = check_device(device)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ParameterError("dtype", dtype, "torch.float32, torch.float16 or torch.bfloat16")
-        runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter_dir)
-        if isinstance(tokenizer, (str, os.PathLike)):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter_dir,
+                                         with_tokenizer=tokenizer is None)
         if tokenizer is not None and adapter_dir is not None:
             add_adapter_tokens(tokenizer, adapter_dir)  # the adapter's added tokens (PASTA-LANG pieces)
         engine = cls(runner, tokenizer if tokenizer is not None else tok, hf_cfg, config=config)
@@ -227,7 +248,8 @@ class Engine:
         elif not isinstance(request_id, str) or not request_id:
             raise ParameterError("request_id", request_id, "a non-empty string")
         elif self._known(request_id):
-            raise ParameterError("request_id", request_id, message=f"request id {request_id!r} is already in use")
+            raise ParameterError("request_id", request_id, message=f"request id {request_id!r} is already in use (a "
+                                 "request keeps its id until step() has returned its final output, an abort's too)")
         if annotated_response is not None:
             if not isinstance(annotated_response, str):
                 raise ParameterError("annotated_response", annotated_response, "a string")
@@ -256,7 +278,11 @@ class Engine:
         return req
 
     def _known(self, request_id: str) -> bool:
-        return request_id in self._kept or self.scheduler._find(request_id) is not None
+        """Whether ``request_id`` belongs to a request whose final output is not reported yet
+        (waiting, running, or ended by abort or error until the next :meth:`step` returns it):
+        such an id is refused, as vLLM refuses the id of a request it still tracks."""
+        return (request_id in self._kept or self.scheduler._find(request_id) is not None
+                or any(r.request_id == request_id for r in self.scheduler.ended))
 
     def add_request(
         self,
@@ -453,7 +479,16 @@ class Engine:
         Raises ParameterError when the two lists differ in length, or for a bad prompt or mode."""
         with self._lock:
             plist = _as_prompt_list(prompts)
-            responses = [annotated_responses] if isinstance(annotated_responses, str) else list(annotated_responses)
+            if isinstance(annotated_responses, str):
+                responses = [annotated_responses]
+            elif isinstance(annotated_responses, (bytes, bytearray)) or not isinstance(annotated_responses, Sequence):
+                raise ParameterError("annotated_responses", annotated_responses, "a string or a list of strings")
+            else:
+                responses = list(annotated_responses)
+            for j, resp in enumerate(responses):
+                if not isinstance(resp, str):
+                    raise ParameterError("annotated_responses", resp, message=f"annotated response {j} is "
+                                         f"{type(resp).__name__}, not a string (a replay forces the response's text)")
             if len(plist) != len(responses):
                 raise ParameterError("annotated_responses", len(responses),
                                      message=f"{len(plist)} prompts but {len(responses)} annotated responses")
@@ -499,6 +534,29 @@ def check_device(device: str | torch.device) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ParameterError("device", str(device), "'cpu' or 'cuda'")
     return dev
+
+
+def _mib(n: int | None) -> str:
+    return "the default size" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+def _check_kv_budget(kv_cache_bytes: int | None, device: torch.device) -> None:
+    """Raise ParameterError when an explicit KV cache budget exceeds the device's memory (the
+    machine's physical memory on a CPU, the free memory on a GPU), before anything is allocated:
+    a CPU allocation that the kernel grants lazily would otherwise end in the OOM killer."""
+    if kv_cache_bytes is None:
+        return
+    if device.type == "cuda":
+        have, what = torch.cuda.mem_get_info(device)[0], f"the {device} GPU's free memory"
+    else:
+        try:
+            have, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+        except (ValueError, OSError, AttributeError):
+            return  # no sysconf (Windows): the allocation itself says
+    if kv_cache_bytes > have:
+        raise ParameterError("kv_cache_bytes", kv_cache_bytes, message=(
+            f"a KV cache of {_mib(kv_cache_bytes)} is more than {what} ({_mib(have)}): lower kv_cache_bytes "
+            "(--kv-cache-mb)"))
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
