@@ -192,7 +192,9 @@ class LossCurve:
 def save_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]) -> None:
     """Write a resumable checkpoint into ``out/checkpoint`` (adapter, optimizer, schedule and
     ``state``: the trainer's counters, e.g. ``{"step": optimizer steps done, "elapsed_s": training
-    seconds so far}``), replacing the previous one atomically."""
+    seconds so far}``), replacing the previous one atomically. ``trainer.pt`` holds only tensors
+    and plain Python types (the RNG state as a tensor), so :func:`load_checkpoint` reads it with
+    ``torch.load(weights_only=True)``."""
     tmp = out / "checkpoint.tmp"
     if tmp.exists():
         import shutil
@@ -218,8 +220,15 @@ def load_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any) 
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    from ..errors import CheckpointError
+
+    try:  # tensors and plain types only: a trainer.pt from elsewhere cannot run code when it is read
+        blob = torch.load(ck / "trainer.pt", map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  (pickle, zip and OS errors: the file cannot be resumed from)
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise CheckpointError("resume", str(ck / "trainer.pt"), message=f"cannot resume from {ck / 'trainer.pt'}: "
+                              f"{first[:200]} (only tensors and plain types are read)") from None
     set_peft_model_state_dict(peft_model, load_file(ck / "adapter" / "adapter_model.safetensors"))
-    blob = torch.load(ck / "trainer.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])
@@ -245,14 +254,15 @@ def machine() -> dict[str, Any]:
 
 
 def base_manifest(model: str | os.PathLike | None, command: str) -> dict[str, Any]:
-    """The manifest fields every adapter gets: the base model, the SHA-256 of its file (the
-    embedded model's GGUF, which the engine checks before merging), the command, the commit."""
+    """The manifest fields every adapter gets: the base model, the name and SHA-256 of its file
+    when it is one file (the embedded model's GGUF or a ``.gguf`` path; the engine checks the hash
+    before merging onto a file of that kind), the command, the commit."""
     from ..models.adapter import file_sha256
     from ..models.loader import EMBEDDED_MODEL, embedded_gguf_path
 
     out: dict[str, Any] = {"base_model": str(model) if model is not None else EMBEDDED_MODEL, "commands": [command],
                            "commit": git_commit()}
-    if model is None:
-        gguf = embedded_gguf_path()
+    gguf = embedded_gguf_path() if model is None else Path(model).expanduser()
+    if model is None or (gguf.is_file() and gguf.suffix == ".gguf"):  # a one-file base model: its hash is checked
         out.update(base_model_file=gguf.name, base_model_sha256=file_sha256(gguf))
     return out
