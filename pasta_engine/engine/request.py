@@ -174,6 +174,7 @@ def interpreter_factory(
     max_positions: int | None,
     eos_ids: list[int],
     annotated_response: str | None = None,
+    grammar: bool = False,
 ) -> tuple[Callable[[], Interpreter], int]:
     """How a request's interpreter is built (again after a preemption), the one recipe the
     engine and the training forward share.
@@ -183,11 +184,12 @@ def interpreter_factory(
         prompt_ids: the formatted prompt.
         mode: ``pasta`` or ``sequential``.
         max_new_tokens: the request's token budget (a replay raises it to the response's
-    grammar: bool = False,
             length when smaller).
         limits, policy, max_positions, eos_ids: as :class:`~pasta_engine.engine.interpreter.Interpreter`.
         annotated_response: make it a replay of this response (forced tokens of
             :func:`~pasta_engine.engine.replay.replay_script`).
+        grammar: the sampler enforces the PASTA-LANG grammar (the tokenizer has the piece
+            tokens of :mod:`pasta_engine.lang.grammar`); see ``Interpreter(grammar=)``.
 
     Returns ``(make, max_new_tokens)``; ``make()`` raises ValueError for settings the
     interpreter refuses (the oracle policy outside replay)."""
@@ -197,8 +199,6 @@ def interpreter_factory(
         max_new_tokens = max(max_new_tokens, len(script.sequential_ids) + 1)
         if mode == "pasta":
             forced_main, forced_chunks = script.forced_main, script.forced_chunks
-        grammar: the sampler enforces the PASTA-LANG grammar (the tokenizer has the piece
-            tokens of :mod:`pasta_engine.lang.grammar`); see ``Interpreter(grammar=)``.
         else:
             forced_main = script.sequential_ids
     open_ids = encode_tag(tokenizer, ASYNC_OPEN)
