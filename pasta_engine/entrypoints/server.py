@@ -4,9 +4,11 @@ A thin FastAPI app (run by uvicorn) over :class:`~pasta_engine.engine.async_engi
 
 * ``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed (server-sent events,
   ``data: {...}`` lines ending with ``data: [DONE]``) or not; ``n``, ``max_tokens`` /
-  ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
-  ``logprobs``, ``stream_options.include_usage``. Streamed text is the response in reading
-  order (:mod:`pasta_engine.engine.streaming`).
+  ``max_completion_tokens`` / ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+  ``seed``, ``stop``, ``logprobs``, ``stream_options.include_usage``. Bodies are read by the
+  pydantic models of :mod:`.schema` (vLLM's field names; a field the engine does not honour, or
+  an unknown one, is a 400 naming it). Streamed text is the response in reading order
+  (:mod:`pasta_engine.engine.streaming`).
 * the ``pasta`` extension: in a request, ``{"mode": "pasta" | "sequential", "position_policy":
   ..., "max_threads": N (0 = unlimited), "max_forks": N, "events": bool, "annotated_response":
   str}`` (``annotated_response`` replays that response: forced decoding); in each choice of a
@@ -18,8 +20,22 @@ A thin FastAPI app (run by uvicorn) over :class:`~pasta_engine.engine.async_engi
 * ``GET /v1/pasta/events/{id}``: the thread events of a completion (by the ``id`` of its
   response), from its start and then live, as server-sent events; ``GET /v1/pasta/stats``: the
   engine's counters (KV pages free, requests running and waiting).
-* ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine is dead), and ``GET /``: a
-  single static page that shows the threads decoding side by side.
+* ``GET /v1/models``, ``GET /health`` (200, or 503 once the engine is dead), ``GET /version``,
+  ``GET /metrics`` (Prometheus, vLLM's metric names with the ``pasta:`` prefix), ``GET
+  /openapi.json`` (the request schemas; no Swagger UI is served: ``/docs`` would load its script
+  from a CDN) and ``GET /``: a single static page that shows the threads decoding side by side.
+  Every GET route answers HEAD too.
+
+Limits and hygiene: a request body must be ``Content-Type: application/json`` (415), at most
+``max_body_bytes`` (413), nest at most :data:`~.schema.MAX_JSON_DEPTH` deep, hold integers of at
+most :data:`~.schema.MAX_INT_DIGITS` digits and no lone surrogate (400 naming the field). Prompts
+are tokenized and checked against the context on worker threads with their own tokenizer
+copies, never on the engine thread, so a long prompt never stalls other requests' steps. With
+``allowed_hosts`` set, a request whose ``Host`` header names another host is refused (400):
+``serve`` sets it by default when it binds a loopback address without an API key, so that a web
+page cannot use the local server through DNS rebinding. The API key (``/v1`` routes and
+``/openapi.json``) is compared in constant time; the ``Bearer`` scheme is case-insensitive.
+``/health``, ``/version`` and ``/metrics`` need no key (as in vLLM).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: a bad parameter or
 a prompt over the context is 400 naming the parameter, an unknown model 404, a missing or wrong
@@ -32,31 +48,55 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
+import hmac
+import ipaddress
 import json
+import queue
 import random
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import MAX_SEED, Limits, SamplingParams, check_float, check_int
-from ..engine.async_engine import AsyncEngine, RequestStream, StreamOutput
+from ..config import MAX_SEED, Limits, SamplingParams
+from ..engine.async_engine import AsyncEngine, RequestStream, StreamOutput, format_chat
 from ..errors import ContextLengthError, EngineDeadError, ParameterError
+from ..lang.tokenization import encode_text
+from .schema import (
+    MAX_INT_DIGITS,
+    MAX_JSON_DEPTH,
+    MAX_N,
+    MIN_TOP_P,
+    ChatCompletionRequest,
+    CompletionRequest,
+    engine_sampling_fields,
+    max_tokens_of,
+    parse_request,
+)
 
-__all__ = ["build_app", "OpenAIError", "STATIC_DIR"]
+__all__ = ["build_app", "OpenAIError", "STATIC_DIR", "LOCAL_HOSTS", "default_allowed_hosts"]
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-#: Most choices (``n``) and most prompts of a completions request.
-MAX_N = 16
+#: Most prompts x choices of a completions request.
 MAX_PROMPTS = 64
-#: Completions whose thread events are kept for ``GET /v1/pasta/events/{id}`` (oldest dropped).
-EVENT_LOGS = 256
+#: Default request-body limit (bytes).
+MAX_BODY_BYTES = 2**20
+#: Default memory for the thread events kept for ``GET /v1/pasta/events/{id}`` (bytes, all
+#: completions together; the oldest completions' logs are dropped first, and one completion's
+#: log keeps at most a quarter of it).
+EVENT_LOG_BYTES = 64 * 2**20
+#: ``Host`` names a loopback-bound server without an API key accepts by default.
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 # the engine's parameter names as the OpenAI API spells them
 _PARAM_NAMES = {
@@ -107,9 +147,85 @@ def _as_openai_error(exc: BaseException, prompt_param: str = "messages") -> Open
 # --------------------------------------------------------------------------- request parsing
 
 
-def _get(body: dict[str, Any], name: str, default: Any = None) -> Any:
-    v = body.get(name, default)
-    return default if v is None else v
+class _BigNumber:
+    """A number literal of the request body too long to read (kept to name its field)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"<a number of {len(self.text)} characters>"
+
+
+def _parse_int(text: str) -> int | _BigNumber:
+    return int(text) if len(text.lstrip("-")) <= MAX_INT_DIGITS else _BigNumber(text)
+
+
+def _parse_float(text: str) -> float | _BigNumber:
+    return float(text) if len(text) <= 64 else _BigNumber(text)
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a JSON number")
+
+
+def _loc_param(loc: tuple[Any, ...]) -> tuple[str, str]:
+    """``(param, path)`` of a place in the request body (param as OpenAI spells it)."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    if not loc:
+        return "body", "the request body"
+    if loc[0] == "pasta" and len(loc) > 1 and isinstance(loc[1], str):
+        return f"pasta.{loc[1]}", path
+    return str(loc[0]), path
+
+
+def _check_json(body: Any) -> None:
+    """Raise ParameterError for what the request models cannot see or should never get: a
+    number literal too long to read, nesting deeper than MAX_JSON_DEPTH, a string that is not
+    text (a lone surrogate such as ``"\\udcff"``: it cannot be encoded, so neither tokenized)."""
+    stack: list[tuple[Any, tuple[Any, ...], int]] = [(body, (), 0)]
+    while stack:
+        obj, loc, depth = stack.pop()
+        if isinstance(obj, str):
+            if not obj.isascii():
+                try:
+                    obj.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    param, path = _loc_param(loc)
+                    raise ParameterError(param, obj, message=f"invalid {path}: character {e.start} is a lone "
+                                         f"surrogate ({obj[e.start]!r}), not text") from None
+        elif isinstance(obj, _BigNumber):
+            param, path = _loc_param(loc)
+            raise ParameterError(param, obj, message=f"invalid {path}: a number of {len(obj.text)} characters "
+                                 f"(integers have at most {MAX_INT_DIGITS} digits)")
+        elif isinstance(obj, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                param, path = _loc_param(loc)
+                raise ParameterError(param, None, message=f"the request body nests deeper than {MAX_JSON_DEPTH} "
+                                     f"levels (at {path})")
+            if isinstance(obj, dict):
+                for k, v in obj.items():
+                    stack.append((k, loc, depth + 1))
+                    stack.append((v, (*loc, k), depth + 1))
+            else:
+                stack.extend((v, (*loc, i), depth + 1) for i, v in enumerate(obj))
+
+
+def _decode_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, checked by :func:`_check_json` (runs off the event
+    loop). Raises OpenAIError 400 or ParameterError."""
+    try:
+        body = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant)
+    except RecursionError:
+        raise OpenAIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", param="body") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
+        raise OpenAIError(400, f"the request body is not valid JSON: {e}", param="body") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", param="body")
+    _check_json(body)
+    return body
 
 
 @dataclasses.dataclass
@@ -127,156 +243,136 @@ class _Options:
     annotated_response: str | None
     limits: Limits | None
     position_policy: str | None
+    meter: "_Meter | None" = None
 
 
 class _Server:
     """The app's state: the engine, the served model's name and the request defaults."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, defaults: SamplingParams,
-                 seed: int):
+                 seed: int, max_body_bytes: int = MAX_BODY_BYTES, event_log_bytes: int = EVENT_LOG_BYTES):
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         self.defaults = defaults
+        self.max_body_bytes = max_body_bytes
         self.rng = random.Random(seed)  # seeds of requests that give none
         self.created = int(time.time())
         self.logs: OrderedDict[str, _EventLog] = OrderedDict()
+        self.log_budget = event_log_bytes
+        self.log_bytes = 0
+        self.prompts = _Prompts(engine)
+        self.metrics = _Metrics(engine, model_name)
 
     # ------------------------------------------------------------------ checks
 
     def check_auth(self, request: Request) -> None:
         """Raise OpenAIError 401 unless the request sends ``Authorization: Bearer <api_key>``
-        (no check when the server has no key)."""
+        (the scheme in any case; the key compared in constant time; no check when the server
+        has no key)."""
         if self.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        if got != f"Bearer {self.api_key}":
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        if not (scheme.lower() == "bearer"
+                and hmac.compare_digest(token.strip().encode("utf-8"), self.api_key.encode("utf-8"))):
             raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                               type="authentication_error", code="invalid_api_key")
 
     def check_model(self, body: dict[str, Any]) -> None:
         """Raise OpenAIError 404 (param ``model``) when the request names a model other than
-        the one served; a request without ``model`` gets the served one."""
+        the one served; a request without ``model`` gets the served one (a ``model`` that is
+        not a string is left to the request schema)."""
         model = body.get("model")
-        if model is None:
+        if not isinstance(model, str):
             return
         if model != self.model_name:
             raise OpenAIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
 
-    def options(self, body: dict[str, Any], chat: bool) -> _Options:
-        """Check every parameter of a completions request (ParameterError names the first bad
-        one as OpenAI spells it)."""
-        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0)):
-            if _get(body, name, neutral) != neutral:
-                raise ParameterError(name, body[name], message=f"{name} is not supported by pasta-engine (leave it 0)")
-        for name in ("logit_bias", "tools", "functions", "tool_choice", "function_call", "suffix"):
-            if body.get(name):
-                raise ParameterError(name, body[name], message=f"{name} is not supported by pasta-engine")
-        if body.get("response_format") not in (None, {"type": "text"}):
-            raise ParameterError("response_format", body["response_format"],
-                                 message="only response_format {\"type\": \"text\"} is supported")
-        if not chat and body.get("echo"):
-            raise ParameterError("echo", body["echo"], message="echo is not supported by pasta-engine")
-        n = _get(body, "n", 1)
-        check_int("n", n, 1, MAX_N)
-        if not chat and _get(body, "best_of", n) != n:
-            raise ParameterError("best_of", body["best_of"], message="best_of other than n is not supported")
-        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _get(body, name, self.defaults.max_new_tokens)
-        check_int(name, max_tokens, 1)
-        temperature = _get(body, "temperature", self.defaults.temperature)
-        check_float("temperature", temperature, 0.0, 2.0)
-        top_p = _get(body, "top_p", self.defaults.top_p)
-        check_float("top_p", top_p, 0.0, 1.0, lo_open=True)
-        top_k = _get(body, "top_k", self.defaults.top_k)
-        check_int("top_k", top_k, 0)
-        seed = body.get("seed")
-        if seed is None:
-            seed = self.rng.randrange(MAX_SEED + 1)
-        else:
-            check_int("seed", seed, -(2**63), MAX_SEED)
-        stop = _get(body, "stop", [])
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-            raise ParameterError("stop", body.get("stop"), "a non-empty string or a list of at most 4 of them")
-        stream = _get(body, "stream", False)
-        if not isinstance(stream, bool):
-            raise ParameterError("stream", stream, "true or false")
-        so = body.get("stream_options")
-        if so is not None and not stream:
-            raise ParameterError("stream_options", so, message="stream_options is only allowed with stream=true")
-        if so is not None and (not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool)):
-            raise ParameterError("stream_options", so, "{\"include_usage\": true or false}")
-        include_usage = bool(so and so.get("include_usage"))
-        if chat:
-            logprobs = _get(body, "logprobs", False)
-            if not isinstance(logprobs, bool):
-                raise ParameterError("logprobs", logprobs, "true or false")
-            if _get(body, "top_logprobs", 0) != 0:
-                raise ParameterError("top_logprobs", body["top_logprobs"],
-                                     message="top_logprobs > 0 is not supported: pasta-engine returns the logprob of "
-                                     "each sampled token only (logprobs=true)")
-        else:
-            lp = body.get("logprobs")
-            if lp not in (None, 0) or isinstance(lp, bool):
-                raise ParameterError("logprobs", lp, message="only logprobs=0 (the sampled tokens' logprobs, no "
-                                     "alternatives) is supported")
-            logprobs = lp == 0
-        pasta = _get(body, "pasta", {})
-        if not isinstance(pasta, dict):
-            raise ParameterError("pasta", pasta, "an object with mode, position_policy, max_threads, max_forks, "
-                                 "events, annotated_response")
-        known = ("mode", "position_policy", "max_threads", "max_forks", "events", "annotated_response")
-        for k in pasta:
-            if k not in known:
-                raise ParameterError(f"pasta.{k}", pasta[k], message=f"unknown pasta option {k!r}: known "
-                                     f"{', '.join(known)}")
-        mode = _get(pasta, "mode", "pasta")
-        if mode not in ("pasta", "sequential"):
-            raise ParameterError("pasta.mode", mode, "'pasta' or 'sequential'")
-        events = _get(pasta, "events", False)
-        if not isinstance(events, bool):
-            raise ParameterError("pasta.events", events, "true or false")
+    async def read_body(self, request: Request) -> dict[str, Any]:
+        """The checked JSON object of a POST: the key, ``Content-Type: application/json``
+        (415), at most ``max_body_bytes`` (413, read no further), then :func:`_decode_json`
+        and the model's name."""
+        self.check_auth(request)
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":
+            raise OpenAIError(415, f"the request body must be sent as 'Content-Type: application/json' (got "
+                              f"{ctype or 'none'!r})", code="unsupported_media_type")
+        limit = self.max_body_bytes
+        too_large = OpenAIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                                "(serve --max-body-mb)", code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and (len(length) > 20 or not (length.strip().isascii() and length.strip().isdigit())):
+            raise OpenAIError(400, f"invalid Content-Length {length[:40]!r}")
+        if length is not None and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        body = await asyncio.to_thread(_decode_json, b"".join(chunks))
+        self.check_model(body)
+        return body
+
+    def options(self, req: ChatCompletionRequest | CompletionRequest, chat: bool) -> _Options:
+        """The engine's settings for a parsed request (ParameterError names a bad one as
+        OpenAI spells it). ``top_p`` below MIN_TOP_P is taken as MIN_TOP_P (see
+        :mod:`.schema`); ``top_k=-1`` (vLLM's "all") is 0."""
+        given = max_tokens_of(req)
+        max_tokens = given[1] if given else self.defaults.max_new_tokens
+        temperature = self.defaults.temperature if req.temperature is None else req.temperature
+        top_p = max(self.defaults.top_p if req.top_p is None else req.top_p, MIN_TOP_P)
+        top_k = self.defaults.top_k if req.top_k is None else max(req.top_k, 0)
+        seed = self.rng.randrange(MAX_SEED + 1) if req.seed is None else req.seed
+        logprobs = req.logprobs if chat else req.logprobs == 0
+        pasta = req.pasta
         limits = None
-        if pasta.get("max_threads") is not None or pasta.get("max_forks") is not None:
+        if pasta.max_threads is not None or pasta.max_forks is not None:
             base = self.engine.engine.config.limits
-            mt = _get(pasta, "max_threads", base.max_threads or 0)
-            check_int("pasta.max_threads", mt, 0)
-            mf = _get(pasta, "max_forks", base.max_forks)
-            check_int("pasta.max_forks", mf, 0)
+            mt = (base.max_threads or 0) if pasta.max_threads is None else pasta.max_threads
+            mf = base.max_forks if pasta.max_forks is None else pasta.max_forks
             limits = dataclasses.replace(base, max_threads=mt or None, max_forks=mf)
-        ann = pasta.get("annotated_response")
-        if ann is not None and not isinstance(ann, str):
-            raise ParameterError("pasta.annotated_response", ann, "a string")
+        more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
         params = [SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                                 top_k=top_k, seed=(seed + i) % (MAX_SEED + 1), return_logprobs=logprobs)
-                  for i in range(n)]
-        return _Options(params=params, n=n, stream=stream, include_usage=include_usage, stop=stop, logprobs=logprobs,
-                        mode=mode, events=events, annotated_response=ann, limits=limits,
-                        position_policy=pasta.get("position_policy"))
+                                 top_k=top_k, seed=(seed + i) % (MAX_SEED + 1), return_logprobs=logprobs, **more)
+                  for i in range(req.n)]
+        return _Options(params=params, n=req.n, stream=req.stream,
+                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                        stop=req.stops(), logprobs=logprobs, mode=pasta.mode, events=pasta.events,
+                        annotated_response=pasta.annotated_response, limits=limits,
+                        position_policy=pasta.position_policy)
 
     # ------------------------------------------------------------------ requests
 
-    async def start(self, prompts: Sequence[Any], opts: _Options, cid: str, chat: bool) -> list[RequestStream]:
-        """Queue one engine request per (prompt, choice); abort them all if one is refused."""
+    async def start(self, prompts: Sequence[list[int]], opts: _Options, cid: str, t0: float) -> list[RequestStream]:
+        """Queue one engine request per (prompt's token ids, choice); abort them all if one is
+        refused. ``t0``: when the request arrived (``time.monotonic``), for the metrics."""
         streams: list[RequestStream] = []
         try:
             for p, prompt in enumerate(prompts):
                 for i, params in enumerate(opts.params):
                     streams.append(await self.engine.add_request(
                         prompt, params, opts.mode, f"{cid}-{p * opts.n + i}", output_kind="delta", events=True,
-                        stop=opts.stop, chat_template=chat, annotated_response=opts.annotated_response,
+                        stop=opts.stop, chat_template=False, annotated_response=opts.annotated_response,
                         limits=opts.limits, position_policy=opts.position_policy))
         except BaseException:
             for s in streams:
                 s.abort()
             raise
-        log = _EventLog()
-        self.logs[cid] = log
-        while len(self.logs) > EVENT_LOGS:
-            self.logs.popitem(last=False)
+        opts.meter = _Meter(self.metrics, t0, opts.n)
+        self.logs[cid] = _EventLog(max(2**16, self.log_budget // 4), self._log_grew)
         return streams
+
+    def _log_grew(self, log: "_EventLog", nbytes: int) -> None:
+        """Count a log's new bytes; drop the oldest logs while all of them hold more than the
+        budget (the newest is always kept)."""
+        self.log_bytes += nbytes
+        while self.log_bytes > self.log_budget and len(self.logs) > 1:
+            _, old = self.logs.popitem(last=False)
+            old.dropped = True
+            self.log_bytes -= old.nbytes
 
     def choice_ext(self, out: StreamOutput) -> dict[str, Any]:
         """The ``pasta`` object of a finished choice."""
@@ -301,17 +397,40 @@ class _Server:
                 "text_offset": offsets}
 
 
-class _EventLog:
-    """The thread events of one completion, for late and live readers (one event loop)."""
+def _record_bytes(rec: dict[str, Any]) -> int:
+    """About the bytes of a record as JSON (cheaper than encoding it)."""
+    return 2 + sum(len(k) + (len(v) if isinstance(v, str) else 8) + 6 for k, v in rec.items())
 
-    def __init__(self) -> None:
+
+class _EventLog:
+    """The thread events of one completion, for late and live readers (one event loop).
+
+    Holds at most ``cap`` bytes of records (about their JSON size): past it, one ``truncated``
+    record ends what is kept (live readers then see the log end with it). ``grew(log, n)`` is
+    told of every byte added until the server drops the log (``dropped``)."""
+
+    def __init__(self, cap: int = EVENT_LOG_BYTES, grew: Callable[["_EventLog", int], None] | None = None) -> None:
         self.records: list[dict[str, Any]] = []
         self.done = False
+        self.nbytes = 0
+        self.cap = cap
+        self.truncated = False
+        self.dropped = False
+        self._grew = grew
         self._wake = asyncio.Event()
 
     def add(self, records: list[dict[str, Any]]) -> None:
-        if records:
+        if records and not self.truncated:
+            size = sum(_record_bytes(r) for r in records)
+            if self.nbytes + size > self.cap:
+                self.truncated = True
+                records = [{"kind": "truncated", "message": f"this completion's event log reached its cap of "
+                            f"{self.cap} bytes: later events are not kept"}]
+                size = _record_bytes(records[0])
             self.records += records
+            self.nbytes += size
+            if self._grew is not None and not self.dropped:
+                self._grew(self, size)
             self._wake.set()
             self._wake = asyncio.Event()
 
@@ -328,6 +447,185 @@ class _EventLog:
             if self.done:
                 return
             await self._wake.wait()
+
+
+class _Prompts:
+    """Prompts to token ids on worker threads, never on the engine thread (DESIGN.md section 7:
+    a long prompt must not stall other requests' steps), with the context-length check.
+
+    Each worker uses its own copy of the engine's tokenizer (a ``transformers`` tokenizer
+    changes its own settings while it encodes, and the engine thread decodes with the original).
+    A text longer than ``bytes_per_token_max * context`` bytes is refused before it is tokenized:
+    no token of the vocabulary spells more than ``bytes_per_token_max`` bytes, so it cannot fit.
+
+    Args:
+        engine: the async engine (its tokenizer, settings and context length).
+        workers: worker threads (each with a tokenizer copy)."""
+
+    def __init__(self, engine: AsyncEngine, workers: int = 2):
+        eng = engine.engine
+        self.config = eng.config
+        self.max_positions = eng.max_positions
+        self._copies: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(workers):
+            self._copies.put(copy.deepcopy(eng.tokenizer))
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pasta-tokenize")
+        vocab = eng.tokenizer.get_vocab()
+        # the spelling of a token is never shorter in UTF-8 than the bytes it stands for (byte-level
+        # BPE and SentencePiece spell one byte with one or more characters); doubled for margin
+        self.bytes_per_token_max = 2 * max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
+
+    async def tokenize(self, prompts: Sequence[Any], chat: bool, mode: str) -> list[list[int]]:
+        """Token ids of each prompt: chat messages (``[{"role", "content"}]``, through the chat
+        template in ``mode``), a text (tokenized as text, no template) or token ids (kept).
+
+        Raises ParameterError naming the prompt (ContextLengthError for one that leaves no room
+        under the model's context)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._tokenize, list(prompts), chat, mode)
+
+    def _tokenize(self, prompts: list[Any], chat: bool, mode: str) -> list[list[int]]:
+        tok = self._copies.get()
+        try:
+            view = _TokenizerView(tok, self.config)
+            out = []
+            for i, prompt in enumerate(prompts):
+                where = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+                if chat:
+                    self._check_text(sum(len(m["content"].encode("utf-8")) for m in prompt), where)
+                    ids = format_chat(view, prompt, mode)  # type: ignore[arg-type]
+                elif isinstance(prompt, str):
+                    self._check_text(len(prompt.encode("utf-8")), where)
+                    ids = encode_text(tok, prompt)
+                    if not ids:
+                        raise ParameterError("prompt", prompt, message=f"{where} is empty")
+                else:
+                    ids = list(prompt)  # token ids: the engine checks them against the vocabulary
+                self._check_length(len(ids), where)
+                out.append(ids)
+            return out
+        finally:
+            self._copies.put(tok)
+
+    def _check_text(self, nbytes: int, where: str) -> None:
+        if self.max_positions is not None and nbytes >= self.bytes_per_token_max * self.max_positions:
+            at_least = nbytes // self.bytes_per_token_max
+            raise ContextLengthError("prompt", nbytes, message=(
+                f"{where} has at least {at_least} tokens ({nbytes} bytes of text), which leaves no room under the "
+                f"model's context length of {self.max_positions} tokens"))
+
+    def _check_length(self, n: int, where: str) -> None:
+        if self.max_positions is not None and n >= self.max_positions:
+            raise ContextLengthError("prompt", n, message=(
+                f"{where} has {n} tokens, which leaves no room under the model's context length of "
+                f"{self.max_positions} tokens"))
+
+
+@dataclasses.dataclass
+class _TokenizerView:
+    """What :func:`format_chat` reads of an engine: a tokenizer and the engine's settings."""
+
+    tokenizer: Any
+    config: Any
+
+
+# vLLM's histogram buckets (seconds)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                960.0, 1920.0, 7680.0)
+_SPEEDUP_BUCKETS = (0.5, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 8.0)
+
+
+class _Metrics:
+    """The Prometheus metrics of one app (its own registry), vLLM's names with the ``pasta:``
+    prefix and a ``model_name`` label, plus PASTA's own:
+
+    * ``pasta:num_requests_running``, ``pasta:num_requests_waiting``, ``pasta:kv_cache_usage_perc``
+      (0 to 1): read from the engine at each scrape;
+    * ``pasta:time_to_first_token_seconds``: from a request's arrival to its choice's first
+      sampled token; ``pasta:inter_token_latency_seconds``: between a choice's successive
+      outputs, divided by the tokens sampled in between (PASTA samples several per step);
+      ``pasta:e2e_request_latency_seconds``: arrival to a choice's end;
+    * ``pasta:prompt_tokens_total``, ``pasta:generation_tokens_total`` (all threads),
+      ``pasta:request_success_total`` (label ``finished_reason``), ``pasta:threads_forked_total``;
+    * ``pasta:content_speedup``: each finished choice's theoretical content speedup
+      (``RequestStats.content_speedup``)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.registry = r = CollectorRegistry()
+        lab = ("model_name",)
+        self.running = Gauge("pasta:num_requests_running", "Requests decoding in the engine's batch", lab,
+                             registry=r).labels(model_name)
+        self.waiting = Gauge("pasta:num_requests_waiting", "Requests waiting for the engine's batch", lab,
+                             registry=r).labels(model_name)
+        self.kv_usage = Gauge("pasta:kv_cache_usage_perc", "Fraction of KV cache pages in use (0 to 1)", lab,
+                              registry=r).labels(model_name)
+        self.ttft = Histogram("pasta:time_to_first_token_seconds", "Seconds from a request's arrival to its first "
+                              "sampled token", lab, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("pasta:inter_token_latency_seconds", "Seconds between a choice's successive outputs per "
+                             "token sampled", lab, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("pasta:e2e_request_latency_seconds", "Seconds from a request's arrival to a choice's "
+                             "end", lab, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("pasta:prompt_tokens", "Prompt tokens of finished requests", lab,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("pasta:generation_tokens", "Tokens sampled by finished choices (all threads)",
+                                         lab, registry=r).labels(model_name)
+        self.success = Counter("pasta:request_success", "Finished choices by finish reason",
+                               (*lab, "finished_reason"), registry=r)
+        self.forks = Counter("pasta:threads_forked", "Threads forked by finished choices", lab,
+                             registry=r).labels(model_name)
+        self.content_speedup = Histogram("pasta:content_speedup", "Theoretical content speedup of finished choices "
+                                         "(content tokens / critical path)", lab, buckets=_SPEEDUP_BUCKETS,
+                                         registry=r).labels(model_name)
+        self.model_name = model_name
+
+    def render(self) -> tuple[bytes, str]:
+        """The scrape's body and content type (the engine's gauges read now)."""
+        if self.engine.is_running:
+            st = self.engine.engine.stats()  # read without the engine's lock (plain counters)
+            self.running.set(st["running"])
+            self.waiting.set(st["waiting"])
+            total = st["kv_pages_total"]
+            self.kv_usage.set((total - st["kv_pages_free"]) / total if total else 0.0)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def finished(self, out: StreamOutput, seconds: float, first_of_prompt: bool) -> None:
+        self.e2e.observe(seconds)
+        self.success.labels(self.model_name, out.finish_reason or "unknown").inc()
+        r = out.result
+        if r is None:
+            return
+        if first_of_prompt:
+            self.prompt_tokens.inc(len(r.prompt_ids))
+        self.generation_tokens.inc(r.stats.tokens_decoded)
+        self.forks.inc(r.stats.forks)
+        speedup = getattr(r.stats, "content_speedup", None)
+        if speedup is not None:
+            self.content_speedup.observe(speedup)
+
+
+class _Meter:
+    """Times the choices of one request for :class:`_Metrics` (``t0``: its arrival)."""
+
+    def __init__(self, metrics: _Metrics, t0: float, n: int):
+        self.metrics, self.t0, self.n = metrics, t0, n
+        self.last: dict[int, float] = {}
+
+    def output(self, i: int, out: StreamOutput) -> None:
+        now = time.monotonic()
+        k = len(out.token_ids)
+        if k:
+            if i in self.last:
+                self.metrics.itl.observe((now - self.last[i]) / k)
+            else:
+                self.metrics.ttft.observe(now - self.t0)
+            self.last[i] = now
+        if out.finished:
+            self.metrics.finished(out, now - self.t0, i % self.n == 0)
 
 
 def _event_records(index: int, out: StreamOutput) -> list[dict[str, Any]]:
@@ -409,21 +707,101 @@ def _prompt_tokens(finals: dict[int, StreamOutput], n: int) -> int:
 # --------------------------------------------------------------------------- the app
 
 
+def default_allowed_hosts(bind_host: str, api_key: str | None) -> list[str] | None:
+    """The ``Host`` names ``serve`` accepts unless told: :data:`LOCAL_HOSTS` for a loopback
+    bind without an API key (a web page the user visits could otherwise reach the server through
+    DNS rebinding and read its answers), else any (None)."""
+    if api_key is not None:
+        return None
+    host = bind_host.strip("[]")
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    return list(LOCAL_HOSTS) if local else None
+
+
+def _host_name(host: str) -> str:
+    """``example.com:8000`` -> ``example.com``; ``[::1]:8000`` -> ``[::1]``; lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    if host.count(":") > 1:  # a bare IPv6 address
+        return f"[{host}]"
+    return host.split(":", 1)[0]
+
+
+class _HostCheck:
+    """ASGI middleware: refuse (400) an HTTP request whose ``Host`` header is not one of
+    ``hosts`` (names, ``[v6]`` addresses; any port)."""
+
+    def __init__(self, app: Any, hosts: Sequence[str]):
+        self.app = app
+        self.hosts = frozenset(_host_name(h) for h in hosts)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = ""
+            for k, v in scope["headers"]:
+                if k == b"host":
+                    host = v.decode("latin-1")
+                    break
+            if _host_name(host) not in self.hosts:
+                e = OpenAIError(400, f"the Host header {host[:100]!r} is not allowed: this server answers "
+                                f"{', '.join(sorted(self.hosts))} (serve --allowed-hosts)", code="host_not_allowed")
+                await JSONResponse(e.body(), status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _body_schema(model: type) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
 def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None,
-              defaults: SamplingParams | None = None, seed: int = 0) -> FastAPI:
+              defaults: SamplingParams | None = None, seed: int = 0, max_body_bytes: int = MAX_BODY_BYTES,
+              allowed_hosts: Sequence[str] | None = None, event_log_bytes: int = EVENT_LOG_BYTES) -> FastAPI:
     """The FastAPI app over ``engine``.
 
     Args:
         engine: the async engine (the app never shuts it down).
         model_name: the name ``/v1/models`` lists and requests must use (or leave out).
-        api_key: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
+        api_key: when set, every ``/v1`` route and ``/openapi.json`` need ``Authorization:
+            Bearer <api_key>``; an empty key is a ParameterError.
         defaults: sampling values for requests that leave them out (max_tokens, temperature,
             top_p, top_k; default: :class:`SamplingParams`'s).
-        seed: seed of the random source that picks a seed for requests that give none."""
-    srv = _Server(engine, model_name, api_key, defaults or SamplingParams(), seed)
+        seed: seed of the random source that picks a seed for requests that give none.
+        max_body_bytes: largest request body (413 above).
+        allowed_hosts: ``Host`` names answered (others get 400); None: any (see
+            :func:`default_allowed_hosts` for ``serve``'s default).
+        event_log_bytes: memory for the thread events kept for ``/v1/pasta/events/{id}``."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ParameterError("api_key", api_key, message="the API key is empty: give a non-empty key, or none to "
+                             "serve without one")
+    srv = _Server(engine, model_name, api_key, defaults or SamplingParams(), seed, max_body_bytes, event_log_bytes)
+    import pasta_engine
+
+    version = pasta_engine.__version__
+    # no Swagger UI or ReDoc (their pages load scripts from a CDN); /openapi.json is served below
     app = FastAPI(title="pasta-engine", description="PASTA learned asynchronous decoding: OpenAI-compatible API",
-                  version="0.2.0")
+                  version=version, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
+    if allowed_hosts is not None:
+        app.add_middleware(_HostCheck, hosts=list(allowed_hosts))
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in (ChatCompletionRequest, CompletionRequest):
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(js.pop("$defs", {}))
+                schemas[model.__name__] = js
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -442,37 +820,50 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         e = OpenAIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=exc.headers)
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        srv.check_auth(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the request body must be a JSON object")
-        srv.check_model(body)
-        return body
+    def get(path: str, include_in_schema: bool = True) -> Callable[[Callable], Callable]:
+        """Route GET and HEAD of ``path`` to the function (HEAD: the headers only)."""
 
-    @app.get("/", include_in_schema=False)
+        def route(fn: Callable) -> Callable:
+            app.add_api_route(path, fn, methods=["GET"], include_in_schema=include_in_schema)
+            app.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
+            return fn
+
+        return route
+
+    @get("/", include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
 
-    @app.get("/health")
+    @get("/health")
     async def health() -> JSONResponse:
         if not engine.is_running:
             raise _as_openai_error(engine.dead_error or EngineDeadError("the engine is not running"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @get("/version")
+    async def version_() -> JSONResponse:
+        return JSONResponse({"version": version})
+
+    @get("/metrics")
+    async def metrics() -> Response:
+        body, ctype = srv.metrics.render()
+        return Response(body, media_type=ctype)
+
+    @get("/openapi.json", include_in_schema=False)
+    async def openapi_json(request: Request) -> JSONResponse:
+        srv.check_auth(request)
+        return JSONResponse(app.openapi())
+
+    @get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         srv.check_auth(request)
         return JSONResponse({"object": "list", "data": [{
             "id": model_name, "object": "model", "created": srv.created, "owned_by": "pasta-engine",
             "max_model_len": engine.engine.max_positions}]})
 
-    @app.get("/v1/pasta/stats")
+    @get("/v1/pasta/stats")
     async def stats(request: Request) -> JSONResponse:
         srv.check_auth(request)
         return JSONResponse(await engine.stats())
@@ -482,8 +873,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         srv.check_auth(request)
         log = srv.logs.get(completion_id)
         if log is None:
-            raise OpenAIError(404, f"no completion {completion_id!r} (it is unknown, or too old: the last "
-                              f"{EVENT_LOGS} are kept)", param="id", code="not_found")
+            raise OpenAIError(404, f"no completion {completion_id!r} (it is unknown, or too old: the newest logs "
+                              f"are kept, {srv.log_budget} bytes in all)", param="id", code="not_found")
 
         async def gen() -> AsyncIterator[str]:
             async for rec in log.follow():
@@ -492,37 +883,35 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        body = await body_of(request)
-        opts = srv.options(body, chat=True)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ParameterError("messages", messages, "a non-empty list of {role, content} objects")
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        t0 = time.monotonic()
         try:
-            streams = await srv.start([messages], opts, cid, chat=True)
+            req = parse_request(ChatCompletionRequest, await srv.read_body(request))
+            opts = srv.options(req, chat=True)
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            mode = "pasta" if opts.annotated_response is not None else opts.mode  # a replay's prompt: pasta's
+            prompts = await srv.prompts.tokenize([messages], chat=True, mode=mode)
+            cid = f"chatcmpl-{uuid.uuid4().hex}"
+            streams = await srv.start(prompts, opts, cid, t0)
         except Exception as e:
             raise _as_openai_error(e, "messages") from None
         return await _respond(srv, request, streams, opts, cid, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
-        body = await body_of(request)
-        opts = srv.options(body, chat=False)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-            prompts = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            prompts = list(prompt)
-        else:
-            raise ParameterError("prompt", prompt, "a string, a list of token ids, or a list of either")
-        if len(prompts) * opts.n > MAX_PROMPTS:
-            raise ParameterError("prompt", len(prompts), message=f"{len(prompts)} prompts x n={opts.n} is more than "
-                                 f"{MAX_PROMPTS} completions in one request")
-        cid = f"cmpl-{uuid.uuid4().hex}"
+        t0 = time.monotonic()
         try:
-            streams = await srv.start(prompts, opts, cid, chat=False)
+            req = parse_request(CompletionRequest, await srv.read_body(request))
+            opts = srv.options(req, chat=False)
+            prompt = req.prompt
+            prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+            if len(prompts) * opts.n > MAX_PROMPTS:
+                raise ParameterError("prompt", len(prompts), message=f"{len(prompts)} prompts x n={opts.n} is more "
+                                     f"than {MAX_PROMPTS} completions in one request")
+            prompts = await srv.prompts.tokenize(prompts, chat=False, mode=opts.mode)
+            cid = f"cmpl-{uuid.uuid4().hex}"
+            streams = await srv.start(prompts, opts, cid, t0)
         except Exception as e:
             raise _as_openai_error(e, "prompt") from None
         return await _respond(srv, request, streams, opts, cid, chat=False)
@@ -561,6 +950,8 @@ async def _collect(srv: _Server, streams: list[RequestStream], opts: _Options, c
     try:
         async with contextlib.aclosing(_merged(streams)) as merged:  # an error aborts the other choices now
             async for i, out in merged:
+                if opts.meter is not None:
+                    opts.meter.output(i, out)
                 texts[i].append(out.text)
                 log.add(_event_records(i, out))
                 if out.finished:
@@ -615,6 +1006,8 @@ async def _stream(srv: _Server, streams: list[RequestStream], opts: _Options, ci
                 yield chunk([{**choice(i, ""), "delta": {"role": "assistant", "content": ""}}])
         async with contextlib.aclosing(_merged(streams)) as merged:  # an error aborts the other choices now
             async for i, out in merged:
+                if opts.meter is not None:
+                    opts.meter.output(i, out)
                 log.add(_event_records(i, out))
                 if opts.events and (out.events or not out.finished):
                     ext = {"events": [e.to_dict() for e in out.events], "decode_steps": out.decode_steps,
@@ -677,7 +1070,14 @@ def serve(args: Any) -> int:
     engine, _ = build_engine(args, max_running_requests=args.max_running_requests)
     name = served_model_name(args)
     aengine = AsyncEngine(engine)
-    app = build_app(aengine, name, api_key=args.api_key, defaults=defaults, seed=args.seed)
+    hosts = getattr(args, "allowed_hosts", None)
+    if hosts is None:
+        hosts = default_allowed_hosts(args.host, args.api_key)
+    elif "*" in hosts:
+        hosts = None
+    app = build_app(aengine, name, api_key=args.api_key, defaults=defaults, seed=args.seed,
+                    max_body_bytes=int(getattr(args, "max_body_mb", 1) * 2**20), allowed_hosts=hosts,
+                    event_log_bytes=int(getattr(args, "event_log_mb", 64) * 2**20))
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

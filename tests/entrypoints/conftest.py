@@ -68,3 +68,14 @@ def server(tiny_llama, tmp_path_factory):
                         "--max-running-requests", "16"], tmp_path_factory.mktemp("server") / "server.log")
     yield srv
     stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def open_server(tiny_llama, tmp_path_factory):
+    """``pasta-engine serve`` on 127.0.0.1 without an API key (so its Host check is on by
+    default), request bodies up to 32 MiB."""
+    srv = start_server(["--model", str(tiny_llama), "--served-model-name", MODEL, "--kv-cache-mb", "32",
+                        "--page-size", "4", "--max-new-tokens", "24", "--max-body-mb", "32"],
+                       tmp_path_factory.mktemp("open_server") / "server.log")
+    yield srv
+    stop_server(srv)

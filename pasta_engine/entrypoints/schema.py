@@ -1,0 +1,364 @@
+"""The request bodies of the OpenAI-compatible server, as pydantic models (vLLM's names).
+
+Every field a request may send is declared here, with its type and bounds; ``/openapi.json``
+documents these models. A field the engine does not honour is refused with HTTP 400 naming it
+and its value, unless it holds the value that asks for nothing (``min_p=0``,
+``repetition_penalty=1``, ``ignore_eos=false``, ...: a default value is not a request for the
+feature); an unknown field is refused too. Nothing is silently ignored (``user`` is accepted:
+it names the caller and changes nothing in OpenAI's API either).
+
+Numbers are bounded before use: every integer field has an upper bound, floats must be finite
+(the server's JSON reader also refuses integers of more than :data:`MAX_INT_DIGITS` digits and
+documents nested deeper than :data:`MAX_JSON_DEPTH` before these models see them).
+``top_p`` below :data:`MIN_TOP_P` is taken as :data:`MIN_TOP_P`: only the most likely token is
+kept, exactly as any ``top_p`` below ``1 / vocabulary size`` keeps it (a smaller value would
+round to 0 in the sampler's float32 and keep nothing).
+
+Parsing and the refusals raise :class:`~pasta_engine.errors.ParameterError` naming the field as
+OpenAI spells it (``pasta.position_policy`` for the ``pasta`` extension's options).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..config import MAX_SEED, PositionPolicy, SamplingParams
+from ..errors import ParameterError
+
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "ChatMessage",
+    "PastaOptions",
+    "StreamOptions",
+    "parse_request",
+    "check_supported",
+    "engine_sampling_fields",
+    "MAX_N",
+    "MAX_TOKENS",
+    "MIN_TOP_P",
+    "MAX_INT_DIGITS",
+    "MAX_JSON_DEPTH",
+]
+
+#: Most choices (``n``) of one request.
+MAX_N = 16
+#: Largest ``max_tokens`` (the model's context bounds a response further).
+MAX_TOKENS = 2**31 - 1
+#: ``top_p`` below this is taken as this (see the module's docstring).
+MIN_TOP_P = 1e-6
+#: Most stop strings, and longest stop string (characters).
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+#: Integers in a request body may have at most this many digits (a seed needs 20).
+MAX_INT_DIGITS = 20
+#: JSON objects and arrays may nest at most this deep in a request body.
+MAX_JSON_DEPTH = 32
+
+#: The description of a vLLM field the engine may not implement.
+NOT_IMPLEMENTED = "refused unless {} while the engine does not implement it (see SamplingParams)"
+
+_MODEL = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+_POLICY = re.compile(r"\s*(predicted|none|oracle|constant:\s*[0-9]{1,9})\s*", re.IGNORECASE | re.ASCII)
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content."""
+
+    model_config = _MODEL
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message: a role and its text."""
+
+    model_config = _MODEL
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(description="a string, or a list of {type: text, text} parts")
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _content(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("content must be a string or a list of {\"type\": \"text\", \"text\": string} "
+                             "parts") from None
+
+    def text(self) -> str:
+        """The content as one string."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options`` (only with ``stream=true``)."""
+
+    model_config = _MODEL
+    include_usage: bool = False
+
+
+class PastaOptions(BaseModel):
+    """The ``pasta`` extension of a request."""
+
+    model_config = _MODEL
+    mode: Literal["pasta", "sequential"] = Field("pasta", description="act on PASTA-LANG tags, or one thread")
+    position_policy: str | None = Field(
+        None, max_length=64, description="predicted | none | oracle (replay only) | constant:K (0 <= K < 10**9)")
+    max_threads: int | None = Field(None, ge=0, le=2**20, description="threads decoding together (0 = unlimited)")
+    max_forks: int | None = Field(None, ge=0, le=2**20, description="forks per request")
+    events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
+    annotated_response: str | None = Field(None, description="replay this annotated response (forced decoding)")
+
+    @field_validator("position_policy")
+    @classmethod
+    def _policy(cls, value: str | None) -> str | None:
+        if value is not None:
+            if not _POLICY.fullmatch(value):
+                raise ValueError("expected 'predicted', 'none', 'oracle' or 'constant:K' with 0 <= K < 10**9")
+            PositionPolicy.parse(value)
+        return value
+
+
+class _Request(BaseModel):
+    """Fields common to both completions endpoints."""
+
+    model_config = _MODEL
+    model: str | None = Field(None, description="the served model's name (or leave it out)")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="tokens the response may hold (all threads)")
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="the engine's name for max_tokens")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 (or below 1e-5): greedy")
+    top_p: float | None = Field(None, gt=0.0, le=1.0,
+                                description=f"nucleus mass; below {MIN_TOP_P} taken as {MIN_TOP_P} (the top token)")
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="0 or -1: all tokens")
+    seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED, description="choice i uses seed + i")
+    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOPS} non-empty strings")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256, description="the caller's name (accepted, unused)")
+    pasta: PastaOptions = Field(default_factory=PastaOptions)
+    # vLLM's sampling fields the engine does not implement: refused unless they ask for nothing
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description=NOT_IMPLEMENTED.format("0"))
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=NOT_IMPLEMENTED.format("0"))
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=NOT_IMPLEMENTED.format("0"))
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description=NOT_IMPLEMENTED.format("1"))
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description=NOT_IMPLEMENTED.format("0"))
+    ignore_eos: bool = Field(False, description=NOT_IMPLEMENTED.format("false"))
+    stop_token_ids: list[_TokenId] | None = Field(None, max_length=1024, description=NOT_IMPLEMENTED.format("[]"))
+    skip_special_tokens: bool = Field(True, description="not supported: only true (tags and specials are removed)")
+    spaces_between_special_tokens: bool = Field(True, description="not supported: only true")
+    include_stop_str_in_output: bool = Field(False, description=NOT_IMPLEMENTED.format("false"))
+    logit_bias: dict[str, float] | None = Field(None, description=NOT_IMPLEMENTED.format("{}"))
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop(cls, value: Any, handler: Any) -> Any:
+        try:
+            value = handler(value)
+        except ValidationError:
+            value = None
+        else:
+            stops = [value] if isinstance(value, str) else value
+            if stops is None or (len(stops) <= MAX_STOPS and all(0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+                return value
+        raise ValueError(f"expected a non-empty string or a list of at most {MAX_STOPS} of them (each at most "
+                         f"{MAX_STOP_CHARS} characters)")
+
+    def stops(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_Request):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="OpenAI's newer max_tokens")
+    logprobs: bool = Field(False, description="the logprob of each sampled token")
+    top_logprobs: int = Field(0, ge=0, le=20, description="not supported: only 0")
+    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"}")
+    tools: list[Any] | None = Field(None, description="not supported")
+    functions: list[Any] | None = Field(None, description="not supported")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="not supported: only \"none\"")
+    function_call: str | dict[str, Any] | None = Field(None, description="not supported: only \"none\"")
+    parallel_tool_calls: bool | None = Field(None, description="not supported (no tools)")
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[_TokenId] | list[str] | list[list[_TokenId]] = Field(
+        description="a string, a list of token ids, or a list of either")
+    logprobs: int | None = Field(None, ge=0, le=20, description="only 0: the sampled tokens' logprobs")
+    echo: bool = Field(False, description="not supported: only false")
+    suffix: str | None = Field(None, description="not supported")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only n")
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, value: Any, handler: Any) -> Any:
+        try:
+            value = handler(value)
+        except ValidationError:
+            value = None
+        if isinstance(value, str) or (value and all(isinstance(p, (str, int)) or p for p in value)):
+            return value
+        raise ValueError("expected a string, a non-empty list of token ids (integers in [0, 2**31)), or a "
+                         "non-empty list of strings or of such lists")
+
+
+# (field, the value that asks for nothing, why it is refused otherwise)
+_UNSUPPORTED: list[tuple[str, Any, str]] = [
+    ("min_p", 0.0, "min-p filtering is not implemented (leave it 0)"),
+    ("presence_penalty", 0.0, "penalties are not implemented (leave it 0)"),
+    ("frequency_penalty", 0.0, "penalties are not implemented (leave it 0)"),
+    ("repetition_penalty", 1.0, "penalties are not implemented (leave it 1)"),
+    ("min_tokens", 0, "min_tokens is not implemented (leave it 0)"),
+    ("ignore_eos", False, "the end-of-sequence token always ends a thread"),
+    ("skip_special_tokens", True, "responses never carry special tokens (the annotated text is in "
+     "choices[].pasta.annotated_text)"),
+    ("spaces_between_special_tokens", True, "responses never carry special tokens"),
+    ("include_stop_str_in_output", False, "the response ends right before its stop string"),
+    ("top_logprobs", 0, "only the sampled token's logprob is returned (logprobs=true)"),
+    ("echo", False, "the prompt is not echoed"),
+    ("parallel_tool_calls", None, "tools are not supported"),
+]
+# fields refused unless absent or empty (None, "", [], {}) or one of the listed values
+_UNSUPPORTED_SET: list[tuple[str, tuple[Any, ...], str]] = [
+    ("stop_token_ids", (), "stop tokens are not implemented: use stop strings"),
+    ("logit_bias", (), "logit_bias is not implemented"),
+    ("suffix", (), "suffix is not supported"),
+    ("tools", (), "tools are not supported"),
+    ("functions", (), "functions are not supported"),
+    ("tool_choice", ("none",), "tools are not supported"),
+    ("function_call", ("none",), "functions are not supported"),
+    ("response_format", ({"type": "text"},), "only response_format {\"type\": \"text\"} is supported"),
+]
+
+
+def _honoured() -> set[str]:
+    """vLLM's sampling fields that :class:`~pasta_engine.config.SamplingParams` has under the
+    same name (the engine honours them: they are passed on, not refused)."""
+    return {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def engine_sampling_fields(req: _Request) -> dict[str, Any]:
+    """The fields of :data:`_UNSUPPORTED` the engine honours (a :class:`SamplingParams` field of
+    the same name) and the request sets to something other than their neutral value."""
+    honoured, fields = _honoured(), type(req).model_fields
+    out = {name: getattr(req, name) for name, neutral, _ in _UNSUPPORTED
+           if name in honoured and name in fields and getattr(req, name) != neutral}
+    out.update({name: getattr(req, name) for name, _, _ in _UNSUPPORTED_SET
+                if name in honoured and name in fields and getattr(req, name) not in (None, "", [], {})})
+    return out
+
+
+def check_supported(req: _Request) -> None:
+    """Raise ParameterError naming the first field that asks for something the engine does not
+    do (its value shown). A field :class:`SamplingParams` has under the same name is honoured,
+    not refused."""
+    honoured = _honoured()
+    for name, neutral, why in _UNSUPPORTED:
+        if name in type(req).model_fields and name not in honoured:
+            value = getattr(req, name)
+            if value != neutral and not (neutral is None and value is False):
+                raise ParameterError(name, value, message=f"{name}={value!r} is not supported by pasta-engine: {why}")
+    for name, allowed, why in _UNSUPPORTED_SET:
+        if name in type(req).model_fields and name not in honoured:
+            value = getattr(req, name)
+            if value not in (None, "", [], {}) and value not in allowed:
+                shown = repr(value)
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise ParameterError(name, value, message=f"{name}={shown} is not supported by pasta-engine: {why}")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs not in (None, 0):
+            raise ParameterError("logprobs", req.logprobs, message=f"logprobs={req.logprobs} is not supported by "
+                                 "pasta-engine: only logprobs=0 (the sampled tokens' logprobs, no alternatives)")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ParameterError("best_of", req.best_of, message=f"best_of={req.best_of} is not supported by "
+                                 f"pasta-engine: only best_of = n ({req.n})")
+    if req.stream_options is not None and not req.stream:
+        raise ParameterError("stream_options", req.stream_options.model_dump(),
+                             message="stream_options is only allowed with stream=true")
+
+
+def max_tokens_of(req: _Request) -> tuple[str, int] | None:
+    """``(field, value)`` of the response length the request asks for (``max_completion_tokens``,
+    ``max_tokens`` or ``max_new_tokens``), None when it gives none. Raises ParameterError when
+    two of them disagree."""
+    given = [(name, getattr(req, name)) for name in ("max_completion_tokens", "max_tokens", "max_new_tokens")
+             if getattr(req, name, None) is not None]
+    for name, value in given[1:]:
+        if value != given[0][1]:
+            raise ParameterError(name, value, message=f"{name}={value} disagrees with {given[0][0]}={given[0][1]}: "
+                                 "give one of them")
+    return given[0] if given else None
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """The OpenAI ``param`` of an error at ``loc``: the top-level field (``pasta.<option>`` for
+    the ``pasta`` extension)."""
+    if not loc:
+        return None
+    if loc[0] == "pasta" and len(loc) > 1 and isinstance(loc[1], str):
+        return f"pasta.{loc[1]}"
+    return str(loc[0])
+
+
+def _short(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
+_NICE = {
+    "model_type": "expected an object",
+    "dict_type": "expected an object",
+    "int_type": "expected an integer",
+    "float_type": "expected a number",
+    "bool_type": "expected true or false",
+    "string_type": "expected a string",
+    "list_type": "expected a list",
+    "finite_number": "expected a finite number",
+}
+
+
+def parse_request(model: type[_Request], body: dict[str, Any]) -> _Request:
+    """Validate a request body against ``model`` (then :func:`check_supported`).
+
+    A ``null`` field (at the top or in ``pasta``) is taken as left out: its default applies.
+
+    Raises ParameterError naming the first bad field as OpenAI spells it, with its path and
+    value in the message."""
+    body = {k: v for k, v in body.items() if v is not None}
+    if isinstance(body.get("pasta"), dict):
+        body["pasta"] = {k: v for k, v in body["pasta"].items() if v is not None}
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = tuple(err["loc"])
+        path, kind = _path(loc), err["type"]
+        if kind == "missing":
+            message = f"{path} is required"
+        elif kind == "extra_forbidden":
+            owner = PastaOptions if loc[0] == "pasta" and len(loc) == 2 else model if len(loc) == 1 else None
+            known = f": known fields are {', '.join(owner.model_fields)}" if owner is not None else ""
+            message = f"unknown field {path}{known}"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            message = f"invalid {path}={_short(err.get('input'))}: {_NICE.get(kind, msg)}"
+        raise ParameterError(_param(loc) or "body", err.get("input"), message=message) from None
+    check_supported(req)
+    return req
