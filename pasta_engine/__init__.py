@@ -52,4 +52,17 @@ __all__ = [
     "UnsupportedModelError",
     "EngineDeadError",
 ]
-__version__ = "0.2.0"
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's ``version``: the one place it is
+    written); ``0+unknown`` in a source tree that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pasta-engine")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()

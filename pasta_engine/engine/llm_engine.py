@@ -195,9 +195,10 @@ class Engine:
         errors (its place in a list of prompts).
 
         Raises ParameterError naming the prompt for anything else (None, bytes, an empty list,
-        non-integer or out-of-vocabulary ids)."""
+        non-integer or out-of-vocabulary ids, a string with a lone surrogate)."""
         where = f"prompt {index}" if index is not None else "prompt"
         if isinstance(prompt, str):
+            _check_text(prompt, "prompt", where)
             msgs = self.config.pasta_prompt.messages(prompt) if mode == "pasta" else [{"role": "user", "content": prompt}]
             return encode_prompt(self.tokenizer, msgs, self.config.prompt_special_tokens)
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
@@ -253,6 +254,7 @@ class Engine:
         if annotated_response is not None:
             if not isinstance(annotated_response, str):
                 raise ParameterError("annotated_response", annotated_response, "a string")
+            _check_text(annotated_response, "annotated_response", "the annotated response")
             prompt_ids = self.format_prompt(prompt, "pasta", index)  # both modes see the same prompt
         else:
             prompt_ids = self.format_prompt(prompt, mode, index)
@@ -534,6 +536,16 @@ def check_device(device: str | torch.device) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ParameterError("device", str(device), "'cpu' or 'cuda'")
     return dev
+
+
+def _check_text(text: str, param: str, where: str) -> None:
+    """Raise ParameterError when ``text`` is not valid Unicode (a lone surrogate, e.g. a byte that
+    was not UTF-8 in a command line): no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ParameterError(param, text, message=f"{where} is not valid text: {text[e.start]!r} at character "
+                             f"{e.start} is a lone surrogate (bytes that were not UTF-8?)") from None
 
 
 def _mib(n: int | None) -> str:

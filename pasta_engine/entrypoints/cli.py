@@ -32,7 +32,10 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pasta-engine`` argument parser (generate, replay, bench)."""
+    from .. import __version__
+
     ap = argparse.ArgumentParser(prog="pasta-engine", description="PASTA learned asynchronous decoding")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -245,11 +248,11 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
         for mode in modes:
             engine = per_mode[mode]
             if responses is None:
-                [res] = engine.generate([prompt], params, mode=mode)
+                res = _decode(engine, args, row, mode, params)
             elif mode == "sequential" and "pasta" in results:  # replay --mode both: the clean text
-                [res] = engine.replay([prompt], [results["pasta"].text], mode=mode, params=params)
+                res = _decode(engine, args, row, mode, params, results["pasta"].text)
             else:
-                [res] = engine.replay([prompt], [responses[i]], mode=mode, params=params)
+                res = _decode(engine, args, row, mode, params, responses[i])
             results[mode] = res
             row[mode] = res.to_dict()
             if not args.json:
@@ -273,7 +276,46 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
     if bar is not None:
         bar.close()
     print("summary: " + json.dumps(_summary(rows)), file=sys.stderr)
-    return 0
+    return _exit_status(rows, modes)
+
+
+class _Interrupted(Exception):
+    """Ctrl-C stopped a run; what the interrupted request had decoded is printed already."""
+
+
+def _decode(engine: Any, args: argparse.Namespace, row: dict[str, Any], mode: str, params: Any,
+            response: str | None = None) -> Any:
+    """One request (a replay of ``response`` when given) through the engine's step loop, the
+    same loop ``Engine.generate`` runs: its result. On Ctrl-C the request is aborted (its pages
+    freed), what it decoded so far is printed (as the row's JSON with ``"interrupted": true``
+    under ``--json``) and :class:`_Interrupted` is raised."""
+    rid = engine.add_request(row["prompt"], params, mode=mode, annotated_response=response)
+    try:
+        while True:
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    return out.result
+    except KeyboardInterrupt:
+        engine.abort(rid)  # a Ctrl-C inside a step has ended it already (with its pages freed)
+        res = next((o.result for o in engine.step() if o.request_id == rid and o.finished), None)
+        if res is not None:
+            if args.json:
+                print(json.dumps({**row, mode: res.to_dict(), "interrupted": True}), flush=True)
+            else:
+                _print_result(res, f"prompt {row['index']} {mode} (interrupted)")
+        raise _Interrupted() from None
+
+
+def _exit_status(rows: list[dict[str, Any]], modes: Sequence[str]) -> int:
+    """0, or 1 (named on stderr) when a request ended with ``finish_reason="error"``."""
+    failed = [f"prompt {r['index']} {m}" for r in rows for m in modes
+              if r.get(m, {}).get("stats", {}).get("finish_reason") == "error"]
+    if not failed:
+        return 0
+    print(f"pasta-engine: error: {len(failed)} of {len(rows) * len(modes)} runs ended with an error "
+          f"({', '.join(failed[:5])}{', ...' if len(failed) > 5 else ''}; the message is in each result)",
+          file=sys.stderr)
+    return 1
 
 
 def _speedups(engine: Any, prompt: Any, results: dict[str, Any], generated: bool) -> dict[str, Any]:
@@ -436,8 +478,18 @@ def _bench_annotate(args: argparse.Namespace, argv: Sequence[str] | None) -> int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``pasta-engine`` command. Returns the exit status (2 for any error a
-    user can cause, printed on one stderr line)."""
+    """Entry point of the ``pasta-engine`` command. Returns the exit status: 0; 2 for any error
+    a user can cause (a flag, a file, a model, an address), printed on one stderr line that names
+    it; 1 when a run completed but a request in it ended with an error; 130 after Ctrl-C (what
+    the interrupted request decoded is printed first; no traceback)."""
+    try:
+        return _main(argv)
+    except (KeyboardInterrupt, _Interrupted):
+        print("pasta-engine: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from ..errors import KVCacheExhausted, PastaEngineError, UnsupportedModelError
     from ..tools.bench import BenchError
     from ..tools.traces import TraceFileError, read_prompts, read_traces
@@ -460,17 +512,55 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prompts = [r.instruction for r in read_prompts(args.prompts_file)]
             else:
                 prompts = [args.prompt or SAMPLE_PROMPT]
+                _check_utf8(prompts[0], "the prompt argument")
             return _run(args, prompts, None)
         if args.command == "serve":
             from .serve_command import run_serve
 
-            return run_serve(args)
+            try:
+                return run_serve(args)
+            except (OSError, OverflowError) as e:
+                why = _listen_error(e)
+                if why is None:
+                    raise
+                print(f"pasta-engine: error: cannot listen on --host {args.host} --port {args.port}: {why}",
+                      file=sys.stderr)
+                return 2
         rows = read_traces(args.traces)
         return _run(args, [r.prompt for r in rows], [r.annotated_response for r in rows])
     except (FileNotFoundError, UnsupportedModelError, KVCacheExhausted, PastaEngineError, TraceFileError, BenchError,
             ValueError) as e:
         print(f"pasta-engine: error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """Raise ValueError naming ``what`` when ``text`` holds bytes that were not UTF-8 (Python
+    keeps them in a command line as lone surrogates, which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = text[e.start].encode("utf-8", "surrogateescape") if "\udc80" <= text[e.start] <= "\udcff" else None
+        shown = f"byte 0x{raw.hex()}" if raw else repr(text[e.start])
+        raise ValueError(f"{what} is not UTF-8 text ({shown} at character {e.start}): pass UTF-8, or a --prompts-file "
+                         "in UTF-8") from None
+
+
+def _listen_error(e: BaseException) -> str | None:
+    """Why the server could not listen, when ``e`` is that kind of error (None otherwise): an
+    address in use or not on this machine, a port out of range or reserved, an unknown host."""
+    import errno
+    import socket
+
+    if isinstance(e, OverflowError):
+        return str(e) if "port" in str(e) else None
+    if isinstance(e, socket.gaierror):
+        return f"unknown host ({e.strerror or e})"
+    if isinstance(e, OSError) and e.filename is None and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+        return {errno.EADDRINUSE: "the address is already in use (pick another --port, or 0 for any free one)",
+                errno.EADDRNOTAVAIL: "the address is not on this machine",
+                errno.EACCES: "permission denied (ports below 1024 need privileges)"}[e.errno]
+    return None
 
 
 if __name__ == "__main__":

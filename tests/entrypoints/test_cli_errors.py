@@ -1,0 +1,171 @@
+"""The command line's edges (issue 20): every error a user can cause is one stderr line naming
+the flag or file, with exit status 2; a run whose request ends in ``error`` exits 1; Ctrl-C
+prints what was decoded so far and exits 130 without a traceback, in ``generate`` and in
+``serve``."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pasta_engine import Engine
+from pasta_engine.entrypoints.cli import main
+
+TINY_RUN = ["--kv-cache-mb", "8", "--max-new-tokens", "4"]
+
+
+def _one_error_line(err: str, *pieces: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("pasta-engine: error:") and all(p in lines[0] for p in pieces), lines[0]
+
+
+def test_version_is_the_package_metadata(capsys):
+    import pasta_engine
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    out, _ = capsys.readouterr()
+    assert e.value.code == 0
+    assert out.strip() == f"pasta-engine {importlib.metadata.version('pasta-engine')}" == f"pasta-engine {pasta_engine.__version__}"
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(tiny_llama, capsys):
+    # a command line holding byte 0xff reaches Python as the lone surrogate U+DCFF
+    rc = main(["generate", "hi \udcff there", "--model", str(tiny_llama), *TINY_RUN])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    _one_error_line(err, "prompt argument", "byte 0xff")
+
+
+def test_a_kv_cache_larger_than_the_machine_is_one_line(tiny_llama, capsys):
+    rc = main(["generate", "hi", "--model", str(tiny_llama), "--kv-cache-mb", "99999999"])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    _one_error_line(err, "99999999 MiB", "--kv-cache-mb")
+
+
+def test_a_replay_that_ends_in_error_exits_1(tiny_llama, tmp_path, capsys):
+    """Eight promises need more pages of 256 tokens than 1 MiB holds (8): the request ends with
+    finish_reason "error", which the exit status now says (it was 0)."""
+    ann = "List: " + " ".join(f'<promise topic="p{i}" tokens="10"/><async>item {i}.</async>' for i in range(8)) + "<sync/> end"
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(json.dumps({"prompt": "list", "annotated_response": ann}) + "\n")
+    rc = main(["replay", "--traces", str(traces), "--model", str(tiny_llama), "--kv-cache-mb", "1", "--page-size", "256",
+               "--json"])
+    out, err = capsys.readouterr()
+    assert json.loads(out)["pasta"]["stats"]["finish_reason"] == "error"
+    assert rc == 1 and "pasta-engine: error: 1 of 1 runs ended with an error (prompt 0 pasta" in err
+
+
+def test_ctrl_c_in_generate_prints_the_partial_answer_and_exits_130(tiny_llama, capsys, monkeypatch):
+    """A KeyboardInterrupt in the 6th step (inside the forward, as a real Ctrl-C lands): the
+    request's 5 tokens so far are printed, then one line, status 130."""
+    calls = [0]
+    step = Engine._step
+
+    def interrupted(self):
+        calls[0] += 1
+        if calls[0] == 6:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Engine, "_step", interrupted)
+    rc = main(["generate", "hi", "--model", str(tiny_llama), "--kv-cache-mb", "8", "--max-new-tokens", "50", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "pasta-engine: interrupted"
+    row = json.loads(out)
+    assert row["interrupted"] is True and row["index"] == 0 and len(row["pasta"]["token_ids"]) == 5
+
+
+def _popen(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "pasta_engine.entrypoints.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_for(stream, text: str, timeout_s: float = 120.0) -> str:
+    """Read ``stream`` until a line holds ``text`` (returns what was read)."""
+    seen, deadline = "", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        seen += line
+        if text in line:
+            return seen
+    raise AssertionError(f"never saw {text!r}:\n{seen[-2000:]}")
+
+
+def test_a_real_ctrl_c_in_generate_keeps_the_output(tiny_llama, tmp_path):
+    """SIGINT to a real process while it decodes the first of two prompts (the progress bar is
+    up): the interrupted prompt's partial answer comes out as JSON, no traceback, status 130."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("first prompt\nsecond prompt\n")
+    proc = _popen(["generate", "--prompts-file", str(prompts), "--model", str(tiny_llama), "--kv-cache-mb", "8",
+                   "--max-new-tokens", "4000", "--json"])
+    try:
+        _wait_for(proc.stderr, "0/2")  # the bar: the engine is built and decoding
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err and "pasta-engine: interrupted" in err
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["interrupted"] is True and row["index"] in (0, 1) and 0 < len(row["pasta"]["token_ids"]) < 4000
+
+
+# --------------------------------------------------------------------------- serve
+
+needs_serve = pytest.mark.skipif(importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None,
+                                 reason="the serve extra (fastapi, uvicorn) is not installed")
+
+
+def _busy_port() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
+@needs_serve
+@pytest.mark.parametrize("where, pieces", [
+    (["--port", "70000"], ["--port 70000"]),
+    (["--host", "no-such-host.invalid"], ["--host no-such-host.invalid", "unknown host"]),
+    (["--port", "BUSY"], ["already in use"]),
+])
+def test_serve_cannot_listen_is_one_line(tiny_llama, capsys, where, pieces):
+    busy = _busy_port()
+    try:
+        port = str(busy.getsockname()[1])
+        where = [port if w == "BUSY" else w for w in where]
+        rc = main(["serve", "--model", str(tiny_llama), "--kv-cache-mb", "8", "--log-level", "warning", *where])
+    finally:
+        busy.close()
+    _, err = capsys.readouterr()
+    assert rc == 2
+    _one_error_line("\n".join(line for line in err.splitlines() if not line.startswith(("INFO", "WARNING"))),
+                    *[p.replace("BUSY", port) for p in pieces])
+
+
+@needs_serve
+def test_serve_on_sigint_shuts_down_without_a_traceback(tiny_llama):
+    proc = _popen(["serve", "--model", str(tiny_llama), "--kv-cache-mb", "8", "--port", "0", "--log-level", "warning"])
+    try:
+        _wait_for(proc.stdout, " at http://")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Traceback" not in err and proc.returncode in (0, 130), err[-2000:]
