@@ -90,6 +90,11 @@ class SamplingParams:
             integer in ``[0, 2**64 - 1]``.
         return_logprobs: fill ``result.logprobs`` with the natural-log probability of each
             sampled token under the model's (untempered) distribution.
+        repetition_penalty: > 0; 1 = none. Before sampling, the logit of every token the
+            thread has seen (the prompt, and the response tokens visible to it: a chunk sees the
+            main thread up to its promise and its own tokens) is divided by it when positive and
+            multiplied by it when negative (Keskar et al. 2019, "CTRL", section 4.1; the rule of
+            ``transformers``' and vLLM's ``repetition_penalty``).
 
     Raises ParameterError naming the first bad field and its value."""
 
@@ -99,6 +104,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     return_logprobs: bool = False
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, 1)
@@ -107,6 +113,7 @@ class SamplingParams:
         check_int("top_k", self.top_k, 0)
         check_int("seed", self.seed, 0, MAX_SEED)
         check_bool("return_logprobs", self.return_logprobs)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
 
     @property
     def greedy(self) -> bool:

@@ -313,6 +313,15 @@ class Interpreter:
                                         self._grammar_state(t) if self.grammar else 0))
         return steps
 
+    def seen_tokens(self, tid: int) -> list[int]:
+        """Token ids thread ``tid`` sees (for the repetition penalty): the prompt, then for the
+        main thread its own tokens, for a chunk the main thread's tokens up to its promise and
+        its own (the inserted ``<async>`` included)."""
+        t = self.threads[tid]
+        if t.is_main:
+            return self.prompt_ids + t.tokens
+        return self.prompt_ids + self.main.tokens[: t.fork_at] + t.tokens
+
     def _grammar_state(self, t: Thread) -> int:
         """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample."""
         return grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks)

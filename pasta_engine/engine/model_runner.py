@@ -22,7 +22,7 @@ from ..config import EngineConfig
 from ..errors import ParameterError
 from ..layers.attention import AttentionMetadata
 from ..layers.backends import get_backend
-from ..layers.sampler import draw_noise, logprobs_of, sample_batch
+from ..layers.sampler import MIN_TOP_P, apply_repetition_penalty, draw_noise, logprobs_of, sample_batch
 from ..layers.utils import to_device
 from ..models.llama import LlamaModel
 from .request import Request
@@ -267,6 +267,12 @@ class ModelRunner:
             want_lp += [prm.return_logprobs] * m
             groups.append((at, m, req, not prm.greedy and any(f is None for f in fr)))
             at += m
+        pen = [(k, st) for k, st in enumerate(sampling)
+               if st.request.params.repetition_penalty != 1.0 and st.step.forced is None]
+        if pen:  # the tokens each thread sees, penalised (before the grammar: a masked token stays masked)
+            logits = apply_repetition_penalty(
+                logits, [k for k, _ in pen], [st.request.interp.seen_tokens(st.step.tid) for _, st in pen],
+                [st.request.params.repetition_penalty for _, st in pen])
         if self.grammar_masks is not None:
             states = [st.step.grammar for st in sampling]
             if any(states):  # the PASTA-LANG grammar: forbidden tokens get -inf (logprobs see the mask too)
@@ -284,7 +290,7 @@ class ModelRunner:
                 greedy += [not samples] * m
                 temps += [prm.temperature if samples else 1.0] * m
                 top_k += [prm.top_k if samples and 0 < prm.top_k < vocab else vocab] * m
-                top_p += [prm.top_p if samples and prm.top_p < 1.0 else float("inf")] * m
+                top_p += [max(prm.top_p, MIN_TOP_P) if samples and prm.top_p < 1.0 else float("inf")] * m
             noise = None
             if any(g[3] for g in groups):
                 noise = torch.ones_like(logits)

@@ -78,6 +78,9 @@ def add_train_parser(subparsers: Any) -> None:
     a.add_argument("--max-new-tokens", type=positive_int, default=320)
     a.add_argument("--temperature", type=float, default=0.2, help="default: the SmolLM2-135M-Instruct model card's")
     a.add_argument("--top-p", type=float, default=0.9, help="default: the SmolLM2-135M-Instruct model card's")
+    a.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="CTRL's penalty on tokens already seen (1 = none; 1.1 with --temperature 0 stops a 135M model "
+                   "looping)")
     a.add_argument("--batch", type=positive_int, default=32, help="prompts per engine call (the unit of resumption)")
     a.add_argument("--max-running-requests", type=positive_int, default=16, help="requests decoded together")
     a.add_argument("--seed", type=nonneg_int, default=0)
@@ -198,13 +201,15 @@ def _answers(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..train.answers import generate_answers
     from ..train.data import EVAL_DATASET, split_rows
 
-    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # ParameterError names a bad flag value
+    SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                   repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
     rows = split_rows(read_prompts(args.prompts), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
     engine = Engine.from_pretrained(args.model, adapter=None, max_running_requests=args.max_running_requests)
     summary = generate_answers(engine, rows, args.out, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, top_p=args.top_p, batch=args.batch, seed=args.seed,
+                               temperature=args.temperature, top_p=args.top_p,
+                               repetition_penalty=args.repetition_penalty, batch=args.batch, seed=args.seed,
                                generator=str(args.model or "SmolLM2-135M-Instruct"))
     summary["command"] = command_line(argv)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

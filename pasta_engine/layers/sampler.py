@@ -10,7 +10,34 @@ import torch
 
 from ..config import SamplingParams
 
-__all__ = ["sample", "sample_batch", "draw_noise", "logprobs_of"]
+__all__ = ["sample", "sample_batch", "draw_noise", "logprobs_of", "apply_repetition_penalty", "MIN_TOP_P"]
+
+#: A smaller top_p is taken as this one (keeps the most likely token, as any tiny top_p does): a
+#: top_p such as 1e-300 rounds to 0 in float32, and a zero top_p dropped every token (nan).
+MIN_TOP_P = 1e-6
+
+
+def apply_repetition_penalty(logits: torch.Tensor, rows: list[int], seen: list[list[int]],
+                             penalties: list[float]) -> torch.Tensor:
+    """The logits with the repetition penalty applied (a new tensor): for each ``rows[i]``, the
+    logit of every id in ``seen[i]`` is divided by ``penalties[i]`` when positive and multiplied
+    by it when negative (Keskar et al. 2019, "CTRL", section 4.1; ``transformers``'
+    ``RepetitionPenaltyLogitsProcessor`` rule).
+
+    Args:
+        logits: ``[N, vocab]`` float32.
+        rows: row indices into ``logits`` that get a penalty.
+        seen: per such row, the token ids the thread has seen (repeats allowed).
+        penalties: per such row, the penalty (> 0)."""
+    r = torch.tensor([row for row, ids in zip(rows, seen) for _ in ids], dtype=torch.long)
+    c = torch.tensor([i for ids in seen for i in ids], dtype=torch.long)
+    p = torch.ones(logits.shape[0], 1, dtype=logits.dtype)
+    p[rows, 0] = torch.tensor(penalties, dtype=logits.dtype)
+    mask = torch.zeros(logits.shape, dtype=torch.bool)
+    mask[r, c] = True
+    dev = logits.device
+    mask, p = mask.to(dev, non_blocking=True), p.to(dev, non_blocking=True)
+    return torch.where(mask, torch.where(logits > 0, logits / p, logits * p), logits)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -34,7 +61,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_x, idx = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(dim=-1)
         # drop a token when the mass before it already reaches top_p (keeps at least one)
-        drop = probs.cumsum(dim=-1) - probs >= params.top_p
+        drop = probs.cumsum(dim=-1) - probs >= max(params.top_p, MIN_TOP_P)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)
     probs = x.softmax(dim=-1)

@@ -83,3 +83,54 @@ def test_all_greedy_is_argmax():
     logits = torch.randn(4, VOCAB)
     tokens, bad = sample_batch(logits, torch.ones(4, dtype=torch.bool), torch.ones(4, 1), None, None, None)
     assert torch.equal(tokens, logits.argmax(-1)) and bad is None
+
+
+def test_repetition_penalty_follows_the_ctrl_rule():
+    from pasta_engine.layers.sampler import apply_repetition_penalty
+
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5], [3.0, 3.0, -1.0, 0.0]])
+    out = apply_repetition_penalty(logits, [0], [[0, 1, 1]], [2.0])
+    # row 0: seen 0 (positive: divided) and 1 (negative: multiplied), once each however often seen
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5], [3.0, 3.0, -1.0, 0.0]]
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    ids = torch.tensor([[0, 1, 1], [2, 3, 3]])
+    want = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
+    got = apply_repetition_penalty(logits, [0, 1], [[0, 1, 1], [2, 3, 3]], [1.3, 1.3])
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0.0)
+
+
+def test_engine_repetition_penalty_equals_transformers_generate(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    from pasta_engine import Engine
+
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20)
+    prompt = [5, 6, 7, 5, 6, 7, 8]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    for penalty in (1.0, 1.5):
+        [res] = engine.generate([prompt], SamplingParams(max_new_tokens=24, repetition_penalty=penalty),
+                                mode="sequential")
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                              repetition_penalty=penalty, pad_token_id=engine.eos_ids[0])
+        want = out[0, len(prompt):].tolist()
+        assert res.token_ids == want[: len(res.token_ids)], penalty
+    # the penalty changes what a looping random model writes
+    [a] = engine.generate([prompt], SamplingParams(max_new_tokens=24), mode="sequential")
+    assert a.token_ids != res.token_ids
+
+
+def test_a_vanishing_top_p_keeps_the_most_likely_token(tiny_engine):
+    # 1e-300 is 0 in float32: it used to drop every token and fail the request (nan probabilities)
+    [res] = tiny_engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1e-300),
+                                 mode="sequential")
+    [greedy] = tiny_engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6), mode="sequential")
+    assert res.stats.finish_reason != "error", res.error
+    assert res.token_ids == greedy.token_ids
+    logits = torch.randn(3, VOCAB)
+    assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-300), torch.Generator()).tolist() == \
+        logits.argmax(-1).tolist()
