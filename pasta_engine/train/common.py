@@ -108,12 +108,12 @@ def wrap_lora(model: Any, settings: LoraSettings = LoraSettings(), adapter: str 
     from ..models.loader import add_adapter_tokens
 
     if adapter is not None:
+        if added_tokens(read_manifest(adapter)):
+            if tokenizer is None:
+                raise ValueError(f"adapter {adapter} added tokens: wrap_lora needs the tokenizer")
+            add_adapter_tokens(tokenizer, adapter)
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
-    cfg = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                     target_modules=list(settings.targets), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
-
-
     extra: dict[str, Any] = {}
     if tag_tokens:
         if tokenizer is None:
@@ -129,6 +129,11 @@ def wrap_lora(model: Any, settings: LoraSettings = LoraSettings(), adapter: str 
                 model.get_output_embeddings().weight is model.get_input_embeddings().weight)
             # tied: the LM head is the embedding (peft keeps the tie); untied: train its rows too
             extra["trainable_token_indices"] = rows_new if tied else {"embed_tokens": rows_new, "lm_head": rows_new}
+    cfg = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                     target_modules=list(settings.targets), bias="none", task_type="CAUSAL_LM", **extra)
+    return get_peft_model(model, cfg)
+
+
 def export_adapter(peft_model: Any, out: Path, manifest: dict[str, Any]) -> Path:
     """Save the adapter in peft's format with float16 tensors (half the bytes of float32; the
     engine merges in float32) and ``manifest.json``. Returns ``out``."""

@@ -162,6 +162,7 @@ def train_sft(
     export_adapter(model, out / "adapter", {
         **(manifest or {}), "base_model": str(base or "embedded SmolLM2-135M-Instruct"), "base_path": str(path),
         "pasta_prompt": settings.pasta_prompt.to_dict(), "stages": [*earlier, summary],
+        **({"added_tokens": tags.as_dict()} if tags is not None else {}),
     })
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
