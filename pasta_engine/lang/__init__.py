@@ -2,6 +2,7 @@
 (:mod:`.tokenization`), incremental detokenization (:mod:`.detokenizer`) and the prompts that
 teach a model the tags (:mod:`.prompts`). Text only: no torch, no engine."""
 
-from .tags import ASYNC_CLOSE, ASYNC_OPEN, SYNC, parse, promise_tag, splice, split_threads, strip_tags
+from .tags import ASYNC_CLOSE, ASYNC_OPEN, SYNC, clean_text, parse, promise_tag, splice, split_threads, strip_tags
 
-__all__ = ["ASYNC_OPEN", "ASYNC_CLOSE", "SYNC", "parse", "promise_tag", "splice", "split_threads", "strip_tags"]
+__all__ = ["ASYNC_OPEN", "ASYNC_CLOSE", "SYNC", "clean_text", "parse", "promise_tag", "splice", "split_threads",
+           "strip_tags"]

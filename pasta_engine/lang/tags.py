@@ -16,17 +16,37 @@ character arrives. Anything that is not a well-formed tag is text: the parser ne
 what a model wrote, and it never drops a character (``"".join`` of the text it emits plus the
 raw text of the tags it emits equals its input).
 
-Whole-response helpers: :func:`strip_tags` (clean response), :func:`split_threads` (an annotated
-response into the main thread's text and each promise's chunk) and :func:`splice` (the inverse).
+Text that began like a tag but is not one is :class:`TagText` (a :class:`Text`: it is part of
+what the model wrote, but a reader never sees it). The line between tag-like text and plain
+text that merely holds a ``<`` is the known tag heads ``<promise``, ``<async``, ``</async`` and
+``<sync``:
+
+* a would-be tag that got at least as far as a known head and then broke (a malformed tag) is
+  tag-like from its ``<`` through the next ``>`` (included), stopping before a line break or the
+  next ``<`` and after at most :data:`MAX_TAG_CHARS` characters past the point it broke (so
+  ``<promise topic="t" tokens="N"/>`` is tag-like as a whole, and so is
+  ``<promise topic="an unclosed topic`` up to its line break);
+* a would-be tag still held back when the text ends (a partial tag at a length cut or end of
+  sequence) is tag-like when it got as far as a known head (``<promise topic="x" tokens="1``,
+  ``<sync/``);
+* anything else is plain text: ``a < b``, ``x <3``, ``<div>``, ``</b>``, and ``<prom`` or
+  ``<asy`` that stop short of a known head (at the end of a text too).
+
+Whole-response helpers: :func:`clean_text` (the clean response a reader sees),
+:func:`strip_tags` (the response without its well-formed tags, every other character kept: the
+inverse of annotating), :func:`split_threads` (an annotated response into the main thread's text
+and each promise's chunk) and :func:`splice` (the inverse).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 __all__ = [
     "Text",
+    "TagText",
     "Promise",
     "AsyncOpen",
     "AsyncClose",
@@ -36,6 +56,9 @@ __all__ = [
     "TagParser",
     "parse",
     "strip_tags",
+    "clean_text",
+    "drop_empty_items",
+    "held_line_start",
     "split_threads",
     "splice",
     "promise_tag",
@@ -73,6 +96,14 @@ class Text:
     """Plain text (anything that is not a well-formed tag)."""
 
     text: str
+
+
+@dataclass(frozen=True)
+class TagText(Text):
+    """Text that began like a PASTA-LANG tag but is not one (a malformed tag, or a partial tag
+    at the end of the text; the module docstring draws the line). It is a :class:`Text`, so
+    whatever rebuilds what the model wrote keeps it; the clean text a reader sees
+    (:func:`clean_text`, the interpreter's clean text) leaves it out."""
 
 
 @dataclass(frozen=True)
@@ -114,16 +145,19 @@ class Sync:
 
 @dataclass(frozen=True)
 class Malformed:
-    """Diagnostic only: ``raw`` looked like the start of a PASTA-LANG tag but is not one.
+    """Diagnostic only: ``raw`` looked like the start of a PASTA-LANG tag but is not one
+    (``raw`` ends with the character that broke it, or is the partial tag left at the end).
 
-    The same characters are also emitted as :class:`Text` (nothing is lost)."""
+    The characters are also emitted, as :class:`TagText` (the tag-like part) and
+    :class:`Text` (nothing is lost)."""
 
     raw: str
     reason: str
 
 
-#: What the parser emits: text, or a tag (Malformed is a diagnostic beside the text).
-Parsed = Text | Promise | AsyncOpen | AsyncClose | Sync | Malformed
+#: What the parser emits: text (plain or tag-like), or a tag (Malformed is a diagnostic beside
+#: the text).
+Parsed = Text | TagText | Promise | AsyncOpen | AsyncClose | Sync | Malformed
 Tag = Promise | AsyncOpen | AsyncClose | Sync
 
 
@@ -235,9 +269,12 @@ class TagParser:
     Feed it the text of each decoded token (or a special-token id, mapped through
     ``special_tokens``); it returns the items completed by that piece, in order. Text is
     emitted as soon as it can no longer be part of a tag, so a partial tag at the end of a
-    piece is held back until a later piece decides it. Parsing is per character: the items
-    of a string cut into any pieces equal those of the whole string (up to how :class:`Text`
-    runs are split), which the test suite fuzzes.
+    piece is held back until a later piece decides it. Text that began like a tag and is not
+    one comes out as :class:`TagText` (with a :class:`Malformed` diagnostic before it); after a
+    malformed tag the parser goes on marking characters tag-like through the next ``>`` (see
+    the module docstring). Parsing is per character: the items of a string cut into any pieces
+    equal those of the whole string (up to how text runs of one kind are split), which the test
+    suite fuzzes.
 
     Args:
         special_tokens: optional map from added special-token id to its text (e.g.
@@ -247,6 +284,7 @@ class TagParser:
     special_tokens: Mapping[int, str] = field(default_factory=dict)
     _buf: str = ""
     _count: int = 0  # characters consumed
+    _junk: int = 0  # after a malformed tag: characters it may still run on (0: none)
 
     def feed(self, piece: str | int) -> list[Parsed]:
         """Consume one piece (text, or a special-token id). Returns the completed items.
@@ -256,7 +294,7 @@ class TagParser:
         out: list[Parsed] = []
         i, n = 0, len(text)
         while i < n:
-            if not self._buf:
+            if not self._buf and not self._junk:
                 # fast path: text up to the next '<' cannot be part of a tag
                 j = text.find("<", i)
                 if j < 0:
@@ -276,19 +314,24 @@ class TagParser:
         """Consume ``text`` when it is all text: no ``<`` in it and no partial tag held back
         (what :meth:`feed` would return as one :class:`Text`, or nothing for ``""``); returns
         True then. Otherwise consumes nothing and returns False (call :meth:`feed`)."""
-        if self._buf or "<" in text:
+        if self._buf or self._junk or "<" in text:
             return False
         self._count += len(text)
         return True
 
     def finish(self) -> list[Parsed]:
-        """End of stream: a held-back partial tag becomes text (and a Malformed diagnostic
-        when it began like a PASTA-LANG tag)."""
+        """End of stream: a held-back partial tag becomes :class:`TagText` with a Malformed
+        diagnostic when it got as far as a known tag head (``<promise topic="x" tokens="1``),
+        else plain :class:`Text` (``<``, ``<prom``)."""
         out: list[Parsed] = []
+        self._junk = 0
         if self._buf:
             buf, self._buf = self._buf, ""
-            self._fail(buf, out, "unterminated tag at end of text", self._count - 1)
-        return _merge_text(out)
+            if buf.startswith(_KNOWN_HEADS):
+                out += [Malformed(raw=buf, reason="unterminated tag at end of text"), TagText(buf)]
+            else:
+                out.append(Text(buf))
+        return out
 
     @property
     def pending(self) -> str:
@@ -298,6 +341,12 @@ class TagParser:
     def _push(self, ch: str, out: list[Parsed], at: int) -> None:
         """Consume character ``ch`` found at offset ``at`` of the input."""
         if not self._buf:
+            if self._junk:  # the rest of a malformed tag, through its '>'
+                if ch != "<" and ch != "\n":
+                    out.append(TagText(ch))
+                    self._junk = 0 if ch == ">" else self._junk - 1
+                    return
+                self._junk = 0
             if ch == "<":
                 self._buf = ch
             else:
@@ -311,31 +360,31 @@ class TagParser:
         elif status == "partial":
             self._buf = buf
         else:
+            # buf[:-1] was a viable prefix (it holds no '<' after its first character: no tag
+            # grammar allows one) and ``ch`` broke it; ``ch`` is read again on its own (it may
+            # start a real tag, e.g. "<prom<sync/>")
             self._buf = ""
-            self._fail(buf, out, "malformed tag", at)
-
-    def _fail(self, buf: str, out: list[Parsed], reason: str, at: int) -> None:
-        # buf[0] is '<' and buf[:-1] was a viable prefix; emit text up to the next '<' and
-        # re-scan the rest (it may hold the start of a real tag, e.g. "<prom<sync/>").
-        if buf.startswith(_KNOWN_HEADS):
-            out.append(Malformed(raw=buf, reason=reason))
-        nxt = buf.find("<", 1)
-        if nxt < 0:
-            out.append(Text(buf))
-            return
-        out.append(Text(buf[:nxt]))
-        first = at - (len(buf) - 1)  # input offset of buf[0]
-        for k in range(nxt, len(buf)):
-            self._push(buf[k], out, first + k)
+            prefix = buf[:-1]
+            if prefix.startswith(_KNOWN_HEADS):
+                out.append(Malformed(raw=buf, reason="malformed tag"))
+                out.append(TagText(prefix))
+                self._junk = MAX_TAG_CHARS
+            else:
+                out.append(Text(prefix))
+            self._push(ch, out, at)
 
 
 def _merge_text(items: list[Parsed]) -> list[Parsed]:
+    """Adjacent text of one kind (:class:`Text` or :class:`TagText`) merged, empty text dropped."""
     merged: list[Parsed] = []
     for e in items:
-        if isinstance(e, Text) and merged and isinstance(merged[-1], Text):
-            merged[-1] = Text(merged[-1].text + e.text)
-        elif not (isinstance(e, Text) and e.text == ""):
-            merged.append(e)
+        if isinstance(e, Text):
+            if not e.text:
+                continue
+            if merged and type(merged[-1]) is type(e):
+                merged[-1] = type(e)(merged[-1].text + e.text)
+                continue
+        merged.append(e)
     return merged
 
 
@@ -350,10 +399,84 @@ def parse(pieces: str | Iterable[str | int], special_tokens: Mapping[int, str] |
 
 
 def strip_tags(text: str) -> str:
-    """The clean response: ``text`` with every well-formed PASTA-LANG tag removed.
-
-    Malformed tags stay as text, so no non-tag character is lost."""
+    """``text`` with every well-formed PASTA-LANG tag removed, every other character kept
+    (malformed and partial tags included): the inverse of annotating a response, which only
+    inserts tags. What a reader is shown is :func:`clean_text`; the two agree on text whose tags
+    are all well-formed and that has no list item left empty by a tag."""
     return "".join(e.text for e in parse(text) if isinstance(e, Text))
+
+
+# A line that is only a list marker ("- ", "* ", "+ ", "1. ", "2) "), indentation and spaces allowed.
+_MARKER_LINE = re.compile(r"[ \t\r]*(?:[-*+]|[0-9]{1,9}[.)])[ \t\r]*")
+# A line that may still become one (every prefix of a _MARKER_LINE, the empty line included).
+_MARKER_START = re.compile(r"[ \t\r]*(?:[-*+][ \t\r]*|[0-9]{1,9}(?:[.)][ \t\r]*)?)?")
+
+
+def held_line_start(text: str) -> int:
+    """Where the last line of ``text`` starts when that line may still become an empty list
+    item (it is empty, or spaces and the start of a list marker), else ``len(text)``: a text
+    that may still grow shows nothing from there on."""
+    last = text.rfind("\n") + 1
+    return last if _MARKER_START.fullmatch(text, last) else len(text)
+
+
+def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str:
+    """``text`` without the list items that something left out of it has emptied.
+
+    A line of ``text`` (its characters between line breaks) that is only a list marker (``-``,
+    ``*``, ``+``, ``1.``, ``1)``; indentation and spaces around it allowed) and holds a drop
+    offset (``d`` with ``start <= d <= end`` of the line, ``end`` being its line break) goes,
+    with its line break. A list item the model left empty by itself (no drop in its line) stays.
+
+    Args:
+        text: a clean text.
+        drops: offsets in ``text`` where something was left out of it (a tag, tag-like text).
+        final: ``text`` is complete. False: it may still grow at its end, so its last line is
+            held back (cut off) while it could still become an empty list item; every line
+            before it is decided for good (used to stream: what is returned is a prefix of
+            what a longer text returns, as long as no drop lands before its last line).
+    """
+    end = len(text) if final else held_line_start(text)
+    cuts: list[tuple[int, int]] = []
+    seen: set[int] = set()
+    for d in drops:
+        s = text.rfind("\n", 0, d) + 1
+        if s in seen or s >= end:
+            continue
+        seen.add(s)
+        e = text.find("\n", d)
+        if e < 0:
+            e = end
+        if _MARKER_LINE.fullmatch(text, s, e):
+            cuts.append((s, min(e + 1, end)))
+    if not cuts:
+        return text if end == len(text) else text[:end]
+    cuts.sort()
+    parts, at = [], 0
+    for s, e in cuts:
+        parts.append(text[at:s])
+        at = e
+    parts.append(text[at:end])
+    return "".join(parts)
+
+
+def clean_text(annotated: str) -> str:
+    """The clean response a reader sees: ``annotated`` without its tags and without tag-like
+    text (:class:`TagText`: a malformed tag, a partial tag at the end), and without the list
+    items that leaving them out emptied (:func:`drop_empty_items`: ``- <promise .../>`` written
+    inside a chunk leaves no bare ``- `` line). A function of the whole string: the engine's
+    result ``text`` is ``clean_text(annotated_text)``, and the interpreter's clean text and the
+    streamed deltas end equal to it."""
+    parts: list[str] = []
+    drops: list[int] = []
+    n = 0
+    for e in parse(annotated):
+        if type(e) is Text:
+            parts.append(e.text)
+            n += len(e.text)
+        elif not isinstance(e, Malformed):
+            drops.append(n)
+    return drop_empty_items("".join(parts), drops)
 
 
 # --------------------------------------------------------------------------- threads

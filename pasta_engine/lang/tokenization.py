@@ -180,15 +180,21 @@ def _encode_segments(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
     the token counts at which each promise tag ends."""
     ids: list[int] = []
     promise_ends: list[int] = []
+    run: list[str] = []  # text between tags: plain and tag-like (TagText) alike, tokenized as one
     for item in parse(text):
         if isinstance(item, Malformed):
             continue  # a diagnostic: its characters also come as Text
         if isinstance(item, Text):
-            ids += encode_text(tokenizer, item.text)
-        else:
-            ids += encode_tag(tokenizer, item.raw)
-            if isinstance(item, Promise):
-                promise_ends.append(len(ids))
+            run.append(item.text)
+            continue
+        if run:
+            ids += encode_text(tokenizer, "".join(run))
+            run = []
+        ids += encode_tag(tokenizer, item.raw)
+        if isinstance(item, Promise):
+            promise_ends.append(len(ids))
+    if run:
+        ids += encode_text(tokenizer, "".join(run))
     return ids, promise_ends
 
 

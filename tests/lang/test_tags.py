@@ -1,4 +1,5 @@
-"""PASTA-LANG parser: split-invariance, no lost characters, malformed tags as text."""
+"""PASTA-LANG parser: split-invariance, no lost characters, malformed tags as tag-like text;
+the clean text a reader sees (no tag text, no list item left empty by a tag)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from pasta_engine.lang.tags import (
     Promise,
     Sync,
     TagParser,
+    TagText,
     Text,
+    clean_text,
+    drop_empty_items,
     parse,
     promise_tag,
     splice,
@@ -55,11 +59,12 @@ def fragments():
 
 
 def normalize(events):
-    """Merge adjacent text so event lists can be compared across different cuts."""
+    """Merge adjacent text of one kind (plain or tag-like) so event lists can be compared
+    across different cuts."""
     out = []
     for e in events:
-        if isinstance(e, Text) and out and isinstance(out[-1], Text):
-            out[-1] = Text(out[-1].text + e.text)
+        if isinstance(e, Text) and out and type(out[-1]) is type(e):
+            out[-1] = type(e)(out[-1].text + e.text)
         else:
             out.append(e)
     return out
@@ -138,7 +143,9 @@ def test_partial_tag_is_held_back_until_decided():
     assert p.pending == "<asy"
     assert p.feed("nc>") == [AsyncOpen()]
     assert p.feed("<asx") == [Text("<asx")]  # not a PASTA-LANG tag name: plain text, no report
-    assert p.feed("<asyncx") == [Malformed(raw="<asyncx", reason="malformed tag"), Text("<asyncx")]
+    # a known head that breaks: tag-like through the next '>' (or up to a line break or '<')
+    assert p.feed("<asyncx") == [Malformed(raw="<asyncx", reason="malformed tag"), TagText("<asyncx")]
+    assert p.feed("y> z") == [TagText("y>"), Text(" z")]
     assert p.pending == ""
 
 
@@ -228,3 +235,82 @@ def test_feed_plain_consumes_what_feed_returns_as_text(case):
     assert normalize(events) == normalize(want)
     for a, b in zip([e for e in events if not isinstance(e, Text)], [e for e in want if not isinstance(e, Text)]):
         assert a.end == b.end if hasattr(a, "end") else a == b
+
+
+# --------------------------------------------------------------------------- the clean text
+
+
+def test_a_partial_tag_at_the_end_is_tag_like_only_past_a_known_head():
+    p = TagParser()
+    assert p.feed('4. <promise topic="Premature Death" tokens="1') == [Text("4. ")]
+    raw = '<promise topic="Premature Death" tokens="1'
+    assert p.finish() == [Malformed(raw=raw, reason="unterminated tag at end of text"), TagText(raw)]
+    for tail in ("<", "<prom", "</", "<asy"):  # short of a known head: plain text, even at the end
+        assert parse("x " + tail) == [Text("x " + tail)]
+        assert clean_text("x " + tail) == "x " + tail
+    assert clean_text("a\n4. " + raw) == "a\n"  # the tag and the list item it leaves empty go
+    assert strip_tags("a\n4. " + raw) == "a\n4. " + raw  # strip_tags keeps every non-tag character
+
+
+def test_malformed_tags_are_left_out_of_the_clean_text():
+    for text, want in [
+        ('x <promise topic="t" tokens="N"/> y', "x  y"),
+        ('A <promise topic="Python is a general-purpose programming\nB', "A \nB"),
+        ("<promise topic='x'/>.", "."),  # tokens missing: through its '>'
+        ("a<sync>b", "ab"),
+        ("a <asyncio and more\nnext", "a \nnext"),  # past a known head: tag-like up to the line break
+        ("<sync x<sync/>y", "y"),  # a '<' ends the malformed span and is read again
+    ]:
+        assert clean_text(text) == want, text
+        # nothing is lost: only the clean text leaves it out
+        assert strip_tags(text) == text.replace("<sync/>", "")
+
+
+def test_prose_with_angle_brackets_keeps_its_characters():
+    for text in ["if a < b then", "x <3", "<div>hi</div>", "a <prom b", "<b>bold</b> <asy", "1 << 2", "</ x"]:
+        assert clean_text(text) == text
+        assert all(type(e) is Text for e in parse(text))
+
+
+def test_a_promise_written_inside_a_chunk_leaves_no_empty_list_item():
+    chunk = '\n- <promise topic="x" tokens="10"/>\n- real item\n  2. <sync/>\n3) ok'
+    ann = "Tips:" + promise_tag("list", 50) + "<async>" + chunk + "</async>\nDone."
+    assert clean_text(ann) == "Tips:\n- real item\n3) ok\nDone."
+    assert strip_tags(ann) == "Tips:\n- \n- real item\n  2. \n3) ok\nDone."  # the old rule left bare items
+    # an item the model left empty by itself stays; so does one that a kept text fills
+    assert clean_text("- \n- a<sync/>\n") == "- \n- a\n"
+    # a promise whose chunk never came leaves its item empty: it goes too
+    assert clean_text("1. " + promise_tag("t", 10) + "\n2. b") == "2. b"
+
+
+def test_drop_empty_items_holds_a_last_line_that_may_still_become_an_empty_item():
+    assert drop_empty_items("a\n- ", [4], final=True) == "a\n"
+    assert drop_empty_items("a\n- ", [], final=True) == "a\n- "
+    for tail in ["", " ", "-", "- ", "12", "12.", "3) ", "  * "]:
+        assert drop_empty_items("a\n" + tail, [], final=False) == "a\n"
+    for tail in ["x", "- x", "1.5", "-x", "1234567890"]:
+        assert drop_empty_items("a\n" + tail, [], final=False) == "a\n" + tail
+
+
+LISTY = st.sampled_from(["- ", "* ", "1. ", "2) ", "  - ", "\n", "\n- ", "\n1. ", "x", " ", "-"])
+
+
+def annotated_lists():
+    piece = st.one_of(st.sampled_from(TAGS + NEAR_MISSES + WORDS), LISTY, st.text("ab <>/=\"' \n\t-1.", max_size=6))
+    return st.lists(piece, max_size=14).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(annotated_lists())
+def test_clean_text_never_holds_tag_text(text):
+    clean = clean_text(text)
+    kept = [e for e in parse(text) if type(e) is Text]
+    # the clean text is the plain text, less whole lines (an emptied list item and its line break)
+    plain = "".join(e.text for e in kept)
+    assert len(clean) <= len(plain)
+    it = iter(plain)
+    assert all(ch in it for ch in clean)  # a subsequence
+    # well-formed tags and tag-like text never reach it: re-parsing it finds no tag-like text
+    # beyond what joining plain runs can form
+    if not any(type(e) is not Text and not isinstance(e, Malformed) for e in parse(text)):
+        assert clean == plain  # nothing left out: nothing to tidy either
