@@ -40,7 +40,10 @@ from typing import Sequence
 from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
 from ..lang.grammar import grammar_state
-from ..lang.tags import ASYNC_CLOSE, AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagParser, Text
+from ..lang.tags import (
+    ASYNC_CLOSE, AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagParser, TagText, Text, drop_empty_items,
+    held_line_start,
+)
 from ..metrics import ResponseStructure
 
 __all__ = [
@@ -55,6 +58,7 @@ __all__ = [
     "Interpreter",
     "Spliced",
     "reading_order_key",
+    "splice_clean",
     "MODES",
 ]
 
@@ -129,8 +133,11 @@ class ThreadStep:
 @dataclass(eq=False, slots=True)
 class Thread:
     """One decoding thread. ``tokens``/``pieces``/``logprobs`` hold what it wrote (inserted tag
-    tokens first for a child, with ``logprob`` None); ``clean`` holds its text with tags left
-    out (what a reader sees); ``n_sampled`` counts sampled tokens, EOS included."""
+    tokens first for a child, with ``logprob`` None); ``clean`` holds its text with tags and
+    tag-like text left out (what a reader sees, before :func:`~pasta_engine.lang.tags.drop_empty_items`);
+    ``drops`` the offsets in that text where something was left out (a child's inserted
+    ``<async>`` at 0, and its ``</async>`` at its end when the interpreter closed it);
+    ``n_sampled`` counts sampled tokens, EOS included."""
 
     tid: int
     detok: IncrementalDetokenizer
@@ -140,6 +147,7 @@ class Thread:
     fork_at: int = 0  # main tokens before the chunk in the spliced response
     fork_char: int = 0  # main-thread characters before the chunk in the annotated text
     fork_clean: int = 0  # main-thread clean characters before the chunk in the clean text
+    fork_drop: int = 0  # main-thread drops before the chunk (its promise's included)
     cap: int | None = None
     forced: deque | None = None
     status: ThreadStatus = ThreadStatus.RUNNING
@@ -148,6 +156,7 @@ class Thread:
     clean: list[str] = field(default_factory=list)
     clean_len: int = 0
     clean_joined: tuple[int, str] = (0, "")  # the first n pieces of ``clean``, joined (clean_text per step)
+    drops: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
@@ -169,6 +178,7 @@ class Thread:
 
 
 _RUNNING = ThreadStatus.RUNNING
+_ENDED = (ThreadStatus.FLUSH, ThreadStatus.DONE)
 
 
 def _joined(t: Thread) -> str:
@@ -184,6 +194,49 @@ def reading_order_key(t: Thread) -> tuple[int, int]:
     """Where a chunk's clean text goes: after ``fork_clean`` characters of the main thread's
     (ties in fork order)."""
     return (t.fork_clean, t.tid)
+
+
+def splice_clean(main: str, main_drops: Sequence[int], chunks: Sequence[tuple[Thread, str, Sequence[int], bool]],
+                 final: bool, stop_after: Thread | None = None) -> str:
+    """The clean text a reader sees: the main thread's clean text with each chunk's spliced at
+    its promise, less the list items left empty by what was left out
+    (:func:`~pasta_engine.lang.tags.drop_empty_items` over every thread's drops).
+
+    Args:
+        main, main_drops: the main thread's clean text and drops (or a prefix of them).
+        chunks: ``(thread, clean text, drops, ended)`` per chunk, in reading order.
+        final: the text is complete. False: what may still change is held back: the text's
+            last line while it may still become an empty list item, and so is the last line of
+            a chunk that has not ended (after its first line, which holds the chunk's
+            ``<async>`` and so is dropped when it is only a marker).
+        stop_after: the text ends after this chunk (a reading-order prefix).
+
+    A main-thread drop at a chunk's splice offset goes before the chunk when it was made
+    before the fork (``fork_drop``), after it otherwise, as in the annotated text."""
+    parts: list[str] = []
+    drops: list[int] = []
+    at = shift = i = 0
+    for c, text, cdrops, ended in chunks:
+        if not final and not ended and "\n" in text:
+            held = held_line_start(text)
+            if held < len(text):
+                text, cdrops = text[:held], [d for d in cdrops if d < held]
+        fc = c.fork_clean
+        parts.append(main[at:fc])
+        fd = min(c.fork_drop, len(main_drops))
+        while i < fd:
+            drops.append(main_drops[i] + shift)
+            i += 1
+        base = fc + shift
+        drops += [base + d for d in cdrops]
+        parts.append(text)
+        shift += len(text)
+        at = fc
+        if c is stop_after:
+            return drop_empty_items("".join(parts), drops, final)
+    parts.append(main[at:])
+    drops += [d + shift for d in main_drops[i:]]
+    return drop_empty_items("".join(parts), drops, final)
 
 
 # --------------------------------------------------------------------------- interpreter
@@ -429,24 +482,30 @@ class Interpreter:
             thread.clean.append(text)
             thread.clean_len += len(text)
 
+    def _note_malformed(self, thread: Thread, item: Malformed) -> None:
+        what = "partial tag at its end" if item.reason.startswith("unterminated") else "malformed tag"
+        self._note(thread, f"{what} left out of the clean text: {item.raw!r}")
+
     def _on_text(self, thread: Thread, piece: str) -> None:
-        forked_now = False
+        forked_now = closed = False
         act = self.mode == "pasta"
         for item in thread.parser.feed(piece):
-            if isinstance(item, Text):
+            if type(item) is Text:
                 self._add_clean(thread, item.text)
                 continue
             if isinstance(item, Malformed):
-                if act:
-                    self._note(thread, f"malformed tag kept as text: {item.raw!r}")
+                self._note_malformed(thread, item)
                 continue
-            if not act:
+            # a tag or tag-like text: never in the clean text (a tag not acted on stays in the
+            # annotated text only)
+            thread.drops.append(thread.clean_len)
+            if not act or closed or isinstance(item, TagText):
                 continue  # sequential mode: tags are text for decoding, left out of the clean text
             if not thread.is_main:
                 if isinstance(item, AsyncClose):
-                    self._end_thread(thread, "close", flush=True)
-                    return
-                self._note(thread, f"{item.raw} inside a chunk kept as text (no nesting)")
+                    closed = True  # what follows in this piece sits right after </async>: the chunk's
+                    continue
+                self._note(thread, f"{item.raw} inside a chunk not acted on (no nesting); left out of the clean text")
                 continue
             if self._inline:
                 if isinstance(item, AsyncClose):
@@ -473,6 +532,8 @@ class Interpreter:
                     self._note(thread, "main thread wrote <async> itself; kept as text")
             elif isinstance(item, AsyncClose):
                 self._note(thread, "</async> on the main thread kept as text")
+        if closed:
+            self._end_thread(thread, "close", flush=True)
 
     def _on_promise(self, main: Thread, p: Promise) -> bool:
         idx = self.n_promises - 1
@@ -504,6 +565,7 @@ class Interpreter:
             fork_at=len(main.tokens),
             fork_char=p.end,
             fork_clean=main.clean_len,
+            fork_drop=len(main.drops),
             cap=None if self.replay else self.limits.chunk_cap(p.tokens),
             status=ThreadStatus.QUEUED,
         )
@@ -515,6 +577,7 @@ class Interpreter:
             child.pieces.append(piece)
             child.parser.feed(piece)  # a tag: nothing for the clean text
             child.logprobs.append(None)
+        child.drops.append(0)  # where its <async> was left out
         self._give(child, list(self.open_ids))
         self._outstanding.append(child)
         if child.forced is not None and not child.forced:
@@ -565,8 +628,12 @@ class Interpreter:
         if tail and thread.pieces:
             thread.pieces[-1] += tail
         for item in thread.parser.feed(tail) + thread.parser.finish():
-            if isinstance(item, Text):
+            if type(item) is Text:
                 self._add_clean(thread, item.text)
+            elif isinstance(item, Malformed):
+                self._note_malformed(thread, item)
+            else:  # a partial tag at a length cut or EOS (tag-like text) is left out
+                thread.drops.append(thread.clean_len)
 
     def _end_thread(self, thread: Thread, reason: str, flush: bool) -> None:
         thread.finish = reason
@@ -579,6 +646,7 @@ class Interpreter:
             return
         if reason in ("cap", "eos", "length", "trace_end"):
             thread.closed_by_interpreter = True
+            thread.drops.append(thread.clean_len)  # where its inserted </async> is left out
             if reason == "eos":
                 self._note(thread, "ended at end-of-sequence; closed by the interpreter")
         if flush and thread.pending:
@@ -612,6 +680,8 @@ class Interpreter:
             t.status = ThreadStatus.DONE
             t.pending, t.pending_pos = [], []
             self._flush_text(t)  # idempotent
+            if t.closed_by_interpreter:
+                t.drops.append(t.clean_len)  # where its inserted </async> is left out
             self._release(t)
         self.finish = reason
 
@@ -655,43 +725,38 @@ class Interpreter:
         parts.append(text[at:])
         return "".join(parts)
 
-    def clean_counts(self) -> tuple[int, ...]:
-        """A snapshot for :meth:`clean_text`: how many clean pieces each thread holds now (the
-        pieces are only ever appended to, so the counts fix the text as of now)."""
-        return tuple([len(t.clean) for t in self.threads])
+    def clean_counts(self) -> tuple[bool, tuple[int, ...], tuple[int, ...], tuple[ThreadStatus, ...]]:
+        """A snapshot for :meth:`clean_text`: whether the request has ended, how many clean
+        pieces and drops each thread holds now (both are only ever appended to) and each
+        thread's status; this fixes the text as of now."""
+        threads = self.threads
+        return (self.done, tuple([len(t.clean) for t in threads]), tuple([len(t.drops) for t in threads]),
+                tuple([t.status for t in threads]))
 
-    def clean_text(self, counts: tuple[int, ...] | None = None) -> str:
-        """What a reader sees so far: the clean (tag-free) text of the main thread with each
-        chunk's clean text spliced at its promise. A partial tag still being decoded is held
-        back; at the end this equals ``strip_tags(annotated_text())``. With ``counts`` (from
-        :meth:`clean_counts`), the text as it was when they were taken."""
+    def clean_text(self, counts: tuple[bool, tuple[int, ...], tuple[int, ...], tuple[ThreadStatus, ...]] | None = None,
+                   final: bool | None = None) -> str:
+        """What a reader sees so far: the clean text of the main thread with each chunk's clean
+        text spliced at its promise (:func:`splice_clean`): no tag, no tag-like text, no list
+        item that leaving them out emptied. A partial tag still being decoded is held back, and
+        so is a last line that may still become such an empty item, until the request ends
+        (``final``: None for :attr:`done`); at the end this equals
+        :func:`pasta_engine.lang.tags.clean_text` of :meth:`annotated_text`. With ``counts``
+        (from :meth:`clean_counts`), the text as it was when they were taken."""
         if counts is not None:
             return self._clean_text_at(counts)
-        text = _joined(self.main)
         ran = self._ran()
-        if not ran:
-            return text
         ran.sort(key=reading_order_key)
-        parts, at = [], 0
-        for c in ran:
-            fc = c.fork_clean
-            parts.append(text[at:fc])
-            parts.append(_joined(c))
-            at = fc
-        parts.append(text[at:])
-        return "".join(parts)
+        main = self.main
+        return splice_clean(_joined(main), main.drops, [(c, _joined(c), c.drops, c.ended) for c in ran],
+                            self.done if final is None else final)
 
-    def _clean_text_at(self, counts: tuple[int, ...]) -> str:
+    def _clean_text_at(self, counts: tuple[bool, tuple[int, ...], tuple[int, ...], tuple[ThreadStatus, ...]]) -> str:
+        done, n_clean, n_drops, status = counts
         threads = self.threads
-        text = "".join(threads[0].clean[: counts[0]])
-        ran = sorted((c for c in threads[1 : len(counts)] if counts[c.tid]), key=reading_order_key)
-        parts, at = [], 0
-        for c in ran:
-            fc = c.fork_clean
-            parts += [text[at:fc], "".join(c.clean[: counts[c.tid]])]
-            at = fc
-        parts.append(text[at:])
-        return "".join(parts)
+        main = threads[0]
+        chunks = [(c, "".join(c.clean[: n_clean[c.tid]]), c.drops[: n_drops[c.tid]], status[c.tid] in _ENDED)
+                  for c in sorted(threads[1 : len(n_clean)], key=reading_order_key) if c.finish != "not_run"]
+        return splice_clean("".join(main.clean[: n_clean[0]]), main.drops[: n_drops[0]], chunks, done)
 
     def structure(self) -> ResponseStructure:
         """Token counts of the response for the critical-path simulation."""

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from .. import metrics
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..lang.detokenizer import token_bytes_for
-from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN, strip_tags
+from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN, clean_text
 from ..lang.tokenization import decode, encode_tag, replay_eos_id
 from .block_manager import KVView
 from .interpreter import Interpreter
@@ -86,7 +86,9 @@ class RequestStats:
 class RequestResult:
     """One finished response.
 
-    ``text``: the clean response (tags stripped); ``annotated_text``: with PASTA-LANG tags,
+    ``text``: the clean response a reader sees (:func:`pasta_engine.lang.tags.clean_text` of
+    ``annotated_text``: no tag, no malformed or partial tag, no list item a left-out tag
+    emptied); ``annotated_text``: every character the model wrote, with PASTA-LANG tags,
     each chunk spliced after its promise; ``token_ids``: the response in spliced order (main
     thread's EOS included, as ``transformers`` returns it); ``logprobs``: per token of
     ``token_ids`` (None for inserted tokens) when asked; ``positions``/``threads``: each
@@ -123,7 +125,9 @@ class RequestOutput:
     Attributes:
         request_id: the id ``add_request`` returned.
         new_token_ids: tokens sampled for it in this step, all threads, in thread order.
-        text: the clean response so far in reading order (a partial tag is held back). The
+        text: the clean response so far in reading order (:meth:`Interpreter.clean_text`: no
+            tag text; a partial tag, and a last line that may still become a list item a tag
+            empties, are held back until the request ends; at the end it is ``result.text``). The
             engine passes a function that builds it from a snapshot taken at the step, run on
             the first read: a caller who never reads it (``generate``, benchmarks) does not pay
             for joining every thread's text each step (~10 us at 16 threads), and a late read
@@ -273,7 +277,7 @@ class Request:
         cp = metrics.critical_path(st)
         parallelism = metrics.token_parallelism(st, cp) if cp else 1.0  # cp 0: nothing was sampled
         annotated = it.annotated_text()
-        text = strip_tags(annotated)
+        text = clean_text(annotated)  # what a reader sees: no tag text, no list item a tag emptied
         content = self.count_content_tokens(text) if self.count_content_tokens is not None else 0
         eos = sum(1 for t in it.threads if t.finish == "eos")
         tags = metrics.tag_tokens(it.total_sampled, content, eos) if self.count_content_tokens is not None else 0

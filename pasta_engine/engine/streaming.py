@@ -8,10 +8,14 @@ prefix of that order that can no longer change:
 * the main thread's clean text so far is final where it is: a later promise forks at the main
   thread's clean length at that moment, so its chunk splices after everything already written
   (the tag parser holds a possible partial tag back, so a tag's characters never reach the
-  clean text);
+  clean text; a partial tag the text ends in, or a malformed one, is left out);
 * a chunk's clean text so far is final, and so is its place (right after its promise);
 * what follows a chunk that is still decoding is not: the reader has not got there yet. The
-  main text after an unfinished chunk is held, and flushed at once when the chunk ends.
+  main text after an unfinished chunk is held, and flushed at once when the chunk ends;
+* the last line of that prefix is held while it is only a list marker (``- ``, ``1. ``, spaces)
+  or could still become one: a tag left out of it would leave an empty list item, which the
+  clean text does not show (:func:`~pasta_engine.lang.tags.drop_empty_items`). It is released
+  as soon as the line gets text of its own (or a chunk's).
 
 :func:`reading_order_prefix` computes that prefix from an
 :class:`~pasta_engine.engine.interpreter.Interpreter`'s state; :class:`ReadingOrderStream` turns
@@ -31,7 +35,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .interpreter import Interpreter, Thread, reading_order_key
+from .interpreter import Interpreter, Thread, reading_order_key, splice_clean
 
 __all__ = [
     "OutputKind",
@@ -106,19 +110,18 @@ def _order(interp: Interpreter) -> list[Thread]:
 def reading_order_prefix(interp: Interpreter) -> str:
     """The longest prefix of the response in reading order that can no longer change: main
     text and chunks in reading order, stopping after the first chunk that is still decoding
-    (its text so far included). Once every thread has ended it equals
-    :meth:`Interpreter.clean_text`."""
-    main = "".join(interp.main.clean)
-    parts: list[str] = []
-    at = 0
+    (its text so far included), less a last line that may still become an empty list item.
+    Once the request has ended, :meth:`Interpreter.clean_text` (with ``final=True``) is the
+    whole text, of which every earlier prefix is a prefix."""
+    main = interp.main
+    chunks: list[tuple[Thread, str, list[int], bool]] = []
+    stop = None
     for c in _order(interp):
-        parts.append(main[at : c.fork_clean])
-        at = c.fork_clean
-        parts.append("".join(c.clean))
+        chunks.append((c, "".join(c.clean), c.drops, c.ended))
         if not c.ended:
-            return "".join(parts)
-    parts.append(main[at:])
-    return "".join(parts)
+            stop = c
+            break
+    return splice_clean("".join(main.clean), main.drops, chunks, False, stop)
 
 
 class StopMatcher:
@@ -203,7 +206,7 @@ class ReadingOrderStream:
     def _text_delta(self, interp: Interpreter, finished: bool) -> str:
         if self.stopped:
             return ""
-        text = interp.clean_text() if finished else reading_order_prefix(interp)
+        text = interp.clean_text(final=True) if finished else reading_order_prefix(interp)
         if len(text) <= len(self.sent):
             return ""  # restarted after a preemption: nothing new until it gets past what was sent
         end = len(text)

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import SamplingParams
-from ..lang.tags import strip_tags
+from ..lang.tags import clean_text
 from ..metrics import (cut_fraction, geomean_positive, length_ratio, realized_over_theoretical, realized_speedup,
                        step_speedup, tag_token_fraction)
 from .annotate import annotate, annotate_with_model, approx_token_count
@@ -135,7 +135,7 @@ def annotate_rows(rows: Sequence[PromptRow], name: str, count_tokens: Callable[[
             raise BenchError("the model annotator needs an engine")
         anns = annotate_with_model(engine, [r.instruction for r in rows], params, progress=True)
         for i, (r, a) in enumerate(zip(rows, anns)):
-            out.append(TraceRow(r.instruction, a.annotated, "model", response=strip_tags(a.annotated),
+            out.append(TraceRow(r.instruction, a.annotated, "model", response=clean_text(a.annotated),
                                 promises=a.promises, index=i, dataset=r.dataset, note=a.note))
         return out
     bar = _bar(len(rows), f"annotating ({name})")

@@ -23,7 +23,7 @@ from pasta_engine.metrics import critical_path, simulate_steps
 PIECES = [
     "a", "b", " ", "\n", "<", ">", "/", "é"[:1], "<promise", ' topic="x"', ' tokens="', "1", "0", '"/>',
     '<promise topic="t" tokens="20"/>', '<promise topic="u" tokens="0"/>', "<sync/>", "</async>", "<async>",
-    "async", "sync", "</", "<EOS>",
+    "async", "sync", "</", "- ", "1. ", "</async>\n", '"/>\n', "<EOS>",
 ]
 EOS = PIECES.index("<EOS>")
 VOCAB = len(PIECES)
@@ -82,7 +82,9 @@ class ScriptedRunner:
         return SampledTokens(toks, [0.0] * len(toks))
 
 
-def run_scripted(seed: int, limits: Limits, max_new: int, n_requests: int = 1, pages: int = 256, page_size: int = 4):
+def run_scripted(seed: int, limits: Limits, max_new: int, n_requests: int = 1, pages: int = 256, page_size: int = 4,
+                 on_step=None, mode: str = "pasta"):
+    """Decode ``n_requests`` scripted requests to the end; ``on_step(reqs)`` after every step."""
     rng = random.Random(seed)
     bm = BlockManager(pages, page_size)
     runner = ScriptedRunner(rng, bm)
@@ -93,9 +95,9 @@ def run_scripted(seed: int, limits: Limits, max_new: int, n_requests: int = 1, p
 
         def make(prompt=prompt):
             return Interpreter(prompt, decode=decode, eos_ids=[EOS], open_ids=OPEN, close_len=CLOSE_LEN, limits=limits,
-                               max_new_tokens=max_new)
+                               max_new_tokens=max_new, mode=mode)
 
-        r = Request(request_id=str(i), index=i, mode="pasta", params=SamplingParams(max_new_tokens=max_new),
+        r = Request(request_id=str(i), index=i, mode=mode, params=SamplingParams(max_new_tokens=max_new),
                     make_interpreter=make)
         sched.add(r)
         reqs.append(r)
@@ -105,6 +107,8 @@ def run_scripted(seed: int, limits: Limits, max_new: int, n_requests: int = 1, p
         batch = sched.schedule()
         if batch:
             sched.postprocess(batch, runner.run(batch))
+        if on_step is not None:
+            on_step(reqs)
     assert not sched.has_unfinished(), "scheduler did not finish"
     assert all(r.finished and r.finish_reason in ("stop", "length") for r in reqs)
     assert all(rc == 0 for rc in bm.pool.refcount), "KV pages leaked"
@@ -270,3 +274,106 @@ def test_clean_text_splices_chunks_and_holds_a_partial_tag_back():
     it.on_token(1, PIECES.index("a"))
     it.on_token(0, PIECES.index("b"))  # "<b" is no tag: text now
     assert it.clean_text() == "aab<b"  # the chunk sits at its promise
+
+
+# --------------------------------------------------------------------------- the clean text
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    max_new=st.integers(1, 150),
+    width=st.sampled_from([None, 1, 2]),
+    min_cap=st.integers(1, 12),
+    max_forks=st.integers(0, 4),
+    mode=st.sampled_from(["pasta", "pasta", "sequential"]),
+)
+def test_clean_text_streams_and_ends_as_the_whole_string_rule(seed, max_new, width, min_cap, max_forks, mode):
+    """Random PASTA-LANG, well-formed or not, cut anywhere: the interpreter's clean text, the
+    reading-order stream and step snapshots all agree with clean_text(annotated_text)."""
+    from pasta_engine.engine.streaming import ReadingOrderStream, reading_order_prefix
+    from pasta_engine.lang.tags import clean_text
+
+    limits = Limits(max_threads=width, async_min_cap=min_cap, cap_factor=0.1, max_forks=max_forks)
+    streams: dict[str, tuple[ReadingOrderStream, list[str]]] = {}
+    snapshots: list[tuple[object, tuple, str]] = []
+
+    def on_step(reqs):
+        for r in reqs:
+            stream, deltas = streams.setdefault(r.request_id, (ReadingOrderStream(), []))
+            if stream._finished or r.preemptions:
+                continue
+            it = r.interp
+            counts = it.clean_counts()
+            snapshots.append((it, counts, it.clean_text(counts)))
+            if r.finished:
+                deltas.append(stream.update(it, r.finish_reason)[0])
+                stream._finished = True
+            else:
+                prefix = reading_order_prefix(it)
+                assert prefix.startswith(stream.sent), "the stream would take text back"
+                deltas.append(stream.update(it)[0])
+
+    reqs = run_scripted(seed, limits, max_new, n_requests=2, on_step=on_step, mode=mode)
+    for r in reqs:
+        it = r.interp
+        final = clean_text(it.annotated_text())
+        assert it.clean_text() == final == r.result().text
+        stream, deltas = streams[r.request_id]
+        if not r.preemptions:
+            assert "".join(deltas) == final  # nothing taken back, nothing missing
+    for it, counts, text in snapshots:
+        assert it.clean_text(counts) == text  # a late read gives the text as of its step
+
+
+def drive(it: Interpreter, tid_pieces: list[tuple[int, str]]):
+    """Give each (thread, piece) in turn, stepping the interpreter as the engine would."""
+    for tid, p in tid_pieces:
+        steps = it.schedule_threads()
+        it.take_kv_ops()
+        it.step_done(steps)
+        assert tid in [s.tid for s in steps if s.sample], (tid, [s.tid for s in steps])
+        it.on_token(tid, PIECES.index(p))
+
+
+def test_a_partial_tag_at_a_length_cut_never_reaches_the_clean_text():
+    from pasta_engine.lang.tags import clean_text
+
+    it = make_interp(max_new_tokens=7)
+    drive(it, [(0, "a"), (0, "\n"), (0, "1. "), (0, "<promise"), (0, ' topic="x"'), (0, ' tokens="'), (0, "1")])
+    assert it.done and it.finish == "length"
+    assert it.annotated_text() == 'a\n1. <promise topic="x" tokens="1'  # nothing the model wrote is lost
+    assert it.clean_text() == clean_text(it.annotated_text()) == "a\n"  # the tag and the item it emptied go
+    assert any("partial tag at its end left out of the clean text" in d for d in it.diagnostics)
+
+
+def test_a_malformed_tag_is_left_out_of_the_clean_text_but_kept_in_the_annotated_text():
+    it = make_interp()
+    drive(it, [(0, "a"), (0, "<promise"), (0, ' topic="x"'), (0, '"/>'), (0, " "), (0, "b"), (0, "<EOS>")])
+    assert it.annotated_text() == 'a<promise topic="x""/> b'
+    assert it.clean_text() == "a b"
+    assert any("malformed tag left out of the clean text" in d for d in it.diagnostics)
+    # plain text with '<' stays
+    it = make_interp()
+    drive(it, [(0, "a"), (0, " "), (0, "<"), (0, " "), (0, "b"), (0, "<"), (0, "a"), (0, "<EOS>")])
+    assert it.clean_text() == it.annotated_text() == "a < b<a"
+
+
+def test_a_promise_inside_a_chunk_leaves_no_empty_list_item():
+    from pasta_engine.engine.streaming import ReadingOrderStream
+    from pasta_engine.lang.tags import clean_text
+
+    it = make_interp(limits=Limits(max_threads=None))
+    stream, deltas = ReadingOrderStream(), []
+    script = [(0, "a"), (0, '<promise topic="t" tokens="20"/>'), (1, "\n"), (1, "- "), (0, "\n"),
+              (1, '<promise topic="u" tokens="0"/>'), (1, "\n"), (1, "- "), (1, "a"), (0, "b"), (1, "\n"),
+              (1, "- "), (1, "</async>"), (0, "<EOS>")]
+    for step in script:
+        drive(it, [step])
+        deltas.append(stream.update(it, it.finish if it.done else None)[0])
+        assert "- \n" not in stream.sent and not stream.sent.endswith("- ")
+    ann = it.annotated_text()
+    assert ann == 'a<promise topic="t" tokens="20"/><async>\n- <promise topic="u" tokens="0"/>\n- a\n- </async>\nb'
+    # the chunk's last item, emptied by its </async>, goes too; the line before it was held, not sent
+    assert clean_text(ann) == it.clean_text() == "a\n- a\nb" == "".join(deltas)
+    assert any("inside a chunk not acted on (no nesting)" in d for d in it.diagnostics)

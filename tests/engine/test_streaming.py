@@ -36,23 +36,28 @@ def build(mains: list[str], chunks: list[str], syncs: list[bool]) -> tuple[str, 
 
 def expected_sent(mains: list[str], interp) -> int:
     """The oracle: characters of the reading order that are final, from the layout and each
-    thread's progress (main text decoded so far; each chunk's text and whether it ended)."""
+    thread's progress (main text decoded so far; each chunk's text and whether it ended), less
+    a last line that could still become an empty list item (these texts have no list markers:
+    a last line of spaces only)."""
     main_done = len("".join(interp.main.clean))
     children = interp.threads[1:]  # fork order = promise order = reading order here
-    out = pos = 0
+    out: list[str] = []
+    pos = 0
     for k, seg in enumerate(mains):
         take = min(len(seg), main_done - pos)
-        out += take
+        out.append(seg[:take])
         pos += take
         if take < len(seg) or k == len(mains) - 1:
-            return out
+            break
         if k >= len(children):
-            return out  # the promise after this segment has not completed yet
+            break  # the promise after this segment has not completed yet
         c = children[k]
-        out += len("".join(c.clean))
+        out.append("".join(c.clean))
         if not c.ended:
-            return out
-    return out
+            break
+    text = "".join(out)
+    last = text[text.rfind("\n") + 1:]
+    return len(text) - (len(last) if last.strip(" ") == "" else 0)
 
 
 def drive(engine: Engine, rid: str, stream: ReadingOrderStream, mains: list[str] | None):
@@ -179,3 +184,63 @@ def test_output_kind_parse():
     assert OutputKind.parse("delta") is OutputKind.DELTA and OutputKind.parse(OutputKind.FINAL) is OutputKind.FINAL
     with pytest.raises(ValueError, match="delta"):
         OutputKind.parse("final_only")
+
+
+def _no_tag_text(text: str) -> bool:
+    return "<" not in text and ">" not in text and "- \n" not in text and not text.endswith("- ")
+
+
+def test_tag_text_never_reaches_the_text_step_outputs_or_deltas(engine):
+    """A nested promise in a list inside a chunk, a malformed tag and a partial tag at the end
+    of the response (the trace ends mid-tag): none of it is shown, no empty list item is left,
+    and all of it is in the annotated text and the diagnostics."""
+    from pasta_engine.lang.tags import clean_text, promise_tag
+
+    annotated = ("Tips:" + promise_tag("list", 30) + '<async>\n- <promise topic="x" tokens="10"/>\n- Sleep well.\n'
+                 '</async>\nA <promise topic="t" tokens="N"/> b.\n4. <promise topic="Premature Death" tokens="1')
+    rid = engine.add_request(PROMPT, annotated_response=annotated)
+    stream = ReadingOrderStream(events=True)
+    req = next(r for r in engine.scheduler.waiting if r.request_id == rid)
+    deltas, texts, final = [], [], None
+    while final is None:
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas.append(stream.update(req.interp, out.finish_reason if out.finished else None)[0])
+                texts.append(out.text)
+                final = out if out.finished else None
+    want = "Tips:\n- Sleep well.\n\nA  b.\n"
+    assert final.result.text == clean_text(final.result.annotated_text) == want
+    assert final.result.annotated_text == annotated  # nothing the model wrote is lost
+    assert "".join(deltas) == want and texts[-1] == want
+    assert all(_no_tag_text(t) for t in deltas + texts), [t for t in deltas + texts if not _no_tag_text(t)]
+    diags = "\n".join(final.result.diagnostics)
+    assert "malformed tag left out of the clean text: '<promise topic=\"t\" tokens=\"N'" in diags
+    assert "partial tag at its end left out of the clean text" in diags
+    assert "inside a chunk not acted on (no nesting)" in diags
+
+
+def test_a_partial_tag_at_a_length_cut_never_reaches_the_text(tmp_path):
+    """The context length cuts the response inside a promise tag (finish 'length')."""
+    from pasta_engine.lang.tags import clean_text
+    from pasta_engine.tools.presets import build_checkpoint
+
+    path = build_checkpoint("tiny-llama", tmp_path / "ctx64", overrides={"max_position_embeddings": 64})
+    eng = Engine.from_pretrained(path, kv_cache_bytes=4 * 2**20, page_size=4)
+    head = 'Intro:\n4. <promise topic="Premature Death'
+    annotated = head + ' and more" tokens="10"/><async>x</async> end.'
+    n_head = len(eng.tokenizer.encode(head, add_special_tokens=False))
+    rid = eng.add_request(list(range(5, 5 + 64 - n_head)), annotated_response=annotated)
+    stream = ReadingOrderStream()
+    req = next(r for r in eng.scheduler.waiting if r.request_id == rid)
+    deltas, texts, final = [], [], None
+    while final is None:
+        for out in eng.step():
+            deltas.append(stream.update(req.interp, out.finish_reason if out.finished else None)[0])
+            texts.append(out.text)
+            final = out if out.finished else None
+    res = final.result
+    assert res.stats.finish_reason == "length"
+    assert "<promise" in res.annotated_text and '"/>' not in res.annotated_text  # cut inside the tag
+    assert res.text == clean_text(res.annotated_text) == "Intro:\n" == "".join(deltas) == texts[-1]
+    assert all(_no_tag_text(t) for t in deltas + texts)
+    assert any("partial tag at its end left out of the clean text" in d for d in res.diagnostics)
