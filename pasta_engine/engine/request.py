@@ -49,7 +49,7 @@ class RequestStatus(enum.Enum):
 @dataclass
 class RequestStats:
     """Per-request numbers (units in the names; definitions in :mod:`pasta_engine.metrics`,
-    DESIGN.md section 3). The content figures come first: tag tokens are overhead, not content.
+    docs/DESIGN.md section 3). The content figures come first: tag tokens are overhead, not content.
 
     content_tokens: tokens of the clean ``text`` (tags stripped) under the canonical
     tokenization (:func:`pasta_engine.lang.tokenization.encode_text`), no tag tokens and no
@@ -214,6 +214,7 @@ def interpreter_factory(
             prompt_ids, decode=lambda ids: decode(tokenizer, ids), eos_ids=eos_ids, open_ids=open_ids,
             close_len=close_len, mode=mode, max_new_tokens=max_new_tokens, limits=limits, policy=policy,
             max_positions=max_positions, forced_main=forced_main, forced_chunks=forced_chunks, token_bytes=table,
+            grammar=grammar,
         )
 
     return make, max_new_tokens
@@ -223,7 +224,6 @@ def interpreter_factory(
 class Request:
     """The engine's state of one request.
 
-            grammar=grammar,
     ``make_interpreter`` builds a fresh interpreter (again after a preemption). The scheduler
     owns ``views`` (thread id -> KV view) and ``pending_slots`` (thread id -> KV slots reserved
     for the tokens it forwards next); the model runner owns ``sampler_state`` (the seeded
