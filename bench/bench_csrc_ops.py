@@ -17,7 +17,7 @@ Each is timed by ``triton.testing.do_bench`` (median, L2 flushed before each run
 a step pays when it launches the op itself, launch gaps included) and, where the op can be
 captured, by ``triton.testing.do_bench_cudagraph`` ("graph": replayed from a CUDA graph, GPU
 time only). Results (device, versions, shapes, median microseconds, bytes moved, achieved
-GB/s against DESIGN.md's measured copy bandwidth: H100 ~3.0 TB/s, H200 ~4.3 TB/s) go to
+GB/s against docs/DESIGN.md's measured copy bandwidth: H100 ~3.0 TB/s, H200 ~4.3 TB/s) go to
 ``bench/results/csrc_ops_<device>.json`` and a table to stdout. Every implementation is
 checked against the reference before it is timed.
 

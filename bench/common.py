@@ -39,7 +39,7 @@ def device_info() -> dict:
 
 def copy_bandwidth(n_bytes: int = 2 << 30, reps: int = 20) -> float:
     """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus written
-    (the limit every benchmark reports against, DESIGN.md section 5)."""
+    (the limit every benchmark reports against, docs/DESIGN.md section 5)."""
     a = torch.empty(n_bytes // 2, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""Content figures (DESIGN.md section 3) of a stored ``bench learned`` run, recomputed from its answers.
+"""Content figures (docs/DESIGN.md section 3) of a stored ``bench learned`` run, recomputed from its answers.
 
 Usage: ``python bench/content_figures.py bench/results/learned-smollm2-cpu [--model DIR]``.
 

@@ -177,7 +177,7 @@ class Limits:
         max_forks: forks per request; later promises are text (generate) or decoded inline
             by the main thread (replay). Caps runaway forking.
         async_min_cap, cap_factor: a child samples at most
-            ``max(async_min_cap, ceil(cap_factor * N))`` tokens (DESIGN.md section 2, rule 4).
+            ``max(async_min_cap, ceil(cap_factor * N))`` tokens (docs/DESIGN.md section 2, rule 4).
         max_promise_tokens: ``N`` above this is clamped (positions and caps).
 
     The response's total length is :attr:`SamplingParams.max_new_tokens`."""
@@ -220,7 +220,7 @@ class EngineConfig:
         cuda_graphs: replay captured decode steps (None: on when the model is on CUDA and the
             backend is ``triton``).
         prompt_special_tokens: how special-token text inside a user's prompt string (for
-            example ``<|im_end|>``) is tokenized: ``"text"`` (default; DESIGN.md section 7: user
+            example ``<|im_end|>``) is tokenized: ``"text"`` (default; docs/DESIGN.md section 7: user
             text is always text) or ``"control"`` (it becomes the control token, as
             ``transformers``' ``apply_chat_template(..., tokenize=True)`` does). The chat
             template's own markers are control tokens either way; annotated responses are

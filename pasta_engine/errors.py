@@ -1,6 +1,6 @@
 """Every exception pasta-engine raises on purpose, in one place (no torch).
 
-The failure model (DESIGN.md section 7): a bad request fails alone, before it takes any
+The failure model (docs/DESIGN.md section 7): a bad request fails alone, before it takes any
 resource, with an error that names the parameter and its value (:class:`ParameterError`, and
 :class:`ContextLengthError` for a prompt that leaves no room under the model's context); an
 error that belongs to one request in flight ends that request only (its output says

@@ -1,4 +1,4 @@
-"""Speedup metrics, defined once (DESIGN.md section 3; Jin et al., ICML 2025, section 5).
+"""Speedup metrics, defined once (docs/DESIGN.md section 3; Jin et al., ICML 2025, section 5).
 
 The question a user asks is whether PASTA delivers the answer's *content* sooner than decoding
 that content one token at a time. Tag tokens are overhead, not content, so the headline figure
@@ -149,7 +149,7 @@ def simulate_steps(s: ResponseStructure, max_threads: int | None = None) -> int:
 
 
 def content_speedup(content_tokens: int, critical: int) -> float:
-    """The theoretical content speedup, the headline figure (DESIGN.md section 3): content
+    """The theoretical content speedup, the headline figure (docs/DESIGN.md section 3): content
     tokens / critical path (tokens / steps).
 
     Args:
@@ -225,7 +225,7 @@ def step_speedup(sequential_steps: int, pasta_steps: int) -> float:
 
 
 def realized_over_theoretical(realized: float, theoretical: float) -> float:
-    """How much of the available speedup the engine turns into time (DESIGN.md section 3):
+    """How much of the available speedup the engine turns into time (docs/DESIGN.md section 3):
     realized content speedup / theoretical content speedup; 1 is the ideal."""
     return realized / theoretical
 

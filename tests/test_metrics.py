@@ -1,5 +1,5 @@
 """Critical path, content speedup and the tag-inclusive figures on hand-built structures (values
-worked out by hand), and the content figures of a real replay (DESIGN.md section 3)."""
+worked out by hand), and the content figures of a real replay (docs/DESIGN.md section 3)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ top-level ``triton_kernels`` (the name collides with other projects' packages).
 On a machine without a CUDA GPU the kernels run under Triton's interpreter: importing
 ``pasta_engine`` sets ``TRITON_INTERPRET=1`` unless the variable is already set (Triton reads it
 when a ``@triton.jit`` function is defined, its own helpers included, so it must be set before
-triton is first imported; this package raises a clear error when that was missed). The interpreter has gaps (DESIGN.md section 5): bfloat16 ``tl.dot`` is wrong, so CPU
+triton is first imported; this package raises a clear error when that was missed). The interpreter has gaps (docs/DESIGN.md section 5): bfloat16 ``tl.dot`` is wrong, so CPU
 tests use float16/float32.
 
 The package is a leaf: it imports torch and triton only, never the rest of pasta_engine (an

@@ -2,12 +2,12 @@
 
 * Sliding window (Mistral, Phi-3, Gemma 2's alternate layers): a query at logical position
   ``p`` sees only keys whose logical position is ``> p - window``. Positions are logical
-  (DESIGN.md section 2), so the kernels read each query's position and each cache slot's
+  (docs/DESIGN.md section 2), so the kernels read each query's position and each cache slot's
   position (a ``[num_pages, page_size]`` int32 table the caller keeps beside the KV cache)
   and mask per (query, key); pages are not skipped yet.
 * Attention-logit soft-capping (Gemma 2): scores ``s`` (after the softmax scale) become
   ``cap * tanh(s / cap)`` before the softmax. Triton's interpreter has no ``libdevice``
-  (DESIGN.md section 5), so :func:`tanh` is written with one ``exp`` of a non-positive
+  (docs/DESIGN.md section 5), so :func:`tanh` is written with one ``exp`` of a non-positive
   argument: ``tanh(x) = sign(x) (1 - e) / (1 + e)`` with ``e = exp(-2|x|)``, which never
   overflows (absolute error ~1e-7).
 """

@@ -20,7 +20,7 @@ call from an event loop ever waits for the engine's lock.
 Backpressure: each request has one pending output slot; a consumer that lags behind gets the
 outputs merged (deltas concatenated) instead of a queue that grows without bound.
 
-Failure model (DESIGN.md section 7): a bad request raises
+Failure model (docs/DESIGN.md section 7): a bad request raises
 :class:`~pasta_engine.errors.ParameterError` from :meth:`AsyncEngine.add_request` (or the first
 iteration of :meth:`AsyncEngine.generate`) and takes no resource; a request that fails in flight
 ends with ``finish_reason="error"``; cancelling an iterator (its task cancelled, ``aclose``, a

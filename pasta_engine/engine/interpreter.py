@@ -4,7 +4,7 @@ It knows nothing about tensors or KV pages (no torch). It says which threads hav
 forward this step (:meth:`Interpreter.schedule_threads`, one :class:`ThreadStep` each), takes
 each sampled token back (:meth:`Interpreter.on_token`), and reports what the KV cache must do
 as KV operations (:class:`KVAppend`, :class:`KVFork`, :class:`KVJoin`, :class:`KVRelease`)
-that the scheduler applies to the block manager. Semantics follow DESIGN.md section 2 (after
+that the scheduler applies to the block manager. Semantics follow docs/DESIGN.md section 2 (after
 Jin et al., ICML 2025, arXiv 2502.11517, section 3):
 
 * the main thread decodes; when it completes a promise tag, a child thread is forked whose

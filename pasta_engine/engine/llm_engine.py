@@ -12,7 +12,7 @@
 runner forwards them once and samples, the scheduler hands the tokens back to the interpreters.
 :meth:`Engine.generate` and :meth:`Engine.replay` are loops over it.
 
-Failure model (DESIGN.md section 7): a bad request fails in :meth:`add_request` (or before
+Failure model (docs/DESIGN.md section 7): a bad request fails in :meth:`add_request` (or before
 ``generate`` queues anything) with a :class:`~pasta_engine.errors.ParameterError` naming the
 parameter and value; an error that belongs to one request in flight (its sampling fails, it
 cannot get a KV page) ends that request with ``finish_reason="error"`` and frees its pages; any

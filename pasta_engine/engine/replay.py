@@ -1,7 +1,7 @@
 """Replay (forced decoding): the token streams an annotated response forces (no torch).
 
 Every forward pass, KV write, fork and join of a replayed request is real; only the sampler is
-replaced by the response's tokens (DESIGN.md section 3). Both modes force the same content,
+replaced by the response's tokens (docs/DESIGN.md section 3). Both modes force the same content,
 tokenized once by :func:`pasta_engine.lang.tokenization.tokenize_annotated`:
 
 * pasta mode: the main thread is forced with the response without its chunks (end-of-sequence

@@ -1,7 +1,7 @@
 """Streaming a PASTA response in reading order, and the live events of its threads (no torch).
 
 A PASTA response is read as: the main thread's text up to the first promise, that promise's
-chunk, the main text after it up to the next promise, its chunk, and so on (DESIGN.md section 7).
+chunk, the main text after it up to the next promise, its chunk, and so on (docs/DESIGN.md section 7).
 Its threads decode at the same time, so at any step the text a reader can be given is only the
 prefix of that order that can no longer change:
 

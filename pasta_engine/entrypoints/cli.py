@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "clean text sequentially",
         description="Replay each annotated response in pasta mode and its clean text (tags stripped, no tag tokens) in "
         "sequential mode (same model, same prompt), one prompt at a time; the content speedup is the headline "
-        "(DESIGN.md section 3); write summary.json, prompts.jsonl and speedup.png into --out.",
+        "(docs/DESIGN.md section 3); write summary.json, prompts.jsonl and speedup.png into --out.",
     )
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--traces", type=Path, help="trace file (JSONL: prompt, annotated_response, annotator)")
@@ -176,7 +176,7 @@ def _hf_generate(engine: Any, prompt_ids: list[int], max_new_tokens: int) -> dic
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Aggregates over prompts, the content figures first (DESIGN.md section 3): geometric means
+    """Aggregates over prompts, the content figures first (docs/DESIGN.md section 3): geometric means
     of the content speedups (answers without content left out), then token parallelism, the
     tag-token fraction, and the end-to-end speedup with its length ratio and answers cut by the
     token budget (generate --mode both)."""
@@ -319,7 +319,7 @@ def _exit_status(rows: list[dict[str, Any]], modes: Sequence[str]) -> int:
 
 
 def _speedups(engine: Any, prompt: Any, results: dict[str, Any], generated: bool) -> dict[str, Any]:
-    """A ``--mode both`` row's figures, content first (DESIGN.md section 3): the pasta answer's
+    """A ``--mode both`` row's figures, content first (docs/DESIGN.md section 3): the pasta answer's
     content speedup, theoretical and realized (its clean text replayed sequentially on the pasta
     engine: same weights, same prompt; in replay that is the sequential side already); in
     generate also the end-to-end speedup (the sequential answer's wall / the pasta answer's)

@@ -450,7 +450,7 @@ class _EventLog:
 
 
 class _Prompts:
-    """Prompts to token ids on worker threads, never on the engine thread (DESIGN.md section 7:
+    """Prompts to token ids on worker threads, never on the engine thread (docs/DESIGN.md section 7:
     a long prompt must not stall other requests' steps), with the context-length check.
 
     Each worker uses its own copy of the engine's tokenizer (a ``transformers`` tokenizer

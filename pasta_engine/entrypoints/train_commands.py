@@ -1,4 +1,4 @@
-"""``pasta-engine train sft | bonbon``: teach a model PASTA-LANG (DESIGN.md section 8).
+"""``pasta-engine train sft | bonbon``: teach a model PASTA-LANG (docs/DESIGN.md section 8).
 
 Data: the AlpacaEval prompts with reference answers (``--prompts``), split by the ``dataset``
 field: every subset but ``vicuna`` trains; ``vicuna`` is the evaluation split and is never
@@ -36,7 +36,7 @@ def add_train_parser(subparsers: Any) -> None:
         "adapter with the training forward that sees every token as the engine's pasta-mode replay does. Writes OUT/"
         "adapter (float16, manifest), OUT/checkpoint (resumable), OUT/loss.json and loss.png, OUT/examples.jsonl.",
     )
-    _add_io_args(s, "AlpacaEval JSON with reference answers (../shared/data/alpaca_eval/gpt4_1106_preview_outputs.json)")
+    _add_io_args(s, "AlpacaEval JSON with reference answers (e.g. results/gpt4_1106_preview/model_outputs.json)")
     s.add_argument("--annotator", choices=("mixed", "sot", "apar"), default="mixed",
                    help="how answers get their tags (mixed: sot where a list forks, apar otherwise)")
     s.add_argument("--max-response-tokens", type=positive_int, default=448,

@@ -1,6 +1,6 @@
 """PASTA-LANG tags as added tokens, and the grammar the sampler enforces with them (no torch).
 
-Each fixed piece of PASTA-LANG can be one token of the tokenizer (DESIGN.md section 2):
+Each fixed piece of PASTA-LANG can be one token of the tokenizer (docs/DESIGN.md section 2):
 
 ====================  ==========================================
 piece                 role

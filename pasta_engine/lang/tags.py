@@ -1,6 +1,6 @@
 """PASTA-LANG tags: the incremental parser and whole-response helpers (no tokenizer, no torch).
 
-Tags (DESIGN.md section 2; Jin et al., ICML 2025, arXiv 2502.11517, section 3):
+Tags (docs/DESIGN.md section 2; Jin et al., ICML 2025, arXiv 2502.11517, section 3):
 
 ``<promise topic="T" tokens="N"/>``
     written by the main thread: a chunk about ``T`` of about ``N`` tokens goes here.

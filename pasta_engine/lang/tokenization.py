@@ -1,7 +1,7 @@
 """Tokenizing prompts and annotated responses, one way for everyone (no torch).
 
 Replay (both modes), the sequential baseline and training all turn an annotated response into
-tokens with :func:`tokenize_annotated` (DESIGN.md section 3, "Tokenizing an annotated
+tokens with :func:`tokenize_annotated` (docs/DESIGN.md section 3, "Tokenizing an annotated
 response"):
 
 * text segments and tag sources are tokenized apart, so a tag never shares a BPE token with

@@ -21,7 +21,7 @@ and calls ``scaled_dot_product_attention`` with explicit masks.
 Per-layer options are arguments of :meth:`AttentionBackend.attend` (the plan is per step and
 shared by all layers; a layer's options are constants, so graph-mode launches capture them):
 the softmax ``scale``, a ``sliding_window`` and an attention-logit ``logit_softcap``. A window
-is counted in logical positions (DESIGN.md section 2): a query at position ``p`` sees the keys
+is counted in logical positions (docs/DESIGN.md section 2): a query at position ``p`` sees the keys
 of its view at positions ``> p - window``, which is ``transformers``' ``q - k < window`` on a
 sequential response, and for a PASTA thread keeps the keys that are near in the positions the
 model was trained on. The model passes each query row's position and a table of every cache

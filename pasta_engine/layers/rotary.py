@@ -1,6 +1,6 @@
 """Rotary position embedding (RoPE) at explicit logical positions.
 
-PASTA positions are logical and decoupled from KV storage (DESIGN.md section 2): a forked
+PASTA positions are logical and decoupled from KV storage (docs/DESIGN.md section 2): a forked
 thread's tokens take positions right after its promise while the main thread skips a reserved
 range, so every token carries its own position id and RoPE is applied with it when its key is
 written to the cache (a key is never re-rotated).

@@ -2,7 +2,7 @@
 
 An annotated trace is what :meth:`pasta_engine.Engine.replay` forces: the same content decoded
 sequentially and with PASTA's threads, so realized speedup can be measured at any model shape
-(DESIGN.md section 3). Three annotators:
+(docs/DESIGN.md section 3). Three annotators:
 
 ``sot``
     Skeleton-of-Thought style (Ning et al., 2023, "Skeleton-of-Thought: Prompting LLMs for

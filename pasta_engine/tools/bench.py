@@ -1,7 +1,7 @@
 """Speedup benchmarks: the content speedup, theoretical and realized, and the quality side.
 
 Used by ``pasta-engine bench`` (:mod:`pasta_engine.entrypoints.cli`) and reusable from Python.
-The headline figure is the **content speedup** (DESIGN.md section 3): tag tokens are overhead,
+The headline figure is the **content speedup** (docs/DESIGN.md section 3): tag tokens are overhead,
 so the sequential side decodes the answer's clean text (tags stripped, no tag tokens), not the
 annotated response.
 
@@ -238,7 +238,7 @@ def clean_text_replay(engine: Any, prompt: Any, pasta: Any, repeats: int = 1) ->
 def speedup_row(seq: Any, pasta: Any) -> dict[str, Any]:
     """Per-prompt numbers from a pasta replay of a trace (``pasta``) and a sequential replay of
     its clean text (``seq``, :func:`clean_text_replay`), :class:`~pasta_engine.RequestResult`
-    each (DESIGN.md section 3).
+    each (docs/DESIGN.md section 3).
 
     ``content_tokens``: tokens of the clean text (no tags, no EOS; the sequential replay takes
     one more step, its EOS); ``content_speedup``: content tokens / critical path (theoretical);
@@ -432,7 +432,7 @@ def pareto_row(seq: Any, pasta: Any, clean_seq: Any = None) -> dict[str, Any]:
     (different answers), and optionally ``clean_seq``: the pasta answer's clean text replayed
     sequentially (:func:`clean_text_replay`), for the realized content speedup.
 
-    Content first (DESIGN.md section 3): ``content_speedup``: the pasta answer's content tokens
+    Content first (docs/DESIGN.md section 3): ``content_speedup``: the pasta answer's content tokens
     / critical path; ``realized_content_speedup``: ``clean_seq`` / pasta wall seconds (None
     without ``clean_seq``). End to end: ``end_to_end_speedup``: sequential / pasta wall seconds
     (different answers: a latency ratio), with ``length_ratio``: pasta / sequential content

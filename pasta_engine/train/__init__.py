@@ -1,4 +1,4 @@
-"""Learning PASTA-LANG (DESIGN.md section 8; Jin et al., ICML 2025, section 4): the training
+"""Learning PASTA-LANG (docs/DESIGN.md section 8; Jin et al., ICML 2025, section 4): the training
 forward that sees every token as the engine's replay does, SFT and BoNBoN finetuning with LoRA.
 A tool on top of the engine: the engine never imports it."""
 

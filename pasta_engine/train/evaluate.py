@@ -4,7 +4,7 @@ On the evaluation split (AlpacaEval's ``vicuna`` subset), greedy, one prompt at 
 for the **base model** (pasta mode with the long PASTA-LANG system prompt, and sequential with a
 plain prompt) and the **adapter** (pasta mode with its one-line prompt):
 
-* the content speedup first (DESIGN.md section 3; tag tokens are overhead, not content):
+* the content speedup first (docs/DESIGN.md section 3; tag tokens are overhead, not content):
   theoretical (content tokens / critical path) and realized (the pasta answer's clean text
   replayed sequentially vs the annotated answer replayed in pasta mode, same engine: a wall
   time ratio); then fork statistics (responses that forked, mean threads), token parallelism

@@ -1,7 +1,7 @@
 """The training forward: a ``transformers`` causal LM (peft-wrapped or not) over a
 :class:`~pasta_engine.train.layout.PastaLayout`, in one dense pass with a 4D attention mask and
 the engine's position ids, so every sampled token gets the log-probability the engine's
-pasta-mode replay gives it (DESIGN.md section 8)."""
+pasta-mode replay gives it (docs/DESIGN.md section 8)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The training view of a PASTA response: one dense sequence whose attention mask and position
 ids give every token exactly what the engine's pasta-mode replay gives it.
 
-DESIGN.md section 8: training must see each token as inference will. A main-thread token after a
+docs/DESIGN.md section 8: training must see each token as inference will. A main-thread token after a
 promise sees nothing of that chunk until the next sync; a chunk's tokens see the context up to
 their promise and their own chunk; positions follow the engine's position policy. Rather than
 re-deriving those rules, :func:`pasta_layout` runs the engine's own torch-free parts (the

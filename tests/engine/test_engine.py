@@ -2,7 +2,7 @@
 
 The central check: replaying an annotated response through the engine gives, for every forced
 token, the logits of ONE dense forward of transformers over the spliced sequence with an
-explicit visibility mask built here from DESIGN.md section 2 (a child sees the context up to
+explicit visibility mask built here from docs/DESIGN.md section 2 (a child sees the context up to
 its promise and chunks joined before its fork, never its siblings; the main thread sees a
 chunk only from the token that completed a later <sync/>) and the engine's logical positions.
 """

@@ -1,4 +1,4 @@
-"""The failure model (DESIGN.md section 7): a bad request fails alone before it takes any page;
+"""The failure model (docs/DESIGN.md section 7): a bad request fails alone before it takes any page;
 an error that belongs to one request ends only that request; any exception or Ctrl-C escaping a
 step frees every page first; after any of these the engine serves the next call exactly as a
 fresh engine would. Also: the model's context length, and several Python threads at once."""

@@ -1,4 +1,4 @@
-"""Streaming in reading order (DESIGN.md section 7): replayed annotated responses with several
+"""Streaming in reading order (docs/DESIGN.md section 7): replayed annotated responses with several
 promises, syncs and chunks of any lengths (so they end in any order), stepped one forward at a
 time; at every step the streamed text is checked against an oracle built from the response's
 known layout and each thread's progress."""

@@ -49,7 +49,7 @@ def test_hand_built_trace_with_a_sync_that_waits(unlimited):
     annotated = m1 + ASYNC_OPEN + c1 + ASYNC_CLOSE + m2 + ASYNC_OPEN + c2 + ASYNC_CLOSE + m3 + m4
     check_pieces_tokenize_apart(e, [m1, m2, m3, m4])
 
-    # By hand (DESIGN.md section 3): main token i is sampled at step i; a child forked after
+    # By hand (docs/DESIGN.md section 3): main token i is sampled at step i; a child forked after
     # main token k samples its L tokens (content + </async>) at steps k+1 .. k+L; the sync
     # completed by main token s holds the next main token until every child has ended.
     k1 = n_tok(e, m1)
