@@ -32,13 +32,21 @@ response of T sampled tokens (EOS included) takes T steps and has critical path 
   faster one.
 * realized/theoretical ratio (:func:`realized_over_theoretical`): how much of the available
   content speedup the engine turns into time.
+
+Offline quality proxies of an answer's clean text (text only, no model; issue 19 item 6): the
+fraction of repeated lines (:func:`repeated_line_fraction`), distinct-2 (:func:`distinct_n`),
+empty list items (:func:`empty_list_items`) and tag text shown to the user
+(:func:`has_tag_text`), gathered per answer by :func:`text_proxies` and per set of answers by
+:func:`summarize_text_proxies` (with the fraction cut by the token budget). Proxies, not a
+judge: ``bench learned`` also writes AlpacaEval ``model_outputs`` for one.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 __all__ = [
     "ResponseStructure",
@@ -56,6 +64,13 @@ __all__ = [
     "step_speedup",
     "geomean",
     "geomean_positive",
+    "TAG_TEXT_MARKERS",
+    "repeated_line_fraction",
+    "distinct_n",
+    "empty_list_items",
+    "has_tag_text",
+    "text_proxies",
+    "summarize_text_proxies",
 ]
 
 
@@ -265,3 +280,85 @@ def geomean_positive(values: Iterable[float | None]) -> float | None:
     it left out (for example ``empty_answers``)."""
     vals = [v for v in values if v is not None and v > 0]
     return geomean(vals) if vals else None
+
+
+# --- offline quality proxies of a clean text (no model) ---
+
+#: Pieces of PASTA-LANG tag text: the clean text a user reads holds none of them.
+TAG_TEXT_MARKERS = ("<promise", "<async", "</async", "<sync", '" tokens="')
+
+# a line that is only list markers: "-", "*", "+", "•", "1.", "1)", or nested ones such as "1. 1." or
+# "- -" (surrounding spaces stripped); a thematic break ("---", "* * *") is no list item
+_LIST_MARKER_ONLY = re.compile(r"(?:[-*+\u2022]|\d+[.)])(?:\s+(?:[-*+\u2022]|\d+[.)]))*")
+_THEMATIC_BREAK = re.compile(r"([-*_])(?:\s*\1){2,}")
+
+
+def repeated_line_fraction(text: str) -> float:
+    """Fraction of non-empty lines (stripped) that repeat an earlier line exactly, in [0, 1)."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    if not lines:
+        return 0.0
+    seen: set[str] = set()
+    dup = 0
+    for x in lines:
+        dup += x in seen
+        seen.add(x)
+    return dup / len(lines)
+
+
+def distinct_n(text: str, n: int = 2) -> float:
+    """Distinct word n-grams / word n-grams in ``text`` (distinct-n, Li et al. 2016, per answer):
+    words are the whitespace-separated pieces, compared exactly (case and punctuation kept).
+    1.0 when no n-gram repeats, lower as the text loops; 0.0 for a text of fewer than ``n``
+    words (no n-gram: an empty answer is not a varied one). Raises ValueError for ``n < 1``."""
+    if n < 1:
+        raise ValueError(f"distinct-n needs n >= 1, got {n}")
+    words = text.split()
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def empty_list_items(text: str) -> int:
+    """Lines of ``text`` that hold only list markers (``-``, ``*``, ``+``, ``•``, ``1.``, ``1)``,
+    or nested ones such as ``1. 1.``; spaces around them allowed): the bare ``- `` a dropped
+    promise leaves behind. A thematic break (``---``, ``* * *``) is not one."""
+    return sum(1 for line in text.splitlines()
+               if _LIST_MARKER_ONLY.fullmatch(x := line.strip()) and not _THEMATIC_BREAK.fullmatch(x))
+
+
+def has_tag_text(text: str) -> bool:
+    """Whether ``text`` holds any piece of PASTA-LANG tag text (:data:`TAG_TEXT_MARKERS`): a
+    clean text that does shows the user a tag (for example a partial promise at a length cut)."""
+    return any(m in text for m in TAG_TEXT_MARKERS)
+
+
+def text_proxies(text: str) -> dict[str, Any]:
+    """The text-only quality proxies of one clean answer: ``repeated_lines``
+    (:func:`repeated_line_fraction`), ``distinct_2`` (:func:`distinct_n`, n = 2),
+    ``empty_list_items`` (a count) and ``tag_text`` (a bool)."""
+    return {"repeated_lines": repeated_line_fraction(text), "distinct_2": distinct_n(text, 2),
+            "empty_list_items": empty_list_items(text), "tag_text": has_tag_text(text)}
+
+
+def summarize_text_proxies(texts: Sequence[str], finish_reasons: Sequence[str]) -> dict[str, Any]:
+    """The text-only quality proxies of a set of clean answers, for one side of a comparison:
+    ``answers``; ``mean_repeated_lines`` and ``mean_distinct_2`` (arithmetic means over
+    answers); ``cut_fraction`` (:func:`cut_fraction` of ``finish_reasons``);
+    ``answers_with_empty_list_items`` and ``empty_list_items`` (answers with at least one, and
+    the total); ``answers_with_tag_text``. Raises ValueError for no answers or lengths that
+    differ."""
+    if not texts:
+        raise ValueError("text proxies of no answers")
+    if len(texts) != len(finish_reasons):
+        raise ValueError(f"{len(texts)} answers but {len(finish_reasons)} finish reasons")
+    per = [text_proxies(t) for t in texts]
+    n = len(per)
+    return {
+        "answers": n,
+        "mean_repeated_lines": sum(p["repeated_lines"] for p in per) / n,
+        "mean_distinct_2": sum(p["distinct_2"] for p in per) / n,
+        "cut_fraction": cut_fraction(finish_reasons),
+        "answers_with_empty_list_items": sum(1 for p in per if p["empty_list_items"]),
+        "empty_list_items": sum(p["empty_list_items"] for p in per),
+        "answers_with_tag_text": sum(1 for p in per if p["tag_text"]),
+    }

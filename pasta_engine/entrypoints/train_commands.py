@@ -117,7 +117,9 @@ def add_learned_parser(bench_subparsers: Any) -> None:
         description="On AlpacaEval's vicuna subset (never trained on), greedy, batch 1: the base model sequentially and in "
         "pasta mode, the adapter in pasta mode; the content speedup (theoretical: content tokens / critical path; "
         "realized: the clean text decoded sequentially vs the pasta run), fork rate, tag-token fraction, the end-to-end "
-        "speedup with its length ratio and the answers cut by the token budget, the quality proxy side by side, AlpacaEval model_outputs. Writes OUT/summary.json, prompts.jsonl, "
+        "speedup with its length ratio and the answers cut by the token budget, the quality proxies side by side (repeated "
+        "lines, distinct-2, answers cut by length, empty list items, tag text in the clean output, likelihood), AlpacaEval "
+        "model_outputs_*.json (for `alpaca_eval` with any OpenAI-compatible judge). Writes OUT/summary.json, prompts.jsonl, "
         "learned.png.",
     )
     _add_io_args(p, "AlpacaEval JSON (the vicuna rows are used)")
@@ -234,7 +236,7 @@ def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
     from ..tools.traces import read_prompts
     from ..train.common import load_base
     from ..train.data import split_rows
-    from ..train.evaluate import evaluate_learned
+    from ..train.evaluate import evaluate_learned, format_quality_proxies
     from ..train.quality import LikelihoodQuality
     from .args import sampling_params
 
@@ -267,5 +269,6 @@ def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
           f"{x(s['geomean_length_ratio'])}, cut by the token budget {s['cut_fraction_base_sequential']:.0%} base / "
           f"{s['cut_fraction_adapter_pasta']:.0%} adapter; quality proxy base {s['base_sequential']['mean_quality']:.3f} "
           f"vs adapter {a['mean_quality']:.3f}", file=sys.stderr)
+    print(f"bench learned: {format_quality_proxies(s['quality_proxies'])}", file=sys.stderr)
     print(f"wrote {args.out / 'summary.json'}, {args.out / 'prompts.jsonl'}, {args.out / 'learned.png'}")
     return 0

@@ -12,9 +12,14 @@ plain prompt) and the **adapter** (pasta mode with its one-line prompt):
 * end to end: the base model answering sequentially vs the adapter in pasta mode (wall time
   ratio), with the length ratio of the two answers (content tokens) and the fraction of answers
   cut by the token budget on each side;
-* the quality proxy (:mod:`pasta_engine.train.quality`) of each answer, side by side;
+* the quality proxies of each side, side by side (:func:`quality_proxies`): repeated lines,
+  distinct-2, answers cut by the token budget, empty list items, tag text in the clean output
+  (text only: :func:`pasta_engine.metrics.text_proxies`) and the likelihood proxy
+  (:mod:`pasta_engine.train.quality`);
 * AlpacaEval-format ``model_outputs`` of the base model's sequential answers and the adapter's
-  pasta answers, for a judge's length-controlled win rate.
+  pasta answers (``instruction``, ``output``: the clean text of ``RequestResult.text``,
+  ``generator``, ``dataset``), for a judge's win rate with the ``alpaca_eval`` package (README,
+  "Judging quality with alpaca_eval").
 
 Everything goes to ``OUT/prompts.jsonl`` (resumable), ``OUT/summary.json`` and ``OUT/learned.png``.
 """
@@ -27,12 +32,17 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..config import SamplingParams
-from ..metrics import cut_fraction, geomean_positive, length_ratio, realized_speedup, tag_token_fraction
+from ..metrics import (cut_fraction, geomean_positive, length_ratio, realized_speedup, summarize_text_proxies,
+                       tag_token_fraction, text_proxies)
 from ..tools.bench import export_row, resumed_rows
 from ..tools.traces import PromptRow
-from .quality import LikelihoodQuality, repeated_line_fraction
+from .quality import LikelihoodQuality
 
-__all__ = ["evaluate_learned", "learned_row", "summarize_learned", "plot_learned"]
+__all__ = ["evaluate_learned", "learned_row", "summarize_learned", "quality_proxies", "format_quality_proxies",
+           "plot_learned"]
+
+#: The sides of a ``bench learned`` row, in the order the proxies are reported.
+SIDES = ("base_sequential", "adapter_pasta", "base_pasta")
 
 
 def _timed_replay(engine: Any, prompt: str, annotated: str, mode: str, repeats: int) -> Any:
@@ -63,8 +73,9 @@ def learned_row(prompt: str, base_engine: Any, adapter_engine: Any, params: Samp
             base_pasta: also answer with the base model in pasta mode.
 
     Returns a JSON-ready dict: per side its text, content tokens, tokens decoded (``tokens``),
-    wall seconds, finish reason (``length``: cut by the token budget), quality and repeated-line
-    fraction; for the pasta sides first the content figures (:func:`_content`: content speedup,
+    wall seconds, finish reason (``length``: cut by the token budget), quality and the text-only
+    proxies (:func:`pasta_engine.metrics.text_proxies`: repeated lines, distinct-2, empty list
+    items, tag text); for the pasta sides first the content figures (:func:`_content`: content speedup,
     realized content speedup with both wall times in seconds, tag tokens, token parallelism),
     then forks, threads, decode steps and critical path; ``end_to_end_speedup`` (base sequential
     wall / adapter pasta wall) and ``length_ratio`` (adapter content tokens / base content
@@ -75,13 +86,13 @@ def learned_row(prompt: str, base_engine: Any, adapter_engine: Any, params: Samp
     row: dict[str, Any] = {
         "base_sequential": {"text": seq.text, "content_tokens": s.content_tokens, "tokens": s.tokens_decoded,
                             "wall_s": s.wall_s, "finish_reason": s.finish_reason, "quality": quality(prompt, seq.text),
-                            "repeated_lines": repeated_line_fraction(seq.text)},
+                            **text_proxies(seq.text)},
         "adapter_pasta": {**_content(adapter_engine, prompt, ad, repeats), "text": ad.text,
                           "annotated": ad.annotated_text, "tokens": ad.stats.tokens_decoded, "wall_s": ad.stats.wall_s,
                           "finish_reason": ad.stats.finish_reason, "forks": ad.stats.forks,
                           "threads": ad.stats.threads, "decode_steps": ad.stats.decode_steps,
                           "critical_path": ad.stats.critical_path, "quality": quality(prompt, ad.text),
-                          "repeated_lines": repeated_line_fraction(ad.text)},
+                          **text_proxies(ad.text)},
         "end_to_end_speedup": realized_speedup(s.wall_s, ad.stats.wall_s),
         "length_ratio": length_ratio(ad.stats.content_tokens, s.content_tokens) if s.content_tokens else None,
     }
@@ -91,18 +102,49 @@ def learned_row(prompt: str, base_engine: Any, adapter_engine: Any, params: Samp
                              "annotated": bp.annotated_text, "tokens": bp.stats.tokens_decoded,
                              "wall_s": bp.stats.wall_s, "finish_reason": bp.stats.finish_reason,
                              "forks": bp.stats.forks, "threads": bp.stats.threads, "quality": quality(prompt, bp.text),
+                             **text_proxies(bp.text),
                              "end_to_end_speedup": realized_speedup(s.wall_s, bp.stats.wall_s),
                              "length_ratio": (length_ratio(bp.stats.content_tokens, s.content_tokens)
                                               if s.content_tokens else None)}
     return row
 
 
+def quality_proxies(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The quality proxies of each side present in ``rows`` (``bench learned`` rows, as in
+    ``prompts.jsonl``), side by side: :func:`pasta_engine.metrics.summarize_text_proxies` of the
+    side's clean texts and finish reasons (recomputed from the text, so rows written before a
+    proxy existed get it too), plus ``mean_likelihood_proxy`` (the mean of the stored
+    ``quality``). Raises ValueError for no rows."""
+    if not rows:
+        raise ValueError("no rows to summarize")
+    out: dict[str, dict[str, Any]] = {}
+    for key in SIDES:
+        xs = [r[key] for r in rows if key in r]
+        if xs:
+            out[key] = {**summarize_text_proxies([x["text"] for x in xs], [x.get("finish_reason", "stop") for x in xs]),
+                        "mean_likelihood_proxy": sum(x["quality"] for x in xs) / len(xs)}
+    return out
+
+
+def format_quality_proxies(table: dict[str, dict[str, Any]]) -> str:
+    """One line of :func:`quality_proxies`' table, the sides as ``a / b / c`` in its order."""
+    sides = list(table)
+
+    def each(key: str, fmt: str) -> str:
+        return " / ".join(format(table[s][key], fmt) for s in sides)
+
+    return (f"quality proxies ({' / '.join(sides)}): repeated lines {each('mean_repeated_lines', '.1%')}, distinct-2 "
+            f"{each('mean_distinct_2', '.3f')}, cut by the token budget {each('cut_fraction', '.0%')}, answers with empty "
+            f"list items {each('answers_with_empty_list_items', 'd')}, with tag text {each('answers_with_tag_text', 'd')}, "
+            f"likelihood {each('mean_likelihood_proxy', '.3f')} nats/token (of {table[sides[0]]['answers']} answers)")
+
+
 def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Aggregates over prompts (geometric means of ratios, as the paper, answers without content
     left out of the content figures; arithmetic means of the quality proxy): per side the content
     speedups first, the tag-token fraction (tag tokens / tokens decoded) and the fraction cut by
-    the token budget; the end-to-end speedup with its length ratio. Raises ValueError for no
-    rows."""
+    the token budget; the end-to-end speedup with its length ratio; the quality proxies side by
+    side (:func:`quality_proxies`). Raises ValueError for no rows."""
     if not rows:
         raise ValueError("no rows to summarize")
     n = len(rows)
@@ -146,6 +188,7 @@ def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "cut_fraction_adapter_pasta": cut_fraction(r["adapter_pasta"]["finish_reason"] for r in rows),
         "quality_proxy": "base model mean log-likelihood per token of the clean answer given the plain prompt, "
                          "minus 2.0 x the fraction of repeated lines (nats per token; higher is better; a proxy)",
+        "quality_proxies": quality_proxies(rows),
     }
 
 

@@ -17,24 +17,12 @@ from typing import Any, Callable
 import torch
 
 from ..lang.tokenization import encode_prompt, encode_text
+from ..metrics import repeated_line_fraction  # the text-only proxies live with the other measures
 
 __all__ = ["repeated_line_fraction", "LikelihoodQuality", "Scorer", "speedup_plus_quality"]
 
 #: A quality scorer: ``(prompt, clean response text) -> float`` (higher is better).
 Scorer = Callable[[str, str], float]
-
-
-def repeated_line_fraction(text: str) -> float:
-    """Fraction of non-empty lines (stripped) that repeat an earlier line exactly, in [0, 1)."""
-    lines = [x.strip() for x in text.splitlines() if x.strip()]
-    if not lines:
-        return 0.0
-    seen: set[str] = set()
-    dup = 0
-    for x in lines:
-        dup += x in seen
-        seen.add(x)
-    return dup / len(lines)
 
 
 @dataclass

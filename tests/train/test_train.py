@@ -274,8 +274,20 @@ def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, cap
         b = r["base_sequential"]
         if b["content_tokens"]:
             assert r["length_ratio"] == pytest.approx(a["content_tokens"] / b["content_tokens"])
-    exported = json.loads((out / "model_outputs_adapter_pasta.json").read_text())
-    assert [x["instruction"] for x in exported] == ["eval one", "eval two"]
+    # AlpacaEval's format, the clean text (RequestResult.text) as the output, for alpaca_eval's judges
+    for label, key in (("adapter_pasta", "adapter_pasta"), ("base_sequential", "base_sequential")):
+        exported = json.loads((out / f"model_outputs_{label}.json").read_text())
+        assert [x["instruction"] for x in exported] == ["eval one", "eval two"]
+        assert [x["output"] for x in exported] == [r[key]["text"] for r in rows]
+        assert all(set(x) == {"instruction", "output", "generator", "dataset"} and x["dataset"] == "vicuna"
+                   for x in exported)
+    # the quality proxies, side by side, in the summary and on stderr
+    q = s["quality_proxies"]
+    assert list(q) == ["base_sequential", "adapter_pasta", "base_pasta"]
+    assert set(q["adapter_pasta"]) >= {"mean_repeated_lines", "mean_distinct_2", "cut_fraction",
+                                       "answers_with_empty_list_items", "answers_with_tag_text", "mean_likelihood_proxy"}
+    assert all({"distinct_2", "empty_list_items", "tag_text"} <= set(r[k]) for r in rows for k in q)
+    assert "quality proxies (base_sequential / adapter_pasta / base_pasta)" in err
     assert (out / "learned.png").read_bytes().startswith(b"\x89PNG")
 
 
