@@ -62,6 +62,9 @@ def add_train_parser(subparsers: Any) -> None:
                    "ones; 2 keeps the answers with parallel chunks, whose content speedup the model should learn)")
     s.add_argument("--forked-only", action="store_true",
                    help="the same as --min-promises 1 (kept so earlier manifests' commands run unchanged)")
+    s.add_argument("--drop-repeats", action="store_true",
+                   help="leave out answers that repeat a whole line (a small model's own answers loop; training on "
+                   "them teaches the loop)")
     s.add_argument("--tag-tokens", action="store_true",
                    help="a fresh adapter adds the PASTA-LANG pieces to the tokenizer as tokens and trains their "
                    "embedding rows (a promise costs ~7 tokens instead of ~17; the engine then masks what the grammar "
@@ -132,6 +135,7 @@ def add_learned_parser(bench_subparsers: Any) -> None:
 
 
 def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from ..lang.tags import strip_tags
     from ..tools.bench import count_tokens_fn
     from ..tools.traces import read_prompts
     from ..train.common import LoraSettings, base_manifest, load_tokenizer
@@ -148,6 +152,11 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     count = count_tokens_fn(load_tokenizer(args.model))
     examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
                                       annotator=args.annotator, seed=args.seed)
+    if args.drop_repeats:
+        from ..train.quality import repeated_line_fraction
+
+        examples = [e for e in examples if repeated_line_fraction(strip_tags(e.annotated)) == 0]
+        counts["without_repeated_lines"] = len(examples)
     min_promises = max(args.min_promises, 1 if args.forked_only else 0)
     if min_promises:
         examples = [e for e in examples if e.promises >= min_promises]

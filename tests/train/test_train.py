@@ -331,3 +331,16 @@ def test_train_sft_min_promises_drops_answers_with_fewer_promises(tiny_llama, tm
     rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [PROMPT] and rows[0]["promises"] >= 1  # the unforked answer is gone
     assert "min_promises_1" in err
+
+
+def test_train_sft_drop_repeats_and_tag_tokens(tiny_llama, tmp_path, capsys):
+    looping = "Sleep well.\nSleep well.\nSleep well."
+    _, out, err = _sft_command(tiny_llama, tmp_path, capsys,
+                               [{"instruction": PROMPT, "dataset": "koala", "output": LISTED},
+                                {"instruction": "loop", "dataset": "koala", "output": looping}],
+                               "--drop-repeats", "--tag-tokens")
+    rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [PROMPT]  # the answer that repeats a line is gone
+    assert "without_repeated_lines" in err
+    manifest = json.loads((out / "adapter" / "manifest.json").read_text())
+    assert set(manifest["added_tokens"]) == {'<promise topic="', '" tokens="', '"/>', "<async>", "</async>", "<sync/>"}
