@@ -32,6 +32,8 @@ slot's position (``key_positions``, written when the slot's key is: see
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +41,15 @@ import torch.nn.functional as F
 from .rotary import apply_rope
 from .utils import to_device
 
-__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "Run", "check_attention_options", "same_view",
-           "view_slots", "write_kv"]
+__all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "Run", "StepKind", "PlanHistory",
+           "check_attention_options", "same_view", "view_slots", "write_kv"]
 
 Run = tuple[int, list[int], list[int]]  # (segment id, pages, used slots of each page)
+
+#: A step's shape (:attr:`AttentionMetadata.kind`): ``"decode"``: every sequence has exactly
+#: one new token (query rows are the sequences, in order; the steps CUDA graphs replay);
+#: ``"extend"``: no sequence has exactly one (prompt prefill, inserted tags); ``"mixed"``: both.
+StepKind = Literal["decode", "extend", "mixed"]
 
 
 @dataclass
@@ -60,7 +67,11 @@ class AttentionMetadata:
         step: the caller's step counter, or None. When a plan is made for step ``n`` right
             after one for step ``n - 1``, a backend may *update* the previous plan instead of
             building it again (see :func:`same_view`): the block manager's invariant makes that
-            exact, and the tests hold the updated plan equal to a fresh one."""
+            exact, and the tests hold the updated plan equal to a fresh one.
+
+    The step's shape is classified here, once (:attr:`kind`, :attr:`decode_seqs`,
+    :attr:`extend_seqs`, :attr:`decode_rows`); backends and the CUDA-graph runner read it.
+    (Computed on first read: the lists above must not change after that.)"""
 
     page_size: int
     q_lens: list[int]
@@ -74,6 +85,36 @@ class AttentionMetadata:
         """Metadata whose every sequence is one private run (tests, benchmarks)."""
         runs = [[(-1 - b, list(p), list(n))] for b, (p, n) in enumerate(zip(pages, page_lens))]
         return cls(page_size=page_size, q_lens=list(q_lens), runs=runs)
+
+    @cached_property
+    def decode_seqs(self) -> list[int]:
+        """Sequences with exactly one new token (decode rows), in batch order."""
+        return [b for b, n in enumerate(self.q_lens) if n == 1]
+
+    @cached_property
+    def extend_seqs(self) -> list[int]:
+        """Sequences with several new tokens (prompt prefill chunks, inserted tags), in batch order."""
+        return [b for b, n in enumerate(self.q_lens) if n > 1]
+
+    @cached_property
+    def kind(self) -> StepKind:
+        """The step's shape (see :data:`StepKind`)."""
+        if len(self.decode_seqs) == len(self.q_lens):
+            return "decode"
+        return "mixed" if self.decode_seqs else "extend"
+
+    @property
+    def is_decode(self) -> bool:
+        """Whether :attr:`kind` is ``"decode"`` (query row ``b`` is sequence ``b``'s one token)."""
+        return self.kind == "decode"
+
+    @cached_property
+    def decode_rows(self) -> list[int]:
+        """The query row of each of :attr:`decode_seqs` (``range(B)`` in a decode step)."""
+        if self.is_decode:
+            return list(range(len(self.q_lens)))
+        starts = self.q_starts()
+        return [starts[b] for b in self.decode_seqs]
 
     def pages(self, b: int) -> list[int]:
         """Pages of sequence ``b``'s view, in view order."""
@@ -126,6 +167,46 @@ def same_view(prev_key: tuple[int, int], key: tuple[int, int]) -> bool:
     per step); a fork makes each thread's next token start a new run (a new last id); a join
     inserts runs (a new count) or appends them (a new last id)."""
     return prev_key == key
+
+
+class PlanHistory:
+    """The one incremental-plan rule of the backends: which rows of a step hold the view they
+    had at the last planned step plus this step's new tokens (:func:`same_view`), so that a
+    backend may update the plan it kept instead of building it again.
+
+    A backend records each planned step with :meth:`advance` (``meta.step`` and one key per
+    row: :meth:`AttentionMetadata.view_key`, to which a backend may add what else must not
+    change for its update to hold, as the Triton backend adds the row's last page) and
+    :meth:`forget` after a step it planned without rows to keep. A step whose number does not
+    follow the recorded one (no number; a step that ran without planning, as a CUDA graph
+    replay) keeps no row.
+
+    Attributes:
+        step: the step last recorded (None: none, or forgotten).
+        keys: its rows' keys."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.keys: list = []
+        self._prev: list | None = None  # the keys before the last advance(), when it followed them
+
+    def advance(self, meta: AttentionMetadata, keys: list) -> bool:
+        """Record ``meta``'s step with its rows' ``keys``; True when it follows the step recorded
+        before with the same keys on every row (every row kept its view: update the plan)."""
+        follows = meta.step is not None and self.step is not None and meta.step == self.step + 1
+        self._prev = self.keys if follows else None
+        self.step, self.keys = meta.step, keys
+        return follows and keys == self._prev
+
+    def kept(self, r: int) -> bool:
+        """Whether row ``r`` of the step last recorded holds row ``r``'s view of the step before
+        plus its new tokens."""
+        prev = self._prev
+        return prev is not None and r < len(prev) and same_view(prev[r], self.keys[r])
+
+    def forget(self, step: int | None = None) -> None:
+        """Record a step (number ``step``) whose plan keeps no row for the next one."""
+        self.step, self.keys, self._prev = step, [], None
 
 
 def view_slots(runs: list[Run], page_size: int) -> list[int]:
@@ -310,10 +391,10 @@ class DecodeTable:
 
     Tensors (on the backend's device): ``slots`` ``[rows_cap, len_cap]`` int64, ``mask``
     ``[rows_cap, len_cap]`` float32, ``next`` ``[rows_cap]`` int64 (flat index of each row's
-    first unused entry). Host side: ``keys[r]`` (:meth:`AttentionMetadata.view_key` of the
-    sequence in row ``r``), ``lens[r]`` (used entries), ``longest`` and ``step`` (the step of
-    the last update) and ``bumped`` (the last update's new slot of each row when every row only
-    grew by it, else None).
+    first unused entry). Host side: ``history`` (the :class:`PlanHistory` of the rows' views:
+    ``keys[r]``, :meth:`AttentionMetadata.view_key` of the sequence in row ``r``, and ``step``,
+    the step of the last update), ``lens[r]`` (used entries), ``longest`` and ``bumped`` (the
+    last update's new slot of each row when every row only grew by it, else None).
 
     :meth:`update` makes row ``r`` hold sequence ``r`` of the step: a row whose sequence is the
     one it held at the previous step (:func:`same_view`) only gets its new slot appended (one
@@ -326,11 +407,20 @@ class DecodeTable:
         self.slots = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.mask = torch.zeros(0, 0, dtype=torch.float32, device=device)
         self._set_next(torch.zeros(0, dtype=torch.long, device=device))
-        self.keys: list[tuple[int, int]] = []
+        self.history = PlanHistory()
         self.lens: list[int] = []
         self.longest = 0
-        self.step: int | None = None
         self.bumped: list[int] | None = None  # the last update's new slots when it only appended
+
+    @property
+    def step(self) -> int | None:
+        """The step of the last update (or of the last step planned without decode rows)."""
+        return self.history.step
+
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        """The view key of the sequence in each row."""
+        return self.history.keys
 
     def _grow(self, rows: int, length: int) -> None:
         r_cap, l_cap = self.slots.shape
@@ -360,12 +450,11 @@ class DecodeTable:
         n = len(seqs)
         runs = meta.runs
         keys = [(runs[b][-1][0], len(runs[b])) for b in seqs]  # meta.view_key(b), inlined (per step)
-        follows = meta.step is not None and self.step is not None and meta.step == self.step + 1
-        self.step = meta.step
+        history = self.history
         self.bumped = None
         lens = self.lens
         dev = self.device
-        if follows and keys == self.keys:  # the common step: every row grows by one slot
+        if history.advance(meta, keys):  # the common step: every row grows by one slot
             if self.longest + 1 > self.slots.shape[1]:
                 self._grow(n, self.longest + 1)
                 lens = self.lens
@@ -384,8 +473,8 @@ class DecodeTable:
             self.bumped = new_slots
             return self.longest
         bump, fill = [], []
-        for r, key in enumerate(keys):
-            (bump if follows and r < len(self.keys) and same_view(self.keys[r], key) else fill).append(r)
+        for r in range(n):
+            (bump if history.kept(r) else fill).append(r)
         fill_slots = [view_slots(runs[seqs[r]], meta.page_size) for r in fill]
         self._grow(n, max([lens[r] + 1 for r in bump] + [len(x) for x in fill_slots]))
         lens = self.lens
@@ -407,7 +496,6 @@ class DecodeTable:
             for r, x in zip(fill, fill_slots):
                 lens[r] = len(x)
         self._set_next(torch.arange(len(lens), device=dev) * cap + to_device(lens, torch.long, dev))
-        self.keys = keys
         self.longest = max(lens[:n])
         return self.longest
 
@@ -468,16 +556,9 @@ class TorchAttention(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> bool:
         device = self.device
         pl = _TorchPlan()
-        q_lens = meta.q_lens
-        if all(n == 1 for n in q_lens):
-            dec, ext = list(range(len(q_lens))), []
-            dec_slots = meta.row_slots()
-        else:
-            dec = [b for b, n in enumerate(q_lens) if n == 1]
-            ext = [b for b, n in enumerate(q_lens) if n > 1]
-            starts = meta.q_starts()
-            slots = meta.row_slots()
-            dec_slots = [slots[starts[b]] for b in dec]
+        dec, ext = meta.decode_seqs, meta.extend_seqs
+        slots = meta.row_slots()
+        dec_slots = slots if meta.is_decode else [slots[r] for r in meta.decode_rows]
         ps = meta.page_size
         if self._table is None or self._table.device != device:
             self._table = DecodeTable(device)
@@ -485,12 +566,12 @@ class TorchAttention(AttentionBackend):
             pl.dec_len = self._table.update(meta, dec, dec_slots)
             pl.dec_n = len(dec)
             if ext:
-                pl.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
+                pl.dec_rows = to_device(meta.decode_rows, torch.long, device)
         else:
-            self._table.step = meta.step
-            self._table.keys = []
+            self._table.history.forget(meta.step)
             self._table.bumped = None
         if ext:
+            starts = meta.q_starts()
             q_len = torch.tensor([meta.q_lens[b] for b in ext])
             kv_len = torch.tensor([meta.kv_len(b) for b in ext])
             qmax, lmax = int(q_len.max()), int(kv_len.max())

@@ -28,7 +28,7 @@ from ..triton_kernels.tree_attention import (
     tree_decode_attention,
     upload_plan,
 )
-from .attention import AttentionBackend, AttentionMetadata, check_attention_options
+from .attention import AttentionBackend, AttentionMetadata, PlanHistory, check_attention_options
 from .utils import to_device
 
 __all__ = ["TritonAttention"]
@@ -49,13 +49,11 @@ class _Plan:
 
 @dataclass
 class _Bump:
-    """What lets the next step's decode plan be an update of this one (see
-    :func:`~pasta_engine.layers.attention.same_view`): the step it was made for, each row's
-    ``(last run id, run count, last page)``, and the entries of the plan's ``page_lens`` that
-    hold each row's last page (``index`` ``[R]`` int64 on the device)."""
+    """What lets the next step's decode plan be an update of this one (when the backend's
+    :class:`~pasta_engine.layers.attention.PlanHistory`, keyed by each row's ``(last run id,
+    run count, last page)``, says every row kept its view): the entries of the plan's
+    ``page_lens`` that hold each row's last page (``index`` ``[R]`` int64 on the device)."""
 
-    step: int
-    keys: list[tuple[int, int, int]]
     index: torch.Tensor
     ones: torch.Tensor
     page_lens: torch.Tensor
@@ -121,6 +119,7 @@ class TritonAttention(AttentionBackend):
         self._workspace = DecodeWorkspace()
         self._graph: _GraphState | None = None
         self._bump: _Bump | None = None
+        self._history = PlanHistory()
 
     @property
     def group(self) -> int:
@@ -141,14 +140,14 @@ class TritonAttention(AttentionBackend):
         row's last page (no fork, join, new thread or page boundary since the last step): every
         row's used length in ``page_lens`` + 1. Returns None when it did, else the rows' keys
         (for :meth:`_remember`)."""
-        if meta.step is None or any(n != 1 for n in meta.q_lens):
+        if meta.step is None or not meta.is_decode:
             self._bump = None
+            self._history.forget(meta.step)
             return []
         keys = _row_keys(meta)
         b = self._bump
-        if b is not None and b.step + 1 == meta.step and b.keys == keys:
+        if self._history.advance(meta, keys) and b is not None:
             b.page_lens.index_add_(0, b.index, b.ones)
-            b.step = meta.step
             return None
         return keys
 
@@ -157,8 +156,7 @@ class TritonAttention(AttentionBackend):
             self._bump = None
             return
         index = _bump_index(arrays, keys, self.device)
-        self._bump = _Bump(meta.step, keys, index, torch.ones(len(keys), dtype=torch.int32, device=self.device),
-                           page_lens)
+        self._bump = _Bump(index, torch.ones(len(keys), dtype=torch.int32, device=self.device), page_lens)
 
     def plan(self, meta: AttentionMetadata) -> bool:
         """Plan the step (see :meth:`AttentionBackend.plan`): a pure decode step that follows
@@ -174,15 +172,14 @@ class TritonAttention(AttentionBackend):
         device = self.device
         p = _Plan()
         starts = meta.q_starts()
-        dec = [b for b, n in enumerate(meta.q_lens) if n == 1]
-        ext = [b for b, n in enumerate(meta.q_lens) if n > 1]
+        dec, ext = meta.decode_seqs, meta.extend_seqs
         if dec:
             arrays, info = plan_lists([meta.runs[b] for b in dec], group=self.group, num_kv_heads=self.num_kv_heads,
                                       device=device, mode=self.decode_mode)
             p.decode = upload_plan(arrays, info, device)
             self._remember(meta, keys, arrays, p.decode.page_lens)
-            if len(dec) != len(meta.q_lens):
-                p.dec_rows = to_device([starts[b] for b in dec], torch.long, device)
+            if not meta.is_decode:
+                p.dec_rows = to_device(meta.decode_rows, torch.long, device)
         if ext:
             rows = [r for b in ext for r in range(starts[b], starts[b] + meta.q_lens[b])]
             p.ext_rows = to_device(rows, torch.long, device)
@@ -194,8 +191,9 @@ class TritonAttention(AttentionBackend):
 
     def _plan_static(self, meta: AttentionMetadata) -> bool:
         g = self._graph
-        if len(meta.q_lens) > g.max_rows or any(q != 1 for q in meta.q_lens):
+        if len(meta.q_lens) > g.max_rows or not meta.is_decode:
             self._bump = None
+            self._history.forget(meta.step)
             return False
         keys = self._try_bump(meta)
         if keys is None:
