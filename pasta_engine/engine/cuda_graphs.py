@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.backends import graph_backend_names
 from ..models.llama import LlamaModel
 
 __all__ = ["CudaGraphs", "DEFAULT_BUCKETS"]
@@ -54,8 +55,8 @@ class CudaGraphs:
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         if not backend.supports_cuda_graphs:
-            raise ValueError(f"CUDA graphs need an attention backend that supports them (attention_backend='triton'), "
-                             f"not {backend.name!r}")
+            raise ValueError(f"CUDA graphs need an attention backend that supports them "
+                             f"({' or '.join(graph_backend_names())}), not {backend.name!r}")
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.buckets = tuple(sorted(buckets))
         self.max_seqs = self.buckets[-1]
@@ -105,7 +106,7 @@ class CudaGraphs:
         None when the step must run eagerly (multi-token sequences, too many, plan over capacity)."""
         n = len(meta.q_lens)
         b = self.bucket(n)
-        if b is None or any(q != 1 for q in meta.q_lens):
+        if b is None or not meta.is_decode:
             self.fallbacks += 1
             return None
         entry = self.entries[b]

@@ -21,7 +21,7 @@ import torch
 from ..config import EngineConfig
 from ..errors import ParameterError
 from ..layers.attention import AttentionMetadata
-from ..layers.backends import get_backend
+from ..layers.backends import get_backend, graph_backend_names
 from ..layers.sampler import MIN_TOP_P, apply_repetition_penalty, draw_noise, logprobs_of, sample_batch
 from ..layers.utils import to_device
 from ..models.llama import LlamaModel
@@ -109,8 +109,11 @@ class ModelRunner:
         want_graphs = config.cuda_graphs
         can_graph = model.device.type == "cuda" and self.backend.supports_cuda_graphs
         if want_graphs and not can_graph:
-            raise ParameterError("cuda_graphs", True, message="cuda_graphs=True needs the model on a CUDA device and "
-                                 "attention_backend='triton'")
+            needs = ([] if model.device.type == "cuda" else ["the model on a CUDA device"]) + (
+                [] if self.backend.supports_cuda_graphs else
+                [f"an attention backend that runs inside CUDA graphs ({' or '.join(graph_backend_names())}, "
+                 f"not {self.backend.name!r})"])
+            raise ParameterError("cuda_graphs", True, message=f"cuda_graphs=True needs {' and '.join(needs)}")
         self.cuda_graphs = None
         if want_graphs or (want_graphs is None and can_graph):
             from .cuda_graphs import CudaGraphs

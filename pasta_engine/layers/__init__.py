@@ -1,2 +1,3 @@
-"""Layers: attention (metadata, the torch reference and the Triton backend, the optional CUDA
-extension's ops), rotary embeddings and the sampler. They know nothing of the engine."""
+"""Layers: attention (metadata, the torch reference, the Triton and FlexAttention backends,
+registered by name in ``backends.py``, the optional CUDA extension's ops), rotary embeddings
+and the sampler. They know nothing of the engine."""
