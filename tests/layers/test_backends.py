@@ -1,0 +1,71 @@
+"""The backend seam: one registry by name (the engine and the CLI read it), the step's shape
+classified once in the attention metadata, one incremental-plan rule (PlanHistory)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pasta_engine import Engine, SamplingParams
+from pasta_engine.errors import ParameterError
+from pasta_engine.layers import backends
+from pasta_engine.layers.attention import AttentionMetadata, PlanHistory, TorchAttention
+from pasta_engine.layers.backends import backend_info, backend_names, get_backend, graph_backend_names, register_backend
+
+
+def test_the_registry_names_every_backend():
+    assert backend_names()[:3] == ["torch", "triton", "flex"]
+    assert graph_backend_names() == ["triton"]
+    assert get_backend("flex").name == "flex" and get_backend("torch").name == "torch"
+
+
+def test_an_unknown_backend_is_named_with_the_known_ones():
+    with pytest.raises(ParameterError, match=r"attention_backend='flash'.*'torch', 'triton', 'flex'"):
+        get_backend("flash")
+    inst = TorchAttention()
+    assert get_backend(inst) is inst
+
+
+def test_a_registered_backend_runs_in_the_engine(tiny_engine):
+    class Mine(TorchAttention):
+        name = "mine"
+
+    register_backend("mine", Mine, "a test backend")
+    try:
+        assert "mine" in backend_names() and not backend_info("mine").cuda_graphs
+        e = Engine(tiny_engine.model, tiny_engine.tokenizer, kv_cache_bytes=2**20, attention_backend="mine")
+        assert isinstance(e.model_runner.backend, Mine)
+        [res] = e.generate([[1, 40, 41]], SamplingParams(max_new_tokens=3), mode="sequential")
+        [want] = tiny_engine.generate([[1, 40, 41]], SamplingParams(max_new_tokens=3), mode="sequential")
+        assert res.token_ids == want.token_ids
+        with pytest.raises(ParameterError, match=r"an attention backend that runs inside CUDA graphs \(triton, "
+                                                 r"not 'mine'\)"):
+            Engine(tiny_engine.model, tiny_engine.tokenizer, kv_cache_bytes=2**20, attention_backend="mine",
+                   cuda_graphs=True)
+    finally:
+        backends._REGISTRY.pop("mine")
+
+
+@pytest.mark.parametrize("q_lens,kind,decode,extend,rows", [
+    ([1, 1, 1], "decode", [0, 1, 2], [], [0, 1, 2]),
+    ([4, 2], "extend", [], [0, 1], []),
+    ([3, 1, 2, 1], "mixed", [1, 3], [0, 2], [3, 6]),
+])
+def test_the_step_is_classified_once(q_lens, kind, decode, extend, rows):
+    meta = AttentionMetadata.from_pages(4, q_lens, [[b] for b in range(len(q_lens))], [[n] for n in q_lens])
+    assert (meta.kind, meta.decode_seqs, meta.extend_seqs, meta.decode_rows) == (kind, decode, extend, rows)
+    assert meta.is_decode == (kind == "decode")
+
+
+def test_plan_history_keeps_rows_only_across_consecutive_steps():
+    h = PlanHistory()
+    m = lambda step: AttentionMetadata(4, [1], [[(1, [0], [1])]], step=step)  # noqa: E731
+    assert not h.advance(m(1), [(1, 1), (2, 1)])  # nothing recorded before
+    assert h.advance(m(2), [(1, 1), (2, 1)])  # follows, same rows
+    assert not h.advance(m(3), [(1, 1), (3, 2)])  # row 1 changed (a join)
+    assert [h.kept(0), h.kept(1)] == [True, False]
+    assert not h.advance(m(5), [(1, 1), (3, 2)])  # step 4 ran without a plan (a CUDA graph)
+    assert not h.kept(0)
+    h.forget(6)  # a step without rows to keep
+    assert not h.advance(m(7), [(1, 1), (3, 2)]) and not h.kept(0)
+    assert not h.advance(m(None), [(1, 1), (3, 2)])  # unnumbered
+    assert not h.advance(m(1), [(1, 1), (3, 2)])
