@@ -345,6 +345,24 @@ class Interpreter:
         ops, self.kv_ops = self.kv_ops, []
         return ops
 
+    def skip_cached_prompt(self, n: int) -> None:
+        """The KV of the prompt's first ``n`` tokens is in the cache already (prefix caching:
+        the main thread's view starts with those pages): the main thread forwards only the
+        rest, and the prompt's pending KV append shrinks to match. Only before the first step
+        (the prompt's append not yet taken); ``0 <= n < len(prompt_ids)`` (the last prompt
+        token is always forwarded: its logits give the first sampled token).
+
+        Raises ValueError otherwise."""
+        main = self.main
+        p = len(self.prompt_ids)
+        first = self.kv_ops[0] if self.kv_ops else None
+        if not (0 <= n < p and main.n_sampled == 0 and len(main.pending) == p and type(first) is KVAppend
+                and first.tid == main.tid and first.n == p):
+            raise ValueError(f"cannot skip {n} cached prompt tokens: only before the prompt's prefill, and fewer "
+                             f"than the prompt's {p}")
+        main.pending, main.pending_pos = main.pending[n:], main.pending_pos[n:]
+        self.kv_ops[0] = KVAppend(main.tid, p - n)
+
     def schedule_threads(self) -> list[ThreadStep]:
         """Threads to forward this step: every flush, then up to ``max_threads`` sampling
         threads (the main thread first, then children in fork order)."""

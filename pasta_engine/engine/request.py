@@ -56,7 +56,8 @@ class RequestStats:
     EOS; content_speedup: the theoretical content speedup, content_tokens / critical_path (0 for
     an answer without content); decode_steps: forward passes that sampled for the request (the
     prompt's prefill pass included: it samples the first token); prefill_tokens: tokens
-    forwarded without being sampled (prompt, inserted ``<async>`` tags); tokens_decoded: tokens
+    forwarded without being sampled (prompt, inserted ``<async>`` tags; a prompt's tokens read
+    from the prefix cache are not forwarded, see cached_tokens); tokens_decoded: tokens
     sampled by all threads (tags and EOS included); tag_tokens: tokens_decoded - EOS tokens
     sampled - content_tokens, at least 0 (:func:`pasta_engine.metrics.tag_tokens`: the tag
     tokens, plus any text the clean output drops); threads: threads that ran (main + children);
@@ -64,7 +65,9 @@ class RequestStats:
     at unlimited width (tag tokens are on it); token_parallelism: tokens_decoded /
     critical_path, how parallel the run was (1.0 when nothing was sampled); wall_s: seconds
     from admission to finish; preemptions: times the request was restarted for lack of KV
-    pages; finish_reason: one of :data:`FINISH_REASONS`."""
+    pages; finish_reason: one of :data:`FINISH_REASONS`; cached_tokens: prompt tokens whose KV
+    came from the prefix cache instead of a prefill (vLLM's ``num_cached_tokens``; at the
+    request's last admission)."""
 
     content_tokens: int
     content_speedup: float
@@ -80,6 +83,7 @@ class RequestStats:
     wall_s: float
     preemptions: int
     finish_reason: str
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -228,7 +232,8 @@ class Request:
     owns ``views`` (thread id -> KV view) and ``pending_slots`` (thread id -> KV slots reserved
     for the tokens it forwards next); the model runner owns ``sampler_state`` (the seeded
     generator). Counters: ``steps`` (forward passes that sampled for it), ``prefill_tokens``,
-    ``max_width``, ``preemptions``; times in seconds from ``time.perf_counter``.
+    ``cached_tokens`` (prompt tokens the prefix cache held at admission), ``max_width``,
+    ``preemptions``; times in seconds from ``time.perf_counter``.
     ``count_content_tokens``: the length of a text under the model's canonical tokenization,
     for the content figures of :class:`RequestStats`; None (a request built without a
     tokenizer) gives 0 content and tag tokens."""
@@ -245,6 +250,7 @@ class Request:
     sampler_state: Any = None
     steps: int = 0
     prefill_tokens: int = 0
+    cached_tokens: int = 0
     max_width: int = 0
     preemptions: int = 0
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -267,7 +273,7 @@ class Request:
         self.interp = self.make_interpreter()
         self.views, self.pending_slots = {}, {}
         self.sampler_state = None
-        self.steps = self.prefill_tokens = self.max_width = 0
+        self.steps = self.prefill_tokens = self.cached_tokens = self.max_width = 0
 
     def result(self) -> RequestResult:
         """The response as it stands (the whole response once finished)."""
@@ -297,6 +303,7 @@ class Request:
             wall_s=self.wall_s,
             preemptions=self.preemptions,
             finish_reason=self.finish_reason or "",
+            cached_tokens=self.cached_tokens,
         )
         return RequestResult(
             index=self.index,

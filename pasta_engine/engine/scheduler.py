@@ -14,6 +14,13 @@ and it restarts from its prompt later, with the same seed, so its output is unch
 request that cannot get a page even alone ends with ``finish_reason="error"``; the others go
 on. Every way a request ends (finish, abort, error, an exception escaping a step) releases
 every page it held.
+
+Prefix caching (when the block manager has it on): at admission the main thread's view starts
+with the cached pages of the prompt's longest cached prefix of whole pages, and the interpreter
+forwards only the rest (:meth:`~pasta_engine.engine.interpreter.Interpreter.skip_cached_prompt`);
+after the step that wrote a prompt's KV, its whole pages enter the cache. A page enters the
+cache only once its KV is written (in :meth:`Scheduler.postprocess`, after the forward), so a
+step that fails caches nothing.
 """
 
 from __future__ import annotations
@@ -239,9 +246,20 @@ class Scheduler:
             req.start_s = time.perf_counter()
             self.running.append(req)
             try:
+                self._reuse_prefix(req)
                 self._apply_kv_ops(req)
             except KVCacheExhausted as e:
                 self.fail(req, str(e))
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """Start the main thread's view of a request being admitted with the prompt's cached
+        prefix pages (none with prefix caching off), before its prompt's KV append."""
+        it = req.interp
+        view = req.views[it.main.tid] = KVView()  # in the request's views first: freed whatever happens next
+        n = self.block_manager.reuse_prefix(view, it.prompt_ids)
+        if n:
+            it.skip_cached_prompt(n)
+        req.cached_tokens = n
 
     def _preempt(self, req: Request) -> None:
         """Free every page of ``req`` and queue it to restart from its prompt (first in line;
@@ -353,14 +371,20 @@ class Scheduler:
         for st in batch.threads:
             by_req.setdefault(id(st.request), (st.request, []))[1].append(st)
         # first what needs no sampled token (the device may still be running the step)
+        bm = self.block_manager
         for req, threads in by_req.values():
             if req.finished:
                 continue
             pending = req.pending_slots
             steps = [st.step for st in threads]
+            it = req.interp
+            main, n_prompt = it.main.tid, len(it.prompt_ids)
             for s in steps:
                 pending.pop(s.tid, None)
-            req.interp.step_done(steps)
+                if s.tid == main and s.positions and s.positions[0] < n_prompt and bm.prefix_caching:
+                    # the step wrote (the rest of) the prompt's KV: its whole pages enter the cache
+                    bm.cache_prefix(req.views[main], it.prompt_ids, min(n_prompt, s.positions[-1] + 1))
+            it.step_done(steps)
         at = 0
         out: list[tuple[Request, list[int]]] = []
         if sampled is not None:

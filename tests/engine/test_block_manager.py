@@ -1,4 +1,6 @@
-"""Block manager: shared pages, sealing at fork, join without copies, refcounts, exhaustion."""
+"""Block manager: shared pages, sealing at fork, join without copies, refcounts, exhaustion, and
+the prefix cache's pages (which pages are cached, reused, evicted; the engine-level checks are in
+test_prefix_caching.py)."""
 
 from __future__ import annotations
 
@@ -73,3 +75,74 @@ def test_double_release_is_caught():
     bm.release(v)
     with pytest.raises(RuntimeError, match="released more times"):
         bm.pool.decref(pages)
+
+
+# --------------------------------------------------------------------------- prefix cache
+
+
+def test_whole_prompt_pages_are_cached_and_reused_but_never_the_last_token_s_page():
+    bm = BlockManager(16, 4, prefix_caching=True)
+    prompt = list(range(1, 11))  # 10 tokens: pages [1-4] [5-8] and a partial [9 10]
+    v = KVView()
+    assert bm.reuse_prefix(v, prompt) == 0
+    bm.append(v, len(prompt))
+    assert bm.cache_prefix(v, prompt, len(prompt)) == 2  # the partial page is never cached
+    assert bm.pool.num_cached == 2 and bm.pool.key_of[v.pages[2]] is None
+    bm.release(v)
+    assert bm.pool.num_cached_free == 2 and bm.num_free == 16
+    # the same prompt: both whole pages (its last token, 10, is on the partial page)
+    w = KVView()
+    assert bm.reuse_prefix(w, prompt) == 8 and w.lens == [4, 4] and w.open is None
+    # a prompt of exactly 8 tokens reuses only the first page: the second holds its last token
+    x = KVView()
+    assert bm.reuse_prefix(x, prompt[:8]) == 4
+    # the same tokens after another prefix are another page: no match
+    y = KVView()
+    assert bm.reuse_prefix(y, [99, 98, 97, 96] + prompt[4:8] + [1]) == 0
+    assert bm.pool.refcount[w.pages[0]] == 2 and bm.prefix_hit_tokens == 12 and bm.prefix_queries == 4
+    for view in (w, x, y):
+        bm.release(view)
+    assert bm.pool.audit() == {"free": 14, "cached_free": 2, "held": 0, "cached": 2}
+
+
+def test_appends_after_a_reused_prefix_go_to_pages_of_the_view_s_own():
+    bm = BlockManager(16, 4, prefix_caching=True)
+    prompt = list(range(1, 10))
+    v = KVView()
+    bm.reuse_prefix(v, prompt)
+    bm.append(v, 9)
+    bm.cache_prefix(v, prompt, 9)
+    w = KVView()
+    assert bm.reuse_prefix(w, prompt) == 8
+    slots = bm.append(w, 1)  # the last prompt token: a page of w's own, not the cached ones
+    assert slots[0] // 4 not in v.pages[:2] and bm.pool.key_of[slots[0] // 4] is None
+    child = bm.fork(w)
+    for t in (w, child):
+        for s in bm.append(t, 5):
+            assert bm.pool.key_of[s // 4] is None
+    for t in (v, w, child):
+        bm.release(t)
+    bm.pool.audit()
+
+
+def test_eviction_takes_never_cached_pages_first_then_the_least_recently_released_tail_first():
+    bm = BlockManager(6, 2, prefix_caching=True)
+    a, b = [1, 2, 3, 4, 5], [7, 8, 9, 10, 11]
+    views = []
+    for prompt in (a, b):
+        v = KVView()
+        bm.append(v, 5)
+        bm.cache_prefix(v, prompt, 5)
+        views.append(v)
+    pa, pb = views[0].pages[:2], views[1].pages[:2]
+    for v in views:
+        bm.release(v)  # a's pages released first: least recently used
+    assert bm.pool.num_cached_free == 4 and bm.num_free == 6
+    got = [bm.pool.alloc() for _ in range(4)]
+    # the two never-cached pages, then a's tail page before a's head page
+    assert got[2:] == [pa[1], pa[0]] and bm.pool.evictions == 2
+    va, vb = KVView(), KVView()
+    assert bm.reuse_prefix(va, a) == 0 and bm.reuse_prefix(vb, b) == 4  # b is still cached
+    bm.release(vb)
+    bm.pool.decref(got)
+    assert bm.pool.audit() == {"free": 4, "cached_free": 2, "held": 0, "cached": 2}
