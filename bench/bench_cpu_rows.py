@@ -10,7 +10,8 @@ written). Each row count R replays a forced trace in which R threads sample in t
 
     OMP_NUM_THREADS=1 taskset -c 1 python bench/bench_cpu_rows.py [--rows 1,2,3,4,5,6,8] [--name cpu_rows]
 
-writes ``bench/results/<name>.json`` with the machine, the command, the load average and the
+writes ``bench/results/<name>.json`` (a new ``<name>-2.json``, ... when it exists, unless
+``--overwrite``) with the machine, the command, the load average and the
 GEMM choices made.
 """
 
@@ -69,6 +70,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4,5,6,8")
     ap.add_argument("--tail", type=int, default=12, help="steps per replay where every thread samples")
     ap.add_argument("--name", default="cpu_rows")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/<name>.json)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the output file when it exists (default: keep it, write <name>-2.json, ...)")
     args = ap.parse_args()
 
     import torch
@@ -113,7 +117,7 @@ def main() -> None:
         "floor": "weight bytes / single-thread copy bandwidth (read + written): the step if only weights were read",
         "statistic": "median wall ms of Engine.step over the steps where all rows sampled", "tail": args.tail,
         "gemm_choices": choices, "results": [results[r] for r in rows_list],
-    })
+    }, overwrite=args.overwrite, out=args.out)
 
 
 if __name__ == "__main__":

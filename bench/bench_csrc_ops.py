@@ -138,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--splits", type=int, default=8, help="partials per row for lse_merge")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/csrc_ops_<device>.json)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default bench/results/csrc_ops_<device>.json; an existing file is kept and the "
+                    "result goes to a new -2, -3, ... file beside it unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace the output file when it exists")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_csrc_ops: needs a CUDA GPU (run it on the GPU machine)", file=sys.stderr)
@@ -220,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
     }
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-    path = args.out or ROOT / "bench" / "results" / f"csrc_ops_{slug}.json"
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import new_path
+
+    path = new_path(args.out or ROOT / "bench" / "results" / f"csrc_ops_{slug}.json", args.overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=96, help="words per chunk (and of the main thread)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing result (default: a new -2 file)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_step needs a CUDA GPU")
@@ -89,7 +90,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     tag = info["device"].replace(" ", "_").replace("/", "_")
     write_json(f"decode_step_{tag}", {"device": info, "copy_bandwidth_bytes_per_s": bw, "dtype": "bfloat16",
-                                      "prompt_len": args.prompt_len, "chunk_words": args.chunk, "rows": rows})
+                                      "prompt_len": args.prompt_len, "chunk_words": args.chunk, "rows": rows},
+               overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

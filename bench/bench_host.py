@@ -25,7 +25,8 @@ engine runs.
 
 Run as a benchmark: ``pytest bench/bench_host.py --benchmark-json /tmp/host.json`` (the per-step
 medians are in each benchmark's ``extra_info``), or as a script that writes
-``bench/results/<name>.json`` with the machine, the command and the load average:
+``bench/results/<name>.json`` (a new ``<name>-2.json``, ... when it exists, unless ``--overwrite``)
+with the machine, the command and the load average:
 ``python bench/bench_host.py [--threads 1,4,16,64] [--repeats 3] [--name host_step_cpu]``.
 The same script measures an older checkout: ``cd /tmp/before && PYTHONPATH=/tmp/before python
 /work/main/bench/bench_host.py --name host_step_cpu_before`` (it records which engine it ran).
@@ -310,6 +311,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="replays per width (after one warm-up)")
     ap.add_argument("--tail", type=int, default=64, help="steps per replay where every thread samples")
     ap.add_argument("--name", default="host_step_cpu")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/<name>.json)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the output file when it exists (default: keep it, write <name>-2.json, ...)")
     ap.add_argument("--model-dir", default="/tmp/pasta-bench-host-model")
     ap.add_argument("--max-load", type=float, default=None, help="wait for a 1-minute load average below this")
     ap.add_argument("--wait-s", type=float, default=3600.0)
@@ -335,7 +339,7 @@ def main() -> None:
         "model": {"preset": "tiny-llama", **MODEL_OVERRIDES}, "attention_backend": "torch",
         "threads_per_request": THREADS_PER_REQUEST, "tail": args.tail, "repeats": args.repeats,
         "statistic": "median over the steps where every live thread sampled", "results": rows,
-    })
+    }, overwrite=args.overwrite, out=args.out)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
 It starts the server itself (``pasta-engine serve --port 0``, embedded model) unless ``--url``
 is given, sends every request at once, then sends the valid ones again without streaming to
 check the streamed text, waits until the engine is idle and reads its KV pages. Reported (and
-written to ``bench/results/server_load_<device>.json``): requests and concurrency, wall time of
-the streaming phase, completion tokens/s, time to first token (first non-empty content chunk)
+written to ``bench/results/server_load_<device>.json``, or a new ``-2`` file beside it): requests and
+concurrency, wall time of the streaming phase, completion tokens/s, time to first token (first non-empty content chunk)
 and inter-token latency (gap between consecutive content chunks of a stream; PASTA streams in
 reading order, so a chunk may hold several tokens, e.g. main text flushed when a chunk ends) as
 p50/p99, and the counts that must be 0: lost, duplicated, mismatched streams and leaked pages.
@@ -260,11 +260,14 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="with --url: the served model name (default: the first listed)")
     ap.add_argument("--api-key", default="bench-key")
     ap.add_argument("--server-args", default="", help="more flags for pasta-engine serve (when started here)")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/server_load_cpu.json)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default: bench/results/server_load_<device>.json; an existing file is kept and the "
+                    "result goes to a new -2, -3, ... file beside it unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true", help="replace the output file when it exists")
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import RESULTS, device_info
+    from common import RESULTS, device_info, new_path
 
     proc = None
     settings: dict[str, Any] = {}
@@ -289,7 +292,8 @@ def main() -> int:
             proc.terminate()
             proc.wait(60)
     info = device_info()
-    out = args.out or RESULTS / f"server_load_{info.get('device', 'cpu').replace(' ', '_')}.json"
+    out = new_path(args.out or RESULTS / f"server_load_{info.get('device', 'cpu').replace(' ', '_')}.json",
+                   args.overwrite)
     payload = {"command": " ".join([Path(sys.executable).name] + sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                "model": model, "max_tokens": args.max_tokens, "max_running_requests": args.max_running_requests,
                "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0], **info, **settings, **res}

@@ -124,6 +124,7 @@ def run_case(name, threads, prefix, suffix, bw):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing result (default: a new -2 file)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_tree_attention needs a CUDA GPU")
@@ -145,7 +146,8 @@ def main() -> None:
                           f"flashinfer {r.get('flashinfer_cascade_us', r.get('flashinfer_cascade'))}", flush=True)
     tag = info["device"].replace(" ", "_").replace("/", "_")
     write_json(f"tree_attention_{tag}", {"device": info, "copy_bandwidth_bytes_per_s": bw, "dtype": "bfloat16",
-                                         "page_size": PAGE, "rows": rows})
+                                         "page_size": PAGE, "rows": rows},
+               overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -61,12 +61,26 @@ def bench_us(fn, warmup: int = 5, rep: int = 50) -> float:
     return 1e3 * do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def write_json(name: str, payload: dict) -> Path:
-    """Write ``bench/results/<name>.json`` with the command line and a timestamp added."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def new_path(path: Path, overwrite: bool = False) -> Path:
+    """Where a result meant for ``path`` goes: ``path`` itself when it does not exist yet or
+    ``overwrite`` is set, else a new file beside it, ``<stem>-2<suffix>``, ``-3``, ... (the first
+    free one): a rerun never replaces a committed result unless told to."""
+    path = Path(path)
+    if overwrite or not path.exists():
+        return path
+    n = 2
+    while (cand := path.with_name(f"{path.stem}-{n}{path.suffix}")).exists():
+        n += 1
+    return cand
+
+
+def write_json(name: str, payload: dict, overwrite: bool = False, out: Path | None = None) -> Path:
+    """Write ``out`` (default ``bench/results/<name>.json``) with the command line and a timestamp
+    added; an existing file is kept unless ``overwrite`` (the result goes to :func:`new_path`)."""
     payload = {"command": " ".join([Path(sys.executable).name] + sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                **payload}
-    path = RESULTS / f"{name}.json"
+    path = new_path(out if out is not None else RESULTS / f"{name}.json", overwrite)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1))
     print(f"wrote {path}")
     return path
