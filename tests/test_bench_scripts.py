@@ -1,11 +1,12 @@
 """The benchmark scripts in bench/ (issue 20, Measuring): a rerun writes a new result file unless
-told to overwrite."""
+told to overwrite, and bench/plot.py draws the CPU results as well as the GPU ones."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,18 @@ def test_bench_host_writes_a_new_file_unless_told_to_overwrite(tmp_path):
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["host-2.json", "host.json"]
     assert json.loads(out.read_text())["results"][0]["threads"] == 1
+
+
+def test_plot_draws_the_cpu_results(tmp_path):
+    names = ["cpu_rows.json", "host_step_cpu.json", "host_step_cpu_before.json", "server_load_cpu.json",
+             "cpu_micro_host.json", "cpu_alpaca20_generate_both.json"]
+    cpu = [RESULTS / n for n in names]
+    for p in cpu:
+        shutil.copy(p, tmp_path / p.name)
+    run = subprocess.run([sys.executable, str(BENCH / "plot.py"), *sorted(str(tmp_path / p.name) for p in cpu)],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "skip" not in run.stdout
+    for p in cpu:
+        png = (tmp_path / p.name).with_suffix(".png")
+        assert png.read_bytes().startswith(b"\x89PNG"), p.name
