@@ -40,7 +40,7 @@ def test_new_path_keeps_an_existing_file(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["bench_host.py", "bench_cpu_rows.py", "bench_server_load.py", "bench_csrc_ops.py",
-                                    "bench_decode_step.py", "bench_tree_attention.py"])
+                                    "bench_decode_step.py", "bench_tree_attention.py", "bench_threads.py"])
 def test_every_result_writing_script_has_overwrite(script):
     out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, env=ENV,
                          timeout=300)
@@ -64,7 +64,7 @@ def test_bench_host_writes_a_new_file_unless_told_to_overwrite(tmp_path):
 
 def test_plot_draws_the_cpu_results(tmp_path):
     names = ["cpu_rows.json", "host_step_cpu.json", "host_step_cpu_before.json", "server_load_cpu.json",
-             "cpu_micro_host.json", "cpu_alpaca20_generate_both.json"]
+             "cpu_micro_host.json", "cpu_alpaca20_generate_both.json", "cpu_threads.json"]
     cpu = [RESULTS / n for n in names]
     for p in cpu:
         shutil.copy(p, tmp_path / p.name)

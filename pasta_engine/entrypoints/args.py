@@ -9,6 +9,8 @@ argparse itself (``--kv-cache-mb 0`` or ``--limit -1`` is a one-line usage error
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -24,6 +26,7 @@ __all__ = [
     "add_sampling_args",
     "add_run_args",
     "build_engine",
+    "cpu_threads",
     "adapter_choice",
     "sampling_params",
     "command_line",
@@ -53,6 +56,56 @@ positive_int = _int_at_least(1)
 nonneg_int = _int_at_least(0)
 
 
+#: The most threads ``--threads auto`` gives.
+AUTO_THREADS_MAX = 4
+AUTO_THREADS_POLICY = (f"the cores this process may use that other work leaves free (the larger of the 1-minute load "
+                       f"average and the processes running now), at most {AUTO_THREADS_MAX}, at least 1")
+
+
+def busy_cores() -> float:
+    """How many cores other work holds: the larger of the 1-minute load average and the
+    runnable tasks right now less this one (``/proc/loadavg``; the load average alone lags a
+    process that just started by about a minute). 0 where neither can be read."""
+    load = 0.0
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        pass
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+        load = max(load, running - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return load
+
+
+def cpu_threads(flag: str | int = "auto") -> int:
+    """Torch's CPU thread count for ``--threads flag``: N as given, or for ``"auto"``
+    :data:`AUTO_THREADS_POLICY`: ``max(1, min(AUTO_THREADS_MAX, floor(cores - busy)))`` with
+    ``cores`` the CPUs this process may run on and ``busy`` :func:`busy_cores`, read once when
+    the engine is built. A thread count above the free cores makes every step wait at torch's
+    barriers for a thread another process holds: on a 2-core machine with other work running, 2
+    threads ran about 10x slower per step than 1 (bench/results/cpu_threads.json); one thread
+    too few costs at most the parallel part of a step."""
+    if flag != "auto":
+        return int(flag)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(AUTO_THREADS_MAX, math.floor(cores - busy_cores())))
+
+
+def _threads_flag(text: str) -> str | int:
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer >= 1, got {text!r}") from None
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Which model, where, and the engine's memory and kernels."""
     g = p.add_argument_group("model and engine")
@@ -72,6 +125,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-mb", type=positive_int, default=None,
                    help="KV cache budget in MiB (default: 512 on CPU, 40%% of free GPU memory on CUDA)")
     g.add_argument("--page-size", type=positive_int, default=16, help="KV page size in tokens")
+    g.add_argument("--threads", type=_threads_flag, default="auto", metavar="auto|N",
+                   help="torch CPU threads (--device cpu): N, or auto (default): "
+                   f"{AUTO_THREADS_POLICY} (see README, 'CPU threads')")
     a = g.add_mutually_exclusive_group()
     a.add_argument("--adapter", type=Path, default=None,
                    help="a LoRA adapter folder (peft format) merged into the weights (default: the adapter shipped for "
@@ -147,7 +203,8 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
                  ) -> tuple[Any, dict[str, Any]]:
     """The engine the flags describe and the settings to record. The device is checked first
     (before a preset is built). ``adapter``: see :func:`adapter_choice` (``--adapter`` and
-    ``--no-adapter`` win over it).
+    ``--no-adapter`` win over it). On a CPU, torch's thread count is set from ``--threads``
+    (:func:`cpu_threads`).
 
     Raises what :meth:`Engine.from_pretrained` raises (FileNotFoundError,
     UnsupportedModelError, ParameterError), naming the problem."""
@@ -180,6 +237,10 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20
     if getattr(args, "no_adapter", False) or getattr(args, "adapter", None) is not None:
         adapter = adapter_choice(args)  # the flags win over the caller's default
+    threads = None
+    if device.type == "cpu":
+        threads = cpu_threads(getattr(args, "threads", "auto"))
+        torch.set_num_threads(threads)
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, dtype_name), adapter=adapter, **options)
     settings = {
         "model": label,
@@ -191,6 +252,8 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         "torch_version": torch.__version__,
         "weight_bytes": engine.model.weight_bytes,
         "adapter": None if engine.adapter is None else str(engine.adapter),
+        "cpu_threads": threads,
+        "cpu_threads_flag": getattr(args, "threads", "auto") if threads is not None else None,
         **engine.model_runner.describe(),
     }
     if hasattr(args, "max_threads"):

@@ -1,0 +1,50 @@
+"""The CPU thread policy (issue 20, Measuring): ``--threads auto`` leaves the cores other work
+holds alone (torch's default of one thread per core collapses when another process is busy,
+bench/results/cpu_threads.json); ``--threads N`` sets N."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pasta_engine.entrypoints import cli
+from pasta_engine.entrypoints.cli import main
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The (engine, settings) pairs the CLI builds."""
+    out: list = []
+    real = cli.build_engine
+    monkeypatch.setattr(cli, "build_engine", lambda args, **kw: out.append(real(args, **kw)) or out[-1])
+    return out
+
+
+def test_cpu_threads_policy(monkeypatch):
+    import pasta_engine.entrypoints.args as a
+    from pasta_engine.entrypoints.args import cpu_threads
+
+    monkeypatch.setattr(a.os, "sched_getaffinity", lambda pid: set(range(16)))
+    for busy, want in ((0.0, 4), (12.2, 3), (15.5, 1), (40.0, 1)):
+        monkeypatch.setattr(a, "busy_cores", lambda b=busy: b)
+        assert cpu_threads("auto") == want
+    monkeypatch.setattr(a.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(a, "busy_cores", lambda: 1.0)  # one other busy process on two cores: one thread
+    assert cpu_threads("auto") == 1
+    assert cpu_threads(3) == 3
+    assert a.busy_cores() >= 0
+
+
+def test_threads_flag_sets_torch_threads(tiny_llama, built, capsys):
+    before = torch.get_num_threads()
+    try:
+        rc = main(["generate", "x", "--model", str(tiny_llama), "--max-new-tokens", "2", "--kv-cache-mb", "8",
+                   "--threads", "1"])
+        assert rc == 0 and torch.get_num_threads() == 1
+        assert built[0][1]["cpu_threads"] == 1 and built[0][1]["cpu_threads_flag"] == 1
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--threads", "0"])
+    assert "--threads: expected auto or an integer >= 1, got '0'" in capsys.readouterr().err
