@@ -25,6 +25,7 @@ __all__ = [
     "add_pasta_args",
     "add_sampling_args",
     "add_run_args",
+    "add_baseline_arg",
     "build_engine",
     "cpu_threads",
     "adapter_choice",
@@ -156,18 +157,37 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -> 
     g.add_argument("--seed", type=nonneg_int, default=0)
 
 
-def add_run_args(p: argparse.ArgumentParser, timing: bool = False) -> None:
-    """Which inputs, and (``timing``) how runs are repeated and resumed."""
+def add_run_args(p: argparse.ArgumentParser, timing: bool = False, resume: bool | None = None,
+                 progress: bool = False) -> None:
+    """Which inputs, and (``timing``) how the modes' runs are warmed up and repeated (and, with
+    ``resume``, default ``timing``, resumed); ``progress``: ``--no-progress``."""
+    from ..tools.bench import DEFAULT_REPEATS
+
     g = p.add_argument_group("run")
     g.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     if timing:
         g.add_argument("--warmup", type=nonneg_int, default=1,
-                       help="untimed runs in each mode before timing (speedup: of the first trace and of the one "
-                       "with the most promises; pareto: of the first prompt)")
-        g.add_argument("--repeats", type=positive_int, default=1,
-                       help="runs per prompt and mode; the fastest counts (>1 on a shared or noisy machine)")
+                       help="untimed runs in each mode before timing (of the first prompt; bench speedup: also of the "
+                       "trace with the most promises)")
+        g.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS,
+                       help="timed runs per prompt and mode, interleaved: the fastest of each mode counts; the spread "
+                       "(min/median/max of the wall times and of the per-run realized speedups) is reported beside it "
+                       f"(default: {DEFAULT_REPEATS})")
+    if resume if resume is not None else timing:
         g.add_argument("--resume", action="store_true",
                        help="keep the rows already in OUT/prompts.jsonl (same prompts, same order) and run the rest")
+    if progress:
+        g.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (default: a bar with tokens/s on stderr when there is more than one prompt)")
+
+
+def add_baseline_arg(p: argparse.ArgumentParser) -> None:
+    """``--baseline``: whose weights answer in sequential mode."""
+    p.add_argument("--baseline", choices=("same", "base"), default="same",
+                   help="the weights of the sequential answers: same (default: the pasta mode's weights, the adapter "
+                   "when one is loaded, as the server's mode=sequential; the content comparison) or base (the base "
+                   "model's weights without the adapter: the end-to-end comparison against the base model, reported "
+                   "with the length ratio and the answers cut by the token budget)")
 
 
 def command_line(argv: Sequence[str] | None) -> str:
@@ -190,21 +210,24 @@ def _dtype_name(args: argparse.Namespace) -> str:
 
 def adapter_choice(args: argparse.Namespace, mode: str = "pasta") -> Any:
     """What ``Engine.from_pretrained(adapter=...)`` gets for ``mode``: ``--adapter PATH``, None
-    with ``--no-adapter``, else the shipped adapter (``"auto"``) in pasta mode and the base
-    weights in sequential mode (the learned adapter is the default in pasta mode)."""
+    with ``--no-adapter``, else the shipped adapter (``"auto"``): the same weights in both modes,
+    as the server's ``mode`` does; only ``--baseline base`` gives the sequential mode the base
+    model's weights (None)."""
+    if mode == "sequential" and getattr(args, "baseline", "same") == "base":
+        return None
     if getattr(args, "no_adapter", False):
         return None
     if getattr(args, "adapter", None) is not None:
         return args.adapter
-    return "auto" if mode == "pasta" else None
+    return "auto"
 
 
 def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapter: Any = "auto"
                  ) -> tuple[Any, dict[str, Any]]:
     """The engine the flags describe and the settings to record. The device is checked first
     (before a preset is built). ``adapter``: see :func:`adapter_choice` (``--adapter`` and
-    ``--no-adapter`` win over it). On a CPU, torch's thread count is set from ``--threads``
-    (:func:`cpu_threads`).
+    ``--no-adapter`` win over the default ``"auto"``; None, the base weights, stays None). On a
+    CPU, torch's thread count is set from ``--threads`` (:func:`cpu_threads`).
 
     Raises what :meth:`Engine.from_pretrained` raises (FileNotFoundError,
     UnsupportedModelError, ParameterError), naming the problem."""
@@ -235,7 +258,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         options["position_policy"] = args.position_policy
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20
-    if getattr(args, "no_adapter", False) or getattr(args, "adapter", None) is not None:
+    if adapter == "auto":
         adapter = adapter_choice(args)  # the flags win over the caller's default
     threads = None
     if device.type == "cpu":

@@ -18,6 +18,7 @@ from ..lang.prompts import SAMPLE_PROMPT
 from ..tools.annotate import ANNOTATORS
 from .args import (
     adapter_choice,
+    add_baseline_arg,
     add_model_args,
     add_pasta_args,
     add_run_args,
@@ -40,9 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_output_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--mode", choices=("pasta", "sequential", "both"), default="pasta",
-                       help="both: run each prompt sequentially and with PASTA, and report the content speedup (the "
-                       "pasta answer's clean text replayed sequentially vs the pasta run; generate also reports the "
-                       "end-to-end speedup with the length ratio)")
+                       help="both: run each prompt with PASTA and sequentially, after --warmup and --repeats times, and "
+                       "report the content speedup (the pasta answer's clean text decoded sequentially with the same "
+                       "weights vs the pasta run; generate also reports the end-to-end speedup against the sequential "
+                       "answer, with the length ratio)")
         p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
 
     g = sub.add_parser("generate", help="decode responses to prompts")
@@ -52,10 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_output_args(g)
     g.add_argument("--compare-transformers", action="store_true",
                    help="also time transformers' greedy generate on the same prompt ids (sequential mode)")
+    add_baseline_arg(g)
     add_sampling_args(g)
     add_model_args(g)
     add_pasta_args(g)
-    add_run_args(g)
+    add_run_args(g, timing=True, resume=False, progress=True)
 
     r = sub.add_parser("replay", help="forced decoding of annotated traces (JSONL: prompt, annotated response)")
     r.add_argument("--traces", type=Path, required=True,
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_output_args(r)
     add_model_args(r)
     add_pasta_args(r)
-    add_run_args(r)
+    add_run_args(r, timing=True, resume=False, progress=True)
 
     from .serve_command import add_serve_parser
 
@@ -87,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(s)  # the model annotator's
     add_model_args(s)
     add_pasta_args(s)
-    add_run_args(s, timing=True)
+    add_run_args(s, timing=True, progress=True)
 
     p = bsub.add_parser(
         "pareto", help="generate mode: sequential vs pasta on the same prompts; speedup, length ratio, AlpacaEval exports",
@@ -97,10 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=Path, required=True,
                    help="AlpacaEval JSON (a list of objects with 'instruction') or a text file with one prompt per line")
     p.add_argument("--out", type=Path, required=True, help="output folder")
+    add_baseline_arg(p)
     add_sampling_args(p)
     add_model_args(p)
     add_pasta_args(p)
-    add_run_args(p, timing=True)
+    add_run_args(p, timing=True, progress=True)
 
     a = bsub.add_parser(
         "annotate", help="write a trace file: annotate AlpacaEval responses with sot, apar or the model",
@@ -179,8 +183,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Aggregates over prompts, the content figures first (docs/DESIGN.md section 3): geometric means
     of the content speedups (answers without content left out), then token parallelism, the
     tag-token fraction, and the end-to-end speedup with its length ratio and answers cut by the
-    token budget (generate --mode both)."""
+    token budget (generate --mode both); with ``--mode both`` also the same over forked answers
+    only (``forked_only``), the repeats' spread (``timing``) and ``warnings``."""
     from ..metrics import cut_fraction, geomean_positive, realized_over_theoretical, tag_token_fraction
+    from ..tools.bench import summary_warnings, timing_summary
 
     out: dict[str, Any] = {"prompts": len(rows)}
     pasta = [r["pasta"] for r in rows if "pasta" in r]
@@ -214,6 +220,18 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if hf:
         out["transformers_tokens_per_s"] = sum(h["tokens"] for h in hf) / sum(h["wall_s"] for h in hf)
         out["transformers_same_tokens"] = sum(1 for r in rows if r["transformers"]["same_tokens"])
+    if both:
+        forked = [r for r in both if r["pasta"]["stats"]["forks"] > 0]
+        out["forked_only"] = {
+            "prompts": len(forked),
+            "geomean_content_speedup": geomean_positive(r["pasta"]["stats"]["content_speedup"] for r in forked),
+            "geomean_realized_content_speedup": geomean_positive(r["realized_content_speedup"] for r in forked),
+            **({"geomean_end_to_end_speedup": geomean_positive(r["end_to_end_speedup"] for r in forked),
+                "geomean_length_ratio": geomean_positive(r["length_ratio"] for r in forked)} if e2e else {}),
+        }
+        out["timing"] = timing_summary(both)
+        out["warnings"] = summary_warnings(len(both), len(forked), out["geomean_realized_content_speedup"],
+                                           out["forked_only"]["geomean_realized_content_speedup"], out["timing"])
     return out
 
 
@@ -222,61 +240,142 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
 
     if args.limit is not None:
         prompts, responses = prompts[: args.limit], (responses[: args.limit] if responses is not None else None)
-    params = sampling_params(args) if responses is None else SamplingParams(max_new_tokens=1)
-    modes = ["sequential", "pasta"] if args.mode == "both" else [args.mode]
-    if responses is not None and args.mode == "both":
-        modes = ["pasta", "sequential"]  # the sequential side replays the pasta answer's clean text
-    # generate: the learned adapter answers in pasta mode, the base model sequentially (unless
-    # --adapter / --no-adapter say otherwise); replay forces the same content on one engine
+    generated = responses is None
+    params = sampling_params(args) if generated else SamplingParams(max_new_tokens=1)
+    both = args.mode == "both"
+    modes = ["pasta", "sequential"] if both else [args.mode]
+    # one engine, the same weights in both modes (as the server's mode), unless generate's
+    # --baseline base gives the sequential answers the base model's weights; replay forces the
+    # same content on one engine
     engines: dict[Any, Any] = {}
     per_mode = {}
     for mode in modes:
-        choice = adapter_choice(args, mode if responses is None else "pasta")
+        choice = adapter_choice(args, mode if generated else "pasta")
         key = str(choice)
         if key not in engines:
             engines[key] = build_engine(args, adapter=choice)[0]
         per_mode[mode] = engines[key]
+    if both and args.warmup:
+        _warm_up(args, per_mode, prompts, params, responses)
     bar = None
-    if len(prompts) > 1:
+    if len(prompts) > 1 and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(prompts), unit="prompt", file=sys.stderr)
+        bar = tqdm(total=len(prompts), unit="prompt", file=sys.stderr, dynamic_ncols=True)
     rows = []
+    tokens, wall = 0, 0.0
     for i, prompt in enumerate(prompts):
         row: dict[str, Any] = {"index": i, "prompt": prompt}
-        results: dict[str, Any] = {}
-        for mode in modes:
-            engine = per_mode[mode]
-            if responses is None:
-                res = _decode(engine, args, row, mode, params)
-            elif mode == "sequential" and "pasta" in results:  # replay --mode both: the clean text
-                res = _decode(engine, args, row, mode, params, results["pasta"].text)
-            else:
-                res = _decode(engine, args, row, mode, params, responses[i])
-            results[mode] = res
-            row[mode] = res.to_dict()
+        response = None if generated else responses[i]
+        if both:
+            row = _compare(args, per_mode, row, params, response)
+        else:
+            res = _decode(per_mode[args.mode], args, row, args.mode, params, response)
+            row[args.mode] = res.to_dict()
             if not args.json:
-                _print_result(res, f"prompt {i} {mode}")
-            if mode == "sequential" and getattr(args, "compare_transformers", False):
-                hf = _hf_generate(engine, res.prompt_ids, args.max_new_tokens)
-                hf["same_tokens"] = hf.pop("token_ids") == res.token_ids
-                row["transformers"] = hf
-                if not args.json:
-                    print(f"[prompt {i} transformers] {hf['tokens']} tokens in {hf['wall_s']:.2f} s "
-                          f"({hf['tokens_per_s']:.1f} tokens/s), same tokens: {hf['same_tokens']}")
-        if len(modes) == 2:
-            row = {**_speedups(per_mode["pasta"], prompt, results, generated=responses is None), **row}
-            if not args.json:
-                _print_speedups(row, f"prompt {i}")
+                _print_result(res, f"prompt {i} {args.mode}")
+            if args.mode == "sequential" and getattr(args, "compare_transformers", False):
+                _transformers(per_mode["sequential"], args, row, res)
         if args.json:
             print(json.dumps(row), flush=True)
         rows.append(row)
         if bar is not None:
+            stats = row[modes[0]]["stats"]
+            tokens += stats["tokens_decoded"]
+            wall += stats["wall_s"]
             bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / wall:.1f}" if wall > 0 else "n/a")
     if bar is not None:
         bar.close()
-    print("summary: " + json.dumps(_summary(rows)), file=sys.stderr)
+    summary = _summary(rows)
+    print("summary: " + json.dumps(summary), file=sys.stderr)
+    _print_warnings(summary)
     return _exit_status(rows, modes)
+
+
+def _warm_up(args: argparse.Namespace, per_mode: dict[str, Any], prompts: Sequence[str], params: Any,
+             responses: Sequence[str] | None) -> None:
+    """``--warmup`` untimed runs in each mode before ``--mode both`` times anything (the engines'
+    CPU GEMM choices first): of the first prompt (a short answer), and in replay of the first
+    trace and of the one with the most promises (every thread-count bucket the run reaches, e.g.
+    its CUDA graphs, then exists before the clock starts). A cold first run is not a measurement."""
+    from ..config import SamplingParams
+
+    for engine in {id(e): e for e in per_mode.values()}.values():
+        engine.model_runner.warm_up()
+    pas, seq = per_mode["pasta"], per_mode["sequential"]
+    for _ in range(args.warmup):
+        if responses is None:
+            short = SamplingParams(max_new_tokens=min(16, params.max_new_tokens), seed=params.seed)
+            seq.generate([prompts[0]], short, mode="sequential")
+            res = pas.generate([prompts[0]], short, mode="pasta")[0]
+            pas.replay([prompts[0]], [res.text], mode="sequential")
+            continue
+        widest = max(range(len(responses)), key=lambda j: responses[j].count("<promise"))
+        for j in dict.fromkeys((0, widest)):
+            res = pas.replay([prompts[j]], [responses[j]], mode="pasta")[0]
+            pas.replay([prompts[j]], [res.text], mode="sequential")
+
+
+def _compare(args: argparse.Namespace, per_mode: dict[str, Any], row: dict[str, Any], params: Any,
+             response: str | None) -> dict[str, Any]:
+    """One prompt of ``--mode both``: ``--repeats`` interleaved runs of each side
+    (:func:`~pasta_engine.tools.bench.timed_runs`): the pasta run (a replay of ``response``
+    when given), its clean text decoded sequentially on the pasta engine (same weights, same
+    prompt: the content speedup's other side; in replay that is the ``sequential`` side), and
+    in generate the sequential answer (``--baseline``'s weights: the end-to-end speedup, with
+    the length ratio and each side's finish reason). Each side's fastest run counts; the
+    spread and any warning are in the row's ``timing`` (printed too)."""
+    from ..config import SamplingParams
+    from ..metrics import length_ratio, realized_speedup
+    from ..tools.bench import timed_runs, timing_record
+
+    i, prompt = row["index"], row["prompt"]
+    generated = response is None
+    pas_engine = per_mode["pasta"]
+    runs = timed_runs(
+        args.repeats,
+        lambda: _decode(pas_engine, args, row, "pasta", params, response),
+        lambda pas: _decode(pas_engine, args, row, "sequential", SamplingParams(max_new_tokens=1), pas.text),
+        (lambda: _decode(per_mode["sequential"], args, row, "sequential", params)) if generated else None,
+    )
+    fastest, timing = timing_record(runs, runs["pasta"][0].stats.content_speedup)
+    pas, clean = fastest["pasta"], fastest["clean_text_sequential"]
+    out: dict[str, Any] = {
+        "content_speedup": pas.stats.content_speedup,
+        "realized_content_speedup": realized_speedup(clean.stats.wall_s, pas.stats.wall_s),
+        "clean_text_sequential_wall_s": clean.stats.wall_s,
+    }
+    results = {"pasta": pas, "sequential": fastest["sequential"] if generated else clean}
+    if generated:
+        seq = results["sequential"].stats
+        out.update(end_to_end_speedup=realized_speedup(seq.wall_s, pas.stats.wall_s),
+                   length_ratio=length_ratio(pas.stats.content_tokens, seq.content_tokens) if seq.content_tokens else None,
+                   finish_reasons={"sequential": seq.finish_reason, "pasta": pas.stats.finish_reason},
+                   baseline=args.baseline)
+    out.update(row)
+    for mode in ("sequential", "pasta"):
+        out[mode] = results[mode].to_dict()
+        if not args.json:
+            _print_result(results[mode], f"prompt {i} {mode}" + ("" if generated or mode == "pasta" else " (clean text)"))
+    out["timing"] = timing
+    if generated and getattr(args, "compare_transformers", False):
+        _transformers(per_mode["sequential"], args, out, results["sequential"])
+    if not args.json:
+        _print_speedups(out, f"prompt {i}")
+    for w in timing["warnings"]:
+        print(f"pasta-engine: warning: prompt {i}: {w}", file=sys.stderr)
+    return out
+
+
+def _transformers(engine: Any, args: argparse.Namespace, row: dict[str, Any], res: Any) -> None:
+    """``--compare-transformers``: transformers' greedy generate on the sequential answer's prompt ids."""
+    hf = _hf_generate(engine, res.prompt_ids, args.max_new_tokens)
+    hf["same_tokens"] = hf.pop("token_ids") == res.token_ids
+    row["transformers"] = hf
+    if not args.json:
+        print(f"[prompt {row['index']} transformers] {hf['tokens']} tokens in {hf['wall_s']:.2f} s "
+              f"({hf['tokens_per_s']:.1f} tokens/s), same tokens: {hf['same_tokens']}")
 
 
 class _Interrupted(Exception):
@@ -318,35 +417,17 @@ def _exit_status(rows: list[dict[str, Any]], modes: Sequence[str]) -> int:
     return 1
 
 
-def _speedups(engine: Any, prompt: Any, results: dict[str, Any], generated: bool) -> dict[str, Any]:
-    """A ``--mode both`` row's figures, content first (docs/DESIGN.md section 3): the pasta answer's
-    content speedup, theoretical and realized (its clean text replayed sequentially on the pasta
-    engine: same weights, same prompt; in replay that is the sequential side already); in
-    generate also the end-to-end speedup (the sequential answer's wall / the pasta answer's)
-    with the length ratio (content tokens pasta / sequential) and each side's finish reason."""
-    from ..metrics import length_ratio, realized_speedup
-
-    pas = results["pasta"]
-    clean = engine.replay([prompt], [pas.text], mode="sequential")[0] if generated else results["sequential"]
-    row: dict[str, Any] = {
-        "content_speedup": pas.stats.content_speedup,
-        "realized_content_speedup": realized_speedup(clean.stats.wall_s, pas.stats.wall_s),
-        "clean_text_sequential_wall_s": clean.stats.wall_s,
-    }
-    if generated:
-        seq = results["sequential"].stats
-        row.update(end_to_end_speedup=realized_speedup(seq.wall_s, pas.stats.wall_s),
-                   length_ratio=length_ratio(pas.stats.content_tokens, seq.content_tokens) if seq.content_tokens else None,
-                   finish_reasons={"sequential": seq.finish_reason, "pasta": pas.stats.finish_reason})
-    return row
-
-
 def _print_speedups(row: dict[str, Any], label: str) -> None:
+    t = row["timing"]
+    r = t["realized_content_speedup_spread"]
     line = (f"[{label}] content speedup {row['content_speedup']:.2f}x theoretical, "
-            f"{row['realized_content_speedup']:.2f}x realized (clean text decoded sequentially / pasta wall time)")
+            f"{row['realized_content_speedup']:.2f}x realized (clean text decoded sequentially / pasta wall time, "
+            f"fastest of {t['runs']} runs each; per run {r['min']:.2f}x / {r['median']:.2f}x / {r['max']:.2f}x "
+            f"min / median / max)")
     if "end_to_end_speedup" in row:
         ratio = row["length_ratio"]
-        line += (f"; end to end {row['end_to_end_speedup']:.2f}x vs the sequential answer (length ratio "
+        who = "the base model's" if row.get("baseline") == "base" else "the same weights'"
+        line += (f"; end to end {row['end_to_end_speedup']:.2f}x vs {who} sequential answer (length ratio "
                  f"{'n/a' if ratio is None else f'{ratio:.2f}'}, finish {row['finish_reasons']['sequential']} / "
                  f"{row['finish_reasons']['pasta']})")
     print(line)
@@ -358,6 +439,30 @@ def _print_speedups(row: dict[str, Any], label: str) -> None:
 def _x(value: float | None, unit: str = "x") -> str:
     """A summary figure for a line of text (``n/a`` when there was nothing to average)."""
     return "n/a" if value is None else f"{value:.3f}{unit}"
+
+
+def _spread_text(summary: dict[str, Any]) -> str:
+    """``; per run min / median / max ...`` of a summary's repeats, or nothing."""
+    t = summary.get("timing") or {}
+    g = t.get("geomean_realized_content_speedup_spread")
+    if not g or g["min"] is None:
+        return ""
+    return (f"; fastest of {t['runs_per_side']} runs each, per run {_x(g['min'])} / {_x(g['median'])} / "
+            f"{_x(g['max'])} min / median / max")
+
+
+def _forked_text(summary: dict[str, Any]) -> str:
+    """``; forked answers only ...`` beside the all-answers figures, or nothing."""
+    f = summary.get("forked_only")
+    if not f or summary.get("forked_responses") == summary.get("prompts"):
+        return ""
+    return (f"; over the {summary['forked_responses']} forked answers only {_x(f['geomean_content_speedup'])} "
+            f"theoretical, {_x(f['geomean_realized_content_speedup'])} realized")
+
+
+def _print_warnings(summary: dict[str, Any]) -> None:
+    for w in summary.get("warnings", []):
+        print(f"pasta-engine: warning: {w}", file=sys.stderr)
 
 
 def _limit(rows: list, limit: int | None) -> list:
@@ -389,13 +494,16 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     settings.update(run_info(command_line(argv)), limit=args.limit,
                     traces=str(args.traces) if args.traces else str(out / "traces.jsonl"),
                     responses=str(args.responses) if args.responses else None)
-    result = run_speedup(engine, traces, out, settings, warmup=args.warmup, repeats=args.repeats, resume=args.resume)
+    result = run_speedup(engine, traces, out, settings, warmup=args.warmup, repeats=args.repeats, resume=args.resume,
+                         progress=not args.no_progress)
     s = result["summary"]
     print(f"bench speedup: {s['prompts']} prompts, {s['forked_responses']} forked; geomean content speedup "
           f"{_x(s['geomean_content_speedup'])} theoretical, {_x(s['geomean_realized_content_speedup'])} realized "
-          f"(clean text sequential / pasta wall), realized/theoretical {_x(s['geomean_realized_over_theoretical'], '')}; "
-          f"token parallelism {_x(s['geomean_token_parallelism'])}, tag tokens {s['tag_token_fraction']:.0%} of "
-          f"those decoded", file=sys.stderr)
+          f"(clean text sequential / pasta wall{_spread_text(s)}), realized/theoretical "
+          f"{_x(s['geomean_realized_over_theoretical'], '')}{_forked_text(s)}; token parallelism "
+          f"{_x(s['geomean_token_parallelism'])}, tag tokens {s['tag_token_fraction']:.0%} of those decoded",
+          file=sys.stderr)
+    _print_warnings(s)
     print(f"wrote {out / 'summary.json'}, {out / 'prompts.jsonl'}, {out / 'speedup.png'}")
     return 0
 
@@ -407,17 +515,26 @@ def _bench_pareto(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     prompts = _limit(read_prompts(args.prompts), args.limit)
     params = sampling_params(args)
     engine, settings = build_engine(args)
+    seq_choice = adapter_choice(args, "sequential")
+    seq_engine = None
+    if str(seq_choice) != str(adapter_choice(args, "pasta")):  # --baseline base: the base model's weights
+        seq_engine = build_engine(args, adapter=seq_choice)[0]
     settings.update(run_info(command_line(argv)), prompts_file=str(args.prompts), limit=args.limit,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed)
+                    top_k=args.top_k, seed=args.seed, baseline=args.baseline,
+                    sequential_adapter=None if (seq_engine or engine).adapter is None
+                    else str((seq_engine or engine).adapter))
     result = run_pareto(engine, prompts, params, args.out, settings, warmup=args.warmup, repeats=args.repeats,
-                        resume=args.resume)
+                        resume=args.resume, sequential_engine=seq_engine, progress=not args.no_progress)
     s = result["summary"]
+    who = "the base model's" if seq_engine is not None else "the same weights'"
     print(f"bench pareto: {s['prompts']} prompts, {s['forked_responses']} forked; geomean content speedup "
-          f"{_x(s['geomean_content_speedup'])} theoretical, {_x(s['geomean_realized_content_speedup'])} realized; "
-          f"end to end {_x(s['geomean_end_to_end_speedup'])} with length ratio {_x(s['geomean_length_ratio'], '')}, "
-          f"cut by the token budget {s['cut_fraction_sequential']:.0%} sequential / {s['cut_fraction_pasta']:.0%} "
-          f"pasta; tag tokens {s['tag_token_fraction']:.0%} of those decoded", file=sys.stderr)
+          f"{_x(s['geomean_content_speedup'])} theoretical, {_x(s['geomean_realized_content_speedup'])} realized"
+          f"{_spread_text(s)}{_forked_text(s)}; end to end vs {who} sequential answers "
+          f"{_x(s['geomean_end_to_end_speedup'])} with length ratio {_x(s['geomean_length_ratio'], '')}, cut by the "
+          f"token budget {s['cut_fraction_sequential']:.0%} sequential / {s['cut_fraction_pasta']:.0%} pasta; tag "
+          f"tokens {s['tag_token_fraction']:.0%} of those decoded", file=sys.stderr)
+    _print_warnings(s)
     out = args.out
     print(f"wrote {out / 'summary.json'}, {out / 'prompts.jsonl'}, {out / 'model_outputs_sequential.json'}, "
           f"{out / 'model_outputs_pasta.json'}")

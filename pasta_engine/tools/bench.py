@@ -28,7 +28,12 @@ then ``summary.json`` with the aggregates and the run's settings (also after an 
 marked ``complete: false``); ``resume=True`` keeps the rows of an earlier run of the same prompts
 and runs the rest. Before timing, ``warmup`` untimed runs in each mode prepare the engine
 (speedup: the first trace and the one with the most promises, so that every thread-count bucket
-the run reaches, e.g. its CUDA graphs, exists before the clock starts). Progress goes to stderr.
+the run reaches, e.g. its CUDA graphs, exists before the clock starts). Each prompt then runs
+``repeats`` times per side, interleaved (:func:`timed_runs`): the fastest run of each side counts,
+and the spread of the runs is recorded beside it (:data:`TIMING_STATISTIC`,
+:func:`timing_record`); a realized speedup above the theoretical one by more than that spread,
+and a geomean realized speedup over answers that never forked, are warnings in the summary.
+Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -61,6 +66,14 @@ __all__ = [
     "plot_speedup",
     "device_name",
     "run_info",
+    "TIMING_STATISTIC",
+    "DEFAULT_REPEATS",
+    "timed_runs",
+    "timing_record",
+    "timing_summary",
+    "realized_beyond_theoretical",
+    "fork_warnings",
+    "summary_warnings",
 ]
 
 
@@ -101,10 +114,10 @@ def run_info(command_line: str) -> dict[str, Any]:
     }
 
 
-def _bar(total: int, desc: str):
+def _bar(total: int, desc: str, disable: bool = False):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="prompt", desc=desc, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, unit="prompt", desc=desc, file=sys.stderr, dynamic_ncols=True, disable=disable)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -158,6 +171,135 @@ def _fastest(results: Sequence[Any]) -> Any:
     return min(results, key=lambda r: r.stats.wall_s)
 
 
+# --------------------------------------------------------------------------- repeats and spread
+
+#: What a mode-comparing command reports of its repeated runs (every one of them: ``generate`` and
+#: ``replay --mode both``, ``bench speedup``, ``bench pareto``): each side's fastest run (the
+#: estimate least disturbed by other work on the machine), the realized speedup as the ratio of
+#: the two fastest wall times, and beside it the spread: min / median / max of each side's wall
+#: times and of the per-repeat realized speedups (run i of one side over run i of the other).
+TIMING_STATISTIC = "fastest of the repeats per side; spread: min/median/max of the runs"
+
+#: Repeats of each side when nobody says: enough for a spread (a median and a range), few enough
+#: for a CPU.
+DEFAULT_REPEATS = 3
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """``{"min", "median", "max"}`` of ``values`` (at least one)."""
+    import statistics
+
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def timed_runs(repeats: int, pasta: Callable[[], Any], clean: Callable[[Any], Any],
+               sequential: Callable[[], Any] | None = None) -> dict[str, list[Any]]:
+    """``repeats`` runs of each side of one prompt, interleaved (run i of every side one after
+    the other, so a change in the machine's other load falls on all sides alike): ``pasta()``,
+    then ``clean(first pasta result)`` (its clean text decoded sequentially), then
+    ``sequential()`` when given (a sequential answer of its own, for the end-to-end speedup).
+    Returns ``{"pasta": [...], "clean_text_sequential": [...], "sequential": [...]}`` (the last
+    only with ``sequential``)."""
+    runs: dict[str, list[Any]] = {"pasta": [], "clean_text_sequential": []}
+    if sequential is not None:
+        runs["sequential"] = []
+    for _ in range(repeats):
+        runs["pasta"].append(pasta())
+        runs["clean_text_sequential"].append(clean(runs["pasta"][0]))
+        if sequential is not None:
+            runs["sequential"].append(sequential())
+    return runs
+
+
+def realized_beyond_theoretical(realized: float, theoretical: float, paired: Sequence[float]) -> str | None:
+    """A warning when the realized content speedup exceeds the theoretical one by more than
+    the measured spread (max - min of the per-repeat realized speedups ``paired``; 0 with one
+    run): the engine cannot run the content faster than its critical path allows, so such a
+    figure measures something else (a cold first run, other load on the machine). None when it
+    does not."""
+    if not theoretical or theoretical <= 0:
+        return None
+    width = max(paired) - min(paired) if paired else 0.0
+    if realized - theoretical <= width:
+        return None
+    return (f"realized content speedup {realized:.2f}x exceeds the theoretical {theoretical:.2f}x by more than the "
+            f"measured spread ({min(paired):.2f}x to {max(paired):.2f}x over {len(paired)} runs): the timing is "
+            "disturbed (other load, a cold engine); rerun with more --repeats or on a quiet machine")
+
+
+def timing_record(runs: dict[str, list[Any]], theoretical: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fastest result of each side of :func:`timed_runs`, and the row's ``timing`` record:
+    ``statistic``, ``runs``, ``wall_s`` (every run, per side), ``wall_s_spread`` and
+    ``realized_content_speedup_spread`` (:func:`spread`; per-repeat ratios in
+    ``realized_content_speedup_runs``), ``end_to_end_speedup_spread`` with a sequential side,
+    ``same_tokens`` (every repeat decoded the same tokens; False: the fastest may be another
+    answer) and ``warnings`` (:func:`realized_beyond_theoretical`, differing repeats)."""
+    fastest = {side: _fastest(rs) for side, rs in runs.items()}
+    paired = [realized_speedup(c.stats.wall_s, p.stats.wall_s)
+              for p, c in zip(runs["pasta"], runs["clean_text_sequential"])]
+    realized = realized_speedup(fastest["clean_text_sequential"].stats.wall_s, fastest["pasta"].stats.wall_s)
+    record: dict[str, Any] = {
+        "statistic": TIMING_STATISTIC,
+        "runs": len(runs["pasta"]),
+        "wall_s": {side: [r.stats.wall_s for r in rs] for side, rs in runs.items()},
+        "wall_s_spread": {side: spread([r.stats.wall_s for r in rs]) for side, rs in runs.items()},
+        "realized_content_speedup_runs": paired,
+        "realized_content_speedup_spread": spread(paired),
+    }
+    if "sequential" in runs:
+        record["end_to_end_speedup_spread"] = spread([realized_speedup(q.stats.wall_s, p.stats.wall_s)
+                                                      for p, q in zip(runs["pasta"], runs["sequential"])])
+    record["same_tokens"] = all(r.token_ids == rs[0].token_ids for rs in runs.values() for r in rs)
+    warnings = [w for w in [realized_beyond_theoretical(realized, theoretical, paired)] if w]
+    if not record["same_tokens"]:
+        warnings.append("the repeats decoded different tokens (sampling without a fixed seed?): the fastest run of a "
+                        "side may be a shorter answer")
+    record["warnings"] = warnings
+    return fastest, record
+
+
+def fork_warnings(answers: int, forked: int, geo_all: float | None, geo_forked: float | None) -> list[str]:
+    """Warnings for a summary's geomean realized content speedup taken over answers that never
+    forked (a PASTA answer without a promise ran no thread in parallel: its realized speedup is
+    noise and overhead, not PASTA): none forked, or some did not (with the forked-only figure)."""
+    if not answers or geo_all is None:
+        return []
+    if forked == 0:
+        return [f"none of the {answers} answers forked: the geomean realized content speedup {geo_all:.2f}x measures no "
+                "parallel decoding (noise and the engine's overhead only)"]
+    if forked < answers:
+        only = "n/a" if geo_forked is None else f"{geo_forked:.2f}x"
+        return [f"{answers - forked} of {answers} answers never forked: the geomean realized content speedup over all "
+                f"answers ({geo_all:.2f}x) counts them; over the {forked} forked answers alone it is {only}"]
+    return []
+
+
+def timing_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregates of the rows' ``timing`` records (rows without one are left out): the geometric
+    means over prompts of each prompt's min / median / max per-repeat realized content speedup,
+    the median over prompts of each side's relative wall-time spread ((max - min) / min), and
+    the rows whose realized speedup exceeded the theoretical one beyond their spread."""
+    import statistics
+
+    timed = [r for r in rows if r.get("timing")]
+    if not timed:
+        return {}
+    sides = list(timed[0]["timing"]["wall_s_spread"])
+    return {
+        "statistic": TIMING_STATISTIC,
+        "runs_per_side": timed[0]["timing"]["runs"],
+        "geomean_realized_content_speedup_spread": {
+            k: geomean_positive(r["timing"]["realized_content_speedup_spread"][k] for r in timed)
+            for k in ("min", "median", "max")},
+        "median_relative_wall_spread": {
+            side: statistics.median((s["max"] - s["min"]) / s["min"] if s["min"] > 0 else 0.0
+                                    for s in (r["timing"]["wall_s_spread"][side] for r in timed))
+            for side in sides},
+        "realized_beyond_theoretical": [r.get("index", i) for i, r in enumerate(timed)
+                                        if any("exceeds the theoretical" in w for w in r["timing"]["warnings"])],
+    }
+
+
 def _has(row: Any, dotted: str) -> bool:
     """Whether ``row`` has the key path ``dotted`` (``"a.b"``: ``row["a"]["b"]``)."""
     for key in dotted.split("."):
@@ -204,12 +346,15 @@ def warmup_traces(traces: Sequence[TraceRow]) -> list[TraceRow]:
 
 def _measure_rows(out: Path, items: Sequence[Any], rows: list[dict[str, Any]],
                   measure: Callable[[int, Any], dict[str, Any]], desc: str,
-                  postfix: Callable[[dict[str, Any]], dict[str, str]]) -> None:
+                  postfix: Callable[[dict[str, Any]], dict[str, str]], progress: bool = True) -> None:
     """Measure the items after the ``rows`` already kept, appending each new row to ``rows``
     and to ``out/prompts.jsonl`` as soon as it is measured (the file first gets the kept rows;
-    a killed run leaves at most a truncated last line, which resume drops)."""
-    bar = _bar(len(items), desc)
+    a killed run leaves at most a truncated last line, which resume drops). The bar (off
+    without ``progress``) shows ``postfix(row)`` and the pasta runs' tokens decoded per second
+    (the fastest run of each prompt measured so far)."""
+    bar = _bar(len(items), desc, disable=not progress)
     bar.update(len(rows))
+    tokens, wall = 0, 0.0
     try:
         with (out / "prompts.jsonl").open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -219,8 +364,10 @@ def _measure_rows(out: Path, items: Sequence[Any], rows: list[dict[str, Any]],
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
+                tokens += row.get("tokens_decoded", row.get("tokens_pasta", 0))
+                wall += row.get("wall_s", 0.0)
                 bar.update(1)
-                bar.set_postfix(**postfix(row))
+                bar.set_postfix(**postfix(row), tok_s=f"{tokens / wall:.1f}" if wall > 0 else "n/a")
     finally:
         bar.close()
 
@@ -282,7 +429,8 @@ def summarize_speedup(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     token parallelism (answers without content left out and counted in ``empty_answers``); the
     tag-token fraction (tag tokens / tokens decoded, all prompts); totals and content
     throughputs (content tokens / second) per mode; the same geometric means over forked
-    responses only. Raises ValueError for no rows."""
+    responses only; the spread of the repeats (``timing``, :func:`timing_summary`) and
+    ``warnings`` (:func:`summary_warnings`). Raises ValueError for no rows."""
     if not rows:
         raise ValueError("no rows to summarize")
     forked = [r for r in rows if r["forks"] > 0]
@@ -316,7 +464,30 @@ def summarize_speedup(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "content_tokens_per_s_sequential": content / wall_s if wall_s > 0 else None,
         "text_mismatches": sum(1 for r in rows if not r["same_text"]),
         "forked_only": geos(forked) if forked else None,
+        "timing": timing_summary(rows),
+        "warnings": _summary_warnings(rows, forked),
     }
+
+
+def summary_warnings(answers: int, forked: int, geo_all: float | None, geo_forked: float | None,
+                     timing: dict[str, Any]) -> list[str]:
+    """A summary's warnings: :func:`fork_warnings` of its geomean realized content speedup
+    (``geo_all`` over ``answers``, ``geo_forked`` over the ``forked`` ones), and the prompts
+    whose realized speedup exceeded the theoretical one beyond their spread (``timing``:
+    :func:`timing_summary`)."""
+    out = fork_warnings(answers, forked, geo_all, geo_forked)
+    beyond = timing.get("realized_beyond_theoretical") or []
+    if beyond:
+        shown = ", ".join(map(str, beyond[:10])) + (", ..." if len(beyond) > 10 else "")
+        out.append(f"{len(beyond)} of {answers} prompts have a realized content speedup above the theoretical one by "
+                   f"more than their measured spread (prompts {shown}): their timing is disturbed")
+    return out
+
+
+def _summary_warnings(rows: Sequence[dict[str, Any]], forked: Sequence[dict[str, Any]]) -> list[str]:
+    """:func:`summary_warnings` of :func:`speedup_row` or :func:`pareto_row` rows."""
+    return summary_warnings(len(rows), len(forked), _geo([r["realized_content_speedup"] for r in rows]),
+                            _geo([r["realized_content_speedup"] for r in forked]), timing_summary(rows))
 
 
 def plot_speedup(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
@@ -373,7 +544,7 @@ def plot_or_warn(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None
 
 
 def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: dict[str, Any], *, warmup: int = 1,
-                repeats: int = 1, resume: bool = False) -> dict[str, Any]:
+                repeats: int = DEFAULT_REPEATS, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Replay every trace in pasta mode, and its clean text sequentially (see the module
     docstring); write ``prompts.jsonl``, ``summary.json`` and ``speedup.png`` into ``out``.
 
@@ -383,16 +554,20 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
         out: output folder (created).
         settings: what to record about the run (model, device, command line, ...); updated.
         warmup: untimed replays of :func:`warmup_traces` in each mode first.
-        repeats: runs per prompt and mode; the fastest counts.
+        repeats: runs per prompt and mode, interleaved (:func:`timed_runs`); the fastest counts
+            and the spread is recorded (:func:`timing_record`, :data:`TIMING_STATISTIC`).
         resume: keep the rows of an earlier run in ``out`` and run the rest.
+        progress: a tqdm bar on stderr (prompts, content tokens/s of the pasta runs).
 
-    Returns ``{"summary": ..., "settings": ...}`` as written to ``summary.json``."""
+    Returns ``{"summary": ..., "settings": ...}`` as written to ``summary.json``; the summary's
+    ``warnings`` (answers that never forked, realized beyond theoretical) are also printed on
+    stderr by the command."""
     if not traces:
         raise BenchError("no traces to run")
     out.mkdir(parents=True, exist_ok=True)
     rows = resumed_rows(out, [t.prompt for t in traces], resume, need="content_speedup")
-    settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, batch_size=1,
-                    annotators=sorted({t.annotator for t in traces}),
+    settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, timing_statistic=TIMING_STATISTIC,
+                    batch_size=1, annotators=sorted({t.annotator for t in traces}),
                     sequential_side="the pasta answer's clean text (no tag tokens), replayed")
     if warmup and len(rows) < len(traces):
         engine.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
@@ -401,15 +576,17 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
     result: dict[str, Any] = {}
 
     def measure(i: int, t: TraceRow) -> dict[str, Any]:
-        pas = _fastest([engine.replay([t.prompt], [t.annotated_response], mode="pasta")[0] for _ in range(repeats)])
-        seq = clean_text_replay(engine, t.prompt, pas, repeats)
+        runs = timed_runs(repeats, lambda: engine.replay([t.prompt], [t.annotated_response], mode="pasta")[0],
+                          lambda pas: engine.replay([t.prompt], [pas.text], mode="sequential")[0])
+        fastest, timing = timing_record(runs, runs["pasta"][0].stats.content_speedup)
         return {"index": t.index if t.index is not None else i, "prompt": t.prompt, "annotator": t.annotator,
-                "promises": t.promises, "note": t.note, **speedup_row(seq, pas)}
+                "promises": t.promises, "note": t.note,
+                **speedup_row(fastest["clean_text_sequential"], fastest["pasta"]), "timing": timing}
 
     try:
         _measure_rows(out, traces, rows, measure, "bench speedup",
                       lambda row: dict(content=f"{row['content_speedup']:.2f}x",
-                                       realized=f"{row['realized_content_speedup']:.2f}x"))
+                                       realized=f"{row['realized_content_speedup']:.2f}x"), progress)
     finally:
         if rows:  # an interrupted run still leaves the aggregates of what it measured
             settings.update(prompts_planned=len(traces), complete=len(rows) == len(traces))
@@ -482,12 +659,15 @@ def summarize_pareto(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     answers without content left out of the content figures and counted in
     ``empty_answers``): the content speedups first, then the end-to-end speedup with its
     length ratio and the fraction of answers cut by the token budget on each side, the
-    tag-token fraction and fork statistics. Raises ValueError for no rows."""
+    tag-token fraction and fork statistics; the content and end-to-end figures over forked
+    answers only (``forked_only``), the spread of the repeats (``timing``) and ``warnings``
+    (:func:`summary_warnings`). Raises ValueError for no rows."""
     if not rows:
         raise ValueError("no rows to summarize")
     n = len(rows)
     wall_p = sum(r["wall_s"] for r in rows)
     wall_s = sum(r["wall_s_sequential"] for r in rows)
+    forked = [r for r in rows if r["forks"] > 0]
     return {
         "prompts": n,
         "geomean_content_speedup": _geo([r["content_speedup"] for r in rows]),
@@ -515,6 +695,15 @@ def summarize_pareto(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                             if wall_s > 0 else None),
         "finish_reasons": {m: _tally(r[k] for r in rows) for m, k in (("sequential", "finish_reason_sequential"),
                                                                       ("pasta", "finish_reason"))},
+        "forked_only": {
+            "prompts": len(forked),
+            "geomean_content_speedup": _geo([r["content_speedup"] for r in forked]),
+            "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in forked]),
+            "geomean_end_to_end_speedup": _geo([r["end_to_end_speedup"] for r in forked]),
+            "geomean_length_ratio": _geo([r["length_ratio"] for r in forked]),
+        } if forked else None,
+        "timing": timing_summary(rows),
+        "warnings": _summary_warnings(rows, forked),
     }
 
 
@@ -532,24 +721,31 @@ def export_row(instruction: str, output: str, mode: str, label: str, dataset: st
 
 
 def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams, out: Path,
-               settings: dict[str, Any], *, warmup: int = 1, repeats: int = 1, resume: bool = False) -> dict[str, Any]:
+               settings: dict[str, Any], *, warmup: int = 1, repeats: int = DEFAULT_REPEATS, resume: bool = False,
+               sequential_engine: Any = None, progress: bool = True) -> dict[str, Any]:
     """Answer every prompt sequentially and with PASTA (see the module docstring); write
     ``prompts.jsonl``, ``summary.json``, ``model_outputs_sequential.json`` and
     ``model_outputs_pasta.json`` (AlpacaEval format) into ``out``.
 
     Args: as :func:`run_speedup`, with the prompts and the :class:`SamplingParams` of both
-    modes. Returns ``{"summary": ..., "settings": ...}``."""
+    modes; ``sequential_engine``: the engine of the sequential answers (default ``engine``:
+    the same weights; another, e.g. the base model's, for the end-to-end comparison against
+    it). The clean-text replay of the content speedup always runs on ``engine``. Returns
+    ``{"summary": ..., "settings": ...}``."""
+    seq_engine = engine if sequential_engine is None else sequential_engine
     if not prompts:
         raise BenchError("no prompts to run")
     out.mkdir(parents=True, exist_ok=True)
     rows = resumed_rows(out, [p.instruction for p in prompts], resume, need="content_speedup")
-    settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, batch_size=1)
+    settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, timing_statistic=TIMING_STATISTIC,
+                    batch_size=1)
     if warmup and len(rows) < len(prompts):
-        engine.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
+        for e in {id(engine): engine, id(seq_engine): seq_engine}.values():
+            e.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
     for _ in range(warmup if len(rows) < len(prompts) else 0):
-        for mode in ("sequential", "pasta"):
-            res = engine.generate([prompts[0].instruction],
-                                  SamplingParams(max_new_tokens=min(8, params.max_new_tokens)), mode=mode)[0]
+        short = SamplingParams(max_new_tokens=min(8, params.max_new_tokens))
+        seq_engine.generate([prompts[0].instruction], short, mode="sequential")
+        res = engine.generate([prompts[0].instruction], short, mode="pasta")[0]
         clean_text_replay(engine, prompts[0].instruction, res)
     label = settings.get("model", "")
     exports: dict[str, list[dict[str, str]]] = {
@@ -559,17 +755,20 @@ def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams
     result: dict[str, Any] = {}
 
     def measure(i: int, p: PromptRow) -> dict[str, Any]:
-        seq = _fastest([engine.generate([p.instruction], params, mode="sequential")[0] for _ in range(repeats)])
-        pas = _fastest([engine.generate([p.instruction], params, mode="pasta")[0] for _ in range(repeats)])
-        clean = clean_text_replay(engine, p.instruction, pas, repeats)
+        runs = timed_runs(repeats, lambda: engine.generate([p.instruction], params, mode="pasta")[0],
+                          lambda pas: engine.replay([p.instruction], [pas.text], mode="sequential")[0],
+                          lambda: seq_engine.generate([p.instruction], params, mode="sequential")[0])
+        fastest, timing = timing_record(runs, runs["pasta"][0].stats.content_speedup)
+        seq, pas = fastest["sequential"], fastest["pasta"]
         for mode, res in (("sequential", seq), ("pasta", pas)):
             exports[mode].append(export_row(p.instruction, res.text, mode, label, p.dataset))
-        return {"index": i, "instruction": p.instruction, "dataset": p.dataset, **pareto_row(seq, pas, clean)}
+        return {"index": i, "instruction": p.instruction, "dataset": p.dataset,
+                **pareto_row(seq, pas, fastest["clean_text_sequential"]), "timing": timing}
 
     try:
         _measure_rows(out, prompts, rows, measure, "bench pareto",
                       lambda row: dict(content=f"{row['content_speedup']:.2f}x",
-                                       e2e=f"{row['end_to_end_speedup']:.2f}x", forks=row["forks"]))
+                                       e2e=f"{row['end_to_end_speedup']:.2f}x", forks=row["forks"]), progress)
     finally:
         for mode, items in exports.items():  # what was decoded is never lost
             if items:
