@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..layers.backends import backend_info, backend_names
 from ..tools.presets import PRESETS
 
 __all__ = [
@@ -119,8 +120,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset-seed", type=nonneg_int, default=0, help="seed of the preset's random weights")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    g.add_argument("--attention-backend", default="torch", choices=("torch", "triton"),
-                   help="torch (reference) or triton (kernels; Triton's interpreter on a CPU)")
+    g.add_argument("--attention-backend", default="torch", choices=backend_names(),
+                   help="; ".join(f"{n}: {backend_info(n).summary}" for n in backend_names()))
     g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="replay captured decode steps (auto: on with --device cuda and the triton backend)")
     g.add_argument("--kv-cache-mb", type=positive_int, default=None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pasta_engine import Engine, SamplingParams
+from pasta_engine.entrypoints.cli import build_parser
 from pasta_engine.errors import ParameterError
 from pasta_engine.layers import backends
 from pasta_engine.layers.attention import AttentionMetadata, PlanHistory, TorchAttention
@@ -16,6 +17,18 @@ def test_the_registry_names_every_backend():
     assert backend_names()[:3] == ["torch", "triton", "flex"]
     assert graph_backend_names() == ["triton"]
     assert get_backend("flex").name == "flex" and get_backend("torch").name == "torch"
+
+
+def test_the_cli_offers_every_registered_backend():
+    parser = build_parser()
+    for name in backend_names():
+        assert parser.parse_args(["generate", "--attention-backend", name]).attention_backend == name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--attention-backend", "flash"])
+    generate = next(a for a in parser._actions if a.dest == "command").choices["generate"]
+    help_text = " ".join(generate.format_help().split())
+    for name in backend_names():
+        assert " ".join(backend_info(name).summary.split()) in help_text
 
 
 def test_an_unknown_backend_is_named_with_the_known_ones():
