@@ -208,7 +208,8 @@ class EngineConfig:
     """The engine's settings (every option, one object).
 
     Attributes:
-        attention_backend: ``"torch"`` (reference), ``"triton"``, or a backend instance.
+        attention_backend: a name registered in :mod:`pasta_engine.layers.backends`
+            (``"torch"``: the reference, ``"triton"``, ``"flex"``), or a backend instance.
         kv_cache_bytes: KV cache budget in bytes (None: 512 MiB on CPU, 40% of free GPU memory
             on CUDA).
         page_size: KV page size in tokens (1 to 1024).
@@ -225,6 +226,11 @@ class EngineConfig:
             ``transformers``' ``apply_chat_template(..., tokenize=True)`` does). The chat
             template's own markers are control tokens either way; annotated responses are
             always tokenized as text.
+        enable_prefix_caching: automatic prefix caching (vLLM's APC): a prompt's full KV
+            pages stay cached, keyed by their tokens and the prefix before them, and a later
+            prompt that starts the same way (the chat template, the PASTA-LANG system prompt, a
+            repeated prompt) reuses them instead of prefilling them; unused cached pages are
+            evicted least recently used first when the pool needs them. Outputs do not change.
 
     Raises ParameterError naming the first bad field."""
 
@@ -237,10 +243,12 @@ class EngineConfig:
     pasta_prompt: PastaPrompt = DEFAULT_PASTA_PROMPT
     cuda_graphs: bool | None = None
     prompt_special_tokens: str = "text"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.attention_backend, str) and not self.attention_backend:
-            raise ParameterError("attention_backend", self.attention_backend, "'torch', 'triton' or a backend")
+            raise ParameterError("attention_backend", self.attention_backend,
+                                 "a registered backend name ('torch', 'triton', 'flex', ...) or a backend")
         check_int("kv_cache_bytes", self.kv_cache_bytes, 1, none_ok=True)
         check_int("page_size", self.page_size, 1, 1024)
         check_int("max_running_requests", self.max_running_requests, 1)
@@ -253,6 +261,7 @@ class EngineConfig:
             check_bool("cuda_graphs", self.cuda_graphs)
         if self.prompt_special_tokens not in PROMPT_SPECIAL_TOKENS:
             raise ParameterError("prompt_special_tokens", self.prompt_special_tokens, "'text' or 'control'")
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -64,7 +64,7 @@ class Engine:
         config: an :class:`~pasta_engine.config.EngineConfig`; or its fields as keyword
             arguments (``attention_backend``, ``kv_cache_bytes``, ``page_size``,
             ``max_running_requests``, ``limits``, ``position_policy``, ``pasta_prompt``,
-            ``cuda_graphs``, ``prompt_special_tokens``), not both.
+            ``cuda_graphs``, ``prompt_special_tokens``, ``enable_prefix_caching``), not both.
 
     Raises ParameterError for a bad setting (naming it)."""
 
@@ -93,7 +93,8 @@ class Engine:
                 f"cannot allocate the KV cache ({_mib(self.config.kv_cache_bytes)} on {model.device}): "
                 f"{str(e).splitlines()[0][:200]}; lower kv_cache_bytes (--kv-cache-mb)")) from None
         self.block_manager = BlockManager(self.model_runner.num_pages, self.config.page_size,
-                                          self.model_runner.kv_cache_bytes)
+                                          self.model_runner.kv_cache_bytes,
+                                          prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_running_requests)
         try:
             self.eos_ids = eos_token_ids(tokenizer, hf_config)
@@ -330,10 +331,18 @@ class Engine:
             return self.scheduler.has_unfinished() or bool(self._kept) or bool(self.scheduler.ended)
 
     def stats(self) -> dict[str, Any]:
-        """Engine counters: ``kv_pages_total``, ``kv_pages_free``, ``running``, ``waiting``
+        """Engine counters: ``kv_pages_total``, ``kv_pages_free`` (pages a request can take:
+        free ones and cached prefix pages no request holds), ``running``, ``waiting``
         (requests), ``steps`` (forward passes so far), ``preemptions`` (restarts for lack of KV
-        pages so far). Read without the lock."""
+        pages so far); the prefix cache's ``kv_pages_cached`` (pages holding a cached prompt
+        prefix, held or not) and ``kv_pages_cached_free`` (those no request holds), and since
+        the start ``prefix_cache_queries`` (prompts admitted and looked up, again after a
+        preemption), ``prefix_cache_query_tokens`` (their tokens), ``prefix_cache_hit_tokens``
+        (tokens read from the cache instead of prefilled: the prompt tokens computed are
+        query tokens - hit tokens) and ``prefix_cache_evictions`` (cached pages reused for
+        other tokens). Read without the lock."""
         bm = self.block_manager
+        pool = bm.pool
         return {
             "kv_pages_total": bm.num_pages,
             "kv_pages_free": bm.num_free,
@@ -341,6 +350,13 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "steps": self.scheduler.total_steps,
             "preemptions": self.scheduler.preemptions,
+            "prefix_caching": bm.prefix_caching,
+            "kv_pages_cached": pool.num_cached,
+            "kv_pages_cached_free": pool.num_cached_free,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_query_tokens": bm.prefix_query_tokens,
+            "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
+            "prefix_cache_evictions": pool.evictions,
         }
 
     # ------------------------------------------------------------------ the loop
