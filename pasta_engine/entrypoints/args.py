@@ -127,6 +127,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-mb", type=positive_int, default=None,
                    help="KV cache budget in MiB (default: 512 on CPU, 40%% of free GPU memory on CUDA)")
     g.add_argument("--page-size", type=positive_int, default=16, help="KV page size in tokens")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="prefill every prompt in full (default: a prompt reuses the cached KV pages of a prefix seen "
+                   "before, such as the chat template and the PASTA-LANG system prompt; outputs are the same)")
     g.add_argument("--threads", type=_threads_flag, default="auto", metavar="auto|N",
                    help="torch CPU threads (--device cpu): N, or auto (default): "
                    f"{AUTO_THREADS_POLICY} (see README, 'CPU threads')")
@@ -253,6 +256,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
     options: dict[str, Any] = dict(
         attention_backend=args.attention_backend, max_running_requests=max_running_requests,
         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs], page_size=args.page_size,
+        enable_prefix_caching=getattr(args, "prefix_caching", True),
     )
     if hasattr(args, "max_threads"):
         options["limits"] = Limits(max_threads=args.max_threads or None, max_forks=args.max_forks)
@@ -278,6 +282,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         "adapter": None if engine.adapter is None else str(engine.adapter),
         "cpu_threads": threads,
         "cpu_threads_flag": getattr(args, "threads", "auto") if threads is not None else None,
+        "prefix_caching": engine.config.enable_prefix_caching,
         **engine.model_runner.describe(),
     }
     if hasattr(args, "max_threads"):

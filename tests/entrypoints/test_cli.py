@@ -63,6 +63,25 @@ def test_replay_traces(tiny_llama, tmp_path, capsys):
         row["sequential"]["stats"]["wall_s"] / row["pasta"]["stats"]["wall_s"])
 
 
+def test_no_prefix_caching_prefills_every_prompt_in_full(tiny_llama, tmp_path, capsys):
+    """--mode both warms up and repeats on the same prompt: with prefix caching (the default) the
+    timed runs read the prompt's pages from the cache; --no-prefix-caching prefills them all,
+    and the answers are the same."""
+    traces = tmp_path / "t.jsonl"
+    traces.write_text(json.dumps({"prompt": "tips", "annotated_response": ANNOTATED}) + "\n")
+    rows = []
+    for flags in ([], ["--no-prefix-caching"]):
+        rc = main(["replay", "--traces", str(traces), "--model", str(tiny_llama), "--json", "--mode", "both",
+                   "--kv-cache-mb", "8", "--page-size", "4", *flags])
+        out, _ = capsys.readouterr()
+        assert rc == 0
+        rows.append(json.loads(out))
+    on, off = rows
+    assert on["pasta"]["stats"]["cached_tokens"] > 0 and off["pasta"]["stats"]["cached_tokens"] == 0
+    assert on["pasta"]["stats"]["prefill_tokens"] < off["pasta"]["stats"]["prefill_tokens"]
+    assert on["pasta"]["token_ids"] == off["pasta"]["token_ids"] and on["sequential"]["text"] == off["sequential"]["text"]
+
+
 def test_errors_are_one_line_not_tracebacks(tmp_path, capsys):
     rc = main(["generate", "x", "--model", str(tmp_path / "missing")])
     _, err = capsys.readouterr()
