@@ -95,7 +95,9 @@ def generate_answers(engine: Any, rows: Sequence[PromptRow], out: Path, *, max_n
                "length_cut": sum(1 for r in ordered if r["finish_reason"] == "length"),
                "errors": sum(1 for r in ordered if r["finish_reason"] == "error"),
                "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                            "repetition_penalty": repetition_penalty, "seed": seed, "mode": "sequential", "source": "SmolLM2-135M-Instruct model card"},
+                            "repetition_penalty": repetition_penalty, "seed": seed, "mode": "sequential",
+                            "source": "SmolLM2-135M-Instruct model card" if (temperature, top_p, repetition_penalty) == (
+                                MODEL_CARD_SAMPLING["temperature"], MODEL_CARD_SAMPLING["top_p"], 1.0) else "given"},
                "this_run_seconds": round(time.perf_counter() - t0, 1), "this_run_tokens": tokens}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
