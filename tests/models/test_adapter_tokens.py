@@ -132,7 +132,7 @@ def test_the_grammar_mask_keeps_forbidden_pieces_out(tagged):
     # a random model predicts 9999 tokens: reserve a constant range instead
     engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20, position_policy="constant:8")
     engine.logits_hook = hook
-    [res] = engine.generate(["Hi"], SamplingParams(max_new_tokens=40), mode="pasta")
+    [res] = engine.generate(["Hi"], SamplingParams(max_new_tokens=120), mode="pasta")  # a 64-character topic fits
     assert res.stats.finish_reason in ("stop", "length"), res.error
     by_thread: dict[int, list[int]] = {}
     for t, th in zip(res.token_ids, res.threads):
