@@ -25,18 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-FALLBACK = [
-    "What are different drawers I should have for clothes?",
-    "Give me three tips for a job interview.",
-    "How do I keep a sourdough starter alive?",
-    "List some ways to save water at home.",
-    "What should I pack for a weekend hiking trip?",
-    "Name a few good habits for studying.",
-    "How can I make my mornings less stressful?",
-    "What are the benefits of learning a second language?",
-]
-
-
 def run(engine, prompts, params, pattern: str) -> dict:
     """Add the prompts (``burst``: all at once; ``one_by_one``: each after the previous ended),
     step until done; returns the numbers and the responses' token ids."""
@@ -99,7 +87,8 @@ def main() -> int:
     from pasta_engine import Engine, SamplingParams
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import RESULTS, device_info
+    from bench_server_load import PROMPTS as FALLBACK  # the load test's short prompts
+    from common import RESULTS, device_info, new_path
 
     if args.prompts is not None:
         rows = json.loads(args.prompts.read_text())
@@ -132,12 +121,7 @@ def main() -> int:
     for r in runs.values():
         r.pop("_tokens")
     info = device_info()
-    out = args.out or RESULTS / f"prefix_cache_{info.get('device', 'cpu').replace(' ', '_')}.json"
-    n = 2
-    base = out
-    while out.exists():  # never replace a committed result
-        out = base.with_name(f"{base.stem}-{n}{base.suffix}")
-        n += 1
+    out = new_path(args.out or RESULTS / f"prefix_cache_{info.get('device', 'cpu').replace(' ', '_')}.json")
     payload = {"command": " ".join([Path(sys.executable).name] + sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                "model": args.preset or "SmolLM2-135M-Instruct (embedded)", "adapter": args.adapter,
                "prompts": len(prompts),

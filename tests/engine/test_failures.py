@@ -34,24 +34,7 @@ def all_free(engine: Engine) -> bool:
     return s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0 and s["waiting"] == 0
 
 
-class Boom(RuntimeError):
-    pass
-
-
-def fail_on_call(n: int, exc: BaseException):
-    """A wrapper factory: the n-th call (1-based) raises ``exc``, the others pass through."""
-    calls = [0]
-
-    def wrap(fn):
-        def inner(*a, **k):
-            calls[0] += 1
-            if calls[0] == n:
-                raise exc
-            return fn(*a, **k)
-
-        return inner
-
-    return wrap
+from faults import Boom, fail_on_call  # noqa: E402  (tests/engine/faults.py)
 
 
 @pytest.mark.parametrize("exc", [Boom("forward failed"), KeyboardInterrupt()])

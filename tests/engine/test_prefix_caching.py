@@ -233,23 +233,7 @@ def test_abort_mid_request_leaves_every_page_accounted_for(tiny_llama):
     accounted(warm)
 
 
-class Boom(RuntimeError):
-    pass
-
-
-def fail_on_call(n: int, exc: BaseException):
-    calls = [0]
-
-    def wrap(fn):
-        def inner(*a, **k):
-            calls[0] += 1
-            if calls[0] == n:
-                raise exc
-            return fn(*a, **k)
-
-        return inner
-
-    return wrap
+from faults import Boom, fail_on_call  # noqa: E402  (tests/engine/faults.py)
 
 
 @pytest.mark.parametrize("where", ["model.forward", "reuse_prefix", "cache_prefix", "append"])
