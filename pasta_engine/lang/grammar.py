@@ -31,15 +31,17 @@ applied to a whole step's logits in one tensor operation by the model runner):
   ``" tokens="``; once the fork cap is reached, no ``<promise topic="`` either;
 * async thread (inside a chunk): no ``<promise topic="`` (no nesting), no ``<sync/>``, no
   ``<async>``, no ``" tokens="``;
-* inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one),
-  then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
+* inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one;
+  the first holds a letter, so a topic is never a bare number), then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
   :data:`MAX_TOPIC_CHARS` characters must end;
-* inside the length: digits only (at least one, at most :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
+* inside the length: digits only (at least one, the first not ``0``; at most
+  :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -64,7 +66,9 @@ PROMISE_CLOSE = '"/>'
 #: The fixed pieces of PASTA-LANG, each one token in a tokenizer that has them.
 TAG_PIECES = (PROMISE_OPEN, PROMISE_LENGTH, PROMISE_CLOSE, "<async>", "</async>", "<sync/>")
 #: A promise topic this long (characters) must end: the sampler then allows only ``" tokens="``.
-MAX_TOPIC_CHARS = 64
+#: The annotators write topics of at most 32 characters (``pasta_engine.tools.annotate.TOPIC_CHARS``),
+#: so a learned model never needs more; every topic token is on the main thread's critical path.
+MAX_TOPIC_CHARS = 32
 #: A predicted length this many digits long must end: the sampler then allows only ``"/>``.
 MAX_LENGTH_DIGITS = 4
 
@@ -189,7 +193,10 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
                 and not any(c in token_bytes[i] for c in (b'"', b"<", b">", b"\n"))]
     digits = [i for i in range(n) if token_bytes[i] and i not in pieces and i not in eos
               and token_bytes[i].isdigit() and token_bytes[i].isascii()]
-    if not topic_ok or not digits:
+    # a topic starts with a letter (ASCII, or any non-ASCII byte: a letter of another script)
+    topic_first = [i for i in topic_ok if re.search(rb"[A-Za-z\x80-\xff]", token_bytes[i])]
+    digits_first = [i for i in digits if not token_bytes[i].startswith(b"0")]
+    if not topic_first or not digits_first:
         raise ValueError("the vocabulary has no topic-text or no digit tokens: the promise grammar cannot be enforced")
     main_never = [tags.async_open, tags.async_close, tags.promise_length]
     out: list[tuple[bool, list[int]]] = [
@@ -197,10 +204,10 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
         (False, main_never),  # MAIN
         (False, main_never + [tags.promise_open]),  # MAIN_NO_FORK
         (False, [tags.promise_open, tags.sync, tags.async_open, tags.promise_length]),  # CHUNK
-        (True, topic_ok),  # TOPIC_EMPTY
+        (True, topic_first),  # TOPIC_EMPTY
         (True, topic_ok + [tags.promise_length]),  # TOPIC
         (True, [tags.promise_length]),  # TOPIC_FULL
-        (True, digits),  # LENGTH_EMPTY
+        (True, digits_first),  # LENGTH_EMPTY
         (True, digits + [tags.promise_close]),  # LENGTH
         (True, [tags.promise_close]),  # LENGTH_FULL
     ]

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pasta_engine import Engine, SamplingParams
-from pasta_engine.lang.grammar import TAG_PIECES, GrammarState, grammar_state, tag_tokens_of
+from pasta_engine.lang.grammar import TAG_PIECES, GrammarState, TagTokens, grammar_state, state_masks, tag_tokens_of
 from pasta_engine.lang.tags import strip_tags
 from pasta_engine.lang.tokenization import encode_text, tokenize_annotated
 from pasta_engine.train import pasta_logprobs
@@ -155,7 +155,25 @@ def test_grammar_states_follow_the_parsers_pending_text():
     assert grammar_state(True, "<prom") is GrammarState.MAIN  # text tokens: not constrained
     assert grammar_state(True, '<promise topic="') is GrammarState.TOPIC_EMPTY
     assert grammar_state(True, '<promise topic="Sleep') is GrammarState.TOPIC
-    assert grammar_state(True, '<promise topic="' + "x" * 64) is GrammarState.TOPIC_FULL
+    assert grammar_state(True, '<promise topic="' + "x" * 31) is GrammarState.TOPIC
+    assert grammar_state(True, '<promise topic="' + "x" * 32) is GrammarState.TOPIC_FULL
     assert grammar_state(True, '<promise topic="a" tokens="') is GrammarState.LENGTH_EMPTY
     assert grammar_state(True, '<promise topic="a" tokens="3') is GrammarState.LENGTH
     assert grammar_state(True, '<promise topic="a" tokens="3000') is GrammarState.LENGTH_FULL
+
+
+def test_a_topic_starts_with_a_letter_and_a_length_with_a_nonzero_digit():
+    """Stage-2 training once wrote ``<promise topic="10" tokens="00"/>``: the masks forbid a topic
+    that starts with a number and a length that starts with 0."""
+    table = [b"Sleep", b"10", b" 1", b"\xc3\xa9t\xc3\xa9", b"0", b"00", b"3", b"10", b"<a>", b"x"]
+    pieces = TagTokens(*range(len(table), len(table) + len(TAG_PIECES)))
+    table += [p.encode() for p in TAG_PIECES]
+    masks = dict(zip(GrammarState, state_masks(pieces, table, len(table), eos_ids=[9])))
+    allow, ids = masks[GrammarState.TOPIC_EMPTY]
+    assert allow and set(ids) == {0, 3}  # "Sleep", "ete" (not "10", " 1", "0", "<a>", the EOS "x")
+    allow, ids = masks[GrammarState.TOPIC]
+    assert allow and {0, 1, 2, 3, 4, pieces.promise_length} <= set(ids)
+    allow, ids = masks[GrammarState.LENGTH_EMPTY]
+    assert allow and set(ids) == {1, 6, 7}  # "10", "3", "10": no leading zero
+    allow, ids = masks[GrammarState.LENGTH]
+    assert allow and set(ids) == {1, 4, 5, 6, 7, pieces.promise_close}
