@@ -101,7 +101,11 @@ def add_train_parser(subparsers: Any) -> None:
     b.add_argument("--n", type=_int_at_least(2), default=4, help="samples per prompt (>= 2; the paper's best-of-n)")
     b.add_argument("--rounds", type=positive_int, default=1)
     b.add_argument("--temperature", type=float, default=0.8)
+    b.add_argument("--top-p", type=float, default=0.95)
+    b.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="CTRL's penalty on tokens already seen, per thread (1 = none)")
     b.add_argument("--max-new-tokens", type=positive_int, default=320)
+    b.add_argument("--max-running-requests", type=positive_int, default=8, help="samples decoded together")
     b.add_argument("--quality-weight", type=float, default=1.0, help="lambda of content speedup + lambda x quality")
     b.add_argument("--alpha", type=float, default=0.5, help="weight of the SFT term on the best sample")
     b.add_argument("--lr", type=float, default=5e-5)
@@ -188,12 +192,17 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..train.bonbon import BonbonSettings, train_bonbon
     from ..train.data import split_rows
 
+    from ..config import SamplingParams
+
+    SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                   repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
     rows = split_rows(read_prompts(args.prompts), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
     prompts = [r.instruction for r in random.Random(args.seed).sample(rows, min(args.sample_prompts, len(rows)))]
-    settings = BonbonSettings(n=args.n, rounds=args.rounds, temperature=args.temperature,
-                              max_new_tokens=args.max_new_tokens, quality_weight=args.quality_weight, alpha=args.alpha,
+    settings = BonbonSettings(n=args.n, rounds=args.rounds, temperature=args.temperature, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty,
+                              max_running_requests=args.max_running_requests, max_new_tokens=args.max_new_tokens, quality_weight=args.quality_weight, alpha=args.alpha,
                               lr=args.lr, seed=args.seed)
     summary = train_bonbon(prompts, args.adapter, args.out, settings, base=args.model,
                            manifest={"bonbon_command": command_line(argv)})

@@ -37,7 +37,8 @@ __all__ = ["BonbonSettings", "sample_and_rank", "best_and_worst", "train_bonbon"
 @dataclass
 class BonbonSettings:
     """One BoNBoN setup: ``n`` samples per prompt at ``temperature``/``top_p`` up to
-    ``max_new_tokens``; ``quality_weight`` is the lambda of the score; ``alpha`` weighs the SFT
+    ``max_new_tokens`` with ``repetition_penalty`` (CTRL's, per thread; 1 = none);
+    ``quality_weight`` is the lambda of the score; ``alpha`` weighs the SFT
     term of the loss; ``lr`` and ``grad_accum`` (pairs per optimizer step) train the adapter for
     ``epochs`` over the pairs; ``rounds`` repeats sample-and-train; ``best_must_finish``: only a
     sample that ended by itself (not at the token limit) can be a pair's best."""
@@ -46,6 +47,7 @@ class BonbonSettings:
     rounds: int = 1
     temperature: float = 0.8
     top_p: float = 0.95
+    repetition_penalty: float = 1.0
     max_new_tokens: int = 320
     quality_weight: float = 1.0
     alpha: float = 0.5
@@ -71,7 +73,8 @@ def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSetting
     the engine and the scorer raise."""
     plist = [p for p in prompts for _ in range(settings.n)]
     params = [SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                             top_p=settings.top_p, seed=seed + i) for i in range(len(plist))]
+                             top_p=settings.top_p, repetition_penalty=settings.repetition_penalty, seed=seed + i)
+              for i in range(len(plist))]
     results = engine.generate(plist, params, mode="pasta", progress=True)
     rows = []
     for i, (p, r) in enumerate(zip(plist, results)):
@@ -105,6 +108,14 @@ def best_and_worst(rows: list[dict[str, Any]], best_must_finish: bool = True) ->
     return out
 
 
+def _read_samples(path: Path, expected: int) -> list[dict[str, Any]] | None:
+    """The rows of a finished round's ``samples.jsonl`` (None when absent or short of ``expected``)."""
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows if len(rows) == expected else None
+
+
 def train_bonbon(
     prompts: Sequence[str],
     adapter: Path,
@@ -117,8 +128,11 @@ def train_bonbon(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run ``settings.rounds`` BoNBoN rounds from ``adapter`` (the SFT result) on ``prompts``;
-    write ``out/round{k}/`` (samples.jsonl, pairs.jsonl, loss.json/png, adapter/) and
+    write ``out/round{k}/`` (samples.jsonl, pairs.jsonl, loss.json/png, adapter/, round.json) and
     ``out/adapter`` (the last round's), and return the summary (``out/summary.json``).
+
+    Resumes: a round whose ``round.json`` exists is not run again (its adapter starts the next
+    round), and a round whose ``samples.jsonl`` holds every sample reuses them instead of sampling.
 
     ``scorer``: quality of ``(prompt, clean text)``; default :class:`LikelihoodQuality` with the
     base model. Raises ValueError when a round yields no pair."""
@@ -136,14 +150,25 @@ def train_bonbon(
     for k in range(settings.rounds):
         rdir = out / f"round{k + 1}"
         rdir.mkdir(exist_ok=True)
-        engine = Engine.from_pretrained(base, adapter=current, max_running_requests=settings.max_running_requests,
-                                        kv_cache_bytes=settings.kv_cache_mb * 2**20, pasta_prompt=settings.pasta_prompt)
-        t0 = time.perf_counter()
-        rows = sample_and_rank(engine, prompts, settings, scorer, seed=settings.seed + 10_000 * k)
-        sample_s = time.perf_counter() - t0
-        del engine
-        with (rdir / "samples.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        if (rdir / "round.json").exists() and (rdir / "adapter" / "adapter_config.json").exists():
+            rounds.append(json.loads((rdir / "round.json").read_text()))
+            current = rdir / "adapter"
+            print(f"bonbon round {k + 1}: done before, resumed from {current}", file=sys.stderr)
+            continue
+        rows = _read_samples(rdir / "samples.jsonl", len(prompts) * settings.n)
+        sample_s = 0.0
+        if rows is None:
+            engine = Engine.from_pretrained(base, adapter=current, max_running_requests=settings.max_running_requests,
+                                            kv_cache_bytes=settings.kv_cache_mb * 2**20,
+                                            pasta_prompt=settings.pasta_prompt)
+            t0 = time.perf_counter()
+            rows = sample_and_rank(engine, prompts, settings, scorer, seed=settings.seed + 10_000 * k)
+            sample_s = time.perf_counter() - t0
+            del engine
+            with (rdir / "samples.jsonl").open("w") as f:
+                f.writelines(json.dumps({**r, "sample_seconds": round(sample_s, 1)}) + "\n" for r in rows)
+        else:
+            sample_s = rows[0].get("sample_seconds", 0.0)
         pairs = best_and_worst(rows, settings.best_must_finish)
         with (rdir / "pairs.jsonl").open("w") as f:
             f.writelines(json.dumps({"prompt": b["prompt"], "best": b["sample"], "worst": w["sample"],
@@ -170,6 +195,7 @@ def train_bonbon(
         order = [i for e in range(settings.epochs) for i in random.Random(settings.seed + e).sample(range(len(pairs)),
                                                                                                       len(pairs))]
         curve = LossCurve()
+        t_train = time.perf_counter()
         bar = tqdm(total=steps, desc=f"bonbon round {k + 1}", unit="step", file=sys.stderr, disable=not progress)
         for s in range(steps):
             parts_acc: dict[str, float] = {"loss": 0.0, "sft": 0.0, "ipo": 0.0, "margin": 0.0}
@@ -190,6 +216,7 @@ def train_bonbon(
             bar.update(1)
             bar.set_postfix(loss=f"{parts_acc['loss']:.2f}", margin=f"{parts_acc['margin']:.2f}")
         bar.close()
+        curve_seconds = time.perf_counter() - t_train
         curve.save(rdir, f"BoNBoN round {k + 1} (alpha {settings.alpha}, n {settings.n})")
         policy.eval()
         summary_k = {
@@ -199,7 +226,10 @@ def train_bonbon(
             "mean_content_speedup": sum(r["content_speedup"] for r in rows) / len(rows),
             "forked_samples": sum(1 for r in rows if r["forks"] > 0),
             "mean_quality": sum(r["quality"] for r in rows) / len(rows),
+            "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
+            "length_cut_samples": sum(1 for r in rows if r["finish_reason"] == "length"),
             "first_margin": curve.points[0]["margin"], "last_margin": curve.points[-1]["margin"],
+            "train_seconds": round(curve_seconds, 1),
         }
         rounds.append(summary_k)
         prior = read_manifest(current) or {}
@@ -207,6 +237,7 @@ def train_bonbon(
             **prior, **(manifest or {}), "pasta_prompt": settings.pasta_prompt.to_dict(),
             "stages": [*prior.get("stages", []), {"stage": "bonbon", **summary_k}],
         })
+        (rdir / "round.json").write_text(json.dumps(summary_k, indent=2) + "\n")
         del policy, policy_base
     summary = {"stage": "bonbon", "rounds": rounds, "settings": {**asdict(settings),
                                                                   "pasta_prompt": settings.pasta_prompt.to_dict()},

@@ -241,6 +241,15 @@ def test_a_bonbon_round_on_a_tiny_model(tiny_llama, tmp_path):
     assert [s["stage"] for s in manifest["stages"]] == ["sft", "bonbon"]
     engine = Engine.from_pretrained(tiny_llama, adapter=tmp_path / "bb" / "adapter", kv_cache_bytes=8 * 2**20)
     assert engine.generate(["x"], SamplingParams(max_new_tokens=3))[0].stats.tokens_decoded <= 3
+    # resuming with two rounds: round 1 is read back, not sampled or trained again; round 2 starts from its adapter
+    round1 = (tmp_path / "bb" / "round1" / "samples.jsonl").read_text()
+    settings.rounds = 2
+    summary2 = train_bonbon(["tips", "sleep"], tmp_path / "sft" / "adapter", tmp_path / "bb", settings,
+                            base=str(tiny_llama), scorer=lambda prompt, text: -len(text) / 100, progress=False)
+    assert summary2["rounds"][0] == r and [x["round"] for x in summary2["rounds"]] == [1, 2]
+    assert (tmp_path / "bb" / "round1" / "samples.jsonl").read_text() == round1
+    manifest = json.loads((tmp_path / "bb" / "adapter" / "manifest.json").read_text())
+    assert [s["stage"] for s in manifest["stages"]] == ["sft", "bonbon", "bonbon"]
 
 
 def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, capsys):
