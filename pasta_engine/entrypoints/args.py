@@ -150,14 +150,22 @@ def add_pasta_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-forks", type=nonneg_int, default=64, help="forks per request; later promises are text")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256) -> None:
-    """How tokens are picked (see :class:`pasta_engine.config.SamplingParams`)."""
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, temperature: float = 0.0,
+                      top_p: float = 1.0, repetition_penalty: float | None = 1.0) -> None:
+    """How tokens are picked (see :class:`pasta_engine.config.SamplingParams`); the keyword
+    arguments are the flags' defaults, and ``repetition_penalty=None`` leaves that flag out (for a
+    command that cannot honour it)."""
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
                    help="tokens a response may hold, all threads together")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (or below 1e-5) = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 (or below 1e-5) = greedy (default: {temperature:g})")
+    g.add_argument("--top-p", type=float, default=top_p, help=f"(default: {top_p:g})")
     g.add_argument("--top-k", type=nonneg_int, default=0, help="0 = all tokens")
+    if repetition_penalty is not None:
+        g.add_argument("--repetition-penalty", type=float, default=repetition_penalty,
+                       help="CTRL's penalty on tokens already seen, per thread (1 = none; default: "
+                       f"{repetition_penalty:g})")
     g.add_argument("--seed", type=nonneg_int, default=0)
 
 
@@ -205,7 +213,8 @@ def sampling_params(args: argparse.Namespace) -> Any:
     from ..config import SamplingParams
 
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+                          top_k=args.top_k, seed=args.seed,
+                          repetition_penalty=getattr(args, "repetition_penalty", 1.0))
 
 
 def _dtype_name(args: argparse.Namespace) -> str:

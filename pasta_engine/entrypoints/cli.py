@@ -15,6 +15,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..lang.prompts import SAMPLE_PROMPT
+
+#: ``generate``'s sampling defaults: temperature 0.2 and top-p 0.9 are what the embedded model's card
+#: (HuggingFaceTB/SmolLM2-135M-Instruct, "How to use") samples with (its generation_config.json sets
+#: none); repetition penalty 1.1 is the setting of the model's own answers the shipped adapter was
+#: trained on (``train answers``), without which a 135M model loops its headings.
+GENERATE_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
 from ..tools.annotate import ANNOTATORS
 from .args import (
     adapter_choice,
@@ -55,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-transformers", action="store_true",
                    help="also time transformers' greedy generate on the same prompt ids (sequential mode)")
     add_baseline_arg(g)
-    add_sampling_args(g)
+    add_sampling_args(g, **GENERATE_SAMPLING)
     add_model_args(g)
     add_pasta_args(g)
     add_run_args(g, timing=True, resume=False, progress=True)

@@ -271,7 +271,8 @@ def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
     settings = {**run_info(command_line(argv)), "model": str(args.model or "embedded SmolLM2-135M-Instruct"),
                 "adapter": str(adapter.adapter), "adapter_manifest": adapter.adapter_manifest,
                 "device_name": device_name("cpu"), "torch_version": torch.__version__, "dtype": "float32",
-                "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "batch_size": 1,
+                "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+                "repetition_penalty": params.repetition_penalty, "batch_size": 1,
                 "split": "vicuna (evaluation split, never trained on)", "repeats": args.repeats}
     result = evaluate_learned(prompts, base, adapter, LikelihoodQuality(hf, tok), args.out, settings, params,
                               repeats=args.repeats, base_pasta=not args.no_base_pasta, resume=args.resume)

@@ -130,3 +130,19 @@ def test_bad_sampling_values_name_the_flag_value(tiny_llama, capsys):
     rc = main(["generate", "x", "--model", str(tiny_llama), "--top-p", "0", "--kv-cache-mb", "8"])
     _, err = capsys.readouterr()
     assert rc == 2 and "top_p=0.0" in err and err.count("\n") == 1
+
+
+def test_generate_samples_with_the_model_cards_settings_and_serve_has_no_penalty_flag():
+    """``generate`` defaults to SmolLM2's card settings (temperature 0.2, top-p 0.9) with the
+    training answers' repetition penalty 1.1, and the flag reaches SamplingParams; ``serve``
+    cannot honour a penalty (the OpenAI schema has none), so it has no such flag."""
+    from pasta_engine.entrypoints.args import sampling_params
+    from pasta_engine.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    params = sampling_params(parser.parse_args(["generate"]))
+    assert (params.temperature, params.top_p, params.repetition_penalty) == (0.2, 0.9, 1.1)
+    assert sampling_params(parser.parse_args(["generate", "--repetition-penalty", "1.3"])).repetition_penalty == 1.3
+    assert sampling_params(parser.parse_args(["bench", "learned", "--prompts", "p.json", "--out", "o"])).temperature == 0.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--repetition-penalty", "1.1"])
