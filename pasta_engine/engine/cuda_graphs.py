@@ -25,7 +25,8 @@ import torch
 
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.backends import graph_backend_names
-from ..models.llama import LlamaModel
+from ..layers.kv_cache import KVCache
+from ..models.protocol import CausalLM
 
 __all__ = ["CudaGraphs", "DEFAULT_BUCKETS"]
 
@@ -43,14 +44,14 @@ class CudaGraphs:
     """Captured decode steps, one per bucket.
 
     Args:
-        model: the model (on a CUDA device).
-        kv_cache: the KV tensor ``[num_layers, 2, num_pages, page_size, Hkv, D]``.
+        model: a :class:`~pasta_engine.models.protocol.CausalLM` on a CUDA device.
+        kv_cache: the model runner's :class:`~pasta_engine.layers.kv_cache.KVCache`.
         backend: an attention backend with ``supports_cuda_graphs``.
         buckets: live-thread counts to capture (ascending powers of two are typical).
 
     Raises ValueError when the model is not on a CUDA device or the backend cannot be captured."""
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, backend: AttentionBackend,
+    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS):
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
@@ -60,8 +61,8 @@ class CudaGraphs:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.buckets = tuple(sorted(buckets))
         self.max_seqs = self.buckets[-1]
-        self.page_size = kv_cache.shape[3]
-        self.num_pages = kv_cache.shape[2]
+        self.page_size = kv_cache.page_size
+        self.num_pages = kv_cache.num_pages
         dev = model.device
         self.input_ids = torch.zeros(self.max_seqs, dtype=torch.long, device=dev)
         self.positions = torch.zeros(self.max_seqs, dtype=torch.long, device=dev)
@@ -85,6 +86,7 @@ class CudaGraphs:
             raise RuntimeError(f"the graph-mode attention backend cannot plan a {b}-row warm-up step")
 
         def forward() -> torch.Tensor:
+            self.kv_cache.record_positions(self.slots[:b], self.positions[:b])
             return self.model.forward(self.input_ids[:b], self.positions[:b], self.slots[:b], self.kv_cache, gb,
                                       self.logits_idx[:b])
 

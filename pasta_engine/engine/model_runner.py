@@ -22,18 +22,14 @@ from ..config import EngineConfig
 from ..errors import ParameterError
 from ..layers.attention import AttentionMetadata
 from ..layers.backends import get_backend, graph_backend_names
+from ..layers.kv_cache import KVCache, kv_bytes_per_token
 from ..layers.sampler import MIN_TOP_P, apply_repetition_penalty, draw_noise, logprobs_of, sample_batch
 from ..layers.utils import to_device
-from ..models.llama import LlamaModel
+from ..models.protocol import CausalLM
 from .request import Request
 from .scheduler import SampledTokens, ScheduledBatch, ScheduledThread
 
 __all__ = ["ModelRunner", "StepProfile", "kv_bytes_per_token", "default_kv_cache_bytes"]
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V of one token across all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
@@ -73,13 +69,16 @@ class ModelRunner:
     """Runs the model for the scheduler's batches.
 
     Args:
-        model: the :class:`~pasta_engine.models.llama.LlamaModel`.
+        model: a :class:`~pasta_engine.models.protocol.CausalLM` (what
+            :func:`~pasta_engine.models.loader.load_model` returns).
         config: the engine's :class:`~pasta_engine.config.EngineConfig` (backend, KV budget,
             page size, CUDA graphs).
 
     Attributes:
         num_pages: KV pages the budget holds (the block manager's pool).
-        kv_cache: ``[num_layers, 2, num_pages, page_size, Hkv, D]`` in the model's dtype.
+        kv_cache: the :class:`~pasta_engine.layers.kv_cache.KVCache` (``[num_layers, 2,
+            num_pages, page_size, Hkv, D]`` in the model's dtype, with the per-slot key
+            positions when a layer has a sliding window).
         logits_hook: testing aid, called as ``hook(request, thread_id, logits_row)`` for every
             sampled row (float32 ``[vocab]``) before sampling; the hook may change the row in
             place (bias the model: the grammar mask still applies after it).
@@ -89,7 +88,7 @@ class ModelRunner:
     Raises ParameterError when the KV budget holds no page or CUDA graphs are asked for where
     they cannot run."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig):
+    def __init__(self, model: CausalLM, config: EngineConfig):
         c = model.config
         self.model = model
         self.device = model.device
@@ -104,8 +103,9 @@ class ModelRunner:
                                  message=f"a KV cache budget of {budget} bytes holds no page of {config.page_size} "
                                          f"tokens ({per_page} bytes per page): raise kv_cache_bytes")
         self.kv_cache_bytes = budget
-        self.kv_cache = torch.zeros((c.num_layers, 2, self.num_pages, config.page_size, c.num_kv_heads, c.head_dim),
-                                    dtype=model.dtype, device=model.device)
+        self.kv_cache = KVCache(c.num_layers, self.num_pages, config.page_size, c.num_kv_heads, c.head_dim,
+                                model.dtype, model.device,
+                                track_positions=any(w is not None for w in c.sliding_windows))
         want_graphs = config.cuda_graphs
         can_graph = model.device.type == "cuda" and self.backend.supports_cuda_graphs
         if want_graphs and not can_graph:
@@ -142,11 +142,11 @@ class ModelRunner:
         says ``grammar=state`` gets every other token's logit set to ``-inf`` before sampling
         (one ``[rows, vocab]`` gather and ``masked_fill`` per step). None: no grammar.
 
-        Raises ValueError for an id outside the LM head's ``vocab`` rows."""
+        Raises ValueError for an id outside the model's ``config.vocab_size`` rows."""
         if masks is None:
             self.grammar_masks = None
             return
-        vocab = self.model.lm_head.shape[0]
+        vocab = self.model.config.vocab_size
         table = torch.zeros((len(masks), vocab), dtype=torch.bool)
         for row, (allow, ids) in enumerate(masks):
             if any(not 0 <= i < vocab for i in ids):
@@ -204,6 +204,7 @@ class ModelRunner:
             all_sample = len(logits_indices) == len(ids)
             # the three int64 inputs in one transfer, as rows of one [3, T] tensor
             ids_t, positions_t, slots_t = to_device(ids + positions + slots, torch.long, dev).view(3, -1).unbind(0)
+            self.kv_cache.record_positions(slots_t, positions_t)
             logits = self.model.forward(
                 ids_t, positions_t, slots_t, self.kv_cache, self.backend,
                 None if all_sample else to_device(logits_indices, torch.long, dev),

@@ -1,35 +1,82 @@
 """The shape of a checkpoint and its architecture's options, read from its ``transformers``
 config (no weights).
 
-Every supported architecture is a Llama-family decoder (pre-norm RMSNorm blocks, RoPE, a gated
-MLP) that differs from Llama by a few options; :data:`ARCHITECTURES` lists each one's fixed
-traits, and :meth:`ModelConfig.from_hf` reads the rest (activation, soft-caps, windows, scale)
+Every architecture trait lives in one table, :data:`ARCHITECTURES` (gpt-fast's
+``transformer_configs``): ``model_type`` -> an :class:`Architecture` saying which decoder module
+runs it, how its checkpoint is laid out and which options it has. :meth:`ModelConfig.from_hf`
+reads the table once at load and the per-checkpoint numbers (sizes, windows, soft-caps, scale)
 from the config, refusing any option the forward does not implement with an
-:class:`~pasta_engine.errors.UnsupportedModelError` that names it.
+:class:`~pasta_engine.errors.UnsupportedModelError` that names it. Nothing else in the package
+branches on ``model_type``.
+
+Adding an architecture whose math is Llama's with known options is one entry here; one whose
+math differs is an entry naming a new decoder module (``decoder="mymodel:MyModel"``, a class
+with :class:`~pasta_engine.models.protocol.CausalLM`'s methods); see docs/DESIGN.md, "Adding an
+architecture".
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import CheckpointError, UnsupportedModelError
 
-__all__ = ["ModelConfig", "check_sizes", "SUPPORTED_ARCHITECTURES", "ARCHITECTURES", "ACTIVATIONS"]
+__all__ = ["ModelConfig", "Architecture", "check_sizes", "SUPPORTED_ARCHITECTURES", "ARCHITECTURES", "ACTIVATIONS"]
 
-#: ``model_type`` -> its fixed traits (the :class:`ModelConfig` fields it sets) and which layers
-#: honour ``config.sliding_window``: ``"none"`` (the architecture has no window), ``"all"``
-#: (every layer: Mistral, Phi-3) or ``"layer_types"`` (the layers ``config.layer_types`` marks
-#: ``"sliding_attention"``: Qwen2/3 above ``max_window_layers``, Gemma 2's alternate layers).
-ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "llama": {"windows": "none"},
-    "mistral": {"windows": "all"},
-    "qwen2": {"windows": "layer_types", "attention_bias": True},
-    "qwen3": {"windows": "layer_types", "qk_norm": True},
-    "gemma": {"windows": "none", "norm_unit_offset": True, "scale_embeddings": True},
-    "gemma2": {"windows": "layer_types", "norm_unit_offset": True, "scale_embeddings": True, "sandwich_norms": True},
-    "phi3": {"windows": "all"},
+
+@dataclass(frozen=True)
+class Architecture:
+    """The fixed traits of one architecture (one ``model_type``): an entry of :data:`ARCHITECTURES`.
+
+    Attributes:
+        decoder: the forward that runs it, ``"module:Class"`` under :mod:`pasta_engine.models`
+            (a :class:`~pasta_engine.models.protocol.CausalLM`); every supported one runs
+            :class:`~pasta_engine.models.llama.LlamaModel`.
+        windows: which layers honour ``config.sliding_window``: ``"none"`` (the architecture
+            has no window), ``"all"`` (every layer: Mistral, Phi-3) or ``"layer_types"`` (the
+            layers ``config.layer_types`` marks ``"sliding_attention"``: Qwen2/3 above
+            ``max_window_layers``, Gemma 2's alternate layers).
+        fused_checkpoint: the checkpoint stores q/k/v as one ``qkv_proj`` and gate/up as one
+            ``gate_up_proj`` (Phi-3); otherwise they are separate and fused at load
+            (:func:`pasta_engine.models.weights.adapt_checkpoint`).
+        attention_bias: q/k/v projections always have biases (Qwen2), whatever the config says.
+        qk_norm: RMSNorm over ``head_dim`` on every query and key head before RoPE (Qwen3).
+        norm_unit_offset: RMSNorm scales by ``1 + w`` in float32 (Gemma).
+        scale_embeddings: embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma).
+        sandwich_norms: RMSNorm also on the attention and MLP outputs (Gemma 2).
+        activation_field: the config field naming the MLP gate activation (Gemma 2:
+            ``hidden_activation``).
+        attention_scale_field: the config field ``f`` whose ``f ** -0.5`` is the softmax scale
+            (Gemma 2: ``query_pre_attn_scalar``), or None for ``head_dim ** -0.5``.
+        softcaps: reads ``attn_logit_softcapping`` and ``final_logit_softcapping`` (Gemma 2).
+    """
+
+    decoder: str = "llama:LlamaModel"
+    windows: Literal["none", "all", "layer_types"] = "none"
+    fused_checkpoint: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    norm_unit_offset: bool = False
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    activation_field: str = "hidden_act"
+    attention_scale_field: str | None = None
+    softcaps: bool = False
+
+
+#: ``model_type`` -> its :class:`Architecture`: every architecture trait, in one place.
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(),
+    "mistral": Architecture(windows="all"),
+    "qwen2": Architecture(windows="layer_types", attention_bias=True),
+    "qwen3": Architecture(windows="layer_types", qk_norm=True),
+    "gemma": Architecture(norm_unit_offset=True, scale_embeddings=True),
+    "gemma2": Architecture(windows="layer_types", norm_unit_offset=True, scale_embeddings=True, sandwich_norms=True,
+                           activation_field="hidden_activation", attention_scale_field="query_pre_attn_scalar",
+                           softcaps=True),
+    "phi3": Architecture(windows="all", fused_checkpoint=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 #: MLP gate activations (``transformers`` names): SwiGLU's and GeGLU's with tanh-approximated GELU.
@@ -106,12 +153,11 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {mt!r}: pasta-engine runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        traits = dict(ARCHITECTURES[mt])
-        windows_from = traits.pop("windows")
-        act_field = "hidden_activation" if mt == "gemma2" else "hidden_act"
-        act = getattr(cfg, act_field, None) or "silu"
+        arch = ARCHITECTURES[mt]
+        act = getattr(cfg, arch.activation_field, None) or "silu"
         if act not in ACTIVATIONS:
-            raise UnsupportedModelError(f"{mt} with {act_field}={act!r} is not supported (one of {', '.join(ACTIVATIONS)})")
+            raise UnsupportedModelError(f"{mt} with {arch.activation_field}={act!r} is not supported "
+                                        f"(one of {', '.join(ACTIVATIONS)})")
         if getattr(cfg, "use_bidirectional_attention", None):
             raise UnsupportedModelError(f"{mt} with use_bidirectional_attention=True is not supported (causal only)")
         rope = getattr(cfg, "rope_parameters", None) or {}
@@ -126,9 +172,7 @@ class ModelConfig:
         if heads % kv:
             raise UnsupportedModelError(f"{heads} query heads are not a multiple of {kv} KV heads")
         max_pos = getattr(cfg, "max_position_embeddings", None)
-        scale = head_dim**-0.5
-        if mt == "gemma2":
-            scale = float(cfg.query_pre_attn_scalar) ** -0.5
+        scale_from = arch.attention_scale_field
         return cls(
             model_type=mt,
             vocab_size=cfg.vocab_size,
@@ -140,15 +184,23 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=traits.pop("attention_bias", False) or bool(getattr(cfg, "attention_bias", False)),
+            attention_bias=arch.attention_bias or bool(getattr(cfg, "attention_bias", False)),
             max_position_embeddings=max_pos,
             hidden_act=act,
-            attention_scale=scale,
-            attn_logit_softcap=getattr(cfg, "attn_logit_softcapping", None) if mt == "gemma2" else None,
-            final_logit_softcap=getattr(cfg, "final_logit_softcapping", None) if mt == "gemma2" else None,
-            sliding_windows=_sliding_windows(cfg, mt, windows_from, max_pos),
-            **traits,
+            norm_unit_offset=arch.norm_unit_offset,
+            scale_embeddings=arch.scale_embeddings,
+            sandwich_norms=arch.sandwich_norms,
+            qk_norm=arch.qk_norm,
+            attention_scale=float(getattr(cfg, scale_from)) ** -0.5 if scale_from else head_dim**-0.5,
+            attn_logit_softcap=getattr(cfg, "attn_logit_softcapping", None) if arch.softcaps else None,
+            final_logit_softcap=getattr(cfg, "final_logit_softcapping", None) if arch.softcaps else None,
+            sliding_windows=_sliding_windows(cfg, mt, arch.windows, max_pos),
         )
+
+    @property
+    def architecture(self) -> Architecture:
+        """This model type's entry of :data:`ARCHITECTURES`."""
+        return ARCHITECTURES[self.model_type]
 
     @property
     def group_size(self) -> int:

@@ -27,13 +27,12 @@ One :meth:`LlamaModel.forward` handles a mixed batch: the new tokens of every se
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from ..layers.attention import AttentionBackend
+from ..layers.kv_cache import KVCache
 from ..layers.linear import linear_for
 from ..layers.rotary import RotaryEmbedding
 from .config import ModelConfig
@@ -128,7 +127,6 @@ class LlamaModel:
                             if c.scale_embeddings else None)
         self.windowed = any(win is not None for win in c.sliding_windows)
         self._linear = linear_for(self.projection_weights(), self.device)  # CPU: per-shape GEMM orientation
-        self._key_positions: dict[int, torch.Tensor] = {}
         self._fused_norm = (self.device.type == "cpu" and dtype == torch.float32
                             and self.norm.dtype == torch.float32 and hasattr(torch, "rms_norm"))
 
@@ -162,27 +160,13 @@ class LlamaModel:
             return (xf * weight).to(x.dtype)  # weight holds 1 + w in float32 (Gemma)
         return weight * xf.to(x.dtype)
 
-    def key_positions(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The logical position of every slot of ``kv_cache``: an int32 ``[num_pages * page_size
-        + 1]`` table (its last entry takes the writes of padding rows), kept per cache tensor
-        for as long as the cache lives. Sliding-window layers read it as ``[:-1].view(num_pages,
-        page_size)``; :meth:`forward` records each new token's position in it when it writes the
-        token's K/V (slots nobody has written hold 0 and are in no view)."""
-        key = id(kv_cache)
-        table = self._key_positions.get(key)
-        if table is None:
-            table = torch.zeros(kv_cache.shape[2] * kv_cache.shape[3] + 1, dtype=torch.int32, device=kv_cache.device)
-            self._key_positions[key] = table
-            weakref.finalize(kv_cache, self._key_positions.pop, key, None)
-        return table
-
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -192,9 +176,10 @@ class LlamaModel:
             input_ids: ``[T]`` int64, every sequence's new tokens concatenated.
             positions: ``[T]`` int64 logical position of every token (RoPE, sliding windows).
             slot_mapping: ``[T]`` int64 KV-cache slot of every token (negative: write nothing).
-            kv_cache: ``[num_layers, 2, num_pages, page_size, Hkv, D]``; the new tokens' K/V
-                are written into it (and their positions into :meth:`key_positions` when a
-                layer has a sliding window).
+            kv_cache: the paged :class:`~pasta_engine.layers.kv_cache.KVCache`; the new tokens'
+                K/V are written into it. A sliding-window layer reads ``kv_cache.key_positions``,
+                where the caller has recorded the new tokens' positions
+                (:meth:`~pasta_engine.layers.kv_cache.KVCache.record_positions`).
             backend: the attention backend, already planned for this step.
             logits_indices: ``[S]`` int64 rows of ``T`` whose next-token logits are wanted, or
                 None for every row (``S = T``).
@@ -210,14 +195,13 @@ class LlamaModel:
         nq, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         window_inputs: dict[str, torch.Tensor] = {}
         if self.windowed:
-            table = self.key_positions(kv_cache)
-            dump = torch.full_like(slot_mapping, table.shape[0] - 1)
-            table.index_copy_(0, torch.where(slot_mapping >= 0, slot_mapping, dump), positions.to(torch.int32))
-            window_inputs = {"positions": positions, "key_positions": table[:-1].view(kv_cache.shape[2], -1)}
+            if kv_cache.key_positions is None:
+                raise ValueError("a model with sliding windows needs a KVCache with track_positions=True")
+            window_inputs = {"positions": positions, "key_positions": kv_cache.key_positions}
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["in_norm"])
             qkv = self._linear(x, layer["qkv"], layer["qkv_bias"])
-            k_cache, v_cache = kv_cache[i].unbind(0)
+            k_cache, v_cache = kv_cache.layer(i)
             if c.qk_norm:
                 q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
                 q, k, v = q.view(t, nq, d), k.view(t, nkv, d), v.view(t, nkv, d)

@@ -20,6 +20,7 @@ from ..layers.rotary import rotary_embedding
 from .adapter import added_tokens, file_sha256, merge_lora, read_manifest, shipped_adapter
 from .config import ARCHITECTURES, ModelConfig, check_sizes
 from .llama import LlamaModel
+from .protocol import CausalLM
 
 __all__ = ["resolve_adapter", "add_adapter_tokens", "load_model", "load_tokenizer", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
 
@@ -102,8 +103,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     adapter: str | os.PathLike | None = None,
     with_tokenizer: bool = True,
-) -> tuple[LlamaModel, Any, Any]:
-    """Load a Llama-family checkpoint with ``transformers`` and build :class:`LlamaModel`.
+) -> tuple[CausalLM, Any, Any]:
+    """Load a checkpoint with ``transformers`` and build its architecture's decoder (a
+    :class:`~pasta_engine.models.protocol.CausalLM`: :class:`~pasta_engine.models.llama.LlamaModel`
+    for every supported architecture).
 
     Args:
         model: None (embedded SmolLM2-135M-Instruct), a local HF directory, or a ``.gguf`` file.
