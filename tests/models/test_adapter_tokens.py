@@ -59,7 +59,7 @@ def test_the_adapter_adds_the_pieces_and_merges_to_peft_logits(tagged):
     engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
     tags = tag_tokens_of(engine.tokenizer)
     assert tags is not None and tags.as_dict() == manifest["added_tokens"]
-    assert engine.model.config.vocab_size == len(tok) == engine.model.lm_head.shape[0]
+    assert engine.model.config.vocab_size == len(tok) == engine.model.weights.lm_head.shape[0]
     # prompt ids that hold the new tokens: the merged rows must equal peft's
     prompt = [5, 6, tags.promise_open, 7, tags.promise_length, 8, tags.promise_close, tags.async_open, 9]
     seen = []

@@ -18,8 +18,8 @@ from pasta_engine import Engine, SamplingParams, UnsupportedModelError
 from pasta_engine.layers.rotary import rotary_embedding
 from pasta_engine.layers.triton_attention import TritonAttention
 from pasta_engine.models.config import ModelConfig
-from pasta_engine.models.llama import LlamaModel
-from pasta_engine.models.loader import load_model
+from pasta_engine.models.loader import build_model, load_model
+from pasta_engine.models.protocol import CausalLM
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47, 60, 61, 62, 63]
 ANNOTATED = (
@@ -31,7 +31,7 @@ ANNOTATED = (
 )
 
 
-def engine_model(path, **changes) -> tuple[LlamaModel, object]:
+def engine_model(path, **changes) -> tuple[CausalLM, object]:
     """The engine's model of a checkpoint with some :class:`ModelConfig` fields changed, and the
     tokenizer."""
     hf_cfg = AutoConfig.from_pretrained(path)
@@ -39,7 +39,7 @@ def engine_model(path, **changes) -> tuple[LlamaModel, object]:
     weights = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
     rotary = rotary_embedding(hf_cfg, cfg.head_dim, "cpu", torch.float32)
     _, tok, _ = load_model(path)
-    return LlamaModel(cfg, weights, rotary, torch.device("cpu"), torch.float32), tok
+    return build_model(cfg, weights, rotary, "cpu", torch.float32), tok
 
 
 def step_logits(model, tokenizer, n=12, **options) -> torch.Tensor:
