@@ -12,9 +12,11 @@
 
 One thread (``pasta-engine-core``) owns the :class:`~pasta_engine.engine.llm_engine.Engine`: it
 takes commands (add, abort, call) from a queue between steps, runs :meth:`Engine.step` while any
-request is unfinished, turns each step's outputs into :class:`StreamOutput`\\ s (reading-order
-text, see :mod:`pasta_engine.engine.streaming`) and hands them to each request's event loop with
-``call_soon_threadsafe``. A forward pass therefore never blocks a caller's event loop, and no
+request is unfinished, turns each step's :class:`~pasta_engine.engine.request.RequestOutput`\\ s
+(reading-order text and tokens, rendered by :mod:`pasta_engine.engine.render`; it reads nothing
+else of the engine's requests) into :class:`StreamOutput`\\ s (the request's output kind, its stop
+strings, see :mod:`pasta_engine.engine.streaming`) and hands them to each request's event loop
+with ``call_soon_threadsafe``. A forward pass therefore never blocks a caller's event loop, and no
 call from an event loop ever waits for the engine's lock.
 
 Backpressure: each request has one pending output slot; a consumer that lags behind gets the
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -42,10 +45,10 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..errors import EngineDeadError, ParameterError
 from ..lang.tokenization import encode_prompt
-from .interpreter import Interpreter
 from .llm_engine import Engine, Prompt
-from .request import Request, RequestOutput, RequestResult, RequestStats
-from .streaming import OutputKind, ReadingOrderStream, ThreadEvent
+from .render import ThreadEvent
+from .request import RequestOutput, RequestResult, RequestStats
+from .streaming import OutputKind, StopFilter
 
 __all__ = ["AsyncEngine", "StreamOutput", "RequestStream", "format_chat", "CHAT_ROLES"]
 
@@ -157,14 +160,12 @@ class RequestStream:
 class _Tracked:
     """The engine thread's record of one request of the async engine."""
 
-    request: Request
-    stream: ReadingOrderStream
+    stop: StopFilter
+    want_events: bool
     kind: OutputKind
     loop: asyncio.AbstractEventLoop
     collector: _Collector
     token_ids: list[int] = field(default_factory=list)
-    interp: Interpreter | None = None  # the interpreter seen last (a new one after a preemption)
-    seen: int = 0  # tokens that interpreter had applied
     events: list[ThreadEvent] = field(default_factory=list)  # held for output_kind="final"
     aborting: bool = False
 
@@ -380,12 +381,12 @@ class AsyncEngine:
             except Exception as e:  # a bad request (ParameterError) or one the engine could not take: its own
                 _post(loop, _settle, fut, None, e)
                 return
-            self._tracked[rid] = _Tracked(_find_request(self.engine, rid), ReadingOrderStream(events, stops), kind, loop,
-                                          collector)
+            self._tracked[rid] = _Tracked(StopFilter(stops), events, kind, loop, collector)
             if not _post(loop, self._accept, fut, rid):
                 self.engine.abort(rid)
         elif what == "abort":
-            ok = self.engine.abort(payload)
+            # a stream closed after its request finished, in a race with the final output: nothing to say
+            ok = self.engine.abort(payload) if payload in self._tracked or fut is not None else False
             if fut is not None:
                 _post(loop, _settle, fut, ok, None)
         elif what == "call":
@@ -421,22 +422,18 @@ class AsyncEngine:
 
     def _output(self, t: _Tracked, o: RequestOutput) -> StreamOutput | None:
         """The StreamOutput for one step's RequestOutput (None when nothing is new)."""
-        req = t.request
-        it = req.interp
-        stream = t.stream
-        reason = ("stop" if stream.stopped else o.finish_reason) if o.finished else None
-        delta, events = stream.update(it, reason)
-        if stream.stopped and not o.finished and not t.aborting:
+        stop = t.stop
+        delta = stop.update(o.text, o.finished)  # o.text is prefix-stable: cut at a stop string
+        reason = ("stop" if stop.stopped else o.finish_reason) if o.finished else None
+        if stop.stopped and not o.finished and not t.aborting:
             t.aborting = True
-            self.engine.abort(req.request_id)  # the next step reports it; its output says "stop"
-        # tokens: of this step's sampled tokens, the first `applied` reached the interpreter; of
-        # those, the ones past what was already sent are new (a preempted request re-samples)
-        prev = t.seen if it is t.interp else 0
-        applied = max(0, it.total_sampled - prev)
-        fresh = max(0, it.total_sampled - len(t.token_ids))
-        new = o.new_token_ids[:applied][applied - min(fresh, applied):] if applied else []
-        t.interp, t.seen = it, it.total_sampled
+            self.engine.abort(o.request_id)  # the next step reports it; its output says "stop"
+        new = o.new_token_ids  # each sampled token once, a preempted request's re-sampled ones not again
         t.token_ids += new
+        events = o.events if t.want_events else []
+        if events and stop.stopped and o.finished:  # the request ended at a stop string, not by an abort
+            events = [dataclasses.replace(e, reason="stop") if e.thread == 0 and e.kind in ("end", "finish")
+                      and e.reason == "abort" else e for e in events]
         if t.kind is OutputKind.FINAL:
             t.events += events
             if not o.finished:
@@ -447,15 +444,15 @@ class AsyncEngine:
         cumulative = t.kind is not OutputKind.DELTA
         return StreamOutput(
             request_id=o.request_id,
-            text=stream.sent if cumulative else delta,
+            text=stop.sent if cumulative else delta,
             token_ids=list(t.token_ids) if cumulative else new,
             finished=o.finished,
             finish_reason=reason,
-            stop_reason=stream.stop_reason if o.finished else None,
+            stop_reason=stop.stop_reason if o.finished else None,
             error=o.error,
             events=events,
-            decode_steps=req.steps,
-            tokens_decoded=it.total_sampled,
+            decode_steps=o.decode_steps,
+            tokens_decoded=o.tokens_decoded,
             result=o.result,
         )
 
@@ -542,15 +539,6 @@ def format_chat(engine: Engine, messages: Sequence[dict[str, Any]], mode: str = 
     if system:
         head.insert(0, {"role": "system", "content": "\n\n".join(system)})
     return encode_prompt(engine.tokenizer, head + turns, engine.config.prompt_special_tokens)
-
-
-def _find_request(engine: Engine, request_id: str) -> Request:
-    """The engine's state of a request it just queued (its interpreter is read between steps)."""
-    sched = engine.scheduler
-    for req in (*sched.waiting, *sched.running):
-        if req.request_id == request_id:
-            return req
-    raise RuntimeError(f"request {request_id!r} was queued but the scheduler does not hold it")
 
 
 def _check_stop(stop: Sequence[str] | str | None) -> list[str]:

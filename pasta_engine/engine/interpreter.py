@@ -40,11 +40,10 @@ from typing import Sequence
 from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
 from ..lang.grammar import grammar_state
-from ..lang.tags import (
-    ASYNC_CLOSE, AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagParser, TagText, Text, drop_empty_items,
-    held_line_start,
-)
+from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagParser, TagText, Text
 from ..metrics import ResponseStructure
+from . import render
+from .render import Spliced, reading_order_key, splice_clean  # re-exported: they lived here
 
 __all__ = [
     "Thread",
@@ -178,65 +177,6 @@ class Thread:
 
 
 _RUNNING = ThreadStatus.RUNNING
-_ENDED = (ThreadStatus.FLUSH, ThreadStatus.DONE)
-
-
-def _joined(t: Thread) -> str:
-    """``"".join(t.clean)``, joining only the pieces added since the last call."""
-    n, text = t.clean_joined
-    if n < len(t.clean):
-        text += "".join(t.clean[n:])
-        t.clean_joined = (len(t.clean), text)
-    return text
-
-
-def reading_order_key(t: Thread) -> tuple[int, int]:
-    """Where a chunk's clean text goes: after ``fork_clean`` characters of the main thread's
-    (ties in fork order)."""
-    return (t.fork_clean, t.tid)
-
-
-def splice_clean(main: str, main_drops: Sequence[int], chunks: Sequence[tuple[Thread, str, Sequence[int], bool]],
-                 final: bool, stop_after: Thread | None = None) -> str:
-    """The clean text a reader sees: the main thread's clean text with each chunk's spliced at
-    its promise, less the list items left empty by what was left out
-    (:func:`~pasta_engine.lang.tags.drop_empty_items` over every thread's drops).
-
-    Args:
-        main, main_drops: the main thread's clean text and drops (or a prefix of them).
-        chunks: ``(thread, clean text, drops, ended)`` per chunk, in reading order.
-        final: the text is complete. False: what may still change is held back: the text's
-            last line while it may still become an empty list item, and so is the last line of
-            a chunk that has not ended (after its first line, which holds the chunk's
-            ``<async>`` and so is dropped when it is only a marker).
-        stop_after: the text ends after this chunk (a reading-order prefix).
-
-    A main-thread drop at a chunk's splice offset goes before the chunk when it was made
-    before the fork (``fork_drop``), after it otherwise, as in the annotated text."""
-    parts: list[str] = []
-    drops: list[int] = []
-    at = shift = i = 0
-    for c, text, cdrops, ended in chunks:
-        if not final and not ended and "\n" in text:
-            held = held_line_start(text)
-            if held < len(text):
-                text, cdrops = text[:held], [d for d in cdrops if d < held]
-        fc = c.fork_clean
-        parts.append(main[at:fc])
-        fd = min(c.fork_drop, len(main_drops))
-        while i < fd:
-            drops.append(main_drops[i] + shift)
-            i += 1
-        base = fc + shift
-        drops += [base + d for d in cdrops]
-        parts.append(text)
-        shift += len(text)
-        at = fc
-        if c is stop_after:
-            return drop_empty_items("".join(parts), drops, final)
-    parts.append(main[at:])
-    drops += [d + shift for d in main_drops[i:]]
-    return drop_empty_items("".join(parts), drops, final)
 
 
 # --------------------------------------------------------------------------- interpreter
@@ -705,90 +645,24 @@ class Interpreter:
 
     # ------------------------------------------------------------------ results
 
-    def _ran(self) -> list[Thread]:
-        return [c for c in self.threads[1:] if c.finish != "not_run"]
-
-    def spliced(self) -> "Spliced":
-        """The response's tokens in spliced order: each child's tokens right after the main
-        token that completed its promise (token granularity: if that token also holds the
-        next characters, they come before the chunk here but after it in
-        :meth:`annotated_text`). A child's EOS is left out (it counts in ``n_sampled``)."""
-        out = Spliced()
-        by_tok: dict[int, list[Thread]] = {}
-        for c in self._ran():
-            by_tok.setdefault(c.fork_at, []).append(c)
-
-        def add(t: Thread, lo: int, hi: int) -> None:
-            out.ids += t.tokens[lo:hi]
-            out.logprobs += t.logprobs[lo:hi]
-            out.positions += t.positions[lo:hi]
-            out.threads += [t.tid] * (hi - lo)
-
-        main = self.main
-        for i in range(len(main.tokens) + 1):
-            for c in by_tok.get(i, []):
-                add(c, 0, len(c.tokens))
-            if i < len(main.tokens):
-                add(main, i, i + 1)
-        return out
+    def spliced(self) -> Spliced:
+        """The response's tokens in spliced order (:func:`pasta_engine.engine.render.spliced`)."""
+        return render.spliced(self)
 
     def annotated_text(self) -> str:
-        """The main thread's text with each chunk (``<async>`` + content, and ``</async>`` when
-        the interpreter closed it) spliced right after its promise tag."""
-        text = "".join(self.main.pieces)
-        parts, at = [], 0
-        for c in sorted(self._ran(), key=lambda c: (c.fork_char, c.tid)):
-            parts += [text[at : c.fork_char], "".join(c.pieces), ASYNC_CLOSE if c.closed_by_interpreter else ""]
-            at = c.fork_char
-        parts.append(text[at:])
-        return "".join(parts)
+        """Every character the model wrote, each chunk after its promise tag
+        (:func:`pasta_engine.engine.render.annotated_text`)."""
+        return render.annotated_text(self)
 
-    def clean_counts(self) -> tuple[bool, tuple[int, ...], tuple[int, ...], tuple[ThreadStatus, ...]]:
-        """A snapshot for :meth:`clean_text`: whether the request has ended, how many clean
-        pieces and drops each thread holds now (both are only ever appended to) and each
-        thread's status; this fixes the text as of now."""
-        threads = self.threads
-        return (self.done, tuple([len(t.clean) for t in threads]), tuple([len(t.drops) for t in threads]),
-                tuple([t.status for t in threads]))
-
-    def clean_text(self, counts: tuple[bool, tuple[int, ...], tuple[int, ...], tuple[ThreadStatus, ...]] | None = None,
-                   final: bool | None = None) -> str:
-        """What a reader sees so far: the clean text of the main thread with each chunk's clean
-        text spliced at its promise (:func:`splice_clean`): no tag, no tag-like text, no list
-        item that leaving them out emptied. A partial tag still being decoded is held back, and
-        so is a last line that may still become such an empty item, until the request ends
-        (``final``: None for :attr:`done`); at the end this equals
-        :func:`pasta_engine.lang.tags.clean_text` of :meth:`annotated_text`. With ``counts``
-        (from :meth:`clean_counts`), the text as it was when they were taken."""
-        if counts is not None:
-            return self._clean_text_at(counts)
-        ran = self._ran()
-        ran.sort(key=reading_order_key)
-        main = self.main
-        return splice_clean(_joined(main), main.drops, [(c, _joined(c), c.drops, c.ended) for c in ran],
-                            self.done if final is None else final)
-
-    def _clean_text_at(self, counts: tuple[bool, tuple[int, ...], tuple[int, ...], tuple[ThreadStatus, ...]]) -> str:
-        done, n_clean, n_drops, status = counts
-        threads = self.threads
-        main = threads[0]
-        chunks = [(c, "".join(c.clean[: n_clean[c.tid]]), c.drops[: n_drops[c.tid]], status[c.tid] in _ENDED)
-                  for c in sorted(threads[1 : len(n_clean)], key=reading_order_key) if c.finish != "not_run"]
-        return splice_clean("".join(main.clean[: n_clean[0]]), main.drops[: n_drops[0]], chunks, done)
+    def clean_text(self, final: bool | None = None) -> str:
+        """What a reader sees so far, in the response's order, with what may still change held
+        back until the request ends (:func:`pasta_engine.engine.render.clean_text`; ``final``:
+        None for :attr:`done`). At the end it equals :func:`pasta_engine.lang.tags.clean_text` of
+        :meth:`annotated_text`."""
+        return render.clean_text(self, final)
 
     def structure(self) -> ResponseStructure:
         """Token counts of the response for the critical-path simulation."""
         forks = [(c.fork_at, c.n_sampled) for c in self.threads[1:] if c.finish != "not_run"]
         inserted = len(self.open_ids) * len(forks)
         return ResponseStructure(main_tokens=self.main.n_sampled, forks=forks, syncs=list(self.syncs), inserted=inserted)
-
-
-@dataclass
-class Spliced:
-    """A response in spliced order, one entry per token: id, logprob (None for inserted
-    tokens or when not asked), logical position and owning thread id."""
-
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    threads: list[int] = field(default_factory=list)

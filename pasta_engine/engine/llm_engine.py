@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import threading
 import time
-from typing import Any, Sequence
+from collections import OrderedDict
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -48,12 +50,18 @@ from ..models.loader import load_model
 from .block_manager import BlockManager
 from .interpreter import MODES
 from .model_runner import ModelRunner
+from .render import OutputRenderer
 from .request import Request, RequestOutput, RequestResult, interpreter_factory
 from .scheduler import Scheduler
 
 __all__ = ["Engine", "Prompt"]
 
 Prompt = str | Sequence[int]
+
+logger = logging.getLogger(__name__)
+
+#: Finished request ids remembered so that :meth:`Engine.abort` can tell "finished" from "unknown".
+_FINISHED_IDS_KEPT = 4096
 
 
 class Engine:
@@ -114,7 +122,8 @@ class Engine:
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._kept: dict[str, RequestOutput] = {}  # outputs advanced by generate() for step() callers
-        self._owned: set[str] = set()  # request ids a running generate()/replay() collects itself
+        self._requests: dict[str, Request] = {}  # every request whose final output is not out yet
+        self._finished: OrderedDict[str, str] = OrderedDict()  # recent finished ids -> finish reason
 
     @classmethod
     def from_pretrained(
@@ -284,8 +293,7 @@ class Engine:
         """Whether ``request_id`` belongs to a request whose final output is not reported yet
         (waiting, running, or ended by abort or error until the next :meth:`step` returns it):
         such an id is refused, as vLLM refuses the id of a request it still tracks."""
-        return (request_id in self._kept or self.scheduler._find(request_id) is not None
-                or any(r.request_id == request_id for r in self.scheduler.ended))
+        return request_id in self._requests or request_id in self._kept
 
     def add_request(
         self,
@@ -314,21 +322,42 @@ class Engine:
         with self._lock:
             req = self._make_request(prompt, params, mode, request_id, annotated_response, None, limits,
                                      position_policy)
-            self.scheduler.add(req)
+            req.renderer = OutputRenderer()  # step() outputs its text and tokens as they come
+            self._queue(req)
             return req.request_id
 
     def abort(self, request_id: str) -> bool:
-        """End a request now with ``finish_reason="abort"``; every KV page it held is free when
-        this returns, and the next :meth:`step` returns its final output. Returns False when no
-        unfinished request has that id."""
+        """End a waiting or running request now with ``finish_reason="abort"``; every KV page
+        it held is free when this returns, and the next :meth:`step` returns its final output.
+
+        Returns True when it aborted the request. Otherwise nothing changes and it says why:
+        it returns False and logs a warning (logger ``pasta_engine.engine.llm_engine``) that
+        the request has already finished (its final output, with its own finish reason, is or
+        was returned by :meth:`step`) or that no request has that id."""
         with self._lock:
-            return self.scheduler.abort(request_id) is not None
+            req = self._requests.get(request_id)
+            if req is not None and not req.finished:
+                self.scheduler.abort(request_id)
+                return True
+            if req is not None or request_id in self._kept:
+                logger.warning("abort(%r): the request has already finished; its final output comes from the next "
+                               "step()", request_id)
+            elif request_id in self._finished:
+                logger.warning("abort(%r): the request has already finished (finish_reason %r); nothing to abort",
+                               request_id, self._finished[request_id])
+            else:
+                logger.warning("abort(%r): no request has this id; nothing to abort", request_id)
+            return False
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is waiting or running, or a final output is still to be returned
         by :meth:`step`."""
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._kept) or bool(self.scheduler.ended)
+            return bool(self._requests) or bool(self._kept)
+
+    def _queue(self, req: Request) -> None:
+        self._requests[req.request_id] = req
+        self.scheduler.add(req)
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: ``kv_pages_total``, ``kv_pages_free`` (pages a request can take:
@@ -388,24 +417,32 @@ class Engine:
         except BaseException as e:
             self.scheduler.fail_running(f"the engine step failed: {type(e).__name__}: {e}")
             raise
-        outputs = [self._output(r, []) for r in self.scheduler.take_ended()]
-        outputs += [self._output(r, toks) for r, toks in progressed]
+        outputs = [self._output(r, ()) for r in self.scheduler.take_ended()]
+        outputs += [self._output(r, taken) for r, taken in progressed]
         return outputs
 
-    @staticmethod
-    def _output(req: Request, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, req: Request, sampled: Iterable[tuple[int, int]]) -> RequestOutput:
+        """The request's output for this step (:class:`~pasta_engine.engine.render.OutputRenderer`
+        renders what is new); a finished request is forgotten here (its id free again)."""
         finished = req.finished
-        interp = req.interp
-        counts = interp.clean_counts()
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new_tokens,
-            text=lambda: interp.clean_text(counts),
-            finished=finished,
-            finish_reason=req.finish_reason if finished else None,
-            error=req.error,
-            result=req.result() if finished else None,
-        )
+        result = req.result() if finished else None
+        if finished:
+            self._requests.pop(req.request_id, None)
+            self._finished[req.request_id] = req.finish_reason or ""
+            if len(self._finished) > _FINISHED_IDS_KEPT:
+                self._finished.popitem(last=False)
+        out = RequestOutput(req.request_id, [], finished=finished, finish_reason=req.finish_reason if finished else None,
+                            error=req.error, result=result, decode_steps=req.steps,
+                            tokens_decoded=req.interp.total_sampled)
+        rnd = req.renderer
+        if rnd is None:  # generate()/replay() collect this request themselves: only its result matters
+            out.new_token_ids = [tok for _, tok in sampled]
+            out.text = result.text if result is not None else ""
+            return out
+        step = rnd.update(req.interp, sampled, out.finish_reason, result.text if result is not None else None)
+        out.text, out.delta_text, out.new_token_ids = rnd.text, step.delta_text, step.new_token_ids
+        out.thread_deltas, out.events = step.thread_deltas, step.events
+        return out
 
     def _run(self, reqs: list[Request], progress: bool) -> list[RequestResult]:
         """Queue ``reqs`` and step until all have finished; outputs of other requests are kept
@@ -418,7 +455,7 @@ class Engine:
 
             bar = tqdm(total=len(reqs), unit="prompt", desc="decoding")
         for r in reqs:
-            self.scheduler.add(r)
+            self._queue(r)
         try:
             while len(results) < len(reqs):
                 for out in self._step():
@@ -434,7 +471,9 @@ class Engine:
             for r in reqs:
                 if not r.finished:
                     self.scheduler.abort(r.request_id)
-            self.scheduler.ended = [r for r in self.scheduler.ended if r.request_id not in mine]
+            self.scheduler.take_ended(mine)  # their final outputs go nowhere: the caller gets the exception
+            for rid in mine:
+                self._requests.pop(rid, None)
             raise
         finally:
             if bar is not None:
@@ -445,8 +484,9 @@ class Engine:
         """Merge ``out`` into the kept output of its request (deltas concatenated)."""
         prev = self._kept.get(out.request_id)
         if prev is not None:
-            out.new_token_ids = prev.new_token_ids + out.new_token_ids
-        self._kept[out.request_id] = out
+            prev.add(out)
+        else:
+            self._kept[out.request_id] = out
 
     def generate(
         self,

@@ -16,10 +16,12 @@ from typing import Any, Callable
 from .. import metrics
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..lang.detokenizer import token_bytes_for
-from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN, clean_text
+from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN
 from ..lang.tokenization import decode, encode_tag, replay_eos_id
+from . import render
 from .block_manager import KVView
 from .interpreter import Interpreter
+from .render import OutputRenderer, ThreadDelta, ThreadEvent
 from .replay import replay_script
 
 __all__ = [
@@ -124,46 +126,85 @@ class RequestResult:
 
 
 class RequestOutput:
-    """What one :meth:`~pasta_engine.engine.llm_engine.Engine.step` did for a request.
+    """What :meth:`~pasta_engine.engine.llm_engine.Engine.step` has new for a request.
+
+    Text and tokens follow vLLM's DELTA/CUMULATIVE semantics, in the response's reading order
+    (main text up to a promise, its chunk, the main text after it, ...; docs/DESIGN.md section 7),
+    rendered once by :class:`~pasta_engine.engine.render.OutputRenderer`:
 
     Attributes:
         request_id: the id ``add_request`` returned.
-        new_token_ids: tokens sampled for it in this step, all threads, in thread order.
-        text: the clean response so far in reading order (:meth:`Interpreter.clean_text`: no
-            tag text; a partial tag, and a last line that may still become a list item a tag
-            empties, are held back until the request ends; at the end it is ``result.text``). The
-            engine passes a function that builds it from a snapshot taken at the step, run on
-            the first read: a caller who never reads it (``generate``, benchmarks) does not pay
-            for joining every thread's text each step (~10 us at 16 threads), and a late read
-            still gives the text as of this step.
+        text: the clean response so far in reading order (CUMULATIVE): the longest prefix that
+            can no longer change (the main text after a chunk still decoding is held until it
+            ends; a partial tag, or a last line that may still become a list item a tag
+            empties, is held back). Each output's ``text`` extends the previous one's (nothing
+            is taken back, a restart after a preemption included), no tag text is ever in it,
+            and at the end it is ``result.text``.
+        delta_text: what ``text`` gained since the request's previous output (DELTA): the
+            deltas concatenate to the final text.
+        new_token_ids: the tokens sampled for it since its previous output, all threads (EOS
+            included), in the step's thread order; each sampled token once, also when a
+            preempted request re-samples its tokens after its restart.
+        thread_deltas: the same per thread, with its id, its new tokens and its new clean text
+            (:class:`~pasta_engine.engine.render.ThreadDelta`), by thread id.
+        events: what happened to its threads (:class:`~pasta_engine.engine.render.ThreadEvent`:
+            fork, text, end, join, finish), in order.
         finished: whether the request is over; then ``finish_reason`` is one of
             :data:`FINISH_REASONS` and ``result`` holds the whole response and its stats.
-        error: the message of the error that ended it (``finish_reason == "error"``)."""
+        error: the message of the error that ended it (``finish_reason == "error"``).
+        decode_steps: forward passes that sampled for it so far (of its current run after a
+            preemption); tokens_decoded: tokens its current run sampled, all threads.
 
-    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "error", "result", "_text", "_text_fn")
+    Requests that ``generate``/``replay`` run themselves are not rendered step by step: their
+    outputs carry only the final ``result`` (with ``text`` = ``result.text``)."""
 
-    def __init__(self, request_id: str, new_token_ids: list[int], text: str | Callable[[], str],
+    __slots__ = ("request_id", "text", "delta_text", "new_token_ids", "thread_deltas", "events", "finished",
+                 "finish_reason", "error", "result", "decode_steps", "tokens_decoded")
+
+    def __init__(self, request_id: str, new_token_ids: list[int], text: str = "", delta_text: str = "",
+                 thread_deltas: list[ThreadDelta] | None = None, events: list[ThreadEvent] | None = None,
                  finished: bool = False, finish_reason: str | None = None, error: str | None = None,
-                 result: RequestResult | None = None):
+                 result: RequestResult | None = None, decode_steps: int = 0, tokens_decoded: int = 0):
         self.request_id = request_id
         self.new_token_ids = new_token_ids
-        self._text, self._text_fn = (None, text) if callable(text) else (text, None)
+        self.text = text
+        self.delta_text = delta_text
+        self.thread_deltas = thread_deltas if thread_deltas is not None else []
+        self.events = events if events is not None else []
         self.finished = finished
         self.finish_reason = finish_reason
         self.error = error
         self.result = result
+        self.decode_steps = decode_steps
+        self.tokens_decoded = tokens_decoded
 
-    @property
-    def text(self) -> str:
-        """The clean response as of this output's step (built on the first read, then kept)."""
-        if self._text is None:
-            self._text, self._text_fn = self._text_fn(), None
-        return self._text
+    def add(self, later: "RequestOutput") -> None:
+        """Fold ``later``, the next output of the same request, into this one (vLLM's
+        ``RequestOutput.add``): deltas, tokens and events concatenated, per thread too; the
+        cumulative text, the state and the counters are ``later``'s.
+
+        Raises ValueError when ``later`` belongs to another request."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot add an output of request {later.request_id!r} to one of {self.request_id!r}")
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.delta_text += later.delta_text
+        merged = {d.thread: ThreadDelta(d.thread, list(d.token_ids), d.text) for d in self.thread_deltas}
+        for d in later.thread_deltas:
+            m = merged.get(d.thread)
+            if m is None:
+                merged[d.thread] = ThreadDelta(d.thread, list(d.token_ids), d.text)
+            else:
+                m.token_ids += d.token_ids
+                m.text += d.text
+        self.thread_deltas = [merged[k] for k in sorted(merged)]
+        self.events = self.events + later.events
+        for name in ("text", "finished", "finish_reason", "error", "result", "decode_steps", "tokens_decoded"):
+            setattr(self, name, getattr(later, name))
 
     def __repr__(self) -> str:
-        return (f"RequestOutput(request_id={self.request_id!r}, new_token_ids={self.new_token_ids!r}, "
-                f"text={self.text!r}, finished={self.finished!r}, finish_reason={self.finish_reason!r}, "
-                f"error={self.error!r})")
+        return (f"RequestOutput(request_id={self.request_id!r}, delta_text={self.delta_text!r}, "
+                f"new_token_ids={self.new_token_ids!r}, text={self.text!r}, finished={self.finished!r}, "
+                f"finish_reason={self.finish_reason!r}, error={self.error!r})")
 
     @property
     def stats(self) -> RequestStats | None:
@@ -236,7 +277,8 @@ class Request:
     ``preemptions``; times in seconds from ``time.perf_counter``.
     ``count_content_tokens``: the length of a text under the model's canonical tokenization,
     for the content figures of :class:`RequestStats`; None (a request built without a
-    tokenizer) gives 0 content and tag tokens."""
+    tokenizer) gives 0 content and tag tokens. ``renderer``: what of it the step API has
+    output (kept across a preemption's restart; None: only its final result is output)."""
 
     request_id: str
     index: int
@@ -259,6 +301,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     count_content_tokens: Callable[[str], int] | None = None
+    renderer: OutputRenderer | None = None
 
     def __post_init__(self) -> None:
         if self.interp is None:
@@ -278,12 +321,12 @@ class Request:
     def result(self) -> RequestResult:
         """The response as it stands (the whole response once finished)."""
         it = self.interp
-        sp = it.spliced()
+        sp = render.spliced(it)
         st = it.structure()
         cp = metrics.critical_path(st)
         parallelism = metrics.token_parallelism(st, cp) if cp else 1.0  # cp 0: nothing was sampled
-        annotated = it.annotated_text()
-        text = clean_text(annotated)  # what a reader sees: no tag text, no list item a tag emptied
+        annotated = render.annotated_text(it)
+        text = render.final_text(it, annotated)  # what a reader sees: no tag text, no list item a tag emptied
         content = self.count_content_tokens(text) if self.count_content_tokens is not None else 0
         eos = sum(1 for t in it.threads if t.finish == "eos")
         tags = metrics.tag_tokens(it.total_sampled, content, eos) if self.count_content_tokens is not None else 0

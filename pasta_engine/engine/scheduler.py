@@ -139,10 +139,19 @@ class Scheduler:
         """Whether a request is waiting or running."""
         return bool(self.waiting or self.running)
 
-    def take_ended(self) -> list[Request]:
-        """Requests that ended by abort or error outside a step's postprocess, since the last call."""
-        out, self.ended = self.ended, []
+    def take_ended(self, request_ids: set[str] | None = None) -> list[Request]:
+        """Requests that ended by abort or error outside a step's postprocess, since the last
+        call; with ``request_ids``, only those (the others stay for the next call)."""
+        if request_ids is None:
+            out, self.ended = self.ended, []
+            return out
+        out = [r for r in self.ended if r.request_id in request_ids]
+        self.ended = [r for r in self.ended if r.request_id not in request_ids]
         return out
+
+    def get(self, request_id: str) -> Request | None:
+        """The waiting or running request with that id (None when there is none)."""
+        return self._find(request_id)
 
     def abort(self, request_id: str) -> Request | None:
         """End the request now with ``finish_reason="abort"``, freeing every page it holds.
@@ -360,12 +369,15 @@ class Scheduler:
                 out.append(ScheduledThread(req, s, slots, runs(views[s.tid])))
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, sampled: SampledTokens | None) -> list[tuple[Request, list[int]]]:
+    def postprocess(self, batch: ScheduledBatch,
+                    sampled: SampledTokens | None) -> list[tuple[Request, list[tuple[int, int]]]]:
         """Hand the sampled tokens to the interpreters, apply their KV operations, and end the
         requests that finished.
 
-        Returns ``(request, new token ids)`` for every request that ran this step, in batch
-        order (a request that failed here comes back too, finished with an error)."""
+        Returns ``(request, [(thread id, token id), ...])`` for every request that ran this
+        step, in batch order, with the tokens its interpreter took (a token sampled after the
+        request ended within the step, e.g. at ``max_new_tokens``, is not taken; a request that
+        failed here comes back too, finished with an error)."""
         self.total_steps += 1
         by_req: dict[int, tuple[Request, list[ScheduledThread]]] = {}
         for st in batch.threads:
@@ -386,7 +398,7 @@ class Scheduler:
                     bm.cache_prefix(req.views[main], it.prompt_ids, min(n_prompt, s.positions[-1] + 1))
             it.step_done(steps)
         at = 0
-        out: list[tuple[Request, list[int]]] = []
+        out: list[tuple[Request, list[tuple[int, int]]]] = []
         if sampled is not None:
             errors, all_toks, all_lps = sampled.errors, sampled.token_ids, sampled.logprobs  # waits for the tokens
         else:
@@ -405,26 +417,27 @@ class Scheduler:
                 out.append((req, []))
                 continue
             it = req.interp
+            taken: list[tuple[int, int]] = []
             if sampling:
                 req.steps += 1
                 req.max_width = max(req.max_width, n_sample)
                 its = it.threads
                 req.prefill_tokens += sum(len(s.tokens) for s in sampling if not its[s.tid].n_sampled)
                 on_token = it.on_token
-                if req.params.return_logprobs:
-                    for s, tok, lp in zip(sampling, toks, lps):
-                        on_token(s.tid, tok, lp)
-                else:
-                    for s, tok in zip(sampling, toks):
-                        on_token(s.tid, tok, None)
+                keep_lps = req.params.return_logprobs
+                for s, tok, lp in zip(sampling, toks, lps if keep_lps else toks):
+                    before = it.total_sampled
+                    on_token(s.tid, tok, lp if keep_lps else None)
+                    if it.total_sampled != before:
+                        taken.append((s.tid, tok))
             try:
                 self._apply_kv_ops(req)
             except KVCacheExhausted as e:
                 self.fail(req, str(e))
                 self.ended.remove(req)
-                out.append((req, list(toks)))
+                out.append((req, taken))
                 continue
             if it.done:
                 self._end(req, it.finish)
-            out.append((req, list(toks)))
+            out.append((req, taken))
         return out

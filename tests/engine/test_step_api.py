@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pasta_engine import Engine, ParameterError, SamplingParams
+from pasta_engine import Engine, Limits, ParameterError, SamplingParams
 
 ANNOTATED = 'Tips: <promise topic="a" tokens="10"/><async>Sleep.</async> <promise topic="b" tokens="10"/>' \
             '<async>Walk.</async><sync/> Done.'
@@ -169,17 +169,194 @@ def test_interleaved_add_step_abort(engine, reference, ops, victim):
     assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == s["waiting"] == 0
 
 
-def test_output_text_read_late_is_the_text_as_of_its_step(engine, tiny_llama):
+def test_step_text_is_a_prefix_stable_reading_order(engine):
+    """The issue's case: out.text used to be a snapshot in the response's order, so
+    "Tips: Sleep Done" became "Tips: Sleep early Done". Now every output's text extends the
+    previous one's (the main text after a chunk still decoding is held), delta_text is what it
+    gained, and the last one is the result's text."""
     from pasta_engine.lang.tags import strip_tags
 
     rid = engine.add_request("Give me tips.", annotated_response=ANNOTATED)
-    req = engine.scheduler.waiting[0]
-    kept, eager = [], []
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) > 3 and all(o.request_id == rid for o in outs)
+    text = ""
+    for o in outs:
+        assert o.text == text + o.delta_text, (text, o.delta_text, o.text)  # prefix-stable, nothing taken back
+        text = o.text
+    assert len({o.text for o in outs}) > 2  # it grew step by step (not one final string)
+    assert outs[-1].text == outs[-1].result.text == strip_tags(ANNOTATED)
+    assert "".join(o.delta_text for o in outs) == outs[-1].result.text
+    # the main text after promise "a" ("Tips: " ... " Done.") waits for chunk "a": never "Tips:  ..." first
+    assert all(o.text == "Tips: " or not o.text.startswith("Tips:  ") for o in outs)
+
+
+def sampled_tokens(interp, open_len: int, eos: int) -> dict[int, list[int]]:
+    """Each thread's sampled tokens, from a finished interpreter (a chunk's inserted <async>
+    is not sampled; its EOS is not kept in its tokens)."""
+    out = {}
+    for t in interp.threads:
+        toks = list(t.tokens) if t.is_main else list(t.tokens[open_len:]) + ([eos] if t.finish == "eos" else [])
+        if t.n_sampled:
+            out[t.tid] = toks
+    return out
+
+
+def test_per_thread_deltas_concatenate_to_each_threads_tokens_and_text(engine):
+    rids = [engine.add_request([5, 9, 10, 11], annotated_response=ANNOTATED),
+            engine.add_request(PROMPTS[1], PARAMS[1], mode="pasta")]
+    reqs = {rid: engine._requests[rid] for rid in rids}
+    toks = {rid: {} for rid in rids}
+    texts = {rid: {} for rid in rids}
+    flat = {rid: [] for rid in rids}
+    events = {rid: [] for rid in rids}
+    finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            kept.append(out)
-            eager.append(req.interp.clean_text())  # what the step's text was, computed now
-    assert len(kept) > 3 and all(o.request_id == rid for o in kept)
-    assert [o.text for o in kept] == eager  # read only after the request ended
-    assert len(set(eager)) > 2  # the text grew step by step (not one final string)
-    assert kept[-1].text == strip_tags(ANNOTATED)
+            flat[out.request_id] += out.new_token_ids
+            events[out.request_id] += out.events
+            assert [d.thread for d in out.thread_deltas] == sorted({d.thread for d in out.thread_deltas})
+            for d in out.thread_deltas:
+                toks[out.request_id].setdefault(d.thread, []).extend(d.token_ids)
+                texts[out.request_id].setdefault(d.thread, []).append(d.text)
+            if out.finished:
+                finals[out.request_id] = out
+    assert len(engine.eos_ids) == 1
+    for rid in rids:
+        it, r = reqs[rid].interp, finals[rid].result
+        assert len(flat[rid]) == r.stats.tokens_decoded == finals[rid].tokens_decoded  # each sampled token once
+        assert toks[rid] == sampled_tokens(it, len(it.open_ids), engine.eos_ids[0])
+        assert sorted(flat[rid]) == sorted(t for ts in toks[rid].values() for t in ts)
+        assert {k: "".join(v) for k, v in texts[rid].items()} == {t.tid: "".join(t.clean) for t in it.threads
+                                                                   if "".join(t.clean)}
+        assert events[rid][-1].kind == "finish"
+    assert len(toks[rids[0]]) == 3  # the replay forked twice: the main thread and two chunks
+
+
+def test_abort_of_a_finished_or_unknown_request_says_so(engine, caplog):
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=3))
+    drain(engine)
+    with caplog.at_level("WARNING", logger="pasta_engine.engine.llm_engine"):
+        assert engine.abort(rid) is False
+        assert engine.abort("never-added") is False
+    assert "already finished (finish_reason 'length')" in caplog.text
+    assert "'never-added'): no request has this id" in caplog.text
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    # aborted, its final output not yet returned: abort again says the abort's output is coming
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=3))
+    assert engine.abort(rid) is True
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pasta_engine.engine.llm_engine"):
+        assert engine.abort(rid) is False
+    assert "its final output comes from the next step()" in caplog.text
+    [out] = engine.step()
+    assert out.finish_reason == "abort" and out.finished
+
+
+# --------------------------------------------------------------------------- interleavings with preemptions
+
+TRACE3 = ("Intro.\n" + "".join(f"{i}. <promise topic=\"p{i}\" tokens=\"10\"/><async>" + "word " * (3 + 2 * i)
+                               + "</async>\n" for i in range(3)) + "<sync/>Done.")
+JOBS = [  # (prompt, params, mode, annotated response)
+    ([5, 9, 10, 11], None, "pasta", ANNOTATED),
+    ([6, 9, 10, 12], None, "pasta", TRACE3),
+    ([7, 9, 10, 13], SamplingParams(max_new_tokens=30, temperature=0.9, seed=21), "sequential", None),
+    ([8, 9, 10, 14], SamplingParams(max_new_tokens=30, temperature=0.9, seed=22), "pasta", None),
+    ([9, 9, 10, 15], SamplingParams(max_new_tokens=24, temperature=1.0, seed=23), "sequential", None),
+]
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_llama):
+    """A cache small enough that running requests get preempted (each one alone fits)."""
+    probe = Engine.from_pretrained(tiny_llama, kv_cache_bytes=2**20, page_size=4)
+    per_page = probe.model_runner.kv_cache_bytes // probe.stats()["kv_pages_total"]
+    return Engine.from_pretrained(tiny_llama, kv_cache_bytes=40 * per_page, page_size=4, max_running_requests=4,
+                                  limits=Limits(max_threads=None))
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Each job run alone by generate() / replay()."""
+    out = []
+    for prompt, params, mode, ann in JOBS:
+        if ann is None:
+            out.append(engine.generate([prompt], params, mode=mode)[0])
+        else:
+            out.append(engine.replay([prompt], [ann], mode=mode)[0])
+    return out
+
+
+def test_the_tight_engine_preempts(tight, alone):
+    ids = [tight.add_request(p, sp, mode=m, annotated_response=a) for p, sp, m, a in JOBS]
+    finals = drain(tight)
+    assert tight.stats()["preemptions"] >= 1
+    assert [finals[i].result.text for i in ids] == [r.text for r in alone]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort"]), min_size=6, max_size=40),
+       order=st.permutations(range(len(JOBS))), victim=st.integers(0, 10))
+def test_interleaved_step_outputs_are_prefix_stable_and_end_as_generate(tight, alone, ops, order, victim):
+    """Random interleavings of add_request / step / abort in a cache that preempts: each
+    request's text only ever grows (a restart included) and ends as generate()'s, its deltas
+    concatenate to it, every sampled token comes out once (per thread, with its thread id),
+    and every page is free at the end."""
+    added: list[tuple[str, int]] = []
+    aborted: set[str] = set()
+    reqs, outs = {}, {}
+    tag = f"{id(ops)}-{len(ops)}-{victim}"
+
+    def add():
+        j = order[len(added)]
+        p, sp, m, a = JOBS[j]
+        rid = tight.add_request(p, sp, mode=m, annotated_response=a, request_id=f"i{j}-{tag}")
+        added.append((rid, j))
+        reqs[rid] = tight._requests[rid]
+        outs[rid] = []
+
+    def step():
+        for out in tight.step():
+            outs[out.request_id].append(out)
+
+    for op in ops:
+        if op == "add" and len(added) < len(JOBS):
+            add()
+        elif op == "step":
+            step()
+        elif op == "abort" and added:
+            rid = added[victim % len(added)][0]
+            if tight.abort(rid):
+                aborted.add(rid)
+    while len(added) < len(JOBS):
+        add()
+    while tight.has_unfinished_requests():
+        step()
+    for rid, j in added:
+        seq = outs[rid]
+        assert seq and seq[-1].finished and all(not o.finished for o in seq[:-1])
+        text = ""
+        for o in seq:
+            assert o.text == text + o.delta_text  # prefix-stable
+            text = o.text
+        final = seq[-1]
+        flat = [t for o in seq for t in o.new_token_ids]
+        per = {}
+        for o in seq:
+            for d in o.thread_deltas:
+                per.setdefault(d.thread, []).extend(d.token_ids)
+        assert sorted(flat) == sorted(t for ts in per.values() for t in ts)
+        if rid in aborted:
+            assert final.finish_reason == "abort"
+            if not final.result.stats.preemptions:
+                assert final.text == final.result.text
+            continue
+        assert final.finish_reason in ("stop", "length"), final.error
+        assert final.text == final.result.text == alone[j].text  # generate()'s text
+        assert final.result.token_ids == alone[j].token_ids
+        it = reqs[rid].interp
+        assert per == sampled_tokens(it, len(it.open_ids), tight.eos_ids[0])  # no token twice after a restart
+        assert len(flat) == final.result.stats.tokens_decoded
+    s = tight.stats()
+    assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == s["waiting"] == 0

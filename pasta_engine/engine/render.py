@@ -1,0 +1,387 @@
+"""One door out: how a request's threads become what a reader gets (no torch).
+
+Every text and token order the engine hands out is rendered here, once (docs/DESIGN.md
+sections 2 and 7):
+
+* the splice: :func:`spliced` (the response's tokens, each chunk's after the token that completed
+  its promise) and :func:`annotated_text` (every character the model wrote, each chunk after its
+  promise tag);
+* the clean text: :func:`final_text` (the finished response a reader sees:
+  :func:`pasta_engine.lang.tags.clean_text` of the annotated text, the one rule for what tag text
+  is left out) and :func:`clean_text` (the same text while the request runs, with what may still
+  change held back), both over :func:`splice_clean`;
+* reading order: :func:`reading_order_prefix`, the prefix of the response in reading order that
+  can no longer change (main text up to a promise, its chunk, the main text after it, ...);
+* :class:`OutputRenderer`: per request, across steps and preemptions, what is new since the
+  previous output (vLLM's DELTA/CUMULATIVE semantics): the reading-order text delta and the
+  cumulative text, the sampled tokens and each thread's tokens and clean text with its thread id
+  (never repeated after a preemption restarts the request), and :class:`ThreadEvent`\\ s. The
+  engine's :class:`~pasta_engine.engine.request.RequestOutput` carries it, and the async engine,
+  the server and the CLI read only that.
+
+The interpreter keeps the threads' state (tokens, pieces, clean pieces, drops, fork offsets);
+nothing here changes it, except the cached join of a thread's clean pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from ..lang.tags import ASYNC_CLOSE, drop_empty_items, held_line_start
+from ..lang.tags import clean_text as _clean_annotated
+
+if TYPE_CHECKING:  # the interpreter imports this module; only its types are needed here
+    from .interpreter import Interpreter, Thread
+
+__all__ = [
+    "Spliced",
+    "ThreadEvent",
+    "EVENT_KINDS",
+    "ThreadDelta",
+    "OutputRenderer",
+    "reading_order_key",
+    "splice_clean",
+    "spliced",
+    "annotated_text",
+    "clean_text",
+    "final_text",
+    "reading_order_prefix",
+]
+
+
+# --------------------------------------------------------------------------- the splice
+
+
+@dataclass
+class Spliced:
+    """A response in spliced order, one entry per token: id, logprob (None for inserted
+    tokens or when not asked), logical position and owning thread id."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)
+
+
+def _ran(interp: "Interpreter") -> list["Thread"]:
+    """The children that ran (a chunk the request ended before it ran has no text)."""
+    return [c for c in interp.threads[1:] if c.finish != "not_run"]
+
+
+def spliced(interp: "Interpreter") -> Spliced:
+    """The response's tokens in spliced order: each child's tokens right after the main token
+    that completed its promise (token granularity: if that token also holds the next
+    characters, they come before the chunk here but after it in :func:`annotated_text`). A
+    child's EOS is left out (it counts in its ``n_sampled``)."""
+    out = Spliced()
+    by_tok: dict[int, list[Thread]] = {}
+    for c in _ran(interp):
+        by_tok.setdefault(c.fork_at, []).append(c)
+
+    def add(t: Thread, lo: int, hi: int) -> None:
+        out.ids += t.tokens[lo:hi]
+        out.logprobs += t.logprobs[lo:hi]
+        out.positions += t.positions[lo:hi]
+        out.threads += [t.tid] * (hi - lo)
+
+    main = interp.main
+    for i in range(len(main.tokens) + 1):
+        for c in by_tok.get(i, []):
+            add(c, 0, len(c.tokens))
+        if i < len(main.tokens):
+            add(main, i, i + 1)
+    return out
+
+
+def annotated_text(interp: "Interpreter") -> str:
+    """The main thread's text with each chunk (``<async>`` + content, and ``</async>`` when the
+    interpreter closed it) spliced right after its promise tag: every character the model wrote."""
+    text = "".join(interp.main.pieces)
+    parts, at = [], 0
+    for c in sorted(_ran(interp), key=lambda c: (c.fork_char, c.tid)):
+        parts += [text[at : c.fork_char], "".join(c.pieces), ASYNC_CLOSE if c.closed_by_interpreter else ""]
+        at = c.fork_char
+    parts.append(text[at:])
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------- the clean text
+
+
+def joined(t: "Thread") -> str:
+    """``"".join(t.clean)``: a thread's clean text so far (tags left out, before empty list items
+    are dropped), joining only the pieces added since the last call."""
+    n, text = t.clean_joined
+    if n < len(t.clean):
+        text += "".join(t.clean[n:])
+        t.clean_joined = (len(t.clean), text)
+    return text
+
+
+def reading_order_key(t: "Thread") -> tuple[int, int]:
+    """Where a chunk's clean text goes: after ``fork_clean`` characters of the main thread's
+    (ties in fork order)."""
+    return (t.fork_clean, t.tid)
+
+
+def splice_clean(main: str, main_drops: Sequence[int], chunks: Sequence[tuple["Thread", str, Sequence[int], bool]],
+                 final: bool, stop_after: "Thread | None" = None) -> str:
+    """The clean text a reader sees: the main thread's clean text with each chunk's spliced at
+    its promise, less the list items left empty by what was left out
+    (:func:`~pasta_engine.lang.tags.drop_empty_items` over every thread's drops).
+
+    Args:
+        main, main_drops: the main thread's clean text and drops (or a prefix of them).
+        chunks: ``(thread, clean text, drops, ended)`` per chunk, in reading order.
+        final: the text is complete. False: what may still change is held back: the text's
+            last line while it may still become an empty list item, and so is the last line of
+            a chunk that has not ended (after its first line, which holds the chunk's
+            ``<async>`` and so is dropped when it is only a marker).
+        stop_after: the text ends after this chunk (a reading-order prefix).
+
+    A main-thread drop at a chunk's splice offset goes before the chunk when it was made
+    before the fork (``fork_drop``), after it otherwise, as in the annotated text."""
+    parts: list[str] = []
+    drops: list[int] = []
+    at = shift = i = 0
+    for c, text, cdrops, ended in chunks:
+        if not final and not ended and "\n" in text:
+            held = held_line_start(text)
+            if held < len(text):
+                text, cdrops = text[:held], [d for d in cdrops if d < held]
+        fc = c.fork_clean
+        parts.append(main[at:fc])
+        fd = min(c.fork_drop, len(main_drops))
+        while i < fd:
+            drops.append(main_drops[i] + shift)
+            i += 1
+        base = fc + shift
+        drops += [base + d for d in cdrops]
+        parts.append(text)
+        shift += len(text)
+        at = fc
+        if c is stop_after:
+            return drop_empty_items("".join(parts), drops, final)
+    parts.append(main[at:])
+    drops += [d + shift for d in main_drops[i:]]
+    return drop_empty_items("".join(parts), drops, final)
+
+
+def clean_text(interp: "Interpreter", final: bool | None = None) -> str:
+    """What a reader sees so far, in the response's order: the main thread's clean text with
+    each chunk's clean text spliced at its promise (:func:`splice_clean`). A partial tag still
+    being decoded is held back, and so is a last line that may still become an empty list item,
+    until the request ends (``final``: None for ``interp.done``). Not prefix-stable while the
+    request runs (a chunk's text lands in the middle); :func:`reading_order_prefix` is. At the
+    end it equals :func:`final_text`."""
+    ran = _ran(interp)
+    ran.sort(key=reading_order_key)
+    main = interp.main
+    return splice_clean(joined(main), main.drops, [(c, joined(c), c.drops, c.ended) for c in ran],
+                        interp.done if final is None else final)
+
+
+def final_text(interp: "Interpreter", annotated: str | None = None) -> str:
+    """The finished response a reader sees: :func:`pasta_engine.lang.tags.clean_text` of
+    :func:`annotated_text` (no tag, no malformed or partial tag, no list item a left-out tag
+    emptied; ``annotated``: that text when the caller has it). What ``RequestResult.text``
+    holds and every output's text ends as."""
+    return _clean_annotated(annotated_text(interp) if annotated is None else annotated)
+
+
+def reading_order_prefix(interp: "Interpreter") -> str:
+    """The longest prefix of the response in reading order that can no longer change: main
+    text and chunks in reading order, stopping after the first chunk that is still decoding
+    (its text so far included), less a last line that may still become an empty list item.
+    Every later prefix of the same run extends it, and :func:`final_text` at the end does."""
+    main = interp.main
+    chunks: list[tuple[Thread, str, list[int], bool]] = []
+    stop = None
+    for c in sorted(interp.threads[1:], key=reading_order_key):
+        chunks.append((c, joined(c), c.drops, c.ended))
+        if not c.ended:
+            stop = c
+            break
+    return splice_clean(joined(main), main.drops, chunks, False, stop)
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+#: Kinds of :class:`ThreadEvent`, in the order one thread goes through them.
+EVENT_KINDS = ("fork", "text", "end", "join", "finish")
+
+
+@dataclass(frozen=True)
+class ThreadEvent:
+    """Something that happened to one thread of a request.
+
+    Attributes:
+        kind: ``fork`` (a promise forked thread ``thread`` from ``parent``; ``topic`` and
+            ``tokens``, the predicted length in tokens, come from the promise; ``at`` is the
+            main thread's clean length in characters where the chunk splices in), ``text``
+            (``text`` is the thread's new clean text, tags left out), ``end`` (the thread stopped
+            decoding; ``reason``: ``close`` at ``</async>``, ``eos``, ``cap`` (its length cap),
+            ``length``, ``trace_end``, ``abort``, ``error``, or ``not_run`` for a chunk the request
+            ended before it ran), ``join`` (an ended chunk became visible to the main thread, at a
+            ``<sync/>`` or at the main thread's end), ``finish`` (the request ended; thread 0,
+            ``reason`` is its finish reason).
+        thread: the thread's id (0 is the main thread; children are numbered in fork order).
+    """
+
+    kind: str
+    thread: int
+    parent: int | None = None
+    topic: str | None = None
+    tokens: int | None = None
+    at: int | None = None
+    text: str | None = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict without the fields this kind does not use."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(slots=True)
+class ThreadDelta:
+    """What is new for one thread of a request since its previous output.
+
+    Attributes:
+        thread: the thread's id (0 is the main thread; children in fork order).
+        token_ids: the tokens it sampled (EOS included; a chunk's inserted ``<async>`` is not
+            sampled, so not here), each once, in order: a thread's deltas concatenate to every
+            token it sampled.
+        text: its new clean text (tags and tag-like text left out; empty list items are only
+            dropped from the spliced text), in characters: a thread's deltas concatenate to its
+            whole clean text."""
+
+    thread: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+@dataclass(slots=True)
+class RenderedStep:
+    """What :meth:`OutputRenderer.update` found new: ``delta_text`` (reading-order text),
+    ``new_token_ids`` (all threads, in the step's thread order), ``thread_deltas`` (by thread
+    id), ``events``."""
+
+    delta_text: str
+    new_token_ids: list[int]
+    thread_deltas: list[ThreadDelta]
+    events: list[ThreadEvent]
+
+
+class OutputRenderer:
+    """What of one request has been output, and what is new at each step.
+
+    One per request for its whole life: it outlives a preemption (the request restarts from its
+    prompt with a fresh interpreter and re-decodes the same tokens); then nothing is output again
+    until the restarted run gets past what was output (no token, text or event twice).
+
+    ``text`` is the reading-order text output so far (:func:`reading_order_prefix`, then
+    :func:`final_text` at the end): each output's text extends the previous one's (prefix-stable).
+    """
+
+    __slots__ = ("text", "_tokens_sent", "_text_sent", "_forked", "_ended", "_joined", "_finished")
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._tokens_sent: dict[int, int] = {}  # thread id -> tokens it sampled that were output
+        self._text_sent: dict[int, int] = {}  # thread id -> characters of its clean text output
+        self._forked: set[int] = set()
+        self._ended: set[int] = set()
+        self._joined: set[int] = set()
+        self._finished = False
+
+    def update(self, interp: "Interpreter", sampled: Iterable[tuple[int, int]] = (),
+               finish_reason: str | None = None, final: str | None = None) -> RenderedStep:
+        """What is new after a step.
+
+        Args:
+            interp: the request's interpreter now (a fresh one after a preemption is fine).
+            sampled: ``(thread id, token id)`` of each token the step's sampling gave the
+                interpreter (applied by ``on_token``), in thread order.
+            finish_reason: the request's finish reason once it has ended (None while it runs):
+                every thread has ended then, and whatever was held back is output.
+            final: the finished response's clean text when the caller has it already
+                (:func:`final_text` otherwise).
+
+        Returns a :class:`RenderedStep`; afterwards ``text`` is the cumulative text."""
+        threads = interp.threads
+        # tokens: a thread samples one token per step, its index is n_sampled - 1; a restarted
+        # request re-samples the same ones: only those past what was output are new
+        new_ids: list[int] = []
+        per_thread: dict[int, ThreadDelta] = {}
+        sent_tokens = self._tokens_sent
+        for tid, tok in sampled:
+            idx = threads[tid].n_sampled - 1
+            if idx >= sent_tokens.get(tid, 0):
+                sent_tokens[tid] = idx + 1
+                new_ids.append(tok)
+                d = per_thread.get(tid)
+                if d is None:
+                    d = per_thread[tid] = ThreadDelta(tid)
+                d.token_ids.append(tok)
+        # each thread's clean text
+        before0 = self._text_sent.get(0, 0)
+        for t in threads:
+            s = joined(t)
+            done = self._text_sent.get(t.tid, 0)
+            if len(s) > done:
+                self._text_sent[t.tid] = len(s)
+                d = per_thread.get(t.tid)
+                if d is None:
+                    d = per_thread[t.tid] = ThreadDelta(t.tid)
+                d.text = s[done:]
+        events = self._events(interp, finish_reason, before0, per_thread)
+        # the reading-order text
+        if finish_reason is not None:
+            text = final if final is not None else final_text(interp)
+        else:
+            text = reading_order_prefix(interp)
+        delta = ""
+        if len(text) > len(self.text):  # a restarted run gives nothing new until it gets past the output
+            delta = text[len(self.text):]
+            self.text = text
+        return RenderedStep(delta, new_ids, [per_thread[k] for k in sorted(per_thread)], events)
+
+    def _events(self, interp: "Interpreter", finish_reason: str | None, sent0: int,
+                per_thread: dict[int, ThreadDelta]) -> list[ThreadEvent]:
+        out: list[ThreadEvent] = []
+        main = interp.main
+        main_text = joined(main)
+        # the main thread's new text, with each new fork at its splice point (a column view then
+        # shows where each chunk belongs)
+        for c in sorted((c for c in interp.threads[1:] if c.tid not in self._forked), key=reading_order_key):
+            if c.fork_clean > sent0:
+                out.append(ThreadEvent("text", 0, text=main_text[sent0 : c.fork_clean]))
+                sent0 = c.fork_clean
+            p = c.promise
+            out.append(ThreadEvent("fork", c.tid, parent=0, topic=p.topic, tokens=p.tokens, at=c.fork_clean))
+            self._forked.add(c.tid)
+        if len(main_text) > sent0:
+            out.append(ThreadEvent("text", 0, text=main_text[sent0:]))
+        if main.finish is not None and 0 not in self._ended:
+            out.append(ThreadEvent("end", 0, reason=main.finish))
+            self._ended.add(0)
+        for c in interp.threads[1:]:
+            d = per_thread.get(c.tid)
+            if d is not None and d.text:
+                out.append(ThreadEvent("text", c.tid, text=d.text))
+            if c.ended and c.tid not in self._ended:
+                out.append(ThreadEvent("end", c.tid, reason=c.finish or finish_reason or "stop"))
+                self._ended.add(c.tid)
+            implicit = finish_reason == "stop" and c.finish != "not_run"  # the main thread's end syncs
+            if (c.joined or implicit) and c.ended and c.tid not in self._joined:
+                out.append(ThreadEvent("join", c.tid, parent=0))
+                self._joined.add(c.tid)
+        if finish_reason is not None and not self._finished:
+            if 0 not in self._ended:
+                out.append(ThreadEvent("end", 0, reason=finish_reason))
+                self._ended.add(0)
+            out.append(ThreadEvent("finish", 0, reason=finish_reason))
+            self._finished = True
+        return out
