@@ -1,0 +1,138 @@
+"""The model runner (issue 21 item 3): it needs nothing of a model but the
+:class:`~pasta_engine.models.protocol.CausalLM` protocol, it sizes and owns the KV cache (and
+the per-slot key positions, only where a layer has a window), it records every new token's
+position before the forward, and it refuses settings it cannot run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pasta_engine import Engine, ParameterError, SamplingParams
+from pasta_engine.config import EngineConfig
+from pasta_engine.engine.model_runner import ModelRunner
+from pasta_engine.layers.kv_cache import KVCache, kv_bytes_per_token
+from pasta_engine.models.config import ModelConfig
+from pasta_engine.models.loader import load_model
+from pasta_engine.models.protocol import CausalLM
+
+PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47]
+ANNOTATED = (
+    "Tips:\n1. "
+    '<promise topic="sleep" tokens="30"/><async>Go to bed early.</async>\n2. '
+    '<promise topic="screens" tokens="20"/><async>Avoid screens at night.</async>\n'
+    "<sync/>\nAlso: "
+    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
+)
+
+
+class PositionEcho:
+    """A CausalLM with no weights: the next token after position ``p`` is ``100 + p % 5``. It
+    checks that every call carries what the protocol says."""
+
+    def __init__(self, vocab_size: int):
+        self.config = ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=8, intermediate_size=8,
+                                  num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6,
+                                  tie_word_embeddings=True, attention_bias=False, max_position_embeddings=512)
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.calls = 0
+
+    @property
+    def weight_bytes(self) -> int:
+        return 0
+
+    def projection_weights(self) -> list[torch.Tensor]:
+        return []
+
+    def forward(self, input_ids, positions, slot_mapping, kv_cache, backend, logits_indices):
+        self.calls += 1
+        t = input_ids.shape[0]
+        assert input_ids.dtype == positions.dtype == slot_mapping.dtype == torch.long
+        assert positions.shape == slot_mapping.shape == (t,)
+        assert isinstance(kv_cache, KVCache) and kv_cache.kv.shape[:2] == (2, 2)
+        rows = positions if logits_indices is None else positions[logits_indices]
+        logits = torch.zeros(rows.shape[0], self.config.vocab_size)
+        logits[torch.arange(rows.shape[0]), 100 + rows % 5] = 1.0
+        return logits
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    return load_model(tiny_llama)[1]
+
+
+def test_any_causal_lm_runs_through_the_runner(tokenizer):
+    model = PositionEcho(len(tokenizer))
+    assert isinstance(model, CausalLM)
+    engine = Engine(model, tokenizer, kv_cache_bytes=2**20, page_size=4)
+    assert not {100, 101, 102, 103, 104} & set(engine.eos_ids)
+    [res] = engine.generate([PROMPT], SamplingParams(max_new_tokens=7), mode="sequential")
+    assert res.token_ids == [100 + p % 5 for p in range(len(PROMPT) - 1, len(PROMPT) + 6)]
+    assert model.calls == 7  # one prefill, then one decode step per token
+    assert engine.model_runner.kv_cache.key_positions is None  # no window: no positions table
+    assert engine.model_runner.weight_bytes == 0
+
+
+@pytest.mark.parametrize("ckpt,windowed", [("tiny_llama", False), ("tiny_mistral", True)])
+def test_the_kv_cache_is_sized_by_the_budget(ckpt, windowed, request):
+    model = load_model(request.getfixturevalue(ckpt), with_tokenizer=False)[0]
+    c = model.config
+    budget = 3 * 2**20 + 123
+    runner = ModelRunner(model, EngineConfig(kv_cache_bytes=budget, page_size=4))
+    per_page = 4 * kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
+    assert runner.num_pages == budget // per_page
+    cache = runner.kv_cache
+    assert cache.kv.shape == (c.num_layers, 2, runner.num_pages, 4, c.num_kv_heads, c.head_dim)
+    assert cache.dtype == model.dtype
+    assert (cache.key_positions is not None) == windowed
+    if windowed:
+        assert cache.key_positions.shape == (runner.num_pages, 4)
+    assert runner.describe() == {"kv_cache_bytes": budget, "kv_cache_pages": runner.num_pages, "page_size": 4,
+                                 "attention_backend": "torch", "cuda_graphs": False}
+
+
+def test_positions_are_in_the_cache_before_every_forward(tiny_mistral):
+    """In a PASTA replay slots and positions part ways (a fork's tokens take positions after its
+    promise); a windowed layer must find each new key's logical position in the cache."""
+    engine = Engine.from_pretrained(tiny_mistral, kv_cache_bytes=8 * 2**20, page_size=4)
+    cache = engine.model_runner.kv_cache
+    forward = engine.model.forward
+    checked = []
+
+    def checking_forward(input_ids, positions, slot_mapping, kv_cache, *rest):
+        assert kv_cache is cache
+        keep = slot_mapping >= 0
+        table = kv_cache.key_positions.reshape(-1)
+        assert torch.equal(table[slot_mapping[keep]], positions[keep].to(torch.int32))
+        checked.append(int(keep.sum()))
+        return forward(input_ids, positions, slot_mapping, kv_cache, *rest)
+
+    engine.model.forward = checking_forward
+    [res] = engine.replay(["Give me sleep tips."], [ANNOTATED])
+    assert res.stats.forks == 3 and sum(checked) >= len(res.token_ids)
+
+
+def test_settings_it_cannot_run_are_refused(tiny_llama):
+    model = load_model(tiny_llama, with_tokenizer=False)[0]
+    with pytest.raises(ParameterError, match="holds no page"):
+        ModelRunner(model, EngineConfig(kv_cache_bytes=1000, page_size=4))
+    with pytest.raises(ParameterError, match="cuda_graphs=True needs the model on a CUDA device"):
+        ModelRunner(model, EngineConfig(kv_cache_bytes=2**20, page_size=4, cuda_graphs=True))
+    runner = ModelRunner(model, EngineConfig(kv_cache_bytes=2**20, page_size=4))
+    vocab = model.config.vocab_size
+    with pytest.raises(ValueError, match=f"outside the vocabulary of {vocab}"):
+        runner.set_grammar([(True, [vocab])])
+    runner.set_grammar([(True, [1, 2]), (False, [3])])
+    assert runner.grammar_masks.shape == (2, vocab)
+    assert runner.grammar_masks[0].sum() == vocab - 2 and runner.grammar_masks[1].sum() == 1
+
+
+def test_a_model_config_without_windows_needs_no_table_even_if_its_type_has_them(tiny_mistral):
+    """Tracking follows the loaded config's windows, not the architecture's name."""
+    model = load_model(tiny_mistral, with_tokenizer=False)[0]
+    model.config = dataclasses.replace(model.config, sliding_windows=(None,) * model.config.num_layers)
+    runner = ModelRunner(model, EngineConfig(kv_cache_bytes=2**20, page_size=4))
+    assert runner.kv_cache.key_positions is None
