@@ -51,6 +51,7 @@ from .block_manager import BlockManager
 from .interpreter import MODES
 from .model_runner import ModelRunner
 from .render import OutputRenderer
+from .streaming import OutputKind
 from .request import Request, RequestOutput, RequestResult, interpreter_factory
 from .scheduler import Scheduler
 
@@ -305,6 +306,7 @@ class Engine:
         *,
         limits: Limits | None = None,
         position_policy: str | PositionPolicy | None = None,
+        output_kind: str | OutputKind = OutputKind.CUMULATIVE,
     ) -> str:
         """Queue a request; it runs in the following :meth:`step` calls.
 
@@ -316,13 +318,23 @@ class Engine:
             annotated_response: make it a replay request forcing this annotated response
                 (string prompts then get the PASTA-LANG system prompt in both modes).
             limits, position_policy: override the engine's defaults for this request.
+            output_kind: ``cumulative`` or ``delta`` (the default; the same here: each
+                :class:`~pasta_engine.engine.request.RequestOutput` carries both the cumulative
+                ``text`` and ``delta_text``): :meth:`step` returns an output for each step the
+                request progressed in; ``final`` (vLLM's ``FINAL_ONLY``): only its final output,
+                and its text is not rendered at every step (what ``generate`` does).
 
         Returns the request id. Raises ParameterError (ContextLengthError for a prompt that
         does not fit the context or the KV cache) before the request takes any resource."""
         with self._lock:
+            try:
+                kind = OutputKind.parse(output_kind)
+            except ValueError as e:
+                raise ParameterError("output_kind", output_kind, message=str(e)) from None
             req = self._make_request(prompt, params, mode, request_id, annotated_response, None, limits,
                                      position_policy)
-            req.renderer = OutputRenderer()  # step() outputs its text and tokens as they come
+            if kind is not OutputKind.FINAL:
+                req.renderer = OutputRenderer()  # step() outputs its text and tokens as they come
             self._queue(req)
             return req.request_id
 
@@ -419,12 +431,15 @@ class Engine:
             raise
         outputs = [self._output(r, ()) for r in self.scheduler.take_ended()]
         outputs += [self._output(r, taken) for r, taken in progressed]
-        return outputs
+        return [o for o in outputs if o is not None]
 
-    def _output(self, req: Request, sampled: Iterable[tuple[int, int]]) -> RequestOutput:
+    def _output(self, req: Request, sampled: Iterable[tuple[int, int]]) -> RequestOutput | None:
         """The request's output for this step (:class:`~pasta_engine.engine.render.OutputRenderer`
-        renders what is new); a finished request is forgotten here (its id free again)."""
+        renders what is new; None for a request that outputs only its final result and has not
+        finished); a finished request is forgotten here (its id free again)."""
         finished = req.finished
+        if not finished and req.renderer is None:
+            return None
         result = req.result() if finished else None
         if finished:
             self._requests.pop(req.request_id, None)
@@ -435,9 +450,8 @@ class Engine:
                             error=req.error, result=result, decode_steps=req.steps,
                             tokens_decoded=req.interp.total_sampled)
         rnd = req.renderer
-        if rnd is None:  # generate()/replay() collect this request themselves: only its result matters
-            out.new_token_ids = [tok for _, tok in sampled]
-            out.text = result.text if result is not None else ""
+        if rnd is None:  # only its result matters (generate()/replay()'s own, output_kind "final")
+            out.text = out.delta_text = result.text  # its one output: the tokens are result.token_ids
             return out
         step = rnd.update(req.interp, sampled, out.finish_reason, result.text if result is not None else None)
         out.text, out.delta_text, out.new_token_ids = rnd.text, step.delta_text, step.new_token_ids

@@ -26,13 +26,16 @@ nothing here changes it, except the cached join of a thread's clean pieces.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..lang.tags import ASYNC_CLOSE, drop_empty_items, held_line_start
 from ..lang.tags import clean_text as _clean_annotated
 
-if TYPE_CHECKING:  # the interpreter imports this module; only its types are needed here
-    from .interpreter import Interpreter, Thread
+# The interpreter imports this module, so this one does not import it (no cycle, not even for
+# type checking): these names stand for pasta_engine.engine.interpreter's Interpreter and Thread,
+# read by attribute.
+Interpreter = Any
+Thread = Any
 
 __all__ = [
     "Spliced",

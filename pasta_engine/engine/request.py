@@ -155,8 +155,9 @@ class RequestOutput:
         decode_steps: forward passes that sampled for it so far (of its current run after a
             preemption); tokens_decoded: tokens its current run sampled, all threads.
 
-    Requests that ``generate``/``replay`` run themselves are not rendered step by step: their
-    outputs carry only the final ``result`` (with ``text`` = ``result.text``)."""
+    A request added with ``output_kind="final"`` (and those ``generate``/``replay`` run
+    themselves) is not rendered step by step: its one output is the final one, with ``text`` =
+    ``delta_text`` = ``result.text``, no token, thread or event deltas (``result`` has them all)."""
 
     __slots__ = ("request_id", "text", "delta_text", "new_token_ids", "thread_deltas", "events", "finished",
                  "finish_reason", "error", "result", "decode_steps", "tokens_decoded")

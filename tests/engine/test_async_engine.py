@@ -268,3 +268,32 @@ def test_shutdown_aborts_open_requests_and_refuses_later_ones(tiny_llama):
     assert not first.finished and rest[-1].finish_reason == "abort"
     assert not a.is_running and all_pages_free(a.engine.stats())
     a.shutdown()  # twice is fine
+
+
+def test_streams_through_preemptions_send_each_token_and_character_once(tiny_llama):
+    """A cache that preempts: the async engine, reading only the engine's RequestOutputs, sends
+    no token twice and no text twice when a request restarts."""
+    probe = Engine.from_pretrained(tiny_llama, kv_cache_bytes=2**20, page_size=4)
+    per_page = probe.model_runner.kv_cache_bytes // probe.stats()["kv_pages_total"]
+    tight = AsyncEngine(Engine.from_pretrained(tiny_llama, kv_cache_bytes=24 * per_page, page_size=4,
+                                               max_running_requests=4))
+    idx = [i for i in range(8) if MODES[i] == "sequential"] + [0]  # 0 twice: two requests, same tokens
+    params = [SamplingParams(max_new_tokens=40, temperature=PARAMS[i].temperature, seed=PARAMS[i].seed) for i in idx]
+
+    async def one(k):
+        return [o async for o in tight.generate(PROMPTS[idx[k]], params[k], mode="sequential")]
+
+    async def main():
+        return await asyncio.gather(*(one(k) for k in range(len(idx)))), await tight.stats()
+
+    try:
+        runs, stats = asyncio.run(main())
+    finally:
+        tight.shutdown()
+    assert stats["preemptions"] >= 1
+    for outs in runs:
+        final = outs[-1]
+        assert final.finish_reason in ("stop", "length")
+        assert [t for o in outs for t in o.token_ids] == final.result.token_ids  # sequential: in order, once
+        assert "".join(o.text for o in outs) == final.result.text
+    assert any(o[-1].stats.preemptions for o in runs)

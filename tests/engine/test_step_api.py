@@ -360,3 +360,15 @@ def test_interleaved_step_outputs_are_prefix_stable_and_end_as_generate(tight, a
         assert len(flat) == final.result.stats.tokens_decoded
     s = tight.stats()
     assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == s["waiting"] == 0
+
+
+def test_output_kind_final_gives_only_the_final_output(engine):
+    rid = engine.add_request([5, 9, 10, 11], annotated_response=ANNOTATED, output_kind="final")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    [out] = outs
+    assert out.request_id == rid and out.finished and out.finish_reason == "stop"
+    assert out.text == out.delta_text == out.result.text and out.new_token_ids == [] and out.events == []
+    with pytest.raises(ParameterError, match="output_kind"):
+        engine.add_request([5, 9], output_kind="final_only")
