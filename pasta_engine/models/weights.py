@@ -102,70 +102,85 @@ def adapt_checkpoint(state: dict[str, torch.Tensor], config: ModelConfig, device
     q/k/v (gate/up); CheckpointError naming a tensor whose shape disagrees with the config (an
     adapter's added rows included: ``config.vocab_size`` must count them)."""
     c = config
-    device = torch.device(device)
-    fused = c.architecture.fused_checkpoint
+    ck = _Checkpoint(state, torch.device(device), dtype, c.norm_unit_offset, c.architecture.fused_checkpoint)
+    tied = c.tie_word_embeddings or "lm_head.weight" not in state
+    embed = ck.take("model.embed_tokens.weight")
+    lm_head = embed if tied else ck.take("lm_head.weight")
+    state.pop("lm_head.weight", None)
+    _check("model.embed_tokens.weight", embed, c.vocab_size, c.hidden_size)
+    _check("lm_head.weight", lm_head, c.vocab_size, c.hidden_size)
+    layers = [_adapt_layer(ck, c, i) for i in range(c.num_layers)]
+    return DecoderWeights(embed=embed, lm_head=lm_head, norm=ck.norm("model.norm.weight"), layers=layers)
 
-    def take(name: str) -> torch.Tensor:
-        if name not in state:
+
+class _Checkpoint:
+    """Takes tensors out of a state dict by name, onto the device in the dtype."""
+
+    def __init__(self, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 unit_offset: bool, fused: bool):
+        self.state, self.device, self.dtype = state, device, dtype
+        self.unit_offset, self.fused = unit_offset, fused
+
+    def take(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, removed from the state; UnsupportedModelError when it is missing."""
+        if name not in self.state:
             raise UnsupportedModelError(f"checkpoint has no tensor {name!r}")
-        return state.pop(name).to(device=device, dtype=dtype)
+        return self.state.pop(name).to(device=self.device, dtype=self.dtype)
 
-    def norm(name: str) -> torch.Tensor:
-        # Gemma's (1 + w) is precomputed in float32, as its RMSNorm multiplies
-        return 1.0 + take(name).float() if c.norm_unit_offset else take(name)
+    def norm(self, name: str) -> torch.Tensor:
+        """An RMSNorm weight as the forward multiplies it (Gemma: ``1 + w`` in float32)."""
+        return 1.0 + self.take(name).float() if self.unit_offset else self.take(name)
 
-    def joined(names: list[str], fused_name: str) -> torch.Tensor:
-        return take(fused_name) if fused else torch.cat([take(n) for n in names])
+    def joined(self, names: list[str], fused_name: str) -> torch.Tensor:
+        """``names`` concatenated along the output rows, or ``fused_name`` for a fused checkpoint."""
+        return self.take(fused_name) if self.fused else torch.cat([self.take(n) for n in names])
 
-    def bias(names: list[str]) -> torch.Tensor | None:
-        have = [n for n in names if n in state]
+    def bias(self, names: list[str]) -> torch.Tensor | None:
+        """The biases ``names`` concatenated, None when the checkpoint has none of them;
+        UnsupportedModelError when it has only some."""
+        have = [n for n in names if n in self.state]
         if not have:
             return None
         if len(have) != len(names):
             raise UnsupportedModelError(f"checkpoint has biases {have} but not {sorted(set(names) - set(have))}")
-        return torch.cat([take(n) for n in names])
+        return torch.cat([self.take(n) for n in names])
 
-    def check(name: str, t: torch.Tensor | None, *shape: int) -> None:
-        if t is not None and tuple(t.shape) != shape:
-            raise CheckpointError("model", None, message=f"{name} is {tuple(t.shape)} but the config makes it {shape}")
 
+def _check(name: str, t: torch.Tensor | None, *shape: int) -> None:
+    """CheckpointError naming ``name`` when ``t`` is not ``shape``."""
+    if t is not None and tuple(t.shape) != shape:
+        raise CheckpointError("model", None, message=f"{name} is {tuple(t.shape)} but the config makes it {shape}")
+
+
+def _adapt_layer(ck: _Checkpoint, c: ModelConfig, i: int) -> LayerWeights:
+    """Layer ``i``'s :class:`LayerWeights`, its projection shapes checked against ``c``."""
+    p = f"model.layers.{i}."
+    a, m = p + "self_attn.", p + "mlp."
+    qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
+    layer = LayerWeights(
+        in_norm=ck.norm(p + "input_layernorm.weight"),
+        qkv=ck.joined([n + ".weight" for n in qkv], a + "qkv_proj.weight"),
+        qkv_bias=ck.bias([n + ".bias" for n in qkv]),
+        q_norm=ck.norm(a + "q_norm.weight") if c.qk_norm else None,
+        k_norm=ck.norm(a + "k_norm.weight") if c.qk_norm else None,
+        o=ck.take(a + "o_proj.weight"),
+        o_bias=ck.bias([a + "o_proj.bias"]),
+        # Gemma 2 names the norm of the attention output post_attention_layernorm and the MLP's
+        # input norm pre_feedforward_layernorm; Llama's post_attention_layernorm is the MLP's input norm
+        attn_out_norm=ck.norm(p + "post_attention_layernorm.weight") if c.sandwich_norms else None,
+        mlp_norm=ck.norm(p + ("pre_feedforward_layernorm.weight" if c.sandwich_norms
+                              else "post_attention_layernorm.weight")),
+        mlp_out_norm=ck.norm(p + "post_feedforward_layernorm.weight") if c.sandwich_norms else None,
+        gate_up=ck.joined([m + "gate_proj.weight", m + "up_proj.weight"], m + "gate_up_proj.weight"),
+        gate_up_bias=ck.bias([m + "gate_proj.bias", m + "up_proj.bias"]),
+        down=ck.take(m + "down_proj.weight"),
+        down_bias=ck.bias([m + "down_proj.bias"]),
+    )
     hidden, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
     qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * d
-    tied = c.tie_word_embeddings or "lm_head.weight" not in state
-    embed = take("model.embed_tokens.weight")
-    lm_head = embed if tied else take("lm_head.weight")
-    state.pop("lm_head.weight", None)
-    check("model.embed_tokens.weight", embed, c.vocab_size, hidden)
-    check("lm_head.weight", lm_head, c.vocab_size, hidden)
-    layers = []
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
-        layer = LayerWeights(
-            in_norm=norm(p + "input_layernorm.weight"),
-            qkv=joined([n + ".weight" for n in qkv], a + "qkv_proj.weight"),
-            qkv_bias=bias([n + ".bias" for n in qkv]),
-            q_norm=norm(a + "q_norm.weight") if c.qk_norm else None,
-            k_norm=norm(a + "k_norm.weight") if c.qk_norm else None,
-            o=take(a + "o_proj.weight"),
-            o_bias=bias([a + "o_proj.bias"]),
-            # Gemma 2 names the norm of the attention output post_attention_layernorm and the
-            # MLP's input norm pre_feedforward_layernorm; Llama's post_attention_layernorm is
-            # the MLP's input norm
-            attn_out_norm=norm(p + "post_attention_layernorm.weight") if c.sandwich_norms else None,
-            mlp_norm=norm(p + ("pre_feedforward_layernorm.weight" if c.sandwich_norms
-                               else "post_attention_layernorm.weight")),
-            mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if c.sandwich_norms else None,
-            gate_up=joined([m + "gate_proj.weight", m + "up_proj.weight"], m + "gate_up_proj.weight"),
-            gate_up_bias=bias([m + "gate_proj.bias", m + "up_proj.bias"]),
-            down=take(m + "down_proj.weight"),
-            down_bias=bias([m + "down_proj.bias"]),
-        )
-        check(a + "qkv", layer.qkv, qkv_rows, hidden)
-        check(a + "qkv bias", layer.qkv_bias, qkv_rows)
-        check(a + "o_proj.weight", layer.o, hidden, c.num_heads * d)
-        check(m + "gate_up", layer.gate_up, 2 * inter, hidden)
-        check(m + "down_proj.weight", layer.down, hidden, inter)
-        layers.append(layer)
-    return DecoderWeights(embed=embed, lm_head=lm_head, norm=norm("model.norm.weight"), layers=layers)
+    _check(a + "qkv", layer.qkv, qkv_rows, hidden)
+    _check(a + "qkv bias", layer.qkv_bias, qkv_rows)
+    _check(a + "o_proj.weight", layer.o, hidden, c.num_heads * d)
+    _check(m + "gate_up", layer.gate_up, 2 * inter, hidden)
+    _check(m + "down_proj.weight", layer.down, hidden, inter)
+    return layer
