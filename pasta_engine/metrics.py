@@ -54,6 +54,7 @@ __all__ = [
     "simulate_steps",
     "content_speedup",
     "token_parallelism",
+    "content_token_count",
     "tag_tokens",
     "tag_token_fraction",
     "realized_speedup",
@@ -190,6 +191,20 @@ def token_parallelism(s: ResponseStructure, critical: int | None = None) -> floa
     if cp <= 0:
         raise ValueError("token parallelism of a response with no step")
     return s.tokens / cp
+
+
+def content_token_count(canonical_tokens: int, tokens_decoded: int, eos_tokens: int) -> int:
+    """The content tokens of a response (tokens): its clean text's length under the canonical
+    tokenization (``canonical_tokens``), at most the tokens it sampled that were not EOS
+    (``tokens_decoded - eos_tokens``).
+
+    The cap: a model can write text in tokens that the canonical tokenization splits into more
+    (a byte-fallback character, an odd merge); counting those would report content the run never
+    decoded, and an answer that never forked a content speedup above 1. Raises ValueError for a
+    negative count."""
+    if min(canonical_tokens, tokens_decoded, eos_tokens) < 0:
+        raise ValueError(f"token counts must be >= 0, got {canonical_tokens}, {tokens_decoded}, {eos_tokens}")
+    return min(canonical_tokens, max(0, tokens_decoded - eos_tokens))
 
 
 def tag_tokens(tokens_decoded: int, content_tokens: int, eos_tokens: int) -> int:

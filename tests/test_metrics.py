@@ -158,3 +158,16 @@ def test_aggregates():
     with pytest.raises(ValueError):
         realized_speedup(1.0, 0.0)
     assert math.isclose(geomean([2.0] * 5), 2.0)
+
+
+def test_content_tokens_never_exceed_what_the_run_sampled():
+    """A tiny model wrote ``hDo\ufffd`` in 4 tokens that re-tokenize to 5: counted as 5, an answer that
+    never forked reported a content speedup of 1.25x. The count is capped at the non-EOS tokens sampled."""
+    from pasta_engine.metrics import content_token_count
+
+    assert content_token_count(5, 4, 0) == 4
+    assert content_token_count(5, 6, 1) == 5
+    assert content_token_count(30, 40, 2) == 30  # tags sampled: fewer content tokens than sampled
+    assert content_token_count(3, 0, 0) == 0
+    with pytest.raises(ValueError):
+        content_token_count(-1, 4, 0)

@@ -55,7 +55,8 @@ class RequestStats:
 
     content_tokens: tokens of the clean ``text`` (tags stripped) under the canonical
     tokenization (:func:`pasta_engine.lang.tokenization.encode_text`), no tag tokens and no
-    EOS; content_speedup: the theoretical content speedup, content_tokens / critical_path (0 for
+    EOS, at most the non-EOS tokens sampled (:func:`pasta_engine.metrics.content_token_count`);
+    content_speedup: the theoretical content speedup, content_tokens / critical_path (0 for
     an answer without content); decode_steps: forward passes that sampled for the request (the
     prompt's prefill pass included: it samples the first token); prefill_tokens: tokens
     forwarded without being sampled (prompt, inserted ``<async>`` tags; a prompt's tokens read
@@ -328,8 +329,9 @@ class Request:
         parallelism = metrics.token_parallelism(st, cp) if cp else 1.0  # cp 0: nothing was sampled
         annotated = render.annotated_text(it)
         text = render.final_text(it, annotated)  # what a reader sees: no tag text, no list item a tag emptied
-        content = self.count_content_tokens(text) if self.count_content_tokens is not None else 0
         eos = sum(1 for t in it.threads if t.finish == "eos")
+        content = (metrics.content_token_count(self.count_content_tokens(text), it.total_sampled, eos)
+                   if self.count_content_tokens is not None else 0)
         tags = metrics.tag_tokens(it.total_sampled, content, eos) if self.count_content_tokens is not None else 0
         forks = sum(1 for t in it.threads[1:] if t.finish != "not_run")
         stats = RequestStats(

@@ -286,3 +286,14 @@ def test_triton_backend_replays_like_the_torch_reference(ckpt, request):
         torch.tensor([x for x in got.logprobs if x is not None]),
         torch.tensor([x for x in ref.logprobs if x is not None]), rtol=1e-4, atol=1e-4,
     )
+
+
+def test_an_answer_that_never_forks_has_a_content_speedup_of_at_most_one(tiny_llama):
+    """Random weights write byte-fallback text that the canonical tokenization splits finer; the
+    content speedup of a one-thread answer must still not exceed 1."""
+    engine = Engine.from_pretrained(tiny_llama, adapter=None, kv_cache_bytes=8 * 2**20)
+    for seed in range(6):
+        [r] = engine.generate(["Give me two tips."], SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed),
+                              mode="sequential")
+        assert r.stats.forks == 0 and r.stats.content_speedup <= 1.0
+        assert r.stats.content_tokens <= r.stats.tokens_decoded
