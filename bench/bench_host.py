@@ -59,6 +59,15 @@ SPLIT = ("schedule", "interp", "plan", "forward", "sample")
 # --------------------------------------------------------------------------- the scenario
 
 
+
+def _final_only(engine) -> dict:
+    """``output_kind="final"`` where the engine has it (what ``generate`` runs: no per-step
+    rendering, which a step-API user reading every step's text pays on top; older engines
+    rendered lazily)."""
+    import inspect
+
+    return {"output_kind": "final"} if "output_kind" in inspect.signature(engine.add_request).parameters else {}
+
 def build_model(out_dir: str | Path) -> Path:
     """The near-zero-cost model: tiny-llama with 1 layer, hidden 32, 2 heads of 16, 1 KV head."""
     from pasta_engine.tools.presets import build_checkpoint
@@ -147,7 +156,7 @@ def run_width(engine, width: int, tail: int = 64) -> list[dict]:
                 patched.append((obj, name))
         engine.profile = []
         for _ in range(n_req):
-            engine.add_request(prompt, annotated_response=resp, limits=Limits(max_threads=per_req))
+            engine.add_request(prompt, annotated_response=resp, limits=Limits(max_threads=per_req), **_final_only(engine))
         chosen: list[int] = []  # indices (in this replay's steps) of the recorded steps
         try:
             k = -1
@@ -177,7 +186,7 @@ def run_width(engine, width: int, tail: int = 64) -> list[dict]:
         # the same replay again with the profile off (as a user runs it): replay is
         # deterministic, so step k is the same step; its wall time is "step_unprofiled"
         for _ in range(n_req):
-            engine.add_request(prompt, annotated_response=resp, limits=Limits(max_threads=per_req))
+            engine.add_request(prompt, annotated_response=resp, limits=Limits(max_threads=per_req), **_final_only(engine))
         walls: list[float] = []
         while engine.has_unfinished_requests():
             t = time.perf_counter()

@@ -394,7 +394,8 @@ def _decode(engine: Any, args: argparse.Namespace, row: dict[str, Any], mode: st
     same loop ``Engine.generate`` runs: its result. On Ctrl-C the request is aborted (its pages
     freed), what it decoded so far is printed (as the row's JSON with ``"interrupted": true``
     under ``--json``) and :class:`_Interrupted` is raised."""
-    rid = engine.add_request(row["prompt"], params, mode=mode, annotated_response=response)
+    # only the final output is read: output_kind="final" spares the per-step rendering
+    rid = engine.add_request(row["prompt"], params, mode=mode, annotated_response=response, output_kind="final")
     try:
         while True:
             for out in engine.step():
