@@ -104,10 +104,10 @@ def _merge_inputs(r: int, h: int, d: int, splits: int, dtype: torch.dtype, seed:
     part_o = torch.randn(s, h, d, device="cuda", generator=g)
     part_lse = 5 * torch.randn(s, h, device="cuda", generator=g)
     row_indptr = (torch.arange(r + 1, device="cuda") * splits).to(torch.int32)
-    row_slots = torch.arange(s, device="cuda", dtype=torch.int32)
+    row_parts = torch.arange(s, device="cuda", dtype=torch.int32)
     out = torch.empty(r, h, d, device="cuda", dtype=dtype)
     out_lse = torch.empty(r, h, device="cuda")
-    return part_o, part_lse, row_indptr, row_slots, out, out_lse
+    return part_o, part_lse, row_indptr, row_parts, out, out_lse
 
 
 def _merge_bytes(r, h, d, splits, es) -> int:

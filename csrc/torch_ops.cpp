@@ -1,6 +1,6 @@
 // Torch binding of the pasta-engine CUDA kernels: TORCH_LIBRARY(pasta_engine) with
 //   torch.ops.pasta_engine.rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> q_out
-//   torch.ops.pasta_engine.lse_merge(part_o, part_lse, row_indptr, row_slots, out, out_lse) -> ()
+//   torch.ops.pasta_engine.lse_merge(part_o, part_lse, row_indptr, row_parts, out, out_lse) -> ()
 // Built by CMakeLists.txt into pasta_engine/_C.so (loaded by pasta_engine/csrc_ops.py through
 // torch.ops.load_library). Every op checks shapes, dtypes, strides and devices with a
 // TORCH_CHECK naming the bad argument, then launches on the current CUDA stream with no host
@@ -154,7 +154,7 @@ at::Tensor rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Ten
 }
 
 void lse_merge(const at::Tensor& part_o, const at::Tensor& part_lse, const at::Tensor& row_indptr,
-               const at::Tensor& row_slots, const at::Tensor& out, const std::optional<at::Tensor>& out_lse) {
+               const at::Tensor& row_parts, const at::Tensor& out, const std::optional<at::Tensor>& out_lse) {
   const char* op = "lse_merge";
   check_device(out, out, op, "out", "out");
   TORCH_CHECK(out.dim() == 3, op, ": out must be 3-D [R, H, D], got shape ", out.sizes());
@@ -172,15 +172,15 @@ void lse_merge(const at::Tensor& part_o, const at::Tensor& part_lse, const at::T
               ": part_lse must be [S, H] = [", S, ", ", H, "], got shape ", part_lse.sizes());
   TORCH_CHECK(row_indptr.dim() == 1 && row_indptr.size(0) == R + 1, op, ": row_indptr must be [R + 1] = [", R + 1,
               "] (R from out), got shape ", row_indptr.sizes());
-  TORCH_CHECK(row_slots.dim() == 1, op, ": row_slots must be 1-D [nnz], got shape ", row_slots.sizes());
+  TORCH_CHECK(row_parts.dim() == 1, op, ": row_parts must be 1-D [nnz], got shape ", row_parts.sizes());
   check_dtype(part_o, at::kFloat, op, "part_o", "fp32 partial outputs");
   check_dtype(part_lse, at::kFloat, op, "part_lse", "fp32 natural-log LSE");
   check_dtype(row_indptr, at::kInt, op, "row_indptr", "int32 CSR offsets");
-  check_dtype(row_slots, at::kInt, op, "row_slots", "int32 part indices");
-  TORCH_CHECK(row_indptr.is_contiguous() && row_slots.is_contiguous(), op,
-              ": row_indptr and row_slots must be contiguous");
+  check_dtype(row_parts, at::kInt, op, "row_parts", "int32 part indices");
+  TORCH_CHECK(row_indptr.is_contiguous() && row_parts.is_contiguous(), op,
+              ": row_indptr and row_parts must be contiguous");
   const std::pair<const at::Tensor*, const char*> tensors[] = {
-      {&part_o, "part_o"}, {&part_lse, "part_lse"}, {&row_indptr, "row_indptr"}, {&row_slots, "row_slots"}};
+      {&part_o, "part_o"}, {&part_lse, "part_lse"}, {&row_indptr, "row_indptr"}, {&row_parts, "row_parts"}};
   for (const auto& [t, name] : tensors) check_device(*t, out, op, name, "out");
   if (out_lse.has_value()) {
     const at::Tensor& ol = *out_lse;
@@ -200,7 +200,7 @@ void lse_merge(const at::Tensor& part_o, const at::Tensor& part_lse, const at::T
   p.part_lse_stride_h = part_lse.stride(1);
   p.num_parts = S;
   p.row_indptr = row_indptr.const_data_ptr<int32_t>();
-  p.row_slots = row_slots.const_data_ptr<int32_t>();
+  p.row_parts = row_parts.const_data_ptr<int32_t>();
   p.out = out.data_ptr();
   p.out_stride_r = out.stride(0);
   p.out_stride_h = out.stride(1);
@@ -222,7 +222,7 @@ TORCH_LIBRARY(pasta_engine, m) {
       "rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def(
-      "lse_merge(Tensor part_o, Tensor part_lse, Tensor row_indptr, Tensor row_slots, Tensor(a!) out, "
+      "lse_merge(Tensor part_o, Tensor part_lse, Tensor row_indptr, Tensor row_parts, Tensor(a!) out, "
       "Tensor? out_lse) -> ()");
 }
 

@@ -18,20 +18,22 @@ Kernel (FlashAttention-2, Dao 2023, algorithm 1: online softmax with a running m
 rescaled accumulator, one normalization at the end; base-2 exponentials with the scale folded
 into ``log2(e)``, as in the Triton fused-attention tutorial and FlashInfer):
 
-* grid ``(cdiv(max_q_len * G, BLOCK_M), Hkv, B)`` with ``G = Hq / Hkv``; program ``(m, g, b)``
-  takes the query rows ``m*BLOCK_M ..`` of sequence ``b``, flattened as (token, head of group
-  ``g``) pairs so the ``G`` query heads that share a KV head share every K/V tile it loads
+* grid ``(cdiv(max_q_len * G, BLOCK_M), Hkv, B)`` with ``G = Hq / Hkv`` (the GQA group size);
+  program ``(m, kvh, b)`` takes the query rows ``m*BLOCK_M ..`` of sequence ``b``, flattened as
+  (token, query head of KV head ``kvh``'s GQA group) pairs so the ``G`` query heads that share a
+  KV head share every K/V tile it loads
   (the row packing FlashInfer uses for GQA decode/prefill). Programs past a sequence's
   ``q_len * G`` rows exit at once, so the grid depends only on shapes and the caller's upper
   bound ``max_q_len``, never on lengths read from the device (CUDA-graph friendly).
 * the K/V loop walks the page list ``BLOCK_N // PAGE_BLOCK`` pages at a time (``PAGE_BLOCK`` =
-  page_size rounded up to a power of two); a tile slot is a key iff its offset is below its
-  page's visible length, and its view position is the running count of keys before it
+  page_size rounded up to a power of two); a tile lane (offset ``tile_off`` in one of the tile's
+  pages) is a key iff that offset is below its page's length, and its view position is the
+  running count of keys before it
   (a prefix sum over the tile), so partial pages anywhere in the view cost only masked lanes.
   A short pre-scan over the page lengths finds how many pages hold a key visible to the block
   (causal cut-off), so the main loop is a plain counted loop (software-pipelinable).
 * per-layer options (:mod:`.attention_options`): a sliding window over logical positions
-  (masked per (row, key) from the rows' positions and the cache slots' positions) and an
+  (masked per (row, key) from the rows' positions and the KV slots' positions) and an
   attention-logit soft-cap, constexpr switches with runtime values.
 """
 
@@ -111,7 +113,7 @@ def _extend_attn_kernel(
 
         offs_n = tl.arange(0, BLOCK_N)
         tile_page = offs_n // PAGE_BLOCK
-        tile_slot = offs_n % PAGE_BLOCK
+        tile_off = offs_n % PAGE_BLOCK
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -121,7 +123,7 @@ def _extend_attn_kernel(
             p_ok = pidx < need
             page = tl.load(kv_pages_ptr + p_begin + pidx, mask=p_ok, other=0)
             plen = tl.load(kv_page_lens_ptr + p_begin + pidx, mask=p_ok, other=0)
-            is_key = tile_slot < plen
+            is_key = tile_off < plen
             key_i32 = is_key.to(tl.int32)
             vpos = base + tl.cumsum(key_i32, 0) - 1
             base += tl.sum(key_i32, 0)
@@ -130,7 +132,7 @@ def _extend_attn_kernel(
                 kv_mask = is_key[:, None]
             else:
                 kv_mask = is_key[:, None] & d_ok[None, :]
-            slot_off_k = page.to(tl.int64) * stride_kp + tile_slot * stride_ks + kvh * stride_kh
+            slot_off_k = page.to(tl.int64) * stride_kp + tile_off * stride_ks + kvh * stride_kh
             k = tl.load(k_cache_ptr + slot_off_k[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             kt = tl.trans(k.to(q.dtype))  # [BLOCK_D, BLOCK_N]
             if IEEE:
@@ -139,7 +141,7 @@ def _extend_attn_kernel(
                 qk = tl.dot(q, kt)
             visible = is_key[None, :] & (vpos[None, :] <= limit[:, None])
             if WINDOW:
-                k_pos = tl.load(k_pos_ptr + page.to(tl.int64) * stride_kpos_p + tile_slot, mask=is_key,
+                k_pos = tl.load(k_pos_ptr + page.to(tl.int64) * stride_kpos_p + tile_off, mask=is_key,
                                 other=0).to(tl.int64)
                 visible = visible & (k_pos[None, :] > q_lo[:, None])
             if SOFTCAP:
@@ -152,7 +154,7 @@ def _extend_attn_kernel(
             p = tl.math.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
 
-            slot_off_v = page.to(tl.int64) * stride_vp + tile_slot * stride_vs + kvh * stride_vh
+            slot_off_v = page.to(tl.int64) * stride_vp + tile_off * stride_vs + kvh * stride_vh
             v = tl.load(v_cache_ptr + slot_off_v[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")

@@ -1,30 +1,33 @@
 """Tree decode attention: every single-token query of a step over its paged KV view, one launch.
 
 The forked threads of a PASTA request share KV segments (the prompt, the main thread up to each
-fork, joined chunks) and own private ones. The host groups the step's pages by *which query
-rows see them* (:func:`build_plan`): a group is a run of pages and the rows that all see it.
-One program per (work item, KV head) then
+fork, joined chunks) and own private ones. The host sorts the step's pages by *which query
+rows see them* (:func:`build_plan`): a *row set* is a list of pages and the query rows that all
+see them (at most ``max_rows_per_item`` rows; not to be confused with a *GQA group*, the query
+heads that share one KV head). A *work item* is a row set and a range of its pages. One program
+per (work item, KV head) then
 
-* loads the queries of the group's rows for that KV head's GQA group as one tile
-  (rows = threads x query heads of the group, padded to a power of two >= 16),
+* loads the queries of the row set's rows for that KV head's GQA group as one tile
+  (rows = threads x query heads of the GQA group, padded to a power of two >= 16),
 * streams the work item's pages once (``BLOCK_N`` tokens per iteration, gathered through the
   page list, masked by each page's used length; pages in the middle of a list may be partial)
   and multiplies each K/V tile with all those queries at once (tensor-core ``tl.dot``),
 * keeps a FlashAttention-2 online softmax in fp32 with ``exp2`` (Dao 2023, section 3.1), and
-* writes a partial result (output and natural-log log-sum-exp) per (row, head).
+* writes a *split-KV partial* (output and natural-log log-sum-exp) per (row, head).
 
-Work is split along the KV length too (FlashDecoding's split-KV, Dao et al. 2023): a group's
+Work is split along the KV length too (FlashDecoding's split-KV, Dao et al. 2023): a row set's
 pages are cut into chunks so that a batch-1 request still fills the GPU. Partials of a row are
 folded in the same launch: after storing its partials a program increments a per-(row, KV head)
 counter; the program that brings it to the row's partial count merges them by the log-sum-exp
 rule (as FlashInfer's ``merge_state``), writes the output and resets the counter to zero for
-the next launch. Rows with a single partial are written directly. ``merge="separate"`` instead
+the next launch. Rows with a single partial are written directly. The ``MERGE_*`` constants
+below name these cases. ``merge="separate"`` instead
 runs a second small kernel for the merge, and a callable ``merge`` (the CUDA extension's
 ``lse_merge``, say) is handed every row's partials (both kept to measure which is cheapest on
 the GPU). The partial buffers and counters are scratch memory the caller owns
 (:class:`DecodeWorkspace`), as SGLang's decode kernel takes them.
 
-The same kernel is the *plain* path: with ``mode="plain"`` every row is its own group over its
+The same kernel is the *plain* path: with ``mode="plain"`` every row is its own row set over its
 whole view, which is FlashDecoding-style per-thread paged attention. ``mode="auto"`` picks
 tree or plain with a bytes-read cost model (:func:`choose_mode`).
 
@@ -33,7 +36,7 @@ device-side work count exit at once, and ``split`` is a runtime value, so a capt
 serves any context length up to its capacity.
 
 Per-layer options (:mod:`.attention_options`): a sliding window over logical positions (each
-row of a group has its own position, so the mask is per (row, key)) and an attention-logit
+row of a row set has its own position, so the mask is per (row, key)) and an attention-logit
 soft-cap, both constexpr switches with runtime values. Any ``head_dim`` runs in a
 power-of-two tile (``BLOCK_D``, masked: 96 for Phi-3-mini), any GQA group including 1.
 """
@@ -66,32 +69,46 @@ __all__ = [
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 
+# How a launch merges each row's split-KV partials (the kernels' ``MERGE`` constexpr; the
+# launcher passes ``.value``). A partial is a row's softmax-normalized output and natural-log
+# log-sum-exp over one work item's pages; the partials of a row are folded by the log-sum-exp
+# rule ``o = sum_i exp(lse_i - m) o_i / sum_i exp(lse_i - m)``, ``m = max_i lse_i``
+# (FlashDecoding's split-KV reduction, Dao et al. 2023; FlashInfer's ``merge_state``).
+#: every row has one partial: written straight to the output, no partial buffer traffic
+MERGE_NONE = tl.constexpr(0)
+#: in the same launch: the last program to deliver a row's partial merges them (``merge="inline"``)
+MERGE_INLINE = tl.constexpr(1)
+#: partials of multi-partial rows are stored and :func:`_merge_kernel` merges them (``merge="separate"``)
+MERGE_SEPARATE = tl.constexpr(2)
+#: every row's partials are stored, single ones too, for a callable ``merge`` (the CUDA extension's ``lse_merge``)
+MERGE_EXTERNAL = tl.constexpr(3)
+
 
 @triton.jit
 def _merge_row(
-    O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_SLOT_START, ROW_SLOTS, r, nparts, h,
-    HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_PART_START, ROW_PARTS, r, nparts, h,
+    HQ: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Fold the ``nparts`` partials of query row ``r`` for KV head ``h``'s query heads."""
-    offs_g = tl.arange(0, GROUP_P2)
+    offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     dval = offs_d < D
     gval = offs_g < GROUP
     qh = h * GROUP + offs_g
-    s0 = tl.load(ROW_SLOT_START + r)
-    m = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    p0 = tl.load(ROW_PART_START + r)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     for i in range(0, nparts):
-        sl = tl.load(ROW_SLOTS + s0 + i).to(tl.int64)
-        lse = tl.load(PART_LSE + sl * HQ + qh, mask=gval, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(ROW_PARTS + p0 + i).to(tl.int64)
+        lse = tl.load(PART_LSE + part * HQ + qh, mask=gval, other=float("-inf"), cache_modifier=".cg")
         m = tl.maximum(m, lse)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
+    den = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     for i in range(0, nparts):
-        sl = tl.load(ROW_SLOTS + s0 + i).to(tl.int64)
-        lse = tl.load(PART_LSE + sl * HQ + qh, mask=gval, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(ROW_PARTS + p0 + i).to(tl.int64)
+        lse = tl.load(PART_LSE + part * HQ + qh, mask=gval, other=float("-inf"), cache_modifier=".cg")
         w = tl.exp(lse - m_safe)
-        o = tl.load(PART_O + (sl * HQ + qh[:, None]) * D + offs_d[None, :], mask=gval[:, None] & dval[None, :],
+        o = tl.load(PART_O + (part * HQ + qh[:, None]) * D + offs_d[None, :], mask=gval[:, None] & dval[None, :],
                     other=0.0, cache_modifier=".cg")
         acc += w[:, None] * o
         den += w
@@ -105,14 +122,14 @@ def _merge_row(
 def _tree_decode_kernel(
     Q, K, V, O,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_ot, stride_oh,
-    WORK_GROUP, WORK_LO, WORK_HI, WORK_SLOT, NUM_WORK,
-    GROUP_ROW_START, GROUP_NROWS, GROUP_ROWS,
+    WORK_ROWSET, WORK_LO, WORK_HI, WORK_PART, NUM_WORK,
+    ROWSET_ROW_START, ROWSET_NROWS, ROWSET_ROWS,
     PAGES, PAGE_LENS,
-    ROW_NPARTS, ROW_SLOT_START, ROW_SLOTS,
+    ROW_NPARTS, ROW_PART_START, ROW_PARTS,
     PART_O, PART_LSE, COUNTERS,
     Q_POS, K_POS, stride_kpos_p,
     sm_scale_log2, window, cap_log2,
-    HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
@@ -120,21 +137,21 @@ def _tree_decode_kernel(
     h = tl.program_id(1)
     if w < tl.load(NUM_WORK):
         HQ: tl.constexpr = HKV * GROUP
-        grp = tl.load(WORK_GROUP + w)
+        rs = tl.load(WORK_ROWSET + w)
         lo = tl.load(WORK_LO + w)
         hi = tl.load(WORK_HI + w)
-        slot0 = tl.load(WORK_SLOT + w)
-        rstart = tl.load(GROUP_ROW_START + grp)
-        nrows = tl.load(GROUP_NROWS + grp)
+        part0 = tl.load(WORK_PART + w)
+        rstart = tl.load(ROWSET_ROW_START + rs)
+        nrows = tl.load(ROWSET_NROWS + rs)
 
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         dval = offs_d < D
         offs_n = tl.arange(0, BLOCK_N)
-        j = offs_m // GROUP_P2
-        g = offs_m % GROUP_P2
+        j = offs_m // GROUP_PAD
+        g = offs_m % GROUP_PAD
         mval = (j < nrows) & (g < GROUP)
-        row = tl.load(GROUP_ROWS + rstart + j, mask=mval, other=0).to(tl.int64)
+        row = tl.load(ROWSET_ROWS + rstart + j, mask=mval, other=0).to(tl.int64)
         qh = h * GROUP + g
         q = tl.load(Q + row[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :],
                     mask=mval[:, None] & dval[None, :], other=0.0)
@@ -178,77 +195,82 @@ def _tree_decode_kernel(
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
         nparts = tl.load(ROW_NPARTS + row, mask=mval, other=1)
-        direct = mval & (nparts == 1) & (MERGE != 3)
+        direct = mval & (nparts == 1) & (MERGE != MERGE_EXTERNAL)
         tl.store(O + row[:, None] * stride_ot + qh[:, None] * stride_oh + offs_d[None, :],
                  o.to(O.dtype.element_ty), mask=direct[:, None] & dval[None, :])
-        if MERGE > 0:
+        if MERGE != MERGE_NONE:
             lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-            slot = (slot0 + j).to(tl.int64)
-            pm = mval & ((nparts > 1) | (MERGE == 3))
-            tl.store(PART_O + (slot[:, None] * HQ + qh[:, None]) * D + offs_d[None, :], o, mask=pm[:, None] & dval[None, :])
-            tl.store(PART_LSE + slot * HQ + qh, lse, mask=pm)
-            if MERGE == 1:
+            part = (part0 + j).to(tl.int64)
+            pm = mval & ((nparts > 1) | (MERGE == MERGE_EXTERNAL))
+            tl.store(PART_O + (part[:, None] * HQ + qh[:, None]) * D + offs_d[None, :], o, mask=pm[:, None] & dval[None, :])
+            tl.store(PART_LSE + part * HQ + qh, lse, mask=pm)
+            if MERGE == MERGE_INLINE:
                 # In-launch merge: the last program to deliver a partial of a row folds them.
                 tl.debug_barrier()
                 for jj in range(0, nrows):
-                    r = tl.load(GROUP_ROWS + rstart + jj)
+                    r = tl.load(ROWSET_ROWS + rstart + jj)
                     np_r = tl.load(ROW_NPARTS + r)
                     if np_r > 1:
                         cnt = tl.atomic_add(COUNTERS + r * HKV + h, 1, sem="acq_rel")
                         if cnt == np_r - 1:
-                            _merge_row(O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_SLOT_START, ROW_SLOTS,
-                                       r, np_r, h, HQ, GROUP, GROUP_P2, D, BLOCK_D)
+                            _merge_row(O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_PART_START, ROW_PARTS,
+                                       r, np_r, h, HQ, GROUP, GROUP_PAD, D, BLOCK_D)
                             tl.atomic_xchg(COUNTERS + r * HKV + h, 0, sem="relaxed")
 
 
 @triton.jit
 def _merge_kernel(
-    O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_NPARTS, ROW_SLOT_START, ROW_SLOTS, NUM_ROWS,
-    HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_NPARTS, ROW_PART_START, ROW_PARTS, NUM_ROWS,
+    HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
     if r < tl.load(NUM_ROWS):
         np_r = tl.load(ROW_NPARTS + r)
         if np_r > 1:
-            _merge_row(O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_SLOT_START, ROW_SLOTS, r, np_r, h,
-                       HKV * GROUP, GROUP, GROUP_P2, D, BLOCK_D)
+            _merge_row(O, stride_ot, stride_oh, PART_O, PART_LSE, ROW_PART_START, ROW_PARTS, r, np_r, h,
+                       HKV * GROUP, GROUP, GROUP_PAD, D, BLOCK_D)
 
 
 # --------------------------------------------------------------------------- host side
 
-View = list[tuple[int, list[int], list[int]]]  # (segment id, pages, used slots per page)
+#: One KV segment of a row's view: ``(segment id, pages, page lens)`` (the same tuple as
+#: :data:`pasta_engine.layers.attention.Run`; this package is a leaf and imports no engine code).
+Run = tuple[int, list[int], list[int]]
+View = list[Run]  # a query row's KV view: its runs, in view order
 
 
 @dataclass
 class DecodePlan:
     """Device-side description of one step's decode attention (built by :func:`build_plan`).
 
-    Work items ``w``: row group ``work_group[w]``, pages ``pages[work_lo[w]:work_hi[w]]``,
-    first partial slot ``work_slot[w]``. Row groups ``g``: rows
-    ``group_rows[group_row_start[g] : + group_nrows[g]]`` (indices into the query tensor).
-    Per query row ``r``: ``row_nparts[r]`` partials in slots
-    ``row_slots[row_slot_start[r] : + row_nparts[r]]``. All int32 on the device;
+    Work items ``w``: row set ``work_rowset[w]``, pages ``pages[work_lo[w]:work_hi[w]]``,
+    index of its first split-KV partial ``work_part[w]`` (its rows' partials are
+    ``work_part[w] + j``, ``j`` the row's place in the row set). Row sets ``s``: rows
+    ``rowset_rows[rowset_row_start[s] : + rowset_nrows[s]]`` (indices into the query tensor).
+    Per query row ``r``: ``row_nparts[r]`` partials, at the partial indices
+    ``row_parts[row_part_start[r] : + row_nparts[r]]`` (``row_indptr``: the same starts with
+    the end appended, CSR style). All int32 on the device;
     ``num_work``/``num_rows`` are 1-element device tensors. ``partials`` is False when every
     row has one partial (no partial buffer traffic at all)."""
 
-    work_group: torch.Tensor
+    work_rowset: torch.Tensor
     work_lo: torch.Tensor
     work_hi: torch.Tensor
-    work_slot: torch.Tensor
+    work_part: torch.Tensor
     num_work: torch.Tensor
-    group_row_start: torch.Tensor
-    group_nrows: torch.Tensor
-    group_rows: torch.Tensor
+    rowset_row_start: torch.Tensor
+    rowset_nrows: torch.Tensor
+    rowset_rows: torch.Tensor
     pages: torch.Tensor
     page_lens: torch.Tensor
     row_nparts: torch.Tensor
-    row_slot_start: torch.Tensor
-    row_slots: torch.Tensor
+    row_part_start: torch.Tensor
+    row_parts: torch.Tensor
     row_indptr: torch.Tensor
     num_rows: torch.Tensor
     n_work: int  # host copies (the grid uses capacities when captured)
-    n_slots: int
+    n_parts: int
     block_m: int
     mode: str
     partials: bool
@@ -257,8 +279,8 @@ class DecodePlan:
 
 
 PLAN_ARRAYS = (
-    "work_group", "work_lo", "work_hi", "work_slot", "num_work", "group_row_start", "group_nrows", "group_rows",
-    "pages", "page_lens", "row_nparts", "row_slot_start", "row_slots", "row_indptr", "num_rows",
+    "work_rowset", "work_lo", "work_hi", "work_part", "num_work", "rowset_row_start", "rowset_nrows", "rowset_rows",
+    "pages", "page_lens", "row_nparts", "row_part_start", "row_parts", "row_indptr", "num_rows",
 )
 
 
@@ -266,9 +288,9 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _groups(views: list[View], mode: str) -> list[tuple[list[int], list[int], list[int]]]:
-    """(rows, pages, lens) per group: pages seen by exactly the same rows (tree) or each
-    row's whole view (plain)."""
+def _rowsets(views: list[View], mode: str) -> list[tuple[list[int], list[int], list[int]]]:
+    """(rows, pages, page lens) per row set: the pages seen by exactly the same rows (tree) or
+    each row's whole view (plain); not yet cut to ``max_rows_per_item`` rows."""
     if mode == "plain":
         return [([r], [p for _, ps, _ in v for p in ps], [n for _, _, ns in v for n in ns]) for r, v in enumerate(views)]
     seen: dict[int, list[int]] = {}
@@ -287,13 +309,14 @@ def _groups(views: list[View], mode: str) -> list[tuple[list[int], list[int], li
 
 
 def choose_mode(views: list[View]) -> str:
-    """``tree`` when grouping saves at least a fifth of the KV pages read, else ``plain``.
+    """``tree`` when sharing pages among row sets saves at least a fifth of the KV pages read,
+    else ``plain``.
 
     Cost model: decode attention is bandwidth-bound, so its cost is the pages streamed; the
     tree path reads a shared page once instead of once per row, and pays partial results and a
-    merge per row and group, which pays off only with real sharing (a long shared prefix)."""
+    merge per row and row set, which pays off only with real sharing (a long shared prefix)."""
     plain = sum(len(ps) for v in views for _, ps, _ in v)
-    tree = sum(len(ps) for _, ps, _ in _groups(views, "tree"))
+    tree = sum(len(ps) for _, ps, _ in _rowsets(views, "tree"))
     return "tree" if tree <= 0.8 * plain else "plain"
 
 
@@ -324,20 +347,20 @@ def plan_lists(
     block_m: int | None = None,
 ) -> tuple[dict[str, list[int]], dict]:
     """Host-side plan of a step's decode attention: int lists named as :data:`PLAN_ARRAYS`
-    (work items, row groups, pages, per-row partial slots) and the scalar fields of
+    (work items, row sets, pages, per-row split-KV partials) and the scalar fields of
     :class:`DecodePlan`.
 
     Args:
-        views: per query row, its KV view as ``(segment id, pages, used slots per page)``
-            runs; runs with the same id are the same pages (shared by those rows).
+        views: per query row, its KV view as :data:`Run` tuples ``(segment id, pages, page
+            lens)``; runs with the same segment id are the same pages (shared by those rows).
         group: query heads per KV head (GQA group); num_kv_heads: KV heads.
         device: where the kernel will run (sets the default ``target_work``).
-        mode: ``tree`` (group pages by the rows that see them), ``plain`` (each row alone), or
+        mode: ``tree`` (row sets: pages by the rows that see them), ``plain`` (each row alone), or
             ``auto`` (:func:`choose_mode`).
         target_work: work items to aim for (default: 4 per SM / KV head on a GPU, 4 on CPU);
-            a group's pages are split into chunks of equal size to reach it (split-KV).
-        max_rows_per_item: rows of one work item (larger groups are cut into row chunks).
-        block_m: query-tile rows to use (at least what the largest row group needs; a CUDA
+            a row set's pages are split into chunks of equal size to reach it (split-KV).
+        max_rows_per_item: rows of one row set (more rows sharing pages make several row sets).
+        block_m: query-tile rows to use (at least what the largest row set needs; a CUDA
             graph fixes it per bucket).
 
     Raises ValueError for an empty batch, a row with no page, a too small ``block_m`` or an
@@ -355,52 +378,52 @@ def plan_lists(
             target_work = max(1, 4 * sms // num_kv_heads)
         else:
             target_work = 4
-    groups = []
-    for rows, ps, ns in _groups(views, mode):
+    rowsets = []
+    for rows, ps, ns in _rowsets(views, mode):
         for i in range(0, len(rows), max_rows_per_item):
-            groups.append((rows[i : i + max_rows_per_item], ps, ns))
+            rowsets.append((rows[i : i + max_rows_per_item], ps, ns))
     for r, v in enumerate(views):
         if not any(ps for _, ps, _ in v):
             raise ValueError(f"decode row {r} has an empty KV view")
-    total = sum(len(ps) for _, ps, _ in groups)
+    total = sum(len(ps) for _, ps, _ in rowsets)
     split = max(1, math.ceil(total / target_work))
 
     pages: list[int] = []
     lens: list[int] = []
-    g_row_start, g_nrows, g_rows = [], [], []
-    w_group, w_lo, w_hi, w_slot = [], [], [], []
-    row_items: list[list[int]] = [[] for _ in views]  # partial slots per row
-    n_slots = 0
-    for gi, (rows, ps, ns) in enumerate(groups):
+    rs_row_start, rs_nrows, rs_rows = [], [], []
+    w_rowset, w_lo, w_hi, w_part = [], [], [], []
+    row_items: list[list[int]] = [[] for _ in views]  # partial indices per row
+    n_parts = 0
+    for si, (rows, ps, ns) in enumerate(rowsets):
         base = len(pages)
         pages += ps
         lens += ns
-        g_row_start.append(len(g_rows))
-        g_nrows.append(len(rows))
-        g_rows += rows
+        rs_row_start.append(len(rs_rows))
+        rs_nrows.append(len(rows))
+        rs_rows += rows
         for lo in range(0, len(ps), split):
-            w_group.append(gi)
+            w_rowset.append(si)
             w_lo.append(base + lo)
             w_hi.append(base + min(lo + split, len(ps)))
-            w_slot.append(n_slots)
+            w_part.append(n_parts)
             for j, r in enumerate(rows):
-                row_items[r].append(n_slots + j)
-            n_slots += len(rows)
+                row_items[r].append(n_parts + j)
+            n_parts += len(rows)
     row_nparts = [len(x) for x in row_items]
-    row_slot_start = [0]
+    row_part_start = [0]
     for x in row_items[:-1]:
-        row_slot_start.append(row_slot_start[-1] + len(x))
-    row_slots = [s for x in row_items for s in x]
-    need_m = max(16, _next_pow2(max(g_nrows) * _next_pow2(group)))
+        row_part_start.append(row_part_start[-1] + len(x))
+    row_parts = [s for x in row_items for s in x]
+    need_m = max(16, _next_pow2(max(rs_nrows) * _next_pow2(group)))
     if block_m is not None and block_m < need_m:
         raise ValueError(f"block_m={block_m} is smaller than the {need_m} query rows a work item needs")
     arrays = dict(
-        work_group=w_group, work_lo=w_lo, work_hi=w_hi, work_slot=w_slot, num_work=[len(w_group)],
-        group_row_start=g_row_start, group_nrows=g_nrows, group_rows=g_rows, pages=pages, page_lens=lens,
-        row_nparts=row_nparts, row_slot_start=row_slot_start, row_slots=row_slots,
-        row_indptr=row_slot_start + [len(row_slots)], num_rows=[len(views)],
+        work_rowset=w_rowset, work_lo=w_lo, work_hi=w_hi, work_part=w_part, num_work=[len(w_rowset)],
+        rowset_row_start=rs_row_start, rowset_nrows=rs_nrows, rowset_rows=rs_rows, pages=pages, page_lens=lens,
+        row_nparts=row_nparts, row_part_start=row_part_start, row_parts=row_parts,
+        row_indptr=row_part_start + [len(row_parts)], num_rows=[len(views)],
     )
-    info = dict(n_work=len(w_group), n_slots=n_slots, block_m=block_m or need_m, mode=mode,
+    info = dict(n_work=len(w_rowset), n_parts=n_parts, block_m=block_m or need_m, mode=mode,
                 partials=any(n > 1 for n in row_nparts), pages_read=total)
     return arrays, info
 
@@ -410,19 +433,19 @@ class StaticDecodePlan:
     each step :meth:`load` copies the step's plan in (no allocation, no host sync).
 
     Args:
-        max_rows: query rows (the largest bucket); max_work, max_slots, max_pages: capacities;
+        max_rows: query rows (the largest bucket); max_work, max_parts, max_pages: capacities;
         block_m: the query tile of the captured kernel; device: CUDA device."""
 
-    def __init__(self, max_rows: int, max_work: int, max_slots: int, max_pages: int, block_m: int, device):
-        sizes = dict(work_group=max_work, work_lo=max_work, work_hi=max_work, work_slot=max_work, num_work=1,
-                     group_row_start=max_work, group_nrows=max_work, group_rows=max_work * 16, pages=max_pages,
-                     page_lens=max_pages, row_nparts=max_rows, row_slot_start=max_rows, row_slots=max_slots,
+    def __init__(self, max_rows: int, max_work: int, max_parts: int, max_pages: int, block_m: int, device):
+        sizes = dict(work_rowset=max_work, work_lo=max_work, work_hi=max_work, work_part=max_work, num_work=1,
+                     rowset_row_start=max_work, rowset_nrows=max_work, rowset_rows=max_work * 16, pages=max_pages,
+                     page_lens=max_pages, row_nparts=max_rows, row_part_start=max_rows, row_parts=max_parts,
                      row_indptr=max_rows + 1, num_rows=1)
         self.sizes = sizes
         self.tensors = {k: torch.zeros(n, dtype=torch.int32, device=device) for k, n in sizes.items()}
         self.host = {k: torch.zeros(n, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
                      for k, n in sizes.items()}
-        self.plan = DecodePlan(**self.tensors, n_work=max_work, n_slots=max_slots, block_m=block_m, mode="static",
+        self.plan = DecodePlan(**self.tensors, n_work=max_work, n_parts=max_parts, block_m=block_m, mode="static",
                                partials=True, pages_read=0, grid_work=max_work)
 
     def load(self, arrays: dict[str, list[int]], info: dict) -> bool:
@@ -440,22 +463,22 @@ class StaticDecodePlan:
 
 class DecodeWorkspace:
     """Scratch memory of :func:`tree_decode_attention`: split-KV partial results (float32
-    outputs ``[slots, Hq, D]`` and natural-log LSEs ``[slots, Hq]``) and per-(row, KV head)
-    merge counters ``[rows, Hkv]`` int32. Owned by the caller and reused across launches (grown
-    on demand; a CUDA graph sizes it to capacity before capture). The counters are left at zero
-    by every in-launch merge."""
+    outputs ``[parts, Hq, D]`` and natural-log LSEs ``[parts, Hq]``, indexed by partial index)
+    and per-(row, KV head) merge counters ``[rows, Hkv]`` int32. Owned by the caller and reused
+    across launches (grown on demand; a CUDA graph sizes it to capacity before capture). The
+    counters are left at zero by every in-launch merge."""
 
     def __init__(self) -> None:
         self.part_o: torch.Tensor | None = None
         self.part_lse: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
 
-    def get(self, n_slots: int, n_rows: int, hq: int, hkv: int, d: int, device: torch.device):
-        """The buffers, grown to ``n_slots`` partials and ``n_rows`` rows when smaller."""
-        if self.part_o is None or self.part_o.shape[0] < n_slots or self.part_o.shape[1:] != (hq, d) \
+    def get(self, n_parts: int, n_rows: int, hq: int, hkv: int, d: int, device: torch.device):
+        """The buffers, grown to ``n_parts`` partials and ``n_rows`` rows when smaller."""
+        if self.part_o is None or self.part_o.shape[0] < n_parts or self.part_o.shape[1:] != (hq, d) \
                 or self.part_o.device != device:
-            self.part_o = torch.empty((max(n_slots, 1), hq, d), dtype=torch.float32, device=device)
-            self.part_lse = torch.empty((max(n_slots, 1), hq), dtype=torch.float32, device=device)
+            self.part_o = torch.empty((max(n_parts, 1), hq, d), dtype=torch.float32, device=device)
+            self.part_lse = torch.empty((max(n_parts, 1), hq), dtype=torch.float32, device=device)
         if self.counters is None or self.counters.shape[0] < n_rows or self.counters.shape[1] != hkv \
                 or self.counters.device != device:
             self.counters = torch.zeros((max(n_rows, 1), hkv), dtype=torch.int32, device=device)
@@ -490,7 +513,7 @@ def tree_decode_attention(
         scale: softmax scale (``head_dim ** -0.5`` for Llama).
         out: ``[R, Hq, D]`` output (allocated when None).
         merge: ``inline``, ``separate``, or a callable
-            ``merge(part_o, part_lse, row_indptr, row_slots, out)`` given every row's partials
+            ``merge(part_o, part_lse, row_indptr, row_parts, out)`` given every row's partials
             (see the module docstring).
         block_n: KV tokens per inner iteration (a multiple of 16 and of the page size or a divisor).
         grid_work: launch this many work programs (a capacity for CUDA graphs; default the plan's).
@@ -525,36 +548,38 @@ def tree_decode_attention(
     if out is None:
         out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
     group = hq // hkv
-    gp2 = _next_pow2(group)
+    group_pad = _next_pow2(group)
     block_d = max(16, _next_pow2(d))
-    part_o, part_lse, counters = (workspace or DecodeWorkspace()).get(plan.n_slots, r, hq, hkv, d, q.device)
+    part_o, part_lse, counters = (workspace or DecodeWorkspace()).get(plan.n_parts, r, hq, hkv, d, q.device)
     if callable(merge):
-        merge_code = 3
+        merge_mode = MERGE_EXTERNAL
+    elif not plan.partials:
+        merge_mode = MERGE_NONE
     else:
-        merge_code = 0 if not plan.partials else (1 if merge == "inline" else 2)
+        merge_mode = MERGE_INLINE if merge == "inline" else MERGE_SEPARATE
     block_n = max(16, block_n)
     grid = (grid_work or plan.grid_work or plan.n_work, hkv)
     _tree_decode_kernel[grid](
         q, k_cache, v_cache, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-        plan.work_group, plan.work_lo, plan.work_hi, plan.work_slot, plan.num_work,
-        plan.group_row_start, plan.group_nrows, plan.group_rows,
+        plan.work_rowset, plan.work_lo, plan.work_hi, plan.work_part, plan.num_work,
+        plan.rowset_row_start, plan.rowset_nrows, plan.rowset_rows,
         plan.pages, plan.page_lens,
-        plan.row_nparts, plan.row_slot_start, plan.row_slots,
+        plan.row_nparts, plan.row_part_start, plan.row_parts,
         part_o, part_lse, counters,
         q_positions if window else plan.num_rows, key_positions if window else plan.num_rows,
         key_positions.stride(0) if window else 0,
         scale * LOG2E, window, cap_log2,
-        HKV=hkv, GROUP=group, GROUP_P2=gp2, D=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=block_n,
-        MERGE=merge_code, WINDOW=bool(window), SOFTCAP=bool(cap_log2),
+        HKV=hkv, GROUP=group, GROUP_PAD=group_pad, D=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=block_n,
+        MERGE=merge_mode.value, WINDOW=bool(window), SOFTCAP=bool(cap_log2),
     )
-    if merge_code == 2:
+    if merge_mode is MERGE_SEPARATE:
         _merge_kernel[(r, hkv)](
-            out, out.stride(0), out.stride(1), part_o, part_lse, plan.row_nparts, plan.row_slot_start,
-            plan.row_slots, plan.num_rows, HKV=hkv, GROUP=group, GROUP_P2=gp2, D=d, BLOCK_D=block_d,
+            out, out.stride(0), out.stride(1), part_o, part_lse, plan.row_nparts, plan.row_part_start,
+            plan.row_parts, plan.num_rows, HKV=hkv, GROUP=group, GROUP_PAD=group_pad, D=d, BLOCK_D=block_d,
         )
-    elif merge_code == 3:
-        merge(part_o, part_lse, plan.row_indptr, plan.row_slots, out)
+    elif merge_mode is MERGE_EXTERNAL:
+        merge(part_o, part_lse, plan.row_indptr, plan.row_parts, out)
     return out
 
 
@@ -563,43 +588,44 @@ def _register() -> None:
         "Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16",
         "stride_qt": "i32", "stride_qh": "i32", "stride_kp": "i32", "stride_ks": "i32", "stride_kh": "i32",
         "stride_ot": "i32", "stride_oh": "i32",
-        "WORK_GROUP": "*i32", "WORK_LO": "*i32", "WORK_HI": "*i32", "WORK_SLOT": "*i32", "NUM_WORK": "*i32",
-        "GROUP_ROW_START": "*i32", "GROUP_NROWS": "*i32", "GROUP_ROWS": "*i32",
+        "WORK_ROWSET": "*i32", "WORK_LO": "*i32", "WORK_HI": "*i32", "WORK_PART": "*i32", "NUM_WORK": "*i32",
+        "ROWSET_ROW_START": "*i32", "ROWSET_NROWS": "*i32", "ROWSET_ROWS": "*i32",
         "PAGES": "*i32", "PAGE_LENS": "*i32",
-        "ROW_NPARTS": "*i32", "ROW_SLOT_START": "*i32", "ROW_SLOTS": "*i32",
+        "ROW_NPARTS": "*i32", "ROW_PART_START": "*i32", "ROW_PARTS": "*i32",
         "PART_O": "*fp32", "PART_LSE": "*fp32", "COUNTERS": "*i32",
         "Q_POS": "*i64", "K_POS": "*i32", "stride_kpos_p": "i32",
         "sm_scale_log2": "fp32", "window": "i32", "cap_log2": "fp32",
-        "HKV": "constexpr", "GROUP": "constexpr", "GROUP_P2": "constexpr", "D": "constexpr", "BLOCK_D": "constexpr",
+        "HKV": "constexpr", "GROUP": "constexpr", "GROUP_PAD": "constexpr", "D": "constexpr", "BLOCK_D": "constexpr",
         "PAGE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "MERGE": "constexpr",
         "WINDOW": "constexpr", "SOFTCAP": "constexpr",
     }
+    _ALL_MERGES = (MERGE_INLINE, MERGE_SEPARATE, MERGE_EXTERNAL)
     # (name, KV heads, GQA group, head_dim, query tile, window, soft-cap, merges): Llama-3-8B and
     # Qwen3-8B share a specialization (D=128, group 4; Qwen3's q/k norms run before the kernels)
     shapes = (
-        ("llama3-8b", 8, 4, 128, 64, False, False, (1, 2, 3)),
-        ("smollm2", 3, 3, 64, 64, False, False, (1, 2, 3)),
-        ("gemma-7b", 16, 1, 256, 16, False, False, (1, 2, 3)),  # multi-head attention, head_dim 256
-        ("gemma-2-9b", 8, 2, 256, 32, True, True, (1,)),  # its sliding layers (full layers: WINDOW off)
-        ("gemma-2-9b-full", 8, 2, 256, 32, False, True, (1,)),
-        ("phi-3-mini", 32, 1, 96, 16, True, False, (1,)),  # head_dim 96 in a 128-wide tile
+        ("llama3-8b", 8, 4, 128, 64, False, False, _ALL_MERGES),
+        ("smollm2", 3, 3, 64, 64, False, False, _ALL_MERGES),
+        ("gemma-7b", 16, 1, 256, 16, False, False, _ALL_MERGES),  # multi-head attention, head_dim 256
+        ("gemma-2-9b", 8, 2, 256, 32, True, True, (MERGE_INLINE,)),  # its sliding layers (full layers: WINDOW off)
+        ("gemma-2-9b-full", 8, 2, 256, 32, False, True, (MERGE_INLINE,)),
+        ("phi-3-mini", 32, 1, 96, 16, True, False, (MERGE_INLINE,)),  # head_dim 96 in a 128-wide tile
     )
     for name, hkv, group, d, bm, window, softcap, merges in shapes:
         block_d = max(16, _next_pow2(d))
         for merge in merges:
             register_compile_spec(
-                f"tree_decode[{name},merge={merge}]", _tree_decode_kernel, common,
-                {"HKV": hkv, "GROUP": group, "GROUP_P2": _next_pow2(group), "D": d, "BLOCK_D": block_d, "PAGE": 16,
-                 "BLOCK_M": bm, "BLOCK_N": 64, "MERGE": merge, "WINDOW": window, "SOFTCAP": softcap},
+                f"tree_decode[{name},merge={merge.value}]", _tree_decode_kernel, common,
+                {"HKV": hkv, "GROUP": group, "GROUP_PAD": _next_pow2(group), "D": d, "BLOCK_D": block_d, "PAGE": 16,
+                 "BLOCK_M": bm, "BLOCK_N": 64, "MERGE": merge.value, "WINDOW": window, "SOFTCAP": softcap},
             )
-        if 2 in merges:
+        if MERGE_SEPARATE in merges:
             register_compile_spec(
                 f"tree_merge[{name}]", _merge_kernel,
                 {"O": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "PART_O": "*fp32", "PART_LSE": "*fp32",
-                 "ROW_NPARTS": "*i32", "ROW_SLOT_START": "*i32", "ROW_SLOTS": "*i32", "NUM_ROWS": "*i32",
-                 "HKV": "constexpr", "GROUP": "constexpr", "GROUP_P2": "constexpr", "D": "constexpr",
+                 "ROW_NPARTS": "*i32", "ROW_PART_START": "*i32", "ROW_PARTS": "*i32", "NUM_ROWS": "*i32",
+                 "HKV": "constexpr", "GROUP": "constexpr", "GROUP_PAD": "constexpr", "D": "constexpr",
                  "BLOCK_D": "constexpr"},
-                {"HKV": hkv, "GROUP": group, "GROUP_P2": _next_pow2(group), "D": d, "BLOCK_D": block_d},
+                {"HKV": hkv, "GROUP": group, "GROUP_PAD": _next_pow2(group), "D": d, "BLOCK_D": block_d},
             )
 
 

@@ -26,13 +26,13 @@ __global__ void __launch_bounds__(1024) lse_merge_kernel(const LseMergeParams p)
   const int e0 = threadIdx.x * VEC;
   const int begin = p.row_indptr[r];
   const int end = p.row_indptr[r + 1];
-  const int32_t* __restrict__ slots = p.row_slots;
+  const int32_t* __restrict__ parts = p.row_parts;
   const float* __restrict__ part_lse = p.part_lse;
   const float* __restrict__ part_o = p.part_o;
 
   float m = -INFINITY;
   for (int i = begin; i < end; ++i) {
-    const int s = slots[i];
+    const int s = parts[i];
     if (s < 0 || s >= p.num_parts) continue;
     m = fmaxf(m, part_lse[s * p.part_lse_stride_s + h * p.part_lse_stride_h]);
   }
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(1024) lse_merge_kernel(const LseMergeParams p)
   float denom = 0.f;
   if (m > -INFINITY) {
     for (int i = begin; i < end; ++i) {
-      const int s = slots[i];
+      const int s = parts[i];
       if (s < 0 || s >= p.num_parts) continue;
       const float w = expf(part_lse[s * p.part_lse_stride_s + h * p.part_lse_stride_h] - m);
       if (!(w > 0.f)) continue;  // empty part (lse = -inf): its o is never read

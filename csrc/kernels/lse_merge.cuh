@@ -9,11 +9,11 @@
 //   lse = M + log sum_i exp(lse_i - M)
 // This is FlashInfer's "merge_states" (include/flashinfer/attention/cascade.cuh,
 // VariableLengthMergeStates), with natural-log LSE (FlashInfer uses base 2) and an indirection
-// through row_slots so that the partial slots of a row need not be contiguous.
+// through row_parts (partial indices) so that the partials of a row need not be contiguous.
 //
 // A part with lse == -inf (an empty piece) has weight 0 and its o is never read, so it may hold
 // anything (even NaN). A row with no parts, or only -inf parts, gets out = 0 and lse = -inf.
-// Slots outside [0, num_parts) are ignored.
+// Partial indices outside [0, num_parts) are ignored.
 #pragma once
 
 #include <cstdint>
@@ -30,8 +30,8 @@ struct LseMergeParams {
   int64_t part_lse_stride_s;
   int64_t part_lse_stride_h;
   int64_t num_parts;            // S
-  const int32_t* row_indptr;    // [R + 1]: the parts of row r are row_slots[row_indptr[r] : row_indptr[r+1]]
-  const int32_t* row_slots;     // [nnz]
+  const int32_t* row_indptr;    // [R + 1]: the parts of row r are row_parts[row_indptr[r] : row_indptr[r+1]]
+  const int32_t* row_parts;     // [nnz]
   void* out;                    // [R, H, D] element type `dtype`; D contiguous
   int64_t out_stride_r;
   int64_t out_stride_h;

@@ -19,6 +19,7 @@ The library is looked up at ``$PASTA_ENGINE_CSRC_LIB`` if that is set, else as `
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -205,7 +206,25 @@ def rope_kv_write_reference(
     return apply_rope(q, cos, sin)
 
 
-def _check_merge_inputs(part_o, part_lse, row_indptr, row_slots, out, out_lse) -> None:
+def _renamed_kwarg(old: str, new: str):
+    """Let a public function still take ``old=``, the keyword its argument ``new`` had before a
+    rename (``lse_merge``'s ``row_slots`` became ``row_parts``: "slot" names only KV-cache slots)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"{fn.__name__}() got both {old}= and its new name {new}=")
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return inner
+
+    return wrap
+
+
+def _check_merge_inputs(part_o, part_lse, row_indptr, row_parts, out, out_lse) -> None:
     op = "lse_merge"
     if out.dim() != 3:
         _fail(op, f"out must be [R, H, D], got {tuple(out.shape)}")
@@ -217,23 +236,24 @@ def _check_merge_inputs(part_o, part_lse, row_indptr, row_slots, out, out_lse) -
         _fail(op, f"part_lse must be [S, H] = [{s}, {h}], got {tuple(part_lse.shape)}")
     if tuple(row_indptr.shape) != (r + 1,):
         _fail(op, f"row_indptr must be [R + 1] = [{r + 1}] (R from out), got {tuple(row_indptr.shape)}")
-    if row_slots.dim() != 1:
-        _fail(op, f"row_slots must be 1-D [nnz], got {tuple(row_slots.shape)}")
+    if row_parts.dim() != 1:
+        _fail(op, f"row_parts must be 1-D [nnz], got {tuple(row_parts.shape)}")
     if part_o.dtype != torch.float32 or part_lse.dtype != torch.float32:
         _fail(op, f"part_o and part_lse must be float32, got {part_o.dtype} and {part_lse.dtype}")
-    if row_indptr.dtype != torch.int32 or row_slots.dtype != torch.int32:
-        _fail(op, f"row_indptr and row_slots must be int32, got {row_indptr.dtype} and {row_slots.dtype}")
+    if row_indptr.dtype != torch.int32 or row_parts.dtype != torch.int32:
+        _fail(op, f"row_indptr and row_parts must be int32, got {row_indptr.dtype} and {row_parts.dtype}")
     if out.dtype not in _KERNEL_DTYPES:
         _fail(op, f"out must be float32, float16 or bfloat16, got {out.dtype}")
     if out_lse is not None and (tuple(out_lse.shape) != (r, h) or out_lse.dtype != torch.float32):
         _fail(op, f"out_lse must be float32 [R, H] = [{r}, {h}], got {out_lse.dtype} {tuple(out_lse.shape)}")
 
 
+@_renamed_kwarg("row_slots", "row_parts")
 def lse_merge(
     part_o: torch.Tensor,
     part_lse: torch.Tensor,
     row_indptr: torch.Tensor,
-    row_slots: torch.Tensor,
+    row_parts: torch.Tensor,
     out: torch.Tensor,
     out_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -245,8 +265,9 @@ def lse_merge(
         part_lse: float32 ``[S, H]``, natural-log log-sum-exp of each partial's scores
             (``-inf`` for an empty partial, whose ``part_o`` is then never read: may be NaN).
         row_indptr: int32 ``[R + 1]``; row ``r`` merges partials
-            ``row_slots[row_indptr[r]:row_indptr[r + 1]]``.
-        row_slots: int32 ``[nnz]``, indices into S (outside ``[0, S)``: ignored).
+            ``row_parts[row_indptr[r]:row_indptr[r + 1]]``.
+        row_parts: int32 ``[nnz]``, partial indices into S (outside ``[0, S)``: ignored); the
+            keyword ``row_slots=`` (its old name) is still accepted.
         out: ``[R, H, D]`` float32/float16/bfloat16, written in place.
         out_lse: optional float32 ``[R, H]``, written in place with the merged LSE.
 
@@ -259,42 +280,43 @@ def lse_merge(
         ValueError: a shape, dtype or device mismatch (named).
         RuntimeError: the extension is not built or cannot be loaded (names the build command).
     """
-    _check_merge_inputs(part_o, part_lse, row_indptr, row_slots, out, out_lse)
+    _check_merge_inputs(part_o, part_lse, row_indptr, row_parts, out, out_lse)
     _require_extension("lse_merge")
-    tensors = dict(part_o=part_o, part_lse=part_lse, row_indptr=row_indptr, row_slots=row_slots, out=out)
+    tensors = dict(part_o=part_o, part_lse=part_lse, row_indptr=row_indptr, row_parts=row_parts, out=out)
     if out_lse is not None:
         tensors["out_lse"] = out_lse
     _check_devices("lse_merge", tensors)
-    torch.ops.pasta_engine.lse_merge(part_o, part_lse, row_indptr, row_slots, out, out_lse)
+    torch.ops.pasta_engine.lse_merge(part_o, part_lse, row_indptr, row_parts, out, out_lse)
     return out
 
 
+@_renamed_kwarg("row_slots", "row_parts")
 def lse_merge_reference(
     part_o: torch.Tensor,
     part_lse: torch.Tensor,
     row_indptr: torch.Tensor,
-    row_slots: torch.Tensor,
+    row_parts: torch.Tensor,
     out: torch.Tensor,
     out_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch :func:`lse_merge` (same arguments and in-place results; any device, syncs
     with the host). Math in float32; returns ``out``. Raises ValueError on bad shapes/dtypes."""
-    _check_merge_inputs(part_o, part_lse, row_indptr, row_slots, out, out_lse)
+    _check_merge_inputs(part_o, part_lse, row_indptr, row_parts, out, out_lse)
     r, h, d = out.shape
     s = part_o.shape[0]
     dev = part_o.device
     counts = (row_indptr[1:] - row_indptr[:-1]).long()
     row_of = torch.repeat_interleave(torch.arange(r, device=dev), counts)  # [nnz]
-    slots = row_slots.long()
-    valid = (slots >= 0) & (slots < s)
-    slots = torch.where(valid, slots, torch.zeros_like(slots))
-    lse = part_lse.float()[slots] if s else torch.full((slots.shape[0], h), float("-inf"), device=dev)
+    parts = row_parts.long()
+    valid = (parts >= 0) & (parts < s)
+    parts = torch.where(valid, parts, torch.zeros_like(parts))
+    lse = part_lse.float()[parts] if s else torch.full((parts.shape[0], h), float("-inf"), device=dev)
     lse = torch.where(valid[:, None], lse, torch.full_like(lse, float("-inf")))  # [nnz, H]
     m = torch.full((r, h), float("-inf"), device=dev)
     m = m.scatter_reduce(0, row_of[:, None].expand(-1, h), lse, reduce="amax", include_self=True)
     m_row = m[row_of]  # [nnz, H]
     w = torch.where(lse > float("-inf"), torch.exp(lse - m_row), torch.zeros_like(lse))
-    o = part_o.float()[slots] if s else torch.zeros(slots.shape[0], h, d, device=dev)
+    o = part_o.float()[parts] if s else torch.zeros(parts.shape[0], h, d, device=dev)
     contrib = torch.where(w[..., None] > 0, w[..., None] * o, torch.zeros_like(o))  # skip NaN of empty parts
     num = torch.zeros(r, h, d, device=dev).index_add_(0, row_of, contrib)
     den = torch.zeros(r, h, device=dev).index_add_(0, row_of, w)

@@ -50,8 +50,8 @@ class _Plan:
 @dataclass
 class _Bump:
     """What lets the next step's decode plan be an update of this one (when the backend's
-    :class:`~pasta_engine.layers.attention.PlanHistory`, keyed by each row's ``(last run id,
-    run count, last page)``, says every row kept its view): the entries of the plan's
+    :class:`~pasta_engine.layers.attention.PlanHistory`, keyed by each row's ``(segment id of
+    its last run, run count, last page)``, says every row kept its view): the entries of the plan's
     ``page_lens`` that hold each row's last page (``index`` ``[R]`` int64 on the device)."""
 
     index: torch.Tensor
@@ -88,7 +88,7 @@ class TritonAttention(AttentionBackend):
     Args:
         decode_mode: ``auto`` (tree when sharing saves reads, else plain per-thread), ``tree``
             or ``plain`` (see :func:`~pasta_engine.triton_kernels.tree_attention.build_plan`).
-        merge: ``inline`` (fold split-KV partials in the same launch), ``separate`` (a second
+        merge: ``inline`` (merge split-KV partials in the same launch), ``separate`` (a second
             Triton kernel) or ``csrc`` (the CUDA extension's ``lse_merge``).
         kv_write: ``triton`` (fused RoPE + paged KV write kernel), ``csrc`` (the CUDA
             extension's op) or ``torch`` (the reference ops).
@@ -218,15 +218,15 @@ class TritonAttention(AttentionBackend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         target_work = max(1, 4 * sms // self.num_kv_heads)
         max_work = target_work + 4 * max_rows
-        max_slots = max_work * rows_per_item
+        max_parts = max_work * rows_per_item
         g2 = 1 << max(0, (self.group - 1).bit_length())
         rows = min(max_rows, rows_per_item)
         block_m = max(16, 1 << max(0, (rows * g2 - 1).bit_length()))
-        static = StaticDecodePlan(max_rows, max_work, max_slots, 4 * num_pages, block_m, self.device)
+        static = StaticDecodePlan(max_rows, max_work, max_parts, 4 * num_pages, block_m, self.device)
         inst._graph = _GraphState(static, max_rows, target_work, rows_per_item, block_m)
         inst._plan = _Plan(decode=static.plan)
         # size the scratch buffers to capacity now: nothing may allocate inside capture
-        inst._workspace.get(max_slots, max_rows, self.num_heads, self.num_kv_heads, self.head_dim, self.device)
+        inst._workspace.get(max_parts, max_rows, self.num_heads, self.num_kv_heads, self.head_dim, self.device)
         return inst
 
     # ------------------------------------------------------------------ per layer

@@ -161,7 +161,7 @@ def _split_attention(q, keys, vals, cuts):
 
 def _merge_problem(seed: int, h: int = 3, d: int = 16):
     """Rows of random attention problems split into random pieces (some empty), their partials
-    shuffled into one [S, H, D] pool. Returns part_o, part_lse, row_indptr, row_slots and the
+    shuffled into one [S, H, D] pool. Returns part_o, part_lse, row_indptr, row_parts and the
     float64 truth (out [R, H, D], lse [R, H]) from a softmax over each row's whole key set."""
     g = torch.Generator().manual_seed(seed)
     kinds = ["normal"] * 5 + ["no_parts", "all_empty", "one_key", "out_of_range"]
@@ -198,31 +198,43 @@ def _merge_problem(seed: int, h: int = 3, d: int = 16):
     pool_o, pool_lse = torch.empty_like(part_o), torch.empty_like(part_lse)
     pool_o[perm], pool_lse[perm] = part_o, part_lse
     owner = torch.tensor(owner)
-    slots_per_row = [perm[owner == r].tolist() for r in range(len(kinds))]
+    parts_per_row = [perm[owner == r].tolist() for r in range(len(kinds))]
     s_total = part_o.shape[0]
     oor = kinds.index("out_of_range")
-    slots_per_row[oor] += [-1, s_total, s_total + 7]  # ignored
-    row_indptr = torch.tensor([0] + [len(x) for x in slots_per_row]).cumsum(0).to(torch.int32)
-    row_slots = torch.tensor([s for x in slots_per_row for s in x], dtype=torch.int32)
-    return pool_o, pool_lse, row_indptr, row_slots, torch.stack(truth_o), torch.stack(truth_lse)
+    parts_per_row[oor] += [-1, s_total, s_total + 7]  # ignored
+    row_indptr = torch.tensor([0] + [len(x) for x in parts_per_row]).cumsum(0).to(torch.int32)
+    row_parts = torch.tensor([s for x in parts_per_row for s in x], dtype=torch.int32)
+    return pool_o, pool_lse, row_indptr, row_parts, torch.stack(truth_o), torch.stack(truth_lse)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_lse_merge_reference_equals_softmax_over_all_keys(seed):
-    part_o, part_lse, indptr, slots, truth_o, truth_lse = _merge_problem(seed)
+    part_o, part_lse, indptr, parts, truth_o, truth_lse = _merge_problem(seed)
     r, h, d = truth_o.shape
     assert torch.isnan(part_o).any(), "the problem must contain empty pieces with NaN outputs"
     out = torch.full((r, h, d), 123.0)
     out_lse = torch.full((r, h), 123.0)
-    ret = csrc_ops.lse_merge_reference(part_o, part_lse, indptr, slots, out, out_lse)
+    ret = csrc_ops.lse_merge_reference(part_o, part_lse, indptr, parts, out, out_lse)
     assert ret is out
     torch.testing.assert_close(out.double(), truth_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out_lse.double(), truth_lse, rtol=1e-5, atol=1e-5)  # -inf rows equal too
     # half-precision outputs are the float32 result rounded once
     for dtype in (torch.float16, torch.bfloat16):
         low = torch.empty(r, h, d, dtype=dtype)
-        csrc_ops.lse_merge_reference(part_o, part_lse, indptr, slots, low)
+        csrc_ops.lse_merge_reference(part_o, part_lse, indptr, parts, low)
         assert torch.equal(low, out.to(dtype))
+
+
+def test_lse_merge_still_takes_the_old_row_slots_keyword():
+    """``row_parts`` was called ``row_slots`` ("slot" now names only KV-cache slots): the old
+    keyword still works, and giving both is an error."""
+    part_o, part_lse, indptr, parts, truth_o, _ = _merge_problem(0)
+    new, old = torch.empty(truth_o.shape), torch.empty(truth_o.shape)
+    csrc_ops.lse_merge_reference(part_o, part_lse, indptr, row_parts=parts, out=new)
+    csrc_ops.lse_merge_reference(part_o, part_lse, indptr, row_slots=parts, out=old)
+    assert torch.equal(new, old)
+    with pytest.raises(TypeError, match="both row_slots= and its new name row_parts="):
+        csrc_ops.lse_merge_reference(part_o, part_lse, indptr, row_parts=parts, row_slots=parts, out=old)
 
 
 def test_rope_pair_formula_is_rotate_half():
@@ -313,7 +325,7 @@ def test_wrappers_reject_bad_shapes_and_dtypes():
     out = torch.empty(truth.shape)
     with pytest.raises(ValueError, match="part_lse must be"):
         csrc_ops.lse_merge(part_o, part_lse[:, :1], indptr, rs, out)
-    with pytest.raises(ValueError, match="row_indptr and row_slots must be int32"):
+    with pytest.raises(ValueError, match="row_indptr and row_parts must be int32"):
         csrc_ops.lse_merge(part_o, part_lse, indptr.long(), rs, out)
     with pytest.raises(ValueError, match="row_indptr must be"):
         csrc_ops.lse_merge(part_o, part_lse, indptr[:-1], rs, out)
@@ -445,20 +457,20 @@ def test_rope_kv_write_matches_reference(ext, dtype, shape, t, misaligned):
 @pytest.mark.parametrize("d", [128, 64, 10])
 @pytest.mark.parametrize("misaligned", [False, True])
 def test_lse_merge_matches_reference(ext, dtype, d, misaligned):
-    part_o, part_lse, indptr, slots, _, _ = _merge_problem(d, h=9, d=d)
+    part_o, part_lse, indptr, parts, _, _ = _merge_problem(d, h=9, d=d)
     s, h = part_lse.shape
     if misaligned:  # part_o one element off 16-byte alignment: scalar loads
         buf = torch.empty(s, h, d + 1)
         buf[..., 1:] = part_o
         part_o = buf[..., 1:]
-    part_o, part_lse, indptr, slots = (x.cuda() for x in (part_o, part_lse, indptr, slots))
+    part_o, part_lse, indptr, parts = (x.cuda() for x in (part_o, part_lse, indptr, parts))
     r = indptr.shape[0] - 1
     out = torch.full((r, h, d), 7.0, dtype=dtype, device="cuda")
     out_lse = torch.full((r, h), 7.0, device="cuda")
     ref = torch.empty(r, h, d, device="cuda")
     ref_lse = torch.empty(r, h, device="cuda")
-    ext.lse_merge(part_o, part_lse, indptr, slots, out, out_lse)
-    ext.lse_merge_reference(part_o, part_lse, indptr, slots, ref, ref_lse)
+    ext.lse_merge(part_o, part_lse, indptr, parts, out, out_lse)
+    ext.lse_merge_reference(part_o, part_lse, indptr, parts, ref, ref_lse)
     torch.cuda.synchronize()
     assert not torch.isnan(out).any()
     if dtype == torch.float32:
@@ -530,6 +542,6 @@ def test_ops_check_inputs_in_cpp(ext):
         op(q.cpu(), k, v, cos, sin, kv[0, 0], kv[0, 1], slots)
     part_o, part_lse, indptr, rs, truth, _ = _merge_problem(0)
     part_o, part_lse, indptr, rs = (x.cuda() for x in (part_o, part_lse, indptr, rs))
-    with pytest.raises(RuntimeError, match="row_slots must be torch.int32"):
+    with pytest.raises(RuntimeError, match="row_parts must be torch.int32"):
         torch.ops.pasta_engine.lse_merge(part_o, part_lse, indptr, rs.long(), torch.empty(truth.shape, device="cuda"),
                                          None)

@@ -45,7 +45,7 @@ def _same_plan(inc, fresh) -> None:
         return
     for name in PLAN_ARRAYS:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert (a.n_work, a.n_slots, a.block_m, a.mode, a.pages_read) == (b.n_work, b.n_slots, b.block_m, b.mode,
+    assert (a.n_work, a.n_parts, a.block_m, a.mode, a.pages_read) == (b.n_work, b.n_parts, b.block_m, b.mode,
                                                                       b.pages_read)
 
 

@@ -115,7 +115,7 @@ def test_tree_plain_and_merges_match_the_reference(hq, hkv, d, page_size, dtype,
         torch.testing.assert_close(got.float(), want, **tol, msg=f"{mode}/{merge}/{target}")
 
 
-def test_sharing_groups_pages_once():
+def test_row_sets_read_shared_pages_once():
     rng = random.Random(11)
     kv, views = random_forest(rng, 1, 4, 1, 16, torch.float32)
     main = KVView()
@@ -160,12 +160,12 @@ def test_an_external_merge_gets_every_rows_partials():
     k, v = kv.layer(0)
     calls = []
 
-    def merge(part_o, part_lse, indptr, slots, out):
+    def merge(part_o, part_lse, indptr, row_parts, out):
         calls.append(int(indptr[-1]))
-        lse_merge_reference(part_o, part_lse, indptr, slots, out)
+        lse_merge_reference(part_o, part_lse, indptr, row_parts, out)
 
     got = tree_decode_attention(q, k, v, plan, 0.125, merge=merge)
-    assert calls and calls[0] == plan.n_slots
+    assert calls and calls[0] == plan.n_parts
     torch.testing.assert_close(got, reference(q, kv, views, 0.125), rtol=1e-4, atol=1e-4)
 
 
