@@ -24,9 +24,14 @@ the softmax ``scale``, a ``sliding_window`` and an attention-logit ``logit_softc
 is counted in logical positions (docs/DESIGN.md section 2): a query at position ``p`` sees the keys
 of its view at positions ``> p - window``, which is ``transformers``' ``q - k < window`` on a
 sequential response, and for a PASTA thread keeps the keys that are near in the positions the
-model was trained on. The model passes each query row's position and a table of every cache
+model was trained on. The model passes each query row's position and a table of every KV
 slot's position (``key_positions``, written when the slot's key is: see
-:meth:`pasta_engine.models.llama.LlamaModel.key_positions`).
+:attr:`pasta_engine.layers.kv_cache.KVCache.key_positions`).
+
+Names on the attention path (one per concept; docs/glossary.md has the full list): a *KV
+slot* is one cache position ``page * page_size + offset``; a :data:`Run` is one KV segment of
+a view as ``(segment id, pages, page lens)``; a *GQA group* is the query heads that share a KV
+head; the Triton decode plan's *row sets* and *split-KV partials* are its own.
 """
 
 from __future__ import annotations
@@ -44,7 +49,10 @@ from .utils import to_device
 __all__ = ["AttentionMetadata", "AttentionBackend", "TorchAttention", "Run", "StepKind", "PlanHistory",
            "check_attention_options", "same_view", "view_slots", "write_kv"]
 
-Run = tuple[int, list[int], list[int]]  # (segment id, pages, used slots of each page)
+#: One KV segment of a view as attention metadata: ``(segment id, pages, page lens)``, the
+#: page lens being the used slots of each page (the block manager's ``Run``; segment ids are
+#: never reused, so runs with the same id hold the same pages).
+Run = tuple[int, list[int], list[int]]
 
 #: A step's shape (:attr:`AttentionMetadata.kind`): ``"decode"``: every sequence has exactly
 #: one new token (query rows are the sequences, in order; the steps CUDA graphs replay);
@@ -59,9 +67,9 @@ class AttentionMetadata:
     Attributes:
         page_size: slots per KV page.
         q_lens: ``q_lens[b]`` new tokens of sequence ``b`` (query rows, consecutive in the batch).
-        runs: ``runs[b]``: its KV view as ``(segment id, pages, used slots of each page)`` runs,
+        runs: ``runs[b]``: its KV view as :data:`Run` tuples ``(segment id, pages, page lens)``,
             in view order. A run is shared (the same lists, not a copy) by every sequence whose
-            view holds that segment id, so backends that group by segment never flatten.
+            view holds that segment id, so backends that sort pages by segment never flatten.
         slots: KV slot (``page * page_size + offset``) of every query row, in row order (the
             view of sequence ``b`` ends with its rows' slots); None: read from ``runs``.
         step: the caller's step counter, or None. When a plan is made for step ``n`` right
@@ -142,7 +150,7 @@ class AttentionMetadata:
         return starts
 
     def view_key(self, b: int) -> tuple[int, int]:
-        """``(id of the last run, number of runs)`` of sequence ``b``: see :func:`same_view`."""
+        """``(segment id of the last run, number of runs)`` of sequence ``b``: see :func:`same_view`."""
         r = self.runs[b]
         return (r[-1][0], len(r))
 
@@ -162,10 +170,10 @@ def same_view(prev_key: tuple[int, int], key: tuple[int, int]) -> bool:
     to its last run.
 
     Exact under the block manager's invariants (:mod:`pasta_engine.engine.block_manager`): a
-    run (segment) id is never reused; a sealed run never changes; the last run of a view at
+    segment id is never reused; a sealed run never changes; the last run of a view at
     plan time is the thread's own open run, which only its appends grow (one step's new tokens
     per step); a fork makes each thread's next token start a new run (a new last id); a join
-    inserts runs (a new count) or appends them (a new last id)."""
+    inserts runs (a new count) or appends them (a new last segment id)."""
     return prev_key == key
 
 
