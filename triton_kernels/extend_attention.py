@@ -69,7 +69,7 @@ def _extend_attn_kernel(
     BLOCK_M: tl.constexpr,  # flattened (query token, head in group) rows per program
     BLOCK_N: tl.constexpr,  # cache slots per K/V tile (a multiple of PAGE_BLOCK)
     PAGE_BLOCK: tl.constexpr,  # page_size rounded up to a power of two
-    SCAN: tl.constexpr,  # page lengths per pre-scan step
+    SCAN: tl.constexpr,  # page lengths read per pre-scan iteration
     IEEE: tl.constexpr,  # float32 inputs: exact fp32 dot instead of TF32
     WINDOW: tl.constexpr,  # keys at positions <= q_pos - window are masked
     SOFTCAP: tl.constexpr,  # scores -> cap * tanh(scores / cap)
