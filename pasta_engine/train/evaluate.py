@@ -157,6 +157,7 @@ def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if "content_speedup" in xs[0]:
             out["geomean_content_speedup"] = geomean_positive(x["content_speedup"] for x in xs)
             out["geomean_realized_content_speedup"] = geomean_positive(x["realized_content_speedup"] for x in xs)
+            out["realized_content_speedup_spread"] = _spread([x["realized_content_speedup"] for x in xs])
             out["tag_token_fraction"] = tag_token_fraction(sum(x["tag_tokens"] for x in xs),
                                                            sum(x["tokens"] for x in xs))
             out["geomean_token_parallelism"] = geomean_positive(x["token_parallelism"] for x in xs)
@@ -190,6 +191,13 @@ def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                          "minus 2.0 x the fraction of repeated lines (nats per token; higher is better; a proxy)",
         "quality_proxies": quality_proxies(rows),
     }
+
+
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    """Min, 10th percentile, median, 90th percentile and max of per-prompt values (nearest rank)."""
+    v = sorted(values)
+    at = lambda q: v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]  # noqa: E731
+    return {"min": v[0], "p10": at(0.1), "median": at(0.5), "p90": at(0.9), "max": v[-1]}
 
 
 def plot_learned(rows: Sequence[dict[str, Any]], path: Path) -> Path | None:

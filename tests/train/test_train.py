@@ -276,6 +276,9 @@ def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, cap
     assert s["prompts"] == 2 and set(s) >= {"base_sequential", "base_pasta", "adapter_pasta", "geomean_length_ratio",
                                             "cut_fraction_base_sequential", "cut_fraction_adapter_pasta"}
     assert list(s["adapter_pasta"])[1:3] == ["geomean_content_speedup", "geomean_realized_content_speedup"]
+    spread = s["adapter_pasta"]["realized_content_speedup_spread"]
+    per = sorted(r["adapter_pasta"]["realized_content_speedup"] for r in rows)
+    assert (spread["min"], spread["max"]) == (per[0], per[-1]) and per[0] <= spread["median"] <= per[-1]
     for r in rows:
         a = r["adapter_pasta"]
         assert a["tokens"] <= 6 and a["content_speedup"] == pytest.approx(a["content_tokens"] / a["critical_path"])
