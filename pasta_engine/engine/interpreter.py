@@ -1,10 +1,13 @@
 """The PASTA-LANG interpreter: one request's decoding threads, forks, joins and positions.
 
-It knows nothing about tensors or KV pages (no torch). It says which threads have tokens to
-forward this step (:meth:`Interpreter.schedule_threads`, one :class:`ThreadStep` each), takes
-each sampled token back (:meth:`Interpreter.on_token`), and reports what the KV cache must do
-as KV operations (:class:`KVAppend`, :class:`KVFork`, :class:`KVJoin`, :class:`KVRelease`)
-that the scheduler applies to the block manager. Semantics follow docs/DESIGN.md section 2 (after
+It knows nothing about tensors or KV pages (no torch). It states its demand, the threads with
+tokens to forward and all their pending tokens (:meth:`Interpreter.runnable_threads`, one
+:class:`~pasta_engine.engine.batch.ThreadStep` each), and a bound on the KV it can ever write
+(:meth:`Interpreter.worst_case_kv`); the scheduler decides which threads run and how many of
+their tokens (:mod:`pasta_engine.engine.batch` is the contract). It takes back what ran
+(:meth:`Interpreter.step_done`) and each sampled token (:meth:`Interpreter.on_token`), and
+reports what the KV cache must do as KV operations (:class:`KVFork`, :class:`KVJoin`,
+:class:`KVRelease`) that the scheduler applies to the block manager. Semantics follow docs/DESIGN.md section 2 (after
 Jin et al., ICML 2025, arXiv 2502.11517, section 3):
 
 * the main thread decodes; when it completes a promise tag, a child thread is forked whose
@@ -18,7 +21,8 @@ Jin et al., ICML 2025, arXiv 2502.11517, section 3):
 * end of sequence on the main thread is an implicit sync; the response is the main text with
   each chunk spliced right after the token that completed its promise.
 
-Step accounting: a token sampled at step ``t`` is forwarded (its KV written) at step ``t+1``.
+Step accounting: a token sampled at step ``t`` is forwarded (its KV written) at step ``t+1``
+(when the scheduler's token budget lets every pending token run: see the scheduler).
 A child that ended still forwards its last token once (a "flush" step with no sampling), so
 the joined view holds every token the child wrote; that flush shares the step in which the
 main thread resumes. With unlimited width the steps a request takes equal
@@ -43,17 +47,18 @@ from ..lang.grammar import grammar_state
 from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagParser, TagText, Text
 from ..metrics import ResponseStructure
 from . import render
+from .batch import KVBound, KVFork, KVJoin, KVOp, KVRelease, ThreadStep  # re-exported: they lived here
 from .render import Spliced, reading_order_key, splice_clean  # re-exported: they lived here
 
 __all__ = [
     "Thread",
     "ThreadStatus",
     "ThreadStep",
-    "KVAppend",
     "KVFork",
     "KVJoin",
     "KVRelease",
     "KVOp",
+    "KVBound",
     "Interpreter",
     "Spliced",
     "reading_order_key",
@@ -65,65 +70,13 @@ MODES = ("pasta", "sequential")
 
 
 class ThreadStatus(enum.Enum):
-    """Where a thread is in its life (see :meth:`Interpreter.schedule_threads`)."""
+    """Where a thread is in its life (see :meth:`Interpreter.runnable_threads`)."""
 
     QUEUED = "queued"  # forked, waiting for width
     RUNNING = "running"
     STALLED = "stalled"  # main thread at a sync
     FLUSH = "flush"  # ended; forwards its last token once more (no sampling)
     DONE = "done"
-
-
-# --------------------------------------------------------------------------- KV operations
-
-
-@dataclass(slots=True)
-class KVAppend:
-    """Reserve KV slots for ``n`` tokens just given to thread ``tid`` (forwarded next step)."""
-
-    tid: int
-    n: int
-
-
-@dataclass(slots=True)
-class KVFork:
-    """Thread ``child`` starts with the KV view thread ``parent`` has now (shared, not copied)."""
-
-    parent: int
-    child: int
-
-
-@dataclass(slots=True)
-class KVJoin:
-    """The children's own KV pages join ``parent``'s view (before its pending tokens)."""
-
-    parent: int
-    children: list[int]
-
-
-@dataclass(slots=True)
-class KVRelease:
-    """Thread ``tid`` is gone: drop its references to KV pages."""
-
-    tid: int
-
-
-KVOp = KVAppend | KVFork | KVJoin | KVRelease
-
-
-@dataclass(slots=True)
-class ThreadStep:
-    """One thread's work in a step: forward ``tokens`` at logical ``positions``; sample after
-    the last one when ``sample`` is True (False for a flush). ``forced`` is the token replay
-    takes instead of sampling (None: sample). ``grammar`` is the thread's
-    :class:`~pasta_engine.lang.grammar.GrammarState` (``FREE``: no mask)."""
-
-    tid: int
-    tokens: list[int]
-    positions: list[int]
-    sample: bool
-    forced: int | None = None
-    grammar: int = 0  # GrammarState: which tokens the sampler masks for this thread (0: none)
 
 
 # --------------------------------------------------------------------------- threads
@@ -267,7 +220,6 @@ class Interpreter:
         main.next_pos = len(self.prompt_ids)
         main.started = True
         self.main = main
-        self.kv_ops.append(KVAppend(main.tid, len(self.prompt_ids)))
 
     # ------------------------------------------------------------------ scheduling side
 
@@ -288,41 +240,58 @@ class Interpreter:
     def skip_cached_prompt(self, n: int) -> None:
         """The KV of the prompt's first ``n`` tokens is in the cache already (prefix caching:
         the main thread's view starts with those pages): the main thread forwards only the
-        rest, and the prompt's pending KV append shrinks to match. Only before the first step
-        (the prompt's append not yet taken); ``0 <= n < len(prompt_ids)`` (the last prompt
-        token is always forwarded: its logits give the first sampled token).
+        rest. Only before the first step; ``0 <= n < len(prompt_ids)`` (the last prompt token
+        is always forwarded: its logits give the first sampled token).
 
         Raises ValueError otherwise."""
         main = self.main
         p = len(self.prompt_ids)
-        first = self.kv_ops[0] if self.kv_ops else None
-        if not (0 <= n < p and main.n_sampled == 0 and len(main.pending) == p and type(first) is KVAppend
-                and first.tid == main.tid and first.n == p):
+        if not (0 <= n < p and main.n_sampled == 0 and len(main.pending) == p):
             raise ValueError(f"cannot skip {n} cached prompt tokens: only before the prompt's prefill, and fewer "
                              f"than the prompt's {p}")
         main.pending, main.pending_pos = main.pending[n:], main.pending_pos[n:]
-        self.kv_ops[0] = KVAppend(main.tid, p - n)
 
-    def schedule_threads(self) -> list[ThreadStep]:
-        """Threads to forward this step: every flush, then up to ``max_threads`` sampling
-        threads (the main thread first, then children in fork order)."""
+    def runnable_threads(self) -> list[ThreadStep]:
+        """The demand: every thread with tokens to forward, each with all its pending tokens
+        (one :class:`ThreadStep`), in the order they should run: every flush first (an ended
+        thread's last tokens, no sampling), then the sampling threads, the main thread first,
+        then children in fork order. Changes nothing: the scheduler picks among them (at most
+        :attr:`max_width` sampling threads) and how many of each one's tokens run, and reports
+        what ran to :meth:`step_done`."""
         if self.finish is not None:
             return []
-        flush, queued, running = ThreadStatus.FLUSH, ThreadStatus.QUEUED, _RUNNING
-        steps = [ThreadStep(t.tid, t.pending, t.pending_pos, False) for t in self.threads if t.status is flush]
-        width = self.limits.max_threads or len(self.threads)
+        flush, queued, running, done = ThreadStatus.FLUSH, ThreadStatus.QUEUED, _RUNNING, ThreadStatus.DONE
+        steps = [ThreadStep(t.tid, t.pending, t.pending_pos, False) for t in self.threads
+                 if t.pending and (t.status is flush or (t.status is done and not t.released))]
         for t in self.threads:
-            if width <= 0:
-                break
             status = t.status
             if status is running or status is queued:
-                width -= 1
-                t.status = running
-                t.started = True
                 forced = t.forced
                 steps.append(ThreadStep(t.tid, t.pending, t.pending_pos, True, forced[0] if forced else None,
                                         self._grammar_state(t) if self.grammar else 0))
         return steps
+
+    @property
+    def max_width(self) -> int | None:
+        """Sampling threads of this request that may run in one step (``limits.max_threads``;
+        None: unlimited)."""
+        return self.limits.max_threads
+
+    def worst_case_kv(self) -> KVBound:
+        """The most KV the request can write over its whole life, in tokens (its prompt, every
+        token it may sample, the inserted ``<async>`` tags of its forks) and forks (a replay
+        forks only for the chunks its trace holds; sequential mode never forks)."""
+        if self.mode != "pasta":
+            forks = 0
+        elif self.replay:
+            forks = len(self._forced_chunks)
+        else:
+            forks = min(self.limits.max_forks, self.max_new_tokens)
+        return KVBound(len(self.prompt_ids) + self.max_new_tokens + forks * len(self.open_ids), forks)
+
+    def peek_kv_ops(self) -> tuple[KVOp, ...]:
+        """The KV operations :meth:`take_kv_ops` would return, left in place."""
+        return tuple(self.kv_ops)
 
     def seen_tokens(self, tid: int) -> list[int]:
         """Token ids thread ``tid`` sees (for the repetition penalty): the prompt, then for the
@@ -338,12 +307,23 @@ class Interpreter:
         return grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks)
 
     def step_done(self, steps: Sequence[ThreadStep]) -> None:
-        """Call after the forward of ``steps`` (before :meth:`on_token`): flushes end."""
+        """Call after the forward of ``steps`` (before :meth:`on_token`): each step's tokens
+        (the first ones of its thread's pending tokens; a sampling step, all of them) are in the
+        KV cache now, a queued thread is running, and a flush that wrote its last token ends.
+
+        Raises RuntimeError when a step is not a prefix of its thread's pending tokens."""
         for s in steps:
             t = self.threads[s.tid]
-            if not s.sample and t.status is ThreadStatus.FLUSH:
+            n = len(s.tokens)
+            if t.pending_pos[:n] != s.positions or (s.sample and n != len(t.pending)):
+                raise RuntimeError(f"thread {t.tid}: the step's {n} tokens at {s.positions[:3]}... are not its "
+                                   f"next pending tokens")
+            t.pending, t.pending_pos = t.pending[n:], t.pending_pos[n:]
+            if t.status is ThreadStatus.QUEUED:
+                t.status = _RUNNING
+            t.started = True
+            if not t.pending and (t.status is ThreadStatus.FLUSH or t.status is ThreadStatus.DONE):
                 t.status = ThreadStatus.DONE
-                t.pending, t.pending_pos = [], []
                 if t.joined:
                     self._release(t)
 
@@ -389,7 +369,6 @@ class Interpreter:
             thread.pending, thread.pending_pos = [token], [pos]
             thread.positions.append(pos)
             thread.next_pos = pos + 1
-            self.kv_ops.append(KVAppend(thread.tid, 1))
             if thread.parser.feed_plain(piece):  # no tag can start or continue in it: all text
                 self._add_clean(thread, piece)
             else:
@@ -429,7 +408,6 @@ class Interpreter:
         thread.pending_pos = thread.pending_pos + pos
         thread.positions += pos
         thread.next_pos += len(tokens)
-        self.kv_ops.append(KVAppend(thread.tid, len(tokens)))
 
     def _note(self, thread: Thread, msg: str) -> None:
         who = "main thread" if thread.is_main else f"thread {thread.tid} (topic {thread.promise.topic!r})"

@@ -2,7 +2,7 @@
 
 After nano-vllm's ``ModelRunner``: it owns the KV tensor, the attention backend (and its
 per-step plan), the CUDA graphs (captured once, at start) and the sampler call. Each step
-:meth:`ModelRunner.run` takes the scheduler's :class:`~pasta_engine.engine.scheduler.ScheduledBatch`,
+:meth:`ModelRunner.run` takes the scheduler's :class:`~pasta_engine.engine.batch.ScheduledBatch`,
 lays the threads' tokens, logical positions, KV slots and views out as one mixed batch, runs
 the model once (a captured graph when the step is pure decode and fits a bucket), picks every
 sampling thread's token (the forced token in replay), and brings all tokens back in one
@@ -26,8 +26,8 @@ from ..layers.kv_cache import KVCache, kv_bytes_per_token
 from ..layers.sampler import MIN_TOP_P, apply_repetition_penalty, draw_noise, logprobs_of, sample_batch
 from ..layers.utils import to_device
 from ..models.protocol import CausalLM
+from .batch import SampledTokens, ScheduledBatch, ScheduledThread
 from .request import Request
-from .scheduler import SampledTokens, ScheduledBatch, ScheduledThread
 
 __all__ = ["ModelRunner", "StepProfile", "kv_bytes_per_token", "default_kv_cache_bytes"]
 
@@ -163,7 +163,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> SampledTokens:
         """Forward every thread of ``batch`` once and pick each sampling thread's token.
 
-        Returns :class:`~pasta_engine.engine.scheduler.SampledTokens` in the batch's sampling
+        Returns :class:`~pasta_engine.engine.batch.SampledTokens` in the batch's sampling
         order; a request whose sampling raised is named in its ``errors`` (its tokens are
         placeholders). On CUDA the step is only launched: the tokens come back by one
         asynchronous copy into pinned memory, waited for on the first read of the result (so

@@ -272,8 +272,8 @@ class Request:
     """The engine's state of one request.
 
     ``make_interpreter`` builds a fresh interpreter (again after a preemption). The scheduler
-    owns ``views`` (thread id -> KV view) and ``pending_slots`` (thread id -> KV slots reserved
-    for the tokens it forwards next); the model runner owns ``sampler_state`` (the seeded
+    owns ``views`` (thread id -> KV view; the slots of a step's tokens are allocated when it
+    is scheduled); the model runner owns ``sampler_state`` (the seeded
     generator). Counters: ``steps`` (forward passes that sampled for it), ``prefill_tokens``,
     ``cached_tokens`` (prompt tokens the prefix cache held at admission), ``max_width``,
     ``preemptions``; times in seconds from ``time.perf_counter``.
@@ -290,7 +290,6 @@ class Request:
     interp: Interpreter | None = None
     status: RequestStatus = RequestStatus.WAITING
     views: dict[int, KVView] = field(default_factory=dict)
-    pending_slots: dict[int, list[int]] = field(default_factory=dict)
     sampler_state: Any = None
     steps: int = 0
     prefill_tokens: int = 0
@@ -316,7 +315,7 @@ class Request:
     def reset(self) -> None:
         """Back to its start, for a restart after preemption (pages must be released first)."""
         self.interp = self.make_interpreter()
-        self.views, self.pending_slots = {}, {}
+        self.views = {}
         self.sampler_state = None
         self.steps = self.prefill_tokens = self.cached_tokens = self.max_width = 0
 

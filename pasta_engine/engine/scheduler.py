@@ -1,12 +1,26 @@
 """Scheduler: which threads of which requests run this step (no torch).
 
-After nano-vllm's scheduler: :meth:`Scheduler.schedule` admits waiting requests, asks each
-running request's :class:`~pasta_engine.engine.interpreter.Interpreter` for its thread steps,
-makes sure the KV pages they can take are free (preempting the newest request if not), and
-returns a :class:`ScheduledBatch`: per thread, its tokens, logical positions, KV slots and KV
-view. The model runner turns that into tensors and samples; :meth:`Scheduler.postprocess` hands
-the tokens back to the interpreters and applies their KV operations (append, fork, join,
-release) to the :class:`~pasta_engine.engine.block_manager.BlockManager`.
+After nano-vllm's scheduler: :meth:`Scheduler.schedule` admits waiting requests, reads each
+running request's demand (its interpreter's
+:meth:`~pasta_engine.engine.interpreter.Interpreter.runnable_threads`: threads and their
+pending tokens), picks the threads and how many tokens each runs under the token budget
+(``max_num_batched_tokens``), makes sure the KV pages they take are free (preempting the newest
+request if not), allocates their KV slots, and returns a
+:class:`~pasta_engine.engine.batch.ScheduledBatch`: per thread, its tokens, logical positions,
+KV slots and KV view. The model runner turns that into tensors and samples;
+:meth:`Scheduler.postprocess` hands what ran and the sampled tokens back to the interpreters.
+The interpreter's KV operations (fork, join, release) are applied when its next step is
+scheduled. :mod:`pasta_engine.engine.batch` is the contract; the scheduler uses the
+interpreter only through its public demand and bound methods.
+
+Token budget and chunked prefill: threads are taken in running order (requests in admission
+order, in each its interpreter's order) and each runs ``min(pending, budget left)`` tokens, so
+a prompt longer than the budget is prefilled in budget-sized pieces over several steps while
+the requests admitted before it keep decoding; a piece that is not the prompt's end samples
+nothing. A request reached with no budget left waits for the next step. The few tokens a fork
+or join must write in the same step as its child or parent (the promise's last token, a
+child's last token) run together even past the budget. With no budget (None) every pending
+token runs, one step per sampled token.
 
 KV memory: before a step the scheduler checks that the free pages cover the worst case the
 step can allocate; if not, it preempts the most recently admitted request (its pages are freed
@@ -32,71 +46,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import KVCacheExhausted
-from .block_manager import BlockManager, KVView, Run
-from .interpreter import KVAppend, KVFork, KVJoin, KVRelease, ThreadStep
+from .batch import KVFork, KVJoin, KVRelease, SampledTokens, ScheduledBatch, ScheduledThread, ThreadStep
+from .block_manager import BlockManager, KVView
 from .request import Request, RequestStatus
 
-__all__ = ["Scheduler", "ScheduledThread", "ScheduledBatch", "SampledTokens"]
-
-
-@dataclass(slots=True)
-class ScheduledThread:
-    """One thread's work this step: its interpreter step, the KV slots its tokens are written
-    to, and its KV view as attention metadata runs (the view ends with those slots)."""
-
-    request: Request
-    step: ThreadStep
-    slots: list[int]
-    runs: list[Run]
-
-
-@dataclass
-class ScheduledBatch:
-    """Every thread that runs this step, grouped by request in running order."""
-
-    threads: list[ScheduledThread] = field(default_factory=list)
-
-    @property
-    def sampling(self) -> list[ScheduledThread]:
-        """The threads that sample a token after their forward, in batch order."""
-        return [t for t in self.threads if t.step.sample]
-
-    def __bool__(self) -> bool:
-        return bool(self.threads)
-
-
-class SampledTokens:
-    """What the model runner picked: ``token_ids[i]`` and ``logprobs[i]`` for the i-th sampling
-    thread of the batch (logprobs are 0.0 when the request did not ask for them), and
-    ``errors``: request id -> message for requests whose sampling failed (their entries are
-    placeholders).
-
-    The values may still be on their way from the device: ``wait`` (when given) is called once,
-    on the first read of any field, and returns ``(token_ids, logprobs, errors)``; that read is
-    the step's one host-device sync, so readers do the work that needs no token first."""
-
-    def __init__(self, token_ids: list[int] | None = None, logprobs: list[float] | None = None,
-                 errors: dict[str, str] | None = None, wait: Callable[[], tuple] | None = None):
-        self._values = None if wait is not None else (token_ids or [], logprobs or [], errors or {})
-        self._wait = wait
-
-    def _get(self) -> tuple[list[int], list[float], dict[str, str]]:
-        if self._values is None:
-            self._values = self._wait()
-            self._wait = None
-        return self._values
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._get()[0]
-
-    @property
-    def logprobs(self) -> list[float]:
-        return self._get()[1]
-
-    @property
-    def errors(self) -> dict[str, str]:
-        return self._get()[2]
+__all__ = ["Scheduler", "ScheduledThread", "ScheduledBatch", "SampledTokens"]  # the batch types: re-exported
 
 
 class Scheduler:
@@ -104,11 +58,22 @@ class Scheduler:
 
     Args:
         block_manager: the KV cache's pages.
-        max_running_requests: requests decoded together (>= 1)."""
+        max_running_requests: requests decoded together (>= 1).
+        lookahead_steps: steps of growth (tokens per live thread) kept free for the running
+            requests when admitting another.
+        max_num_batched_tokens: the token budget, tokens forwarded in one step (>= 1; None:
+            no limit, every pending token runs).
 
-    def __init__(self, block_manager: BlockManager, max_running_requests: int = 8, lookahead_steps: int = 8):
+    Raises ValueError for a budget below 1."""
+
+    def __init__(self, block_manager: BlockManager, max_running_requests: int = 8, lookahead_steps: int = 8,
+                 max_num_batched_tokens: int | None = None):
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r}: at least 1 token per step, "
+                             f"or None for no limit")
         self.block_manager = block_manager
         self.max_running = max_running_requests
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.lookahead_steps = lookahead_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -190,7 +155,6 @@ class Scheduler:
         for view in req.views.values():
             self.block_manager.release(view)
         req.views.clear()
-        req.pending_slots.clear()
 
     def _end(self, req: Request, reason: str, error: str | None = None) -> None:
         self._free(req)
@@ -217,13 +181,11 @@ class Scheduler:
         return len({p for view in req.views.values() for p in view.pages})
 
     def _worst_pages(self, req: Request) -> int:
-        """Pages ``req`` can hold at most over its whole life: its prompt, every token it may
-        sample, the ``<async>`` tags of its forks, and two partly filled pages per fork (the
-        parent's page sealed at the fork, the child's last page)."""
-        it = req.interp
-        forks = len(it._forced_chunks) if it.replay else min(it.limits.max_forks, it.max_new_tokens)
-        forks = forks if it.mode == "pasta" else 0
-        tokens = len(it.prompt_ids) + it.max_new_tokens + forks * len(it.open_ids)
+        """Pages ``req`` can hold at most over its whole life: the KV tokens its interpreter can
+        write (:meth:`~pasta_engine.engine.interpreter.Interpreter.worst_case_kv`) and two
+        partly filled pages per fork (the parent's page sealed at the fork, the child's last
+        page)."""
+        tokens, forks = req.interp.worst_case_kv()
         return math.ceil(tokens / self.block_manager.page_size) + 2 * forks + 1
 
     def _reserve(self, req: Request) -> int:
@@ -254,15 +216,11 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.start_s = time.perf_counter()
             self.running.append(req)
-            try:
-                self._reuse_prefix(req)
-                self._apply_kv_ops(req)
-            except KVCacheExhausted as e:
-                self.fail(req, str(e))
+            self._reuse_prefix(req)
 
     def _reuse_prefix(self, req: Request) -> None:
         """Start the main thread's view of a request being admitted with the prompt's cached
-        prefix pages (none with prefix caching off), before its prompt's KV append."""
+        prefix pages (none with prefix caching off), before its prompt's prefill."""
         it = req.interp
         view = req.views[it.main.tid] = KVView()  # in the request's views first: freed whatever happens next
         n = self.block_manager.reuse_prefix(view, it.prompt_ids)
@@ -282,7 +240,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
-    def _victim(self, work: list[tuple[Request, list[ThreadStep]]]) -> int:
+    def _victim(self, work: list[tuple[Request, list[tuple[ThreadStep, int]], int]]) -> int:
         """Index in ``work`` of the request to preempt: the newest among those restarted least
         often, never the last victim while another could go instead (a restarted request runs
         with its worst case reserved, so it is not thrashed)."""
@@ -292,87 +250,129 @@ class Scheduler:
                 return i
         return order[0]
 
-    def _pages_bound(self, req: Request, steps: list[ThreadStep]) -> int:
-        """Pages the postprocess of a step can take for ``req`` at most: per sampled token, the
-        page its slot needs (none while the thread's last page has room), plus, on the main
-        thread while a fork is still possible, a forked child's inserted tag (two promises per
-        token at most). A replay forks only for the chunks its trace still holds, so once they
-        are forked its bound is exact and a replay that fits the cache is never refused."""
+    # ------------------------------------------------------------------ picking and allocating
+
+    def _pick(self, req: Request, budget: float) -> list[tuple[ThreadStep, int]]:
+        """The threads of ``req`` that run this step and how many of their pending tokens
+        (each ``> 0``), from its interpreter's demand: every flush and at most ``max_width``
+        sampling threads, each taking ``min(pending, budget left)`` tokens; a thread a pending
+        fork or join needs in this step (the fork's parent, the join's children) takes all its
+        pending tokens whatever the budget."""
         it = req.interp
+        need_all: set[int] = set()
+        for op in it.peek_kv_ops():
+            if type(op) is KVFork:
+                need_all.add(op.parent)
+            elif type(op) is KVJoin:
+                need_all.update(op.children)
+        width = it.max_width
+        picks: list[tuple[ThreadStep, int]] = []
+        for s in it.runnable_threads():
+            if s.sample:
+                if width is not None and width <= 0:
+                    continue
+                width = None if width is None else width - 1
+            n = len(s.tokens) if s.tid in need_all else min(len(s.tokens), budget)
+            if n > 0:
+                picks.append((s, int(n)))
+                budget -= n
+        return picks
+
+    def _plan(self) -> list[tuple[Request, list[tuple[ThreadStep, int]], int]]:
+        """Per running request: its picks this step (none when it has no work or the token
+        budget was spent before its turn) and the new KV pages they take. Requests are served
+        in running order."""
         bm = self.block_manager
-        forks_left = 0
-        if it.mode == "pasta":
-            forks_left = min(2, it.limits.max_forks - it.n_forks)
-            if it.replay:
-                forks_left = min(forks_left, len(it._forced_chunks) - it.n_promises)
-        open_pages = math.ceil(len(it.open_ids) / bm.page_size) * max(0, forks_left)
+        budget: float = math.inf if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+        work = []
+        empty = KVView()
+        for req in self.running:
+            picks = self._pick(req, budget) if budget > 0 else []
+            budget -= sum(n for _, n in picks)
+            views = req.views
+            pages = sum(bm.pages_needed(views.get(s.tid, empty), n) for s, n in picks)
+            work.append((req, picks, pages))
+        return work
+
+    def _allocate(self, req: Request, picks: list[tuple[ThreadStep, int]], out: list[ScheduledThread]) -> None:
+        """Apply the interpreter's KV operations and allocate the KV slots of ``picks``, in the
+        order the views need: a fork's parent gets its slots before the fork (the child sees
+        them), a join's children before the join. Appends one ScheduledThread per pick to
+        ``out``. Raises KVCacheExhausted when an append finds no page (the caller fails the
+        request; every page allocated so far is in one of its views)."""
+        bm = self.block_manager
         views = req.views
-        return sum(bm.pages_needed(views[s.tid], 1) + (open_pages if s.tid == 0 else 0) for s in steps if s.sample)
+        count = {s.tid: n for s, n in picks}
+        slots: dict[int, list[int]] = {}
 
-    # ------------------------------------------------------------------ KV operations
+        def allocate(tid: int) -> None:
+            if tid in slots:
+                return
+            n = count.get(tid)
+            if n is None:
+                raise RuntimeError(f"request {req.request_id}: thread {tid} must run with a fork or join but was "
+                                   f"not picked")
+            view = views.get(tid)
+            if view is None:
+                view = views[tid] = KVView()
+            slots[tid] = bm.append(view, n)
 
-    def _apply_kv_ops(self, req: Request) -> None:
-        """Apply the interpreter's KV operations to the block manager. Raises
-        KVCacheExhausted when an append finds no page (the caller fails the request)."""
-        bm = self.block_manager
-        views, pending = req.views, req.pending_slots
         for op in req.interp.take_kv_ops():
-            if type(op) is KVAppend:
-                view = views.get(op.tid)
-                if view is None:
-                    view = views[op.tid] = KVView()
-                slots = bm.append(view, op.n)
-                have = pending.get(op.tid)
-                if have is None:
-                    pending[op.tid] = slots
-                else:
-                    have.extend(slots)
-            elif isinstance(op, KVFork):
-                req.views[op.child] = bm.fork(req.views[op.parent])
-            elif isinstance(op, KVJoin):
-                bm.join(req.views[op.parent], [req.views[c] for c in op.children])
-            elif isinstance(op, KVRelease):
-                view = req.views.pop(op.tid, None)
+            if type(op) is KVFork:
+                allocate(op.parent)
+                views[op.child] = bm.fork(views[op.parent])
+            elif type(op) is KVJoin:
+                for c in op.children:
+                    if c in count:
+                        allocate(c)
+                bm.join(views[op.parent], [views[c] for c in op.children])
+            elif type(op) is KVRelease:
+                view = views.pop(op.tid, None)
                 if view is not None:
                     bm.release(view)
-                req.pending_slots.pop(op.tid, None)
+        runs = BlockManager.runs
+        threads = req.interp.threads
+        for s, n in picks:
+            allocate(s.tid)
+            if s.sample and not threads[s.tid].n_sampled:  # the prompt or a child's inserted tag, in pieces or not
+                req.prefill_tokens += n
+            out.append(ScheduledThread(req, s.first(n), slots[s.tid], runs(views[s.tid])))
 
     # ------------------------------------------------------------------ stepping
 
     def schedule(self) -> ScheduledBatch:
-        """Admit, check pages (preempting or failing requests that cannot get them), and
-        return the threads that run this step (an empty batch when none has work)."""
+        """Admit, pick the threads and token counts of this step under the token budget, check
+        the pages they take (preempting or failing requests that cannot get them), allocate
+        their KV slots, and return the batch (empty when no thread has work)."""
         self._admit()
-        work: list[tuple[Request, list[ThreadStep]]] = [(r, r.interp.schedule_threads()) for r in self.running]
         bm = self.block_manager
-        while work:
-            need = sum(self._pages_bound(r, steps) for r, steps in work)
+        while True:
+            work = self._plan()
+            need = sum(pages for _, _, pages in work)
             if need <= bm.num_free:
                 break
             if len(work) == 1:
-                req = work.pop()[0]
+                req = work[0][0]
                 self.fail(req, f"KV cache exhausted: request {req.request_id} needs up to {need} more pages but only "
                                f"{bm.num_free} of {bm.describe()} are free; raise kv_cache_bytes or lower "
                                f"max_new_tokens / max_threads")
-                break
-            self._preempt(work.pop(self._victim(work))[0])
+                return ScheduledBatch()
+            self._preempt(work[self._victim(work)][0])
         batch = ScheduledBatch()
-        out = batch.threads
-        runs = BlockManager.runs
-        for req, steps in work:
-            pending, views = req.pending_slots, req.views
-            for s in steps:
-                slots = pending.get(s.tid, [])
-                if len(slots) != len(s.tokens):
-                    raise RuntimeError(f"request {req.request_id} thread {s.tid}: {len(s.tokens)} pending tokens but "
-                                       f"{len(slots)} reserved KV slots")
-                out.append(ScheduledThread(req, s, slots, runs(views[s.tid])))
+        for req, picks, _ in work:
+            if not picks:
+                continue
+            try:
+                self._allocate(req, picks, batch.threads)
+            except KVCacheExhausted as e:
+                batch.threads = [t for t in batch.threads if t.request is not req]
+                self.fail(req, str(e))
         return batch
 
     def postprocess(self, batch: ScheduledBatch,
                     sampled: SampledTokens | None) -> list[tuple[Request, list[tuple[int, int]]]]:
-        """Hand the sampled tokens to the interpreters, apply their KV operations, and end the
-        requests that finished.
+        """Tell the interpreters what ran, hand them the sampled tokens, and end the requests
+        that finished (their KV operations are applied when they are next scheduled).
 
         Returns ``(request, [(thread id, token id), ...])`` for every request that ran this
         step, in batch order, with the tokens its interpreter took (a token sampled after the
@@ -387,12 +387,10 @@ class Scheduler:
         for req, threads in by_req.values():
             if req.finished:
                 continue
-            pending = req.pending_slots
             steps = [st.step for st in threads]
             it = req.interp
             main, n_prompt = it.main.tid, len(it.prompt_ids)
             for s in steps:
-                pending.pop(s.tid, None)
                 if s.tid == main and s.positions and s.positions[0] < n_prompt and bm.prefix_caching:
                     # the step wrote (the rest of) the prompt's KV: its whole pages enter the cache
                     bm.cache_prefix(req.views[main], it.prompt_ids, min(n_prompt, s.positions[-1] + 1))
@@ -421,8 +419,6 @@ class Scheduler:
             if sampling:
                 req.steps += 1
                 req.max_width = max(req.max_width, n_sample)
-                its = it.threads
-                req.prefill_tokens += sum(len(s.tokens) for s in sampling if not its[s.tid].n_sampled)
                 on_token = it.on_token
                 keep_lps = req.params.return_logprobs
                 for s, tok, lp in zip(sampling, toks, lps if keep_lps else toks):
@@ -430,13 +426,6 @@ class Scheduler:
                     on_token(s.tid, tok, lp if keep_lps else None)
                     if it.total_sampled != before:
                         taken.append((s.tid, tok))
-            try:
-                self._apply_kv_ops(req)
-            except KVCacheExhausted as e:
-                self.fail(req, str(e))
-                self.ended.remove(req)
-                out.append((req, taken))
-                continue
             if it.done:
                 self._end(req, it.finish)
             out.append((req, taken))

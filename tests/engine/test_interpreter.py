@@ -153,9 +153,23 @@ def make_interp(**kw):
     return Interpreter([0, 1], eos_ids=[EOS], open_ids=OPEN, close_len=CLOSE_LEN, **kw)
 
 
+def pick(it: Interpreter):
+    """The scheduler's width rule without a token budget: every flush and at most
+    ``max_width`` sampling threads of the interpreter's demand, each with all its tokens."""
+    width = it.max_width
+    out = []
+    for s in it.runnable_threads():
+        if s.sample:
+            if width is not None and width <= 0:
+                continue
+            width = None if width is None else width - 1
+        out.append(s)
+    return out
+
+
 def feed_main(it: Interpreter, pieces: list[str]):
     for p in pieces:
-        it.schedule_threads()
+        it.step_done(pick(it))
         it.take_kv_ops()
         it.on_token(0, PIECES.index(p))
 
@@ -202,13 +216,14 @@ def test_sync_waits_then_joins():
     it = make_interp(limits=Limits(max_threads=None))
     feed_main(it, ['<promise topic="t" tokens="20"/>', "<sync/>"])
     assert it.main.status.value == "stalled"
-    steps = it.schedule_threads()
+    steps = pick(it)
     assert [s.tid for s in steps] == [1]  # only the child runs
     it.take_kv_ops()
+    it.step_done(steps)
     it.on_token(1, PIECES.index("</async>"))
     ops = it.take_kv_ops()
-    assert [type(e).__name__ for e in ops] == ["KVAppend", "KVJoin"]  # flush slot, then the join
-    steps = it.schedule_threads()
+    assert [type(e).__name__ for e in ops] == ["KVJoin"]  # the flush's slot is allocated when scheduled
+    steps = pick(it)
     assert [(s.tid, s.sample) for s in steps] == [(1, False), (0, True)]
 
 
@@ -240,7 +255,7 @@ def test_replay_script_structure_matches_the_interpreter():
                      forced_chunks=script.forced_chunks)
     steps = 0
     while not it.done:
-        todo = it.schedule_threads()
+        todo = pick(it)
         it.take_kv_ops()
         it.step_done(todo)
         sampling = [s for s in todo if s.sample]
@@ -257,7 +272,7 @@ def test_context_length_ends_the_request_with_length():
     feed_main(it, ["a", "b", "a"])  # prompt at 0,1; tokens at 2..4
     assert not it.done
     feed_main(it, ["b"])  # at position 5, the last: the request ends without a forward for position 6
-    assert it.done and it.finish == "length" and it.schedule_threads() == []
+    assert it.done and it.finish == "length" and it.runnable_threads() == []
     assert max(it.main.positions) == 5
     assert any("context length of 6" in d for d in it.diagnostics)
     # after a promise the main thread's reserved range counts too
@@ -270,7 +285,7 @@ def test_clean_text_splices_chunks_and_holds_a_partial_tag_back():
     it = make_interp(limits=Limits(max_threads=None))
     feed_main(it, ["a", '<promise topic="t" tokens="20"/>', "b", "<"])
     assert it.clean_text() == "ab"  # "<" may start a tag
-    it.schedule_threads()
+    it.step_done(pick(it))
     it.on_token(1, PIECES.index("a"))
     it.on_token(0, PIECES.index("b"))  # "<b" is no tag: text now
     assert it.clean_text() == "aab<b"  # the chunk sits at its promise
@@ -326,7 +341,7 @@ def test_clean_text_streams_and_ends_as_the_whole_string_rule(seed, max_new, wid
 def drive(it: Interpreter, tid_pieces: list[tuple[int, str]]):
     """Give each (thread, piece) in turn, stepping the interpreter as the engine would."""
     for tid, p in tid_pieces:
-        steps = it.schedule_threads()
+        steps = pick(it)
         it.take_kv_ops()
         it.step_done(steps)
         assert tid in [s.tid for s in steps if s.sample], (tid, [s.tid for s in steps])

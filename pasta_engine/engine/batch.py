@@ -1,0 +1,167 @@
+"""The contract between the interpreter, the scheduler and the model runner (no torch).
+
+After nano-vllm's split: the interpreter (:mod:`~pasta_engine.engine.interpreter`) states its
+demand, one :class:`ThreadStep` per thread that has tokens to forward (all its pending tokens),
+and the KV operations (:class:`KVFork`, :class:`KVJoin`, :class:`KVRelease`) its threads
+need; the scheduler (:mod:`~pasta_engine.engine.scheduler`) picks the threads and how many of
+their pending tokens run this step under the token budget (``max_num_batched_tokens``; a prompt
+longer than the budget is prefilled in pieces: chunked prefill), allocates their KV slots and
+returns a :class:`ScheduledBatch`; the model runner forwards it and returns
+:class:`SampledTokens`; the scheduler hands the tokens back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+if TYPE_CHECKING:
+    from .block_manager import Run
+
+__all__ = [
+    "ThreadStep",
+    "KVFork",
+    "KVJoin",
+    "KVRelease",
+    "KVOp",
+    "KVBound",
+    "ScheduledThread",
+    "ScheduledBatch",
+    "SampledTokens",
+]
+
+
+@dataclass(slots=True)
+class ThreadStep:
+    """One thread's tokens to forward at logical ``positions``; ``sample``: sample after the
+    last one (False for a flush, and for a piece of a longer pending list that is not its end).
+    ``forced`` is the token replay takes instead of sampling (None: sample). ``grammar`` is the
+    thread's :class:`~pasta_engine.lang.grammar.GrammarState` (``FREE``: no mask).
+
+    As the interpreter's demand it holds all the thread's pending tokens; in a scheduled batch,
+    the piece that runs this step (:meth:`first`)."""
+
+    tid: int
+    tokens: list[int]
+    positions: list[int]
+    sample: bool
+    forced: int | None = None
+    grammar: int = 0  # GrammarState: which tokens the sampler masks for this thread (0: none)
+
+    def first(self, n: int) -> "ThreadStep":
+        """The step of the first ``n`` tokens (1 <= n <= len(tokens)): itself when ``n`` is all of
+        them, else a piece that does not sample. Raises ValueError for another ``n``."""
+        if n == len(self.tokens):
+            return self
+        if not 1 <= n < len(self.tokens):
+            raise ValueError(f"thread {self.tid}: cannot take {n} of its {len(self.tokens)} pending tokens")
+        return ThreadStep(self.tid, self.tokens[:n], self.positions[:n], False, None, 0)
+
+
+# --------------------------------------------------------------------------- KV operations
+
+
+@dataclass(slots=True)
+class KVFork:
+    """Thread ``child`` starts with the KV view thread ``parent`` has once the parent's pending
+    tokens have their slots (shared, not copied): those tokens run in the same step."""
+
+    parent: int
+    child: int
+
+
+@dataclass(slots=True)
+class KVJoin:
+    """The children's own KV pages (their pending tokens' slots included: those run in the same
+    step) join ``parent``'s view, before the parent's pending tokens."""
+
+    parent: int
+    children: list[int]
+
+
+@dataclass(slots=True)
+class KVRelease:
+    """Thread ``tid`` is gone: drop its references to KV pages."""
+
+    tid: int
+
+
+KVOp = KVFork | KVJoin | KVRelease
+
+
+class KVBound(NamedTuple):
+    """The most KV a request can write over its whole life: ``tokens`` (prompt, sampled tokens
+    and the inserted tags of its forks) and ``forks`` (each can leave two partly filled pages)."""
+
+    tokens: int
+    forks: int
+
+
+# --------------------------------------------------------------------------- the batch
+
+
+@dataclass(slots=True)
+class ScheduledThread:
+    """One thread's work this step: its step (all or part of its pending tokens), the KV slots
+    those tokens are written to (one per token), and its KV view as attention metadata runs (the
+    view ends with those slots). ``request`` is the engine's
+    :class:`~pasta_engine.engine.request.Request`."""
+
+    request: Any
+    step: ThreadStep
+    slots: list[int]
+    runs: list["Run"]
+
+
+@dataclass
+class ScheduledBatch:
+    """Every thread that runs this step, grouped by request in running order."""
+
+    threads: list[ScheduledThread] = field(default_factory=list)
+
+    @property
+    def sampling(self) -> list[ScheduledThread]:
+        """The threads that sample a token after their forward, in batch order."""
+        return [t for t in self.threads if t.step.sample]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens forwarded this step (what the token budget counts)."""
+        return sum(len(t.step.tokens) for t in self.threads)
+
+    def __bool__(self) -> bool:
+        return bool(self.threads)
+
+
+class SampledTokens:
+    """What the model runner picked: ``token_ids[i]`` and ``logprobs[i]`` for the i-th sampling
+    thread of the batch (logprobs are 0.0 when the request did not ask for them), and
+    ``errors``: request id -> message for requests whose sampling failed (their entries are
+    placeholders).
+
+    The values may still be on their way from the device: ``wait`` (when given) is called once,
+    on the first read of any field, and returns ``(token_ids, logprobs, errors)``; that read is
+    the step's one host-device sync, so readers do the work that needs no token first."""
+
+    def __init__(self, token_ids: list[int] | None = None, logprobs: list[float] | None = None,
+                 errors: dict[str, str] | None = None, wait: Callable[[], tuple] | None = None):
+        self._values = None if wait is not None else (token_ids or [], logprobs or [], errors or {})
+        self._wait = wait
+
+    def _get(self) -> tuple[list[int], list[float], dict[str, str]]:
+        if self._values is None:
+            self._values = self._wait()
+            self._wait = None
+        return self._values
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._get()[0]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self._get()[1]
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return self._get()[2]
