@@ -214,6 +214,12 @@ class EngineConfig:
             on CUDA).
         page_size: KV page size in tokens (1 to 1024).
         max_running_requests: requests decoded together (continuous batching).
+        max_num_batched_tokens: the token budget (vLLM's name): tokens forwarded in one step,
+            all requests and threads together; a prompt longer than what is left of it is
+            prefilled in pieces over several steps while the requests admitted before it keep
+            decoding (chunked prefill). None (default): no limit, every pending token runs in
+            the next step; outputs do not depend on it (greedy tokens equal). A fork or join
+            writes its few tokens together even past the budget.
         limits: default :class:`Limits` of a request.
         position_policy: default :class:`PositionPolicy` (or its string).
         pasta_prompt: system prompt and examples put before a string prompt in pasta mode
@@ -231,6 +237,11 @@ class EngineConfig:
             prompt that starts the same way (the chat template, the PASTA-LANG system prompt, a
             repeated prompt) reuses them instead of prefilling them; unused cached pages are
             evicted least recently used first when the pool needs them. Outputs do not change.
+        tensor_parallel_size: ranks the model is sharded over (Megatron-style, one process per
+            rank over ``torch.distributed``: gloo on CPUs, NCCL on GPUs; see
+            :mod:`pasta_engine.distributed`). 1 (default): one process. Set for
+            :meth:`~pasta_engine.Engine.from_pretrained`, which starts the workers; it must divide
+            the model's KV heads and intermediate size. CUDA graphs are off with more than one rank.
 
     Raises ParameterError naming the first bad field."""
 
@@ -238,12 +249,14 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     page_size: int = 16
     max_running_requests: int = 8
+    max_num_batched_tokens: int | None = None
     limits: Limits = field(default_factory=Limits)
     position_policy: PositionPolicy | str = "predicted"
     pasta_prompt: PastaPrompt = DEFAULT_PASTA_PROMPT
     cuda_graphs: bool | None = None
     prompt_special_tokens: str = "text"
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.attention_backend, str) and not self.attention_backend:
@@ -252,6 +265,7 @@ class EngineConfig:
         check_int("kv_cache_bytes", self.kv_cache_bytes, 1, none_ok=True)
         check_int("page_size", self.page_size, 1, 1024)
         check_int("max_running_requests", self.max_running_requests, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, none_ok=True)
         if not isinstance(self.limits, Limits):
             raise ParameterError("limits", self.limits, "a pasta_engine.Limits")
         object.__setattr__(self, "position_policy", PositionPolicy.parse(self.position_policy))
@@ -262,6 +276,10 @@ class EngineConfig:
         if self.prompt_special_tokens not in PROMPT_SPECIAL_TOKENS:
             raise ParameterError("prompt_special_tokens", self.prompt_special_tokens, "'text' or 'control'")
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.cuda_graphs:
+            raise ParameterError("tensor_parallel_size", self.tensor_parallel_size, message=(
+                "cuda_graphs=True cannot run with tensor_parallel_size > 1 (the all-reduces are not captured)"))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

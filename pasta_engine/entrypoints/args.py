@@ -130,6 +130,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="prefill every prompt in full (default: a prompt reuses the cached KV pages of a prefix seen "
                    "before, such as the chat template and the PASTA-LANG system prompt; outputs are the same)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="token budget: tokens forwarded in one step; a longer prompt is prefilled in pieces while "
+                   "other requests keep decoding (chunked prefill; default: no limit)")
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="shard the model over N ranks, one process each (torch.distributed: gloo on CPU, NCCL on "
+                   "CUDA; N must divide the KV heads; default: 1)")
     g.add_argument("--threads", type=_threads_flag, default="auto", metavar="auto|N",
                    help="torch CPU threads (--device cpu): N, or auto (default): "
                    f"{AUTO_THREADS_POLICY} (see README, 'CPU threads')")
@@ -266,6 +272,8 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         attention_backend=args.attention_backend, max_running_requests=max_running_requests,
         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs], page_size=args.page_size,
         enable_prefix_caching=getattr(args, "prefix_caching", True),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
     )
     if hasattr(args, "max_threads"):
         options["limits"] = Limits(max_threads=args.max_threads or None, max_forks=args.max_forks)
@@ -292,6 +300,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         "cpu_threads": threads,
         "cpu_threads_flag": getattr(args, "threads", "auto") if threads is not None else None,
         "prefix_caching": engine.config.enable_prefix_caching,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         **engine.model_runner.describe(),
     }
     if hasattr(args, "max_threads"):
