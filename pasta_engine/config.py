@@ -237,6 +237,11 @@ class EngineConfig:
             prompt that starts the same way (the chat template, the PASTA-LANG system prompt, a
             repeated prompt) reuses them instead of prefilling them; unused cached pages are
             evicted least recently used first when the pool needs them. Outputs do not change.
+        tensor_parallel_size: ranks the model is sharded over (Megatron-style, one process per
+            rank over ``torch.distributed``: gloo on CPUs, NCCL on GPUs; see
+            :mod:`pasta_engine.distributed`). 1 (default): one process. Set for
+            :meth:`~pasta_engine.Engine.from_pretrained`, which starts the workers; it must divide
+            the model's KV heads and intermediate size. CUDA graphs are off with more than one rank.
 
     Raises ParameterError naming the first bad field."""
 
@@ -251,6 +256,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     prompt_special_tokens: str = "text"
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.attention_backend, str) and not self.attention_backend:
@@ -270,6 +276,10 @@ class EngineConfig:
         if self.prompt_special_tokens not in PROMPT_SPECIAL_TOKENS:
             raise ParameterError("prompt_special_tokens", self.prompt_special_tokens, "'text' or 'control'")
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.cuda_graphs:
+            raise ParameterError("tensor_parallel_size", self.tensor_parallel_size, message=(
+                "cuda_graphs=True cannot run with tensor_parallel_size > 1 (the all-reduces are not captured)"))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

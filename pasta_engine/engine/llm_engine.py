@@ -93,6 +93,11 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.hf_config = hf_config
+        attach = getattr(model, "attach_runner", None)  # a tensor-parallel model (pasta_engine.distributed)
+        if self.config.tensor_parallel_size > 1 and attach is None:
+            raise ParameterError("tensor_parallel_size", self.config.tensor_parallel_size, message=(
+                "tensor_parallel_size > 1 starts from Engine.from_pretrained, which starts the ranks and "
+                "loads each one's shard"))
         _check_kv_budget(self.config.kv_cache_bytes, model.device)
         try:
             self.model_runner = ModelRunner(model, self.config)
@@ -102,6 +107,8 @@ class Engine:
             raise ParameterError("kv_cache_bytes", self.config.kv_cache_bytes, message=(
                 f"cannot allocate the KV cache ({_mib(self.config.kv_cache_bytes)} on {model.device}): "
                 f"{str(e).splitlines()[0][:200]}; lower kv_cache_bytes (--kv-cache-mb)")) from None
+        if attach is not None:
+            attach(self.model_runner)
         self.block_manager = BlockManager(self.model_runner.num_pages, self.config.page_size,
                                           self.model_runner.kv_cache_bytes,
                                           prefix_caching=self.config.enable_prefix_caching)
@@ -180,15 +187,37 @@ class Engine:
         device = check_device(device)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ParameterError("dtype", dtype, "torch.float32, torch.float16 or torch.bfloat16")
-        runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter_dir,
-                                         with_tokenizer=tokenizer is None)
+        if config.tensor_parallel_size > 1:  # one process per rank, each loading its shard
+            from ..distributed import start_tensor_parallel
+
+            if config.cuda_graphs is None:
+                config = dataclasses.replace(config, cuda_graphs=False)
+            runner, tok, hf_cfg = start_tensor_parallel(model, device, dtype, adapter_dir, tokenizer is None,
+                                                        config.tensor_parallel_size)
+        else:
+            runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter_dir,
+                                             with_tokenizer=tokenizer is None)
         if tokenizer is not None and adapter_dir is not None:
             add_adapter_tokens(tokenizer, adapter_dir)  # the adapter's added tokens (PASTA-LANG pieces)
-        engine = cls(runner, tokenizer if tokenizer is not None else tok, hf_cfg, config=config)
+        try:
+            engine = cls(runner, tokenizer if tokenizer is not None else tok, hf_cfg, config=config)
+        except BaseException:
+            getattr(runner, "shutdown", lambda: None)()  # tensor parallelism: no worker outlives a failed start
+            raise
         engine.source = model
         engine.adapter = adapter_dir
         engine.adapter_manifest = read_manifest(adapter_dir) if adapter_dir is not None else None
         return engine
+
+    def shutdown(self) -> None:
+        """Release what outlives a Python object: with ``tensor_parallel_size > 1`` the worker
+        processes (stopped and reaped; no process is left behind) and the process group; later
+        steps then raise :class:`~pasta_engine.errors.EngineDeadError`. Idempotent; a no-op for
+        a one-process engine. (Garbage collection and interpreter exit also stop the workers.)"""
+        stop = getattr(self.model, "shutdown", None)
+        if stop is not None:
+            with self._lock:
+                stop()
 
     # ------------------------------------------------------------------ tokens
 

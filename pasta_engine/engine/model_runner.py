@@ -84,6 +84,10 @@ class ModelRunner:
             place (bias the model: the grammar mask still applies after it).
         profile: a list to append one :class:`StepProfile` per step to (benchmarks; it adds
             one device synchronization per step to split host time from GPU time).
+        step_hook: tensor parallelism (:mod:`pasta_engine.distributed`): None, or called as
+            ``hook(meta, ids, positions, slots)`` right before every eager forward with the
+            step's :class:`~pasta_engine.layers.attention.AttentionMetadata` and its ``T`` token
+            ids, logical positions and KV slots (host ints), so the other ranks run the same step.
 
     Raises ParameterError when the KV budget holds no page or CUDA graphs are asked for where
     they cannot run."""
@@ -123,6 +127,7 @@ class ModelRunner:
         self.grammar_masks: torch.Tensor | None = None  # [states, vocab] bool: True = masked (set_grammar)
         self.profile: list[StepProfile] | None = None
         self.steps = 0  # steps run (the attention plan is updated, not rebuilt, from one step to the next)
+        self.step_hook: Callable[[AttentionMetadata, list[int], list[int], list[int]], None] | None = None
 
     def warm_up(self) -> int:
         """On a CPU, make :func:`~pasta_engine.layers.linear.linear`'s per-shape GEMM choice for
@@ -205,6 +210,8 @@ class ModelRunner:
             # the three int64 inputs in one transfer, as rows of one [3, T] tensor
             ids_t, positions_t, slots_t = to_device(ids + positions + slots, torch.long, dev).view(3, -1).unbind(0)
             self.kv_cache.record_positions(slots_t, positions_t)
+            if self.step_hook is not None:
+                self.step_hook(meta, ids, positions, slots)
             logits = self.model.forward(
                 ids_t, positions_t, slots_t, self.kv_cache, self.backend,
                 None if all_sample else to_device(logits_indices, torch.long, dev),

@@ -133,6 +133,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="token budget: tokens forwarded in one step; a longer prompt is prefilled in pieces while "
                    "other requests keep decoding (chunked prefill; default: no limit)")
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="shard the model over N ranks, one process each (torch.distributed: gloo on CPU, NCCL on "
+                   "CUDA; N must divide the KV heads; default: 1)")
     g.add_argument("--threads", type=_threads_flag, default="auto", metavar="auto|N",
                    help="torch CPU threads (--device cpu): N, or auto (default): "
                    f"{AUTO_THREADS_POLICY} (see README, 'CPU threads')")
@@ -269,6 +272,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         attention_backend=args.attention_backend, max_running_requests=max_running_requests,
         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs], page_size=args.page_size,
         enable_prefix_caching=getattr(args, "prefix_caching", True),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
     )
     if hasattr(args, "max_threads"):

@@ -27,6 +27,8 @@ One :meth:`LlamaModel.forward` handles a mixed batch: the new tokens of every se
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +57,11 @@ class LlamaModel:
 
     Attributes:
         config, weights, rotary: as given; device, dtype: the embedding's.
+        row_parallel_reduce: tensor parallelism (:mod:`pasta_engine.distributed`): None, or a
+            function summing a row-parallel projection's partial output ``[T, hidden]`` across
+            the ranks in place (an all-reduce), called after the o and down projections of
+            every layer (two calls per layer, in layer order) when the weights are one rank's
+            shard (:func:`~pasta_engine.models.weights.shard_checkpoint`).
     """
 
     def __init__(self, config: ModelConfig, weights: DecoderWeights, rotary: RotaryEmbedding):
@@ -71,6 +78,7 @@ class LlamaModel:
         self._linear = linear_for(self.projection_weights(), self.device)  # CPU: per-shape GEMM orientation
         self._fused_norm = (self.device.type == "cpu" and self.dtype == torch.float32
                             and weights.norm.dtype == torch.float32 and hasattr(torch, "rms_norm"))
+        self.row_parallel_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def from_checkpoint(cls, config: ModelConfig, state: dict[str, torch.Tensor], rotary: RotaryEmbedding,
@@ -161,12 +169,16 @@ class LlamaModel:
             o = backend.attend(q, k_cache, v_cache, c.attention_scale, sliding_window=window,
                                logit_softcap=c.attn_logit_softcap, **(window_inputs if window is not None else {}))
             o = self._linear(o.reshape(t, nq * d), layer.o, layer.o_bias)
+            if self.row_parallel_reduce is not None:
+                o = self.row_parallel_reduce(o)
             if c.sandwich_norms:
                 o = self._rms_norm(o, layer.attn_out_norm)
             h = h + o
             x = self._rms_norm(h, layer.mlp_norm)
             g, u = self._linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
             x = self._linear(self.act(g) * u, layer.down, layer.down_bias)
+            if self.row_parallel_reduce is not None:
+                x = self.row_parallel_reduce(x)
             if c.sandwich_norms:
                 x = self._rms_norm(x, layer.mlp_out_norm)
             h = h + x

@@ -21,6 +21,7 @@ from ..layers.rotary import rotary_embedding
 from .adapter import added_tokens, file_sha256, merge_lora, read_manifest, shipped_adapter
 from .config import ARCHITECTURES, ModelConfig, check_sizes
 from .protocol import CausalLM
+from .sharding import shard_checkpoint, shard_config, shard_spec, shard_tensor
 
 __all__ = ["resolve_adapter", "add_adapter_tokens", "load_model", "build_model", "decoder_class", "load_tokenizer", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
 
@@ -103,6 +104,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     adapter: str | os.PathLike | None = None,
     with_tokenizer: bool = True,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[CausalLM, Any, Any]:
     """Load a checkpoint with ``transformers`` and build its architecture's decoder (a
     :class:`~pasta_engine.models.protocol.CausalLM`: :class:`~pasta_engine.models.llama.LlamaModel`
@@ -114,13 +117,21 @@ def load_model(
         adapter: a peft LoRA adapter folder merged into the weights before they are packed
             (:func:`pasta_engine.models.adapter.merge_lora`), or None.
         with_tokenizer: also load the checkpoint's tokenizer (False: the caller brings one).
+        tp_rank, tp_size: tensor parallelism (:mod:`pasta_engine.distributed`): build rank
+            ``tp_rank``'s shard of ``tp_size`` (:func:`~pasta_engine.models.sharding.shard_checkpoint`;
+            the model's ``config`` is then the per-rank one of
+            :func:`~pasta_engine.models.sharding.shard_config`). A safetensors checkpoint without
+            an adapter is read slice by slice (only this rank's part of each split tensor);
+            otherwise the whole state dict is read and then sliced.
 
     Returns ``(model, tokenizer, hf_config)``; tokenizer is None when the checkpoint has none.
     Raises FileNotFoundError for a bad path, UnsupportedModelError for an unsupported
     architecture (checked from config.json before any weight is read), CheckpointError (a
     ParameterError naming the path) for a file that cannot be read as what it claims to be
     (a truncated ``.gguf`` or safetensors file, a ``config.json`` that is not JSON or has
-    impossible sizes, weights whose shapes disagree with the config, a broken tokenizer)."""
+    impossible sizes, weights whose shapes disagree with the config, a broken tokenizer);
+    ParameterError naming ``tensor_parallel_size`` when ``tp_size`` does not divide the KV heads
+    or the intermediate size."""
     from transformers import AutoConfig
 
     path, gguf = resolve_model_path(model)
@@ -137,13 +148,22 @@ def load_model(
         cfg = ModelConfig.from_hf(hf_cfg)
     except CheckpointError as e:
         raise CheckpointError("model", str(where), message=f"{where}: {e}") from None
+    shard_config(cfg, tp_size)  # an indivisible head count is refused before any weight is read
     rotary = rotary_embedding(hf_cfg, cfg.head_dim, device, dtype)
-    weights = _read_weights(path, where, dtype, kw)
+    sliced = tp_size > 1 and adapter is None and gguf is None
+    weights = (_read_safetensors_shard(path, cfg, tp_rank, tp_size, dtype) if sliced else None)
+    if weights is None:
+        weights = _read_weights(path, where, dtype, kw)
+        sliced = False
     if adapter is not None:
         merge_lora(weights, adapter)
         rows = weights["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in weights else cfg.vocab_size
         if rows != cfg.vocab_size:  # the adapter added tokens (rows of the embedding)
             cfg = dataclasses.replace(cfg, vocab_size=rows)
+    if tp_size > 1:
+        if not sliced:
+            shard_checkpoint(weights, cfg, tp_rank, tp_size)
+        cfg = shard_config(cfg, tp_size)
     tokenizer = _checkpoint_tokenizer(path, gguf, kw) if with_tokenizer else None
     if adapter is not None and tokenizer is not None:
         add_adapter_tokens(tokenizer, adapter)
@@ -207,6 +227,39 @@ def _check_config_json(file: Path) -> None:
         check_sizes(types.SimpleNamespace(**fields))
     except CheckpointError as e:
         raise CheckpointError("model", str(file), message=f"{file.parent}: {e}") from None
+
+
+def _read_safetensors_shard(path: Path, cfg: ModelConfig, rank: int, size: int,
+                            dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """Rank ``rank``'s part of a safetensors checkpoint read slice by slice
+    (:func:`~pasta_engine.models.sharding.shard_spec`), in ``dtype``; None when ``path`` holds no
+    ``*.safetensors`` file or a tensor name outside ``transformers``' Llama naming (``model.`` and
+    ``lm_head.``): the caller then reads the whole checkpoint with ``transformers``."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                names = list(f.keys())
+                if any(not n.startswith(("model.", "lm_head.")) for n in names):
+                    return None
+                for name in names:
+                    spec = shard_spec(name, cfg, rank, size)
+                    if spec is None or spec == "zero":
+                        t = shard_tensor(f.get_tensor(name), spec)
+                    else:
+                        dim, ranges = spec
+                        sl = f.get_slice(name)
+                        parts = [sl[a:b] if dim == 0 else sl[:, a:b] for a, b in ranges]
+                        t = torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+                    out[name] = t.to(dtype)
+    except Exception as e:  # noqa: BLE001  (safetensors and OS errors: unreadable)
+        raise CheckpointError("model", str(path), message=f"cannot read the weights of {path}: {_first_line(e)}") from None
+    return out
 
 
 def _read_weights(path: Path, where: Path, dtype: torch.dtype, kw: dict[str, Any]) -> dict[str, torch.Tensor]:

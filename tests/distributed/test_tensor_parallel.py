@@ -1,0 +1,161 @@
+"""Tensor parallelism on CPUs (gloo): the sharded engine decodes what the one-process engine does.
+
+Two ranks on the tiny Llama preset (4 query heads, 2 KV heads): greedy tokens in sequential and
+pasta mode and a replay with forks and joins equal the one-process engine's; a rank that raises
+mid-step ends the step on every rank with every page free and the engine still usable; a dead
+rank makes the engine raise EngineDeadError; shutdown leaves no process behind; a size that
+does not divide the KV heads is refused before any process starts. Three ranks on SmolLM2-135M
+(9 heads, 3 KV heads) are marked slow.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pasta_engine import Engine, ParameterError, SamplingParams
+from pasta_engine.distributed import TensorParallelStepError
+from pasta_engine.errors import EngineDeadError
+
+ANNOTATED = (
+    "Tips:\n1. "
+    '<promise topic="sleep" tokens="30"/><async>Go to bed early.</async>\n2. '
+    '<promise topic="screens" tokens="20"/><async>Avoid screens at night.</async>\n'
+    "<sync/>\nAlso: "
+    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
+)
+PROMPTS = ["Give me sleep tips.", "Name three fruits."]
+KV = dict(kv_cache_bytes=8 * 2**20, page_size=4)
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_llama):
+    return Engine.from_pretrained(tiny_llama, **KV)
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_llama):
+    engine = Engine.from_pretrained(tiny_llama, tensor_parallel_size=2, **KV)
+    yield engine
+    engine.shutdown()
+
+
+def _alive(procs) -> list:
+    return [p for p in procs if p.is_alive()]
+
+
+def all_free(engine: Engine) -> bool:
+    """Every page free and no request left (as tests/engine/test_failures.py checks)."""
+    s = engine.stats()
+    return s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0 and s["waiting"] == 0
+
+
+def test_two_ranks_shard_the_kv_cache(tp2, single):
+    assert tp2.model.size == 2
+    assert tp2.model.config.num_heads == 2 and tp2.model.config.num_kv_heads == 1
+    # each rank holds half the KV heads, so the same budget holds twice the pages
+    assert tp2.model_runner.kv_cache.kv.shape[-2] == 1
+    assert tp2.model_runner.num_pages == 2 * single.model_runner.num_pages
+    assert len(_alive(tp2.model.procs)) == 1
+
+
+@pytest.mark.parametrize("mode", ["sequential", "pasta"])
+def test_greedy_tokens_equal_one_process(tp2, single, mode):
+    want = single.generate(PROMPTS, GREEDY, mode=mode)
+    got = tp2.generate(PROMPTS, GREEDY, mode=mode)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_replay_with_forks_and_joins_equals_one_process(tp2, single):
+    params = SamplingParams(return_logprobs=True)
+    [want] = single.replay([PROMPTS[0]], [ANNOTATED], params=params)
+    [got] = tp2.replay([PROMPTS[0]], [ANNOTATED], params=params)
+    assert got.token_ids == want.token_ids and got.threads == want.threads
+    assert got.stats.forks == 3  # three children forked, and were joined
+    assert [lp is None for lp in got.logprobs] == [lp is None for lp in want.logprobs]
+    pairs = [(a, b) for a, b in zip(got.logprobs, want.logprobs) if a is not None]
+    assert len(pairs) > 20
+    torch.testing.assert_close(torch.tensor([a for a, _ in pairs]), torch.tensor([b for _, b in pairs]),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rank,after", [(1, 1), (0, 2), (1, 0)])
+def test_a_rank_that_raises_mid_step_ends_the_step_and_frees_every_page(tp2, single, rank, after):
+    tp2.model.fail_next_step(rank, after_reduces=after)
+    with pytest.raises(TensorParallelStepError, match=f"rank {rank}: InjectedFault") as info:
+        tp2.generate(PROMPTS, GREEDY, mode="sequential")
+    assert list(info.value.failures) == [rank]  # reported once, naming the rank
+    assert all_free(tp2)
+    # the engine (and every rank) is still usable and still exact
+    want = single.generate(PROMPTS[:1], GREEDY, mode="sequential")
+    got = tp2.generate(PROMPTS[:1], GREEDY, mode="sequential")
+    assert got[0].token_ids == want[0].token_ids
+
+
+def test_indivisible_kv_heads_are_refused_before_any_process_starts(tiny_llama):
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ParameterError, match=r"tensor_parallel_size=3 .*2 KV heads \(4 query heads"):
+        Engine.from_pretrained(tiny_llama, tensor_parallel_size=3, **KV)
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_dead_rank_makes_the_engine_dead_and_shutdown_leaves_no_process(tp2):
+    """Last user of the module's engine: it kills its worker."""
+    procs = list(tp2.model.procs)
+    tp2.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))
+    os.kill(procs[0].pid, signal.SIGKILL)
+    procs[0].join(10)
+    with pytest.raises(EngineDeadError):
+        tp2.generate(PROMPTS[:1], GREEDY)
+    assert all_free(tp2)
+    with pytest.raises(EngineDeadError):  # and stays dead
+        tp2.generate(PROMPTS[:1], GREEDY)
+    tp2.shutdown()
+    assert not _alive(procs)
+
+
+def test_shutdown_and_garbage_collection_leave_no_process(tiny_llama):
+    engine = Engine.from_pretrained(tiny_llama, tensor_parallel_size=2, **KV)
+    procs = list(engine.model.procs)
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert not _alive(procs)
+    with pytest.raises(EngineDeadError):
+        engine.generate(PROMPTS[:1], GREEDY)
+    # an engine dropped without shutdown: its workers are reaped at collection
+    engine = Engine.from_pretrained(tiny_llama, tensor_parallel_size=2, **KV)
+    procs = list(engine.model.procs)
+    del engine
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _alive(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(procs)
+    assert not torch.distributed.is_initialized()  # the process may start another one
+
+
+@pytest.mark.slow
+def test_three_ranks_on_smollm2_equal_one_process(smollm2_dir):
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    single = Engine.from_pretrained(smollm2_dir, adapter=None, kv_cache_bytes=96 * 2**20)
+    want = single.generate(PROMPTS, params, mode="sequential")
+    [want_replay] = single.replay([PROMPTS[0]], [ANNOTATED])
+    del single
+    engine = Engine.from_pretrained(smollm2_dir, adapter=None, tensor_parallel_size=3, kv_cache_bytes=96 * 2**20)
+    try:
+        assert engine.model.config.num_heads == 3 and engine.model.config.num_kv_heads == 1
+        got = engine.generate(PROMPTS, params, mode="sequential")
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        [got_replay] = engine.replay([PROMPTS[0]], [ANNOTATED])
+        assert want_replay.stats.finish_reason == "stop" and want_replay.stats.forks == 3
+        assert got_replay.token_ids == want_replay.token_ids
+    finally:
+        engine.shutdown()
