@@ -159,3 +159,26 @@ def test_three_ranks_on_smollm2_equal_one_process(smollm2_dir):
         assert got_replay.token_ids == want_replay.token_ids
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_llama", "tiny_phi3"])
+def test_sliced_safetensors_read_equals_the_whole_checkpoint_sliced(ckpt, request, monkeypatch):
+    """Each rank reads only its slices from safetensors (Phi-3: fused qkv_proj / gate_up_proj cut
+    part by part); the same shard as reading the whole state dict and slicing it."""
+    from pasta_engine.models import loader
+
+    path = request.getfixturevalue(ckpt)
+    read, seen = loader._read_safetensors_shard, []
+    monkeypatch.setattr(loader, "_read_safetensors_shard", lambda *a: seen.append(read(*a)) or seen[-1])
+    sliced, _, _ = loader.load_model(path, with_tokenizer=False, tp_rank=1, tp_size=2)
+    assert seen and seen[0] is not None  # the sliced path ran
+    monkeypatch.setattr(loader, "_read_safetensors_shard", lambda *a: None)  # the transformers path
+    whole, _, _ = loader.load_model(path, with_tokenizer=False, tp_rank=1, tp_size=2)
+    assert sliced.config == whole.config
+    for a, b in zip(sliced.weights.tensors(), whole.weights.tensors()):
+        assert torch.equal(a, b)
+
+
+def test_one_kv_head_is_refused_naming_the_head_counts(tiny_qwen2):
+    with pytest.raises(ParameterError, match=r"tensor_parallel_size=2 does not divide the model's 1 KV heads"):
+        Engine.from_pretrained(tiny_qwen2, tensor_parallel_size=2, **KV)
