@@ -227,6 +227,11 @@ async def run_load(url: str, model: str, api_key: str = "none", *, requests: int
         "pages_leaked": stats.get("kv_pages_total", 0) - stats.get("kv_pages_free", 0),
         "kv_pages_total": stats.get("kv_pages_total"),
         "engine_steps": stats.get("steps"),
+        # prefill tokens the prefix cache saved (hit) of those looked up, when the server has one
+        "prefill_tokens_saved": stats.get("prefix_cache_hit_tokens"),
+        "prefill_tokens_computed": (stats["prefix_cache_query_tokens"] - stats["prefix_cache_hit_tokens"]
+                                    if "prefix_cache_hit_tokens" in stats else None),
+        "engine_stats_after": stats,
     }
 
 
