@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -273,7 +274,8 @@ def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
                 "device_name": device_name("cpu"), "torch_version": torch.__version__, "dtype": "float32",
                 "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
                 "repetition_penalty": params.repetition_penalty, "batch_size": 1,
-                "split": "vicuna (evaluation split, never trained on)", "repeats": args.repeats}
+                "split": "vicuna (evaluation split, never trained on)", "repeats": args.repeats,
+                "torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg())}
     result = evaluate_learned(prompts, base, adapter, LikelihoodQuality(hf, tok), args.out, settings, params,
                               repeats=args.repeats, base_pasta=not args.no_base_pasta, resume=args.resume)
     s = result["summary"]
