@@ -22,13 +22,7 @@ from pasta_engine import Engine, ParameterError, SamplingParams
 from pasta_engine.distributed import TensorParallelStepError
 from pasta_engine.errors import EngineDeadError
 
-ANNOTATED = (
-    "Tips:\n1. "
-    '<promise topic="sleep" tokens="30"/><async>Go to bed early.</async>\n2. '
-    '<promise topic="screens" tokens="20"/><async>Avoid screens at night.</async>\n'
-    "<sync/>\nAlso: "
-    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
-)
+from sample_traces import ANNOTATED  # noqa: E402  (tests/sample_traces.py)
 PROMPTS = ["Give me sleep tips.", "Name three fruits."]
 KV = dict(kv_cache_bytes=8 * 2**20, page_size=4)
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0)

@@ -19,13 +19,7 @@ from pasta_engine.lang.tags import Promise, Sync, parse, promise_tag
 from pasta_engine.lang.tokenization import tokenize_annotated
 from pasta_engine.metrics import simulate_steps
 
-ANNOTATED = (
-    "Tips:\n1. "
-    '<promise topic="sleep" tokens="30"/><async>Go to bed early.</async>\n2. '
-    '<promise topic="screens" tokens="20"/><async>Avoid screens at night.</async>\n'
-    "<sync/>\nAlso: "
-    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
-)
+from sample_traces import ANNOTATED  # noqa: E402  (tests/sample_traces.py)
 PROMPT = "Give me sleep tips."
 
 

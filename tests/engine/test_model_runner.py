@@ -19,13 +19,7 @@ from pasta_engine.models.loader import load_model
 from pasta_engine.models.protocol import CausalLM
 
 PROMPT = [1, 40, 41, 42, 43, 44, 45, 46, 47]
-ANNOTATED = (
-    "Tips:\n1. "
-    '<promise topic="sleep" tokens="30"/><async>Go to bed early.</async>\n2. '
-    '<promise topic="screens" tokens="20"/><async>Avoid screens at night.</async>\n'
-    "<sync/>\nAlso: "
-    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
-)
+from sample_traces import ANNOTATED  # noqa: E402  (tests/sample_traces.py)
 
 
 class PositionEcho:
