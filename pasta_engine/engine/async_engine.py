@@ -312,7 +312,8 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort every open request (their iterators end with ``finish_reason="abort"``), stop
-        the engine thread and wait for it (at most ``timeout_s`` seconds). Later calls raise
+        the engine thread and wait for it (at most ``timeout_s`` seconds); the thread's last act
+        is :meth:`Engine.shutdown` (tensor-parallel workers stopped). Later calls raise
         EngineDeadError. Safe to call twice."""
         with self._state:
             if self._dead is None:
@@ -462,6 +463,7 @@ class AsyncEngine:
         while self._tracked and self.engine.has_unfinished_requests():
             self._dispatch(self.engine.step())  # the aborts' final outputs (no forward is left to run)
         self._fail_pending(self._dead or EngineDeadError("the async engine was shut down"))
+        self.engine.shutdown()  # tensor-parallel workers stop now, not at process exit
 
     def _die(self, exc: BaseException) -> None:
         err = EngineDeadError(f"the engine stopped after an error it could not pin on one request: "

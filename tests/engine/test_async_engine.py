@@ -254,6 +254,9 @@ def test_an_error_it_cannot_pin_on_one_request_marks_the_engine_dead(tiny_llama)
 
 def test_shutdown_aborts_open_requests_and_refuses_later_ones(tiny_llama):
     a = AsyncEngine(_engine(tiny_llama))
+    engine_shutdowns = []
+    real_shutdown = a.engine.shutdown
+    a.engine.shutdown = lambda: (engine_shutdowns.append(1), real_shutdown())  # what stops tensor-parallel workers
 
     async def main():
         stream = await a.add_request([5, 6, 7], SamplingParams(max_new_tokens=400), mode="sequential")
@@ -267,7 +270,9 @@ def test_shutdown_aborts_open_requests_and_refuses_later_ones(tiny_llama):
     first, rest = asyncio.run(main())
     assert not first.finished and rest[-1].finish_reason == "abort"
     assert not a.is_running and all_pages_free(a.engine.stats())
+    assert engine_shutdowns == [1]  # the engine's own shutdown ran once, on the engine thread
     a.shutdown()  # twice is fine
+    assert engine_shutdowns == [1]
 
 
 def test_streams_through_preemptions_send_each_token_and_character_once(tiny_llama):
