@@ -44,7 +44,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                    help="requests decoded together (continuous batching); more wait in a queue")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (info logs each request)")
-    add_sampling_args(v, repetition_penalty=None)  # the OpenAI schema has no such field: not a server default
+    add_sampling_args(v, repetition_penalty=None)  # per request (vLLM's field), not a server-wide default
     add_model_args(v)
     add_pasta_args(v)
     return v

@@ -135,7 +135,8 @@ def test_bad_sampling_values_name_the_flag_value(tiny_llama, capsys):
 def test_generate_samples_with_the_model_cards_settings_and_serve_has_no_penalty_flag():
     """``generate`` defaults to SmolLM2's card settings (temperature 0.2, top-p 0.9) with the
     training answers' repetition penalty 1.1, and the flag reaches SamplingParams; ``serve``
-    cannot honour a penalty (the OpenAI schema has none), so it has no such flag."""
+    takes a penalty per request (vLLM's ``repetition_penalty`` field) and has no server-wide
+    default for it, so it has no such flag."""
     from pasta_engine.entrypoints.args import sampling_params
     from pasta_engine.entrypoints.cli import build_parser
 
