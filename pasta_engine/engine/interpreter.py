@@ -1,4 +1,9 @@
-"""The PASTA-LANG interpreter: one request's decoding threads, forks, joins and positions.
+"""The interpreter: one request's decoding threads, forks, joins and positions.
+
+The language is a :class:`~pasta_engine.lang.dialect.Dialect` (PASTA-LANG by default): its
+parser turns each thread's text into forks, closes and joins, and it gives each child's cap and
+the positions a fork reserves; the rest (threads, KV operations, demand) is the same for every
+dialect. Below, in PASTA-LANG's words:
 
 It knows nothing about tensors or KV pages (no torch). It states its demand, the threads with
 tokens to forward and all their pending tokens (:meth:`Interpreter.runnable_threads`, one
@@ -43,8 +48,8 @@ from typing import Sequence
 
 from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
-from ..lang.grammar import grammar_state
-from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagParser, TagText, Text
+from ..lang.dialect import PASTA, Dialect, TextParser
+from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagText, Text
 from ..metrics import ResponseStructure
 from . import render
 from .batch import KVBound, KVFork, KVJoin, KVOp, KVRelease, ThreadStep  # re-exported: they lived here
@@ -93,7 +98,7 @@ class Thread:
 
     tid: int
     detok: IncrementalDetokenizer
-    parser: TagParser
+    parser: TextParser
     next_pos: int
     promise: Promise | None = None
     fork_at: int = 0  # main tokens before the chunk in the spliced response
@@ -114,6 +119,7 @@ class Thread:
     pending: list[int] = field(default_factory=list)
     pending_pos: list[int] = field(default_factory=list)
     n_sampled: int = 0
+    inserted: int = 0  # leading tokens the interpreter inserted (a child's opening tag), not sampled
     finish: str | None = None
     closed_by_interpreter: bool = False
     started: bool = False
@@ -156,8 +162,12 @@ class Interpreter:
         token_bytes: the tokenizer's token-bytes table (fast incremental detokenization, see
             :mod:`pasta_engine.lang.detokenizer`), or None to detokenize through ``decode``.
         grammar: report each sampling thread's :class:`~pasta_engine.lang.grammar.GrammarState`
-            in its :class:`ThreadStep` (the tokenizer has the PASTA-LANG piece tokens); only in
+            in its :class:`ThreadStep` (the tokenizer has the dialect's piece tokens); only in
             pasta mode and outside replay (forced tokens need no mask).
+        dialect: the language the model writes (:class:`~pasta_engine.lang.dialect.Dialect`):
+            how its text parses into forks, closes and joins, each child's cap, the positions a
+            fork reserves, the grammar state; ``open_ids``/``close_len`` are its
+            ``open_tag``/``close_tag`` tokenized. Default: PASTA-LANG.
 
     Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay.
 
@@ -182,12 +192,16 @@ class Interpreter:
         forced_chunks: Sequence[Sequence[int] | None] | None = None,
         token_bytes: TokenBytes | None = None,
         grammar: bool = False,
+        dialect: Dialect | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected 'pasta' or 'sequential'")
         if len(prompt_ids) == 0:
             raise ValueError("empty prompt: at least one token is needed")
+        if dialect is not None and dialect.nesting:
+            raise ValueError(f"dialect {dialect.name!r} nests forks: the interpreter forks from the main thread only")
         self.mode = mode
+        self.dialect: Dialect = PASTA if dialect is None else dialect
         self.max_new_tokens = int(max_new_tokens)
         self.limits = limits or Limits()
         self.policy = PositionPolicy.parse(policy)
@@ -304,7 +318,7 @@ class Interpreter:
 
     def _grammar_state(self, t: Thread) -> int:
         """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample."""
-        return grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks)
+        return self.dialect.grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks)
 
     def step_done(self, steps: Sequence[ThreadStep]) -> None:
         """Call after the forward of ``steps`` (before :meth:`on_token`): each step's tokens
@@ -393,7 +407,7 @@ class Interpreter:
         t = Thread(
             tid=len(self.threads),
             detok=IncrementalDetokenizer(self.decode, self.token_bytes),
-            parser=TagParser(),
+            parser=self.dialect.parser(),
             next_pos=next_pos,
             forced=None if forced is None else deque(int(x) for x in forced),
             **kw,
@@ -502,7 +516,7 @@ class Interpreter:
             fork_char=p.end,
             fork_clean=main.clean_len,
             fork_drop=len(main.drops),
-            cap=None if self.replay else self.limits.chunk_cap(p.tokens),
+            cap=None if self.replay else self.dialect.child_cap(self.limits, p),
             status=ThreadStatus.QUEUED,
         )
         main.next_pos += size
@@ -513,6 +527,7 @@ class Interpreter:
             child.pieces.append(piece)
             child.parser.feed(piece)  # a tag: nothing for the clean text
             child.logprobs.append(None)
+        child.inserted = len(self.open_ids)
         child.drops.append(0)  # where its <async> was left out
         self._give(child, list(self.open_ids))
         self._outstanding.append(child)
@@ -525,17 +540,11 @@ class Interpreter:
         return True
 
     def _reserved(self, p: Promise, chunk: list[int] | None) -> int:
-        pol = self.policy
-        if pol.kind == "none":
-            return 0
-        tags = len(self.open_ids) + self.close_len
-        if pol.kind == "oracle":
-            return len(self.open_ids) + len(chunk or [])
-        if pol.kind == "constant":
-            return tags + pol.constant
-        if p.tokens > self.limits.max_promise_tokens:
-            self._note(self.main, f"promise tokens={p.tokens} clamped to {self.limits.max_promise_tokens}")
-        return tags + min(p.tokens, self.limits.max_promise_tokens)
+        size, note = self.dialect.reserved_positions(p, self.policy, self.limits, len(self.open_ids), self.close_len,
+                                                     None if chunk is None else len(chunk))
+        if note:
+            self._note(self.main, note)
+        return size
 
     def _stall(self, main: Thread) -> None:
         main.status = ThreadStatus.STALLED
@@ -642,5 +651,5 @@ class Interpreter:
     def structure(self) -> ResponseStructure:
         """Token counts of the response for the critical-path simulation."""
         forks = [(c.fork_at, c.n_sampled) for c in self.threads[1:] if c.finish != "not_run"]
-        inserted = len(self.open_ids) * len(forks)
+        inserted = sum(c.inserted for c in self.threads[1:] if c.finish != "not_run")
         return ResponseStructure(main_tokens=self.main.n_sampled, forks=forks, syncs=list(self.syncs), inserted=inserted)

@@ -28,8 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from ..lang.tags import ASYNC_CLOSE, drop_empty_items, held_line_start
-from ..lang.tags import clean_text as _clean_annotated
+from ..lang.tags import drop_empty_items, held_line_start
 
 # The interpreter imports this module, so this one does not import it (no cycle, not even for
 # type checking): these names stand for pasta_engine.engine.interpreter's Interpreter and Thread,
@@ -99,11 +98,13 @@ def spliced(interp: "Interpreter") -> Spliced:
 
 def annotated_text(interp: "Interpreter") -> str:
     """The main thread's text with each chunk (``<async>`` + content, and ``</async>`` when the
-    interpreter closed it) spliced right after its promise tag: every character the model wrote."""
+    interpreter closed it: the dialect's ``open_tag`` and ``close_tag``) spliced right after its
+    promise tag: every character the model wrote."""
     text = "".join(interp.main.pieces)
+    close = interp.dialect.close_tag
     parts, at = [], 0
     for c in sorted(_ran(interp), key=lambda c: (c.fork_char, c.tid)):
-        parts += [text[at : c.fork_char], "".join(c.pieces), ASYNC_CLOSE if c.closed_by_interpreter else ""]
+        parts += [text[at : c.fork_char], "".join(c.pieces), close if c.closed_by_interpreter else ""]
         at = c.fork_char
     parts.append(text[at:])
     return "".join(parts)
@@ -186,11 +187,11 @@ def clean_text(interp: "Interpreter", final: bool | None = None) -> str:
 
 
 def final_text(interp: "Interpreter", annotated: str | None = None) -> str:
-    """The finished response a reader sees: :func:`pasta_engine.lang.tags.clean_text` of
-    :func:`annotated_text` (no tag, no malformed or partial tag, no list item a left-out tag
-    emptied; ``annotated``: that text when the caller has it). What ``RequestResult.text``
-    holds and every output's text ends as."""
-    return _clean_annotated(annotated_text(interp) if annotated is None else annotated)
+    """The finished response a reader sees: the dialect's ``clean_text`` of
+    :func:`annotated_text` (PASTA's: :func:`pasta_engine.lang.tags.clean_text`: no tag, no
+    malformed or partial tag, no list item a left-out tag emptied; ``annotated``: that text when
+    the caller has it). What ``RequestResult.text`` holds and every output's text ends as."""
+    return interp.dialect.clean_text(annotated_text(interp) if annotated is None else annotated)
 
 
 def reading_order_prefix(interp: "Interpreter") -> str:

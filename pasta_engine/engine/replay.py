@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..lang.detokenizer import IncrementalDetokenizer, token_bytes_for
-from ..lang.tags import Sync, TagParser
+from ..lang.dialect import PASTA, Dialect
+from ..lang.tags import Sync
 from ..lang.tokenization import AnnotatedTokens, decode, tokenize_annotated
 from ..metrics import ResponseStructure
 
@@ -43,11 +44,11 @@ class ReplayScript:
     structure: ResponseStructure
 
 
-def _sync_ends(tokenizer: Any, main_ids: list[int]) -> list[int]:
-    """1-based main-token indices at which a ``<sync/>`` tag completes (text as the
-    interpreter's incremental detokenizer delivers it)."""
+def _sync_ends(tokenizer: Any, main_ids: list[int], dialect: Dialect = PASTA) -> list[int]:
+    """1-based main-token indices at which a ``<sync/>`` tag (the dialect's join) completes
+    (text as the interpreter's incremental detokenizer delivers it)."""
     detok = IncrementalDetokenizer(lambda ids: decode(tokenizer, ids), token_bytes_for(tokenizer))
-    parser = TagParser()
+    parser = dialect.parser()
     out = []
     for k, t in enumerate(main_ids, start=1):
         if any(isinstance(e, Sync) for e in parser.feed(detok.push(t))):
@@ -55,22 +56,23 @@ def _sync_ends(tokenizer: Any, main_ids: list[int]) -> list[int]:
     return out
 
 
-def replay_script(tokenizer: Any, annotated: str, eos_id: int) -> ReplayScript:
+def replay_script(tokenizer: Any, annotated: str, eos_id: int, dialect: Dialect = PASTA) -> ReplayScript:
     """Tokenize ``annotated`` for replay (see the module docstring).
 
     Args:
         tokenizer: a ``transformers`` tokenizer.
         annotated: the annotated response (malformed tags are text).
         eos_id: the end-of-sequence token the main thread ends with.
+        dialect: the language it is written in (default PASTA-LANG).
 
     Never raises on content."""
-    tok = tokenize_annotated(tokenizer, annotated)
+    tok = tokenize_annotated(tokenizer, annotated, dialect)
     eos = int(eos_id)
     forks = [(end, len(c)) for end, c in zip(tok.promise_ends, tok.chunk_ids) if c is not None]
     structure = ResponseStructure(
         main_tokens=len(tok.main_ids) + 1,
         forks=forks,
-        syncs=_sync_ends(tokenizer, tok.main_ids),
+        syncs=_sync_ends(tokenizer, tok.main_ids, dialect),
         inserted=len(tok.open_ids) * len(forks),
     )
     return ReplayScript(tok, tok.main_ids + [eos], tok.chunk_ids, tok.spliced_ids + [eos], structure)

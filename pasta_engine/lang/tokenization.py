@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .tags import ASYNC_CLOSE, ASYNC_OPEN, Malformed, Promise, Text, parse, splice, split_threads
+from .dialect import PASTA, Dialect
+from .tags import Malformed, Promise, Text
 
 __all__ = [
     "eos_token_ids",
@@ -175,13 +176,13 @@ class AnnotatedTokens:
     diagnostics: list[str] = field(default_factory=list)
 
 
-def _encode_segments(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+def _encode_segments(tokenizer: Any, text: str, dialect: Dialect = PASTA) -> tuple[list[int], list[int]]:
     """Tokens of ``text`` with each tag source tokenized apart from the text around it, and
-    the token counts at which each promise tag ends."""
+    the token counts at which each promise tag (the dialect's fork marker) ends."""
     ids: list[int] = []
     promise_ends: list[int] = []
     run: list[str] = []  # text between tags: plain and tag-like (TagText) alike, tokenized as one
-    for item in parse(text):
+    for item in dialect.parse(text):
         if isinstance(item, Malformed):
             continue  # a diagnostic: its characters also come as Text
         if isinstance(item, Text):
@@ -198,24 +199,26 @@ def _encode_segments(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
     return ids, promise_ends
 
 
-def tokenize_annotated(tokenizer: Any, annotated: str) -> AnnotatedTokens:
+def tokenize_annotated(tokenizer: Any, annotated: str, dialect: Dialect = PASTA) -> AnnotatedTokens:
     """Tokenize an annotated response canonically (see the module docstring).
 
     Args:
         tokenizer: a ``transformers`` tokenizer.
-        annotated: a response with PASTA-LANG tags; anything malformed is text.
+        annotated: a response with the dialect's tags; anything malformed is text.
+        dialect: the language (:class:`~pasta_engine.lang.dialect.Dialect`; its
+            ``split_threads``, ``parse``, ``splice``, ``open_tag`` and ``close_tag``).
 
     Returns :class:`AnnotatedTokens`. Never raises on content."""
-    th = split_threads(annotated, lead_whitespace="chunk")
-    main_ids, promise_ends = _encode_segments(tokenizer, th.main)
-    open_ids = encode_tag(tokenizer, ASYNC_OPEN)
-    close_ids = encode_tag(tokenizer, ASYNC_CLOSE)
+    th = dialect.split_threads(annotated, lead_whitespace="chunk")
+    main_ids, promise_ends = _encode_segments(tokenizer, th.main, dialect)
+    open_ids = encode_tag(tokenizer, dialect.open_tag)
+    close_ids = encode_tag(tokenizer, dialect.close_tag)
     chunk_ids: list[list[int] | None] = []
     for c in th.chunks:
         if c.content is None:
             chunk_ids.append(None)
             continue
-        ids, _ = _encode_segments(tokenizer, c.content)
+        ids, _ = _encode_segments(tokenizer, c.content, dialect)
         chunk_ids.append(ids + (close_ids if c.closed else []))
     spliced: list[int] = []
     at = 0
@@ -225,6 +228,6 @@ def tokenize_annotated(tokenizer: Any, annotated: str) -> AnnotatedTokens:
         if chunk is not None:
             spliced += open_ids + chunk
     spliced += main_ids[at:]
-    canonical = splice(th.main, th.chunks)
+    canonical = dialect.splice(th.main, th.chunks)
     return AnnotatedTokens(main_ids, chunk_ids, open_ids, promise_ends[: len(chunk_ids)], spliced, canonical,
                            list(th.diagnostics))

@@ -136,7 +136,7 @@ def pasta_layout(
     for tid, q, _ in targets:
         per_thread.setdefault(tid, []).append(q)
     sp = it.spliced()
-    n_inserted = {t.tid: (0 if t.is_main else len(it.open_ids)) for t in it.threads}
+    n_inserted = {t.tid: t.inserted for t in it.threads}  # the dialect's opening tag, per child
     seen: dict[int, int] = {}
     target_index: list[int | None] = []
     for tid in sp.threads:

@@ -1,0 +1,191 @@
+"""The dialect interface: what a learned-parallel decoding language must tell the engine (no torch).
+
+The engine's threads, forks, joins, KV views and positions are language-free; a *dialect* says
+how one language is written and what its tags mean (docs/DESIGN.md section 2, "Dialects").
+:data:`PASTA` (:class:`PastaDialect`, PASTA-LANG) is the one the engine ships and every part
+defaults to; another language (Multiverse, APAR) implements :class:`Dialect` and is passed to
+the interpreter (``Interpreter(dialect=...)``), to :func:`~pasta_engine.lang.tokenization.tokenize_annotated`
+and to :func:`~pasta_engine.engine.replay.replay_script`.
+
+A dialect speaks to the interpreter in one event vocabulary, the items of
+:mod:`pasta_engine.lang.tags`, whatever its own syntax is. Its parser (:meth:`Dialect.parser`)
+turns the text of each decoded token into:
+
+* :class:`~pasta_engine.lang.tags.Text`: text a reader sees; :class:`~pasta_engine.lang.tags.TagText`:
+  text the model wrote that a reader never sees (a malformed or partial marker);
+  :class:`~pasta_engine.lang.tags.Malformed`: a diagnostic beside it;
+* :data:`Fork` (a :class:`~pasta_engine.lang.tags.Promise`: ``topic``, ``tokens`` the
+  predicted length or 0, ``raw``, ``end``): on the main thread, fork a thread here;
+* :data:`Open` (:class:`~pasta_engine.lang.tags.AsyncOpen`): the main thread opens a chunk
+  itself (only meaningful for a chunk decoded inline past the fork cap);
+* :data:`Close` (:class:`~pasta_engine.lang.tags.AsyncClose`): a forked thread ends here;
+* :data:`Join` (:class:`~pasta_engine.lang.tags.Sync`): on the main thread, wait for every
+  outstanding thread, then see them all.
+
+What the interpreter does with those events is the engine's, the same for every dialect: a
+fork's context is the main thread's context at the token that completed the fork marker (its
+KV view shared, never copied); the new thread first forwards the dialect's inserted tokens
+(:attr:`Dialect.open_tag`, tokenized by the caller); it ends at :data:`Close`, at
+end-of-sequence or at :meth:`Dialect.child_cap`; a join (and the main thread's end, an implicit
+join) adds the ended threads' KV to the main thread's view; positions come from
+:meth:`Dialect.reserved_positions`; fork markers inside a forked thread are not acted on
+(:attr:`Dialect.nesting` is False for every dialect the interpreter runs today).
+
+``limits`` and ``policy`` below are :class:`pasta_engine.config.Limits` and
+:class:`~pasta_engine.config.PositionPolicy` (read by attribute: ``lang`` imports nothing else of
+the package).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from . import grammar, tags
+from .tags import ASYNC_CLOSE, ASYNC_OPEN, AsyncClose, AsyncOpen, Parsed, Promise, Sync, Threads
+
+__all__ = ["Dialect", "TextParser", "PastaDialect", "PASTA", "Fork", "Open", "Close", "Join"]
+
+#: The event vocabulary a dialect's parser speaks (see the module docstring).
+Fork = Promise
+Open = AsyncOpen
+Close = AsyncClose
+Join = Sync
+
+
+@runtime_checkable
+class TextParser(Protocol):
+    """An incremental parser of one thread's text (:class:`~pasta_engine.lang.tags.TagParser`
+    is PASTA's): fed each decoded token's text, it returns the items completed, never raises on
+    content and never drops a character."""
+
+    def feed(self, piece: str) -> list[Parsed]:
+        """Consume one piece of text; the items it completed."""
+        ...
+
+    def feed_plain(self, text: str) -> bool:
+        """Consume ``text`` and return True when it is all text (what :meth:`feed` would
+        return as one Text); else consume nothing and return False. A fast path: a parser may
+        always return False."""
+        ...
+
+    def finish(self) -> list[Parsed]:
+        """End of the text: what was held back, as text or tag-like text."""
+        ...
+
+    @property
+    def pending(self) -> str:
+        """Characters held back because they may still become a marker."""
+        ...
+
+
+@runtime_checkable
+class Dialect(Protocol):
+    """What a learned-parallel decoding language must say (docs/DESIGN.md, "Dialects").
+
+    Attributes:
+        name: the dialect's name (``pasta``).
+        open_tag: the text inserted into a forked thread before its first sample (its tokens
+            are the thread's first forward; the annotated text shows it after the fork marker).
+        close_tag: the text that ends a forked thread; the annotated text gets it when the
+            interpreter closed a thread (cap, end-of-sequence, cut off).
+        nesting: whether a fork marker inside a forked thread forks (False: it is not acted
+            on and left out of the clean text)."""
+
+    name: str
+    open_tag: str
+    close_tag: str
+    nesting: bool
+
+    # ---- how the tags tokenize and parse
+    def parser(self) -> TextParser:
+        """A fresh incremental parser for one thread."""
+        ...
+
+    def parse(self, text: str) -> list[Parsed]:
+        """A whole text's items, text runs merged."""
+        ...
+
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool) -> int:
+        """The sampler's grammar state for a thread's next token (0, ``FREE``: no mask), when
+        the tokenizer has the dialect's tag pieces as added tokens."""
+        ...
+
+    # ---- forks and positions
+    def child_cap(self, limits: Any, fork: Promise) -> int:
+        """Tokens a forked thread may sample before the interpreter closes it."""
+        ...
+
+    def reserved_positions(self, fork: Promise, policy: Any, limits: Any, open_len: int,
+                           close_len: int, chunk_len: int | None) -> tuple[int, str | None]:
+        """Positions the main thread skips after ``fork`` (its child's positions start right
+        after the fork marker), and a diagnostic to record (or None). ``chunk_len``: the
+        child's forced tokens in a replay (None otherwise)."""
+        ...
+
+    # ---- traces (annotated responses)
+    def split_threads(self, annotated: str, lead_whitespace: str = "main") -> Threads:
+        """An annotated response split into the main thread's text and each fork's chunk."""
+        ...
+
+    def splice(self, main: str, chunks: Sequence[tags.Chunk | str | None]) -> str:
+        """The inverse of :meth:`split_threads`."""
+        ...
+
+    # ---- rendering
+    def clean_text(self, annotated: str) -> str:
+        """The clean response a reader sees: no tag, no tag-like text."""
+        ...
+
+
+class PastaDialect:
+    """PASTA-LANG (docs/DESIGN.md section 2): ``<promise topic="T" tokens="N"/>`` forks,
+    ``<async>`` (inserted) ... ``</async>`` is the chunk, ``<sync/>`` joins; positions follow the
+    position policy (``predicted`` reserves ``N`` plus the tags)."""
+
+    name = "pasta"
+    open_tag = ASYNC_OPEN
+    close_tag = ASYNC_CLOSE
+    nesting = False
+    #: Fixed pieces a tokenizer may add as tokens (:mod:`pasta_engine.lang.grammar`).
+    tag_pieces = grammar.TAG_PIECES
+
+    def parser(self) -> tags.TagParser:
+        return tags.TagParser()
+
+    def parse(self, text: str) -> list[Parsed]:
+        return tags.parse(text)
+
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool) -> int:
+        return grammar.grammar_state(is_main, pending, can_fork)
+
+    def child_cap(self, limits: Any, fork: Promise) -> int:
+        return limits.chunk_cap(fork.tokens)
+
+    def reserved_positions(self, fork: Promise, policy: Any, limits: Any, open_len: int,
+                           close_len: int, chunk_len: int | None) -> tuple[int, str | None]:
+        if policy.kind == "none":
+            return 0, None
+        if policy.kind == "oracle":
+            return open_len + (chunk_len or 0), None
+        if policy.kind == "constant":
+            return open_len + close_len + policy.constant, None
+        note = None
+        if fork.tokens > limits.max_promise_tokens:
+            note = f"promise tokens={fork.tokens} clamped to {limits.max_promise_tokens}"
+        return open_len + close_len + min(fork.tokens, limits.max_promise_tokens), note
+
+    def split_threads(self, annotated: str, lead_whitespace: str = "main") -> Threads:
+        return tags.split_threads(annotated, lead_whitespace)
+
+    def splice(self, main: str, chunks: Sequence[tags.Chunk | str | None]) -> str:
+        return tags.splice(main, chunks)
+
+    def clean_text(self, annotated: str) -> str:
+        return tags.clean_text(annotated)
+
+    def __repr__(self) -> str:
+        return "PastaDialect()"
+
+
+#: The engine's default dialect.
+PASTA = PastaDialect()
