@@ -345,6 +345,14 @@ def test_a_toy_apar_trace_runs_through_the_interpreter_as_computed_by_hand():
     assert r.token_ids == toy(TOY_TRACE) + [EOS_ID]  # spliced: each item's child right after its ⟨fork⟩
 
 
+def test_a_nesting_dialect_is_refused_until_the_interpreter_nests():
+    class Nesting(ToyApar):
+        nesting = True
+
+    with pytest.raises(ValueError, match="nests forks"):
+        Interpreter([1], decode=lambda ids: "", eos_ids=[0], open_ids=[5], close_len=1, dialect=Nesting())
+
+
 def test_the_toy_dialect_round_trips_in_both_modes():
     check_dialect_round_trip(ToyTokenizer(), TOY_TRACE, ToyApar())
 
