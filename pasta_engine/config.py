@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
 from .errors import ParameterError
@@ -29,6 +29,7 @@ __all__ = [
     "EngineConfig",
     "GREEDY_TEMPERATURE",
     "MAX_SEED",
+    "DEFAULT_MAX_NEW_TOKENS",
     "check_int",
     "check_float",
     "check_bool",
@@ -39,6 +40,11 @@ __all__ = [
 GREEDY_TEMPERATURE = 1e-5
 #: Largest seed a ``torch.Generator`` takes.
 MAX_SEED = 2**64 - 1
+#: ``max_new_tokens`` of a :class:`SamplingParams` that gives neither it nor ``max_tokens``.
+DEFAULT_MAX_NEW_TOKENS = 256
+#: Most ``stop_token_ids`` of one request, and the largest id (the server's bounds).
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1
 
 
 def check_int(param: str, value: Any, lo: int | None = None, hi: int | None = None, *, none_ok: bool = False) -> None:
@@ -78,47 +84,135 @@ def check_bool(param: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick a request's tokens, and when to stop.
+    """How to pick a request's tokens, and when to stop (vLLM's names and meanings).
 
     Attributes:
-        max_new_tokens: tokens the response may hold, all threads together (>= 1).
+        max_new_tokens: tokens the response may hold, all threads together (>= 1; None, the
+            default: ``max_tokens`` when given, else 256).
+        max_tokens: vLLM's and OpenAI's name for ``max_new_tokens`` (init only: not stored, the
+            attribute reads None; read ``max_new_tokens``). Giving both with different values is
+            a ParameterError.
         temperature: logits are divided by it; below ``1e-5`` (0 included) decoding is greedy
             (argmax), as in vLLM.
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens (0 = all).
+        min_p: in [0, 1]; a sampled (not greedy) thread keeps only tokens whose probability,
+            after temperature, top-k and top-p, is at least ``min_p`` times the most likely
+            token's (vLLM's ``min_p``; Nguyen et al. 2024, "Min P Sampling"; applied after top-k
+            and top-p as ``transformers``' ``MinPLogitsWarper`` and vLLM's V0 sampler do).
+            0 = off.
         seed: seed of the request's own ``torch.Generator`` (same seed, same tokens), an
             integer in ``[0, 2**64 - 1]``.
         return_logprobs: fill ``result.logprobs`` with the natural-log probability of each
-            sampled token under the model's (untempered) distribution.
-        repetition_penalty: > 0; 1 = none. Before sampling, the logit of every token the
+            sampled token under the distribution the sampler picks from before temperature,
+            top-k, top-p and min-p (after penalties and masks).
+        logprobs: vLLM's count of alternatives per token (init only): None = no logprobs,
+            0 = the sampled token's logprob only (sets ``return_logprobs``); more than 0 is a
+            ParameterError (no alternatives are returned). Init only, like ``max_tokens``.
+        repetition_penalty: in (0, 100]; 1 = none. Before sampling, the logit of every token the
             thread has seen (the prompt, and the response tokens visible to it: a chunk sees the
             main thread up to its promise and its own tokens) is divided by it when positive and
             multiplied by it when negative (Keskar et al. 2019, "CTRL", section 4.1; the rule of
             ``transformers``' and vLLM's ``repetition_penalty``).
+        presence_penalty: in [-2, 2]; 0 = none. Subtracted from the logit of every token that
+            occurs in the response tokens the thread sees (those of ``repetition_penalty``'s
+            set without the prompt: vLLM and OpenAI count output tokens only).
+        frequency_penalty: in [-2, 2]; 0 = none. ``frequency_penalty * count`` is subtracted from
+            each token's logit, ``count`` its occurrences in the same response tokens (OpenAI's
+            "Parameter details" formula, vLLM's ``frequency_penalty``). Penalties apply in vLLM's
+            order: repetition, then frequency and presence, all before the masks below and the
+            temperature; they apply to greedy threads too, not to forced (replayed) tokens.
+        stop_token_ids: token ids (at most 1024, each in ``[0, 2**31 - 1]``; an id outside the
+            model's vocabulary is refused when the request is added) that end a thread as the
+            model's end-of-sequence token does: in the main thread they end the response
+            (``finish_reason`` ``stop`` once its chunks have ended), in a chunk (pasta mode)
+            they end that chunk only, which the interpreter closes as at EOS while the main
+            thread goes on. The stop token is kept in ``token_ids`` and left out of the text
+            (vLLM's rule). Stored as a tuple. The PASTA-LANG grammar does not forbid them inside
+            a tag (it forbids only the model's EOS there). A replay (``annotated_response``)
+            ignores them: its forced tokens are the response.
+        ignore_eos: mask the model's end-of-sequence tokens (logit ``-inf``) in every thread, so
+            the response runs until ``max_new_tokens``, a stop token or a stop string (the
+            intent of vLLM's ``ignore_eos``, which keeps decoding past a sampled EOS; here EOS is
+            never sampled, so no EOS sits in the response either). In pasta mode a chunk then
+            ends only at its ``</async>`` or its length cap. ``stop_token_ids`` still end.
+        min_tokens: in ``[0, max_new_tokens]``; EOS and ``stop_token_ids`` are masked in every
+            thread until the request has sampled this many tokens, counted as
+            ``max_new_tokens`` counts them (all threads of the request together; vLLM counts a
+            sequence's output tokens, which is the same count in sequential mode).
+
+    Stop strings (``stop``) and several choices (``n``) are not here: the server
+    (:mod:`pasta_engine.entrypoints.server`) and ``AsyncEngine.add_request(stop=...)`` handle
+    ``stop``, and the server runs ``n`` requests for ``n`` choices (seed, seed + 1, ...).
 
     Raises ParameterError naming the first bad field and its value."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
     return_logprobs: bool = False
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    max_tokens: InitVar[int | None] = None
+    logprobs: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_tokens: int | None, logprobs: int | None) -> None:
+        if max_tokens is not None:
+            check_int("max_tokens", max_tokens, 1)
+            if self.max_new_tokens is not None and self.max_new_tokens != max_tokens:
+                raise ParameterError("max_tokens", max_tokens, message=(
+                    f"max_tokens={max_tokens} disagrees with max_new_tokens={self.max_new_tokens!r}: give one of them"))
+            if self.max_new_tokens is None:
+                object.__setattr__(self, "max_new_tokens", max_tokens)
+        if self.max_new_tokens is None:
+            object.__setattr__(self, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         check_int("max_new_tokens", self.max_new_tokens, 1)
         check_float("temperature", self.temperature, 0.0)
         check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         check_int("top_k", self.top_k, 0)
+        check_float("min_p", self.min_p, 0.0, 1.0)
         check_int("seed", self.seed, 0, MAX_SEED)
         check_bool("return_logprobs", self.return_logprobs)
+        if logprobs is not None:
+            check_int("logprobs", logprobs, 0)
+            if logprobs > 0:
+                raise ParameterError("logprobs", logprobs, message=(
+                    f"logprobs={logprobs} is not supported: only 0 (the sampled token's logprob, no alternatives) "
+                    "or None"))
+            object.__setattr__(self, "return_logprobs", True)
         check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        ids = self.stop_token_ids
+        expected = f"a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers in [0, {MAX_TOKEN_ID}])"
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ParameterError("stop_token_ids", ids, expected)
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i <= MAX_TOKEN_ID:
+                raise ParameterError("stop_token_ids", ids, expected)
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        check_bool("ignore_eos", self.ignore_eos)
+        check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_new_tokens:
+            raise ParameterError("min_tokens", self.min_tokens, message=(
+                f"min_tokens={self.min_tokens} is more than max_new_tokens={self.max_new_tokens}"))
 
     @property
     def greedy(self) -> bool:
         """Whether tokens are picked by argmax (temperature below ``GREEDY_TEMPERATURE``)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a presence or frequency penalty applies."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)

@@ -304,13 +304,24 @@ class Engine:
             raise ContextLengthError("prompt", len(prompt_ids), message=(
                 f"{'the prompt' if index is None else f'prompt {index}'} has {len(prompt_ids)} tokens, which leaves no "
                 f"room under the model's context length of {self.max_positions} tokens"))
+        vocab = self.model.config.vocab_size
+        bad_stop = [i for i in params.stop_token_ids if i >= vocab]
+        if bad_stop:
+            raise ParameterError("stop_token_ids", bad_stop[0], message=(
+                f"stop_token_ids holds {bad_stop[0]}, outside the model's vocabulary of {vocab} tokens"))
+        # a stop token ends a thread as EOS does (SamplingParams.stop_token_ids); not in a replay,
+        # whose forced tokens are the response
+        eos_ids = list(self.eos_ids)
+        if annotated_response is None:
+            eos_ids += [i for i in dict.fromkeys(params.stop_token_ids) if i not in self.eos_ids]
         make, max_new_tokens = interpreter_factory(
             self.tokenizer, prompt_ids, mode=mode, max_new_tokens=params.max_new_tokens, limits=limits, policy=policy,
-            max_positions=self.max_positions, eos_ids=self.eos_ids, annotated_response=annotated_response,
+            max_positions=self.max_positions, eos_ids=eos_ids, annotated_response=annotated_response,
             grammar=self.tag_tokens is not None,
         )
         if max_new_tokens != params.max_new_tokens:
-            params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
+            params = dataclasses.replace(params, max_new_tokens=max_new_tokens,
+                                         min_tokens=min(params.min_tokens, max_new_tokens))
         try:
             req = Request(request_id=request_id, index=index or 0, mode=mode, params=params, make_interpreter=make,
                           count_content_tokens=lambda text: len(self.encode(text)))  # RequestStats.content_tokens

@@ -23,7 +23,8 @@ from ..errors import ParameterError
 from ..layers.attention import AttentionMetadata
 from ..layers.backends import get_backend, graph_backend_names
 from ..layers.kv_cache import KVCache, kv_bytes_per_token
-from ..layers.sampler import MIN_TOP_P, apply_repetition_penalty, draw_noise, logprobs_of, sample_batch
+from ..layers.sampler import (MIN_TOP_P, apply_output_penalties, apply_repetition_penalty, draw_noise, logprobs_of,
+                              mask_tokens, sample_batch)
 from ..layers.utils import to_device
 from ..models.protocol import CausalLM
 from .batch import SampledTokens, ScheduledBatch, ScheduledThread
@@ -243,7 +244,13 @@ class ModelRunner:
         its own seeded generator for all its rows (:func:`~pasta_engine.layers.sampler.draw_noise`)
         as the per-request :func:`~pasta_engine.layers.sampler.sample` does, so a request's
         tokens do not depend on the others in the batch. A failure in one request's part names
-        that request in ``errors``."""
+        that request in ``errors``.
+
+        Per thread, before sampling (one batched tensor operation each, for the rows that need
+        it; forced rows untouched): the repetition penalty over the tokens the thread sees, the
+        presence and frequency penalties over the response tokens it sees, ``-inf`` on the end
+        tokens ``ignore_eos``/``min_tokens`` forbid now, then the grammar's mask; min-p is a
+        per-row parameter of :func:`~pasta_engine.layers.sampler.sample_batch`."""
         n = len(sampling)
         if n == 0:
             return SampledTokens([], [], {})
@@ -284,6 +291,16 @@ class ModelRunner:
             logits = apply_repetition_penalty(
                 logits, [k for k, _ in pen], [st.request.interp.seen_tokens(st.step.tid) for _, st in pen],
                 [st.request.params.repetition_penalty for _, st in pen])
+        pf = [(k, st) for k, st in enumerate(sampling) if st.request.params.penalised and st.step.forced is None]
+        if pf:  # presence and frequency: over the response tokens the thread sees (vLLM: output tokens)
+            logits = apply_output_penalties(
+                logits, [k for k, _ in pf], [_response_seen(st) for _, st in pf],
+                [st.request.params.presence_penalty for _, st in pf],
+                [st.request.params.frequency_penalty for _, st in pf])
+        ends = [(k, ids) for k, st in enumerate(sampling) if st.step.forced is None
+                for ids in [_masked_ends(st, logits.shape[-1])] if ids]
+        if ends:  # ignore_eos, min_tokens: end tokens the thread may not sample now
+            logits = mask_tokens(logits, [k for k, _ in ends], [ids for _, ids in ends])
         if self.grammar_masks is not None:
             states = [st.step.grammar for st in sampling]
             if any(states):  # the PASTA-LANG grammar: forbidden tokens get -inf (logprobs see the mask too)
@@ -296,12 +313,14 @@ class ModelRunner:
             temps: list[float] = []
             top_k: list[int] = []
             top_p: list[float] = []
+            min_p: list[float] = []
             for _, m, req, samples in groups:
                 prm = req.params
                 greedy += [not samples] * m
                 temps += [prm.temperature if samples else 1.0] * m
                 top_k += [prm.top_k if samples and 0 < prm.top_k < vocab else vocab] * m
                 top_p += [max(prm.top_p, MIN_TOP_P) if samples and prm.top_p < 1.0 else float("inf")] * m
+                min_p += [prm.min_p if samples else 0.0] * m
             noise = None
             if any(g[3] for g in groups):
                 noise = torch.ones_like(logits)
@@ -318,10 +337,12 @@ class ModelRunner:
                         errors[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
             kmask = any(k < vocab for k in top_k)
             pmask = any(p < 1.0 for p in top_p)
-            params = to_device(temps + top_p, torch.float32, dev).view(2, n, 1)
+            mpmask = any(p > 0.0 for p in min_p)
+            params = to_device(temps + top_p + (min_p if mpmask else []), torch.float32, dev).view(-1, n, 1)
             tokens, bad = sample_batch(
                 logits, to_device(greedy, torch.bool, dev), params[0],
-                to_device(top_k, torch.long, dev).view(n, 1) if kmask else None, params[1] if pmask else None, noise)
+                to_device(top_k, torch.long, dev).view(n, 1) if kmask else None, params[1] if pmask else None, noise,
+                params[2] if mpmask else None)
             if any(f >= 0 for f in forced):
                 f = to_device(forced, torch.long, dev)
                 tokens = torch.where(f >= 0, f, tokens)
@@ -364,6 +385,31 @@ class ModelRunner:
         """The runner's settings, for benchmark records."""
         return {"kv_cache_bytes": self.kv_cache_bytes, "kv_cache_pages": self.num_pages, "page_size": self.page_size,
                 "attention_backend": self.backend.name, "cuda_graphs": self.cuda_graphs is not None}
+
+
+def _response_seen(st: ScheduledThread) -> list[int]:
+    """The response tokens thread ``st`` sees: the repetition penalty's tokens without the
+    prompt (the tokens vLLM's presence and frequency penalties count)."""
+    it = st.request.interp
+    return it.seen_tokens(st.step.tid)[len(it.prompt_ids):]
+
+
+def _masked_ends(st: ScheduledThread, vocab: int) -> list[int]:
+    """The end tokens thread ``st`` may not sample in this step: the end-of-sequence and stop
+    tokens while its request has sampled fewer than ``min_tokens`` (all threads together), and
+    the end-of-sequence tokens that are not stop tokens under ``ignore_eos``. Ids at or past
+    ``vocab`` (the logits' width) are left out: they are never sampled."""
+    prm = st.request.params
+    if not prm.ignore_eos and not prm.min_tokens:
+        return []
+    it = st.request.interp
+    if prm.min_tokens and it.total_sampled < prm.min_tokens:
+        ids = set(it.eos_ids) | set(prm.stop_token_ids)
+    elif prm.ignore_eos:
+        ids = set(it.eos_ids) - set(prm.stop_token_ids)
+    else:
+        return []
+    return sorted(i for i in ids if 0 <= i < vocab)
 
 
 def _distinct_kv_tokens(runs: list[list]) -> int:

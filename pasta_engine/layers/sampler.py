@@ -1,4 +1,5 @@
-"""The sampler: greedy, temperature, top-k, top-p (parameters in :mod:`pasta_engine.config`).
+"""The sampler: penalties, greedy, temperature, top-k, top-p, min-p (parameters in
+:mod:`pasta_engine.config`).
 
 :func:`sample` picks the tokens of one request's rows; :func:`sample_batch` does the same for
 every row of a step in one call (per-row parameters as tensors, each request's random numbers
@@ -10,7 +11,8 @@ import torch
 
 from ..config import SamplingParams
 
-__all__ = ["sample", "sample_batch", "draw_noise", "logprobs_of", "apply_repetition_penalty", "MIN_TOP_P"]
+__all__ = ["sample", "sample_batch", "draw_noise", "logprobs_of", "apply_repetition_penalty", "apply_output_penalties",
+           "mask_tokens", "MIN_TOP_P"]
 
 #: A smaller top_p is taken as this one (keeps the most likely token, as any tiny top_p does): a
 #: top_p such as 1e-300 rounds to 0 in float32, and a zero top_p dropped every token (nan).
@@ -40,6 +42,51 @@ def apply_repetition_penalty(logits: torch.Tensor, rows: list[int], seen: list[l
     return torch.where(mask, torch.where(logits > 0, logits / p, logits * p), logits)
 
 
+def apply_output_penalties(logits: torch.Tensor, rows: list[int], output: list[list[int]],
+                           presence: list[float], frequency: list[float]) -> torch.Tensor:
+    """The logits with OpenAI's presence and frequency penalties applied (a new tensor): for
+    each ``rows[i]``, ``frequency[i] * count[t] + presence[i] * (count[t] > 0)`` is subtracted
+    from the logit of every token ``t``, ``count[t]`` its occurrences in ``output[i]`` (OpenAI's
+    "Parameter details" formula; vLLM's ``apply_penalties``). The counts are built on the
+    logits' device (one ``index_put_`` with accumulation), only the ids travel.
+
+    Args:
+        logits: ``[N, vocab]`` float32.
+        rows: row indices into ``logits`` that get the penalties.
+        output: per such row, the response token ids the thread sees (repeats counted).
+        presence, frequency: per such row, the penalties (any finite number; 0 = none)."""
+    dev, n = logits.device, logits.shape[0]
+    r = torch.tensor([row for row, ids in zip(rows, output) for _ in ids], dtype=torch.long)
+    c = torch.tensor([i for ids in output for i in ids], dtype=torch.long)
+    pf = torch.zeros(2, n, 1, dtype=logits.dtype)
+    pf[0, rows, 0] = torch.tensor(presence, dtype=logits.dtype)
+    pf[1, rows, 0] = torch.tensor(frequency, dtype=logits.dtype)
+    r, c, pf = r.to(dev, non_blocking=True), c.to(dev, non_blocking=True), pf.to(dev, non_blocking=True)
+    counts = torch.zeros(logits.shape, dtype=logits.dtype, device=dev)
+    counts.index_put_((r, c), torch.ones(len(c), dtype=logits.dtype, device=dev), accumulate=True)
+    return logits - pf[1] * counts - pf[0] * (counts > 0).to(logits.dtype)
+
+
+def mask_tokens(logits: torch.Tensor, rows: list[int], ids: list[list[int]]) -> torch.Tensor:
+    """The logits with ``ids[i]`` set to ``-inf`` in row ``rows[i]`` (a new tensor; one
+    ``masked_fill``): the end-of-sequence and stop tokens a thread may not sample yet
+    (``min_tokens``) or at all (``ignore_eos``). Ids must be below ``logits.shape[-1]``."""
+    dev = logits.device
+    r = torch.tensor([row for row, row_ids in zip(rows, ids) for _ in row_ids], dtype=torch.long)
+    c = torch.tensor([i for row_ids in ids for i in row_ids], dtype=torch.long)
+    mask = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
+    mask[r.to(dev, non_blocking=True), c.to(dev, non_blocking=True)] = True
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def _min_p_filter(x: torch.Tensor, min_p: torch.Tensor | float) -> torch.Tensor:
+    """``x`` with every token whose probability is below ``min_p`` times the row's largest set
+    to ``-inf`` (vLLM's ``_apply_min_p``, ``transformers``' ``MinPLogitsWarper``; the most
+    likely token always stays)."""
+    probs = x.softmax(dim=-1)
+    return x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Pick one token per row.
 
@@ -50,7 +97,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
     Returns ``[N]`` int64 token ids. Filtering follows HF ``generate``'s order: temperature,
     then top-k, then top-p (Holtzman et al. 2020, "The Curious Case of Neural Text
-    Degeneration", section 3.1)."""
+    Degeneration", section 3.1), then min-p (penalties and masks are applied before, by the
+    caller)."""
     if params.greedy:
         return logits.argmax(dim=-1)
     x = logits / params.temperature
@@ -64,6 +112,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = probs.cumsum(dim=-1) - probs >= max(params.top_p, MIN_TOP_P)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)
+    if params.min_p > 0.0:
+        x = _min_p_filter(x, params.min_p)
     probs = x.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -89,6 +139,7 @@ def sample_batch(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     noise: torch.Tensor | None,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one token per row for rows of many requests at once (one call per step).
 
@@ -100,10 +151,11 @@ def sample_batch(
         top_p: ``[N, 1]`` float32 (``inf``: no filter), or None when no row filters.
         noise: ``[N, vocab]`` float32 Exp(1) noise from each row's request generator
             (:func:`draw_noise`; ones on greedy rows), or None when every row is greedy.
+        min_p: ``[N, 1]`` float32 in [0, 1] (0: no filter), or None when no row filters.
 
     Returns ``(tokens [N] int64, bad [N] bool or None)``: ``bad`` marks sampled rows whose
     distribution holds inf or nan (where :func:`torch.multinomial` raises). Per row the same
-    operations as :func:`sample` in the same order (temperature, top-k, top-p, softmax, then the
+    operations as :func:`sample` in the same order (temperature, top-k, top-p, min-p, softmax, then the
     exponential race ``argmax(probs / noise)`` that ``torch.multinomial(probs, 1)`` runs), so
     tokens are bitwise those of per-request :func:`sample` calls with the same generators."""
     argmax = logits.argmax(dim=-1)
@@ -119,6 +171,8 @@ def sample_batch(
         drop = probs.cumsum(dim=-1) - probs >= top_p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)
+    if min_p is not None:
+        x = _min_p_filter(x, min_p)
     probs = x.softmax(dim=-1)
     bad = ~torch.isfinite(probs).all(dim=-1) & ~greedy
     return torch.where(greedy, argmax, (probs / noise).argmax(dim=-1)), bad
