@@ -33,7 +33,7 @@ applied to a whole step's logits in one tensor operation by the model runner):
   ``<async>``, no ``" tokens="``;
 * inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one;
   the first holds a letter, so a topic is never a bare number), then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
-  :data:`MAX_TOPIC_CHARS` characters must end;
+  :data:`MAX_TOPIC_BYTES` bytes (UTF-8) must end;
 * inside the length: digits only (at least one, the first not ``0``; at most
   :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
 """
@@ -50,7 +50,7 @@ __all__ = [
     "PROMISE_LENGTH",
     "PROMISE_CLOSE",
     "TAG_PIECES",
-    "MAX_TOPIC_CHARS",
+    "MAX_TOPIC_BYTES",
     "MAX_LENGTH_DIGITS",
     "TagTokens",
     "add_tag_tokens",
@@ -65,10 +65,13 @@ PROMISE_LENGTH = '" tokens="'
 PROMISE_CLOSE = '"/>'
 #: The fixed pieces of PASTA-LANG, each one token in a tokenizer that has them.
 TAG_PIECES = (PROMISE_OPEN, PROMISE_LENGTH, PROMISE_CLOSE, "<async>", "</async>", "<sync/>")
-#: A promise topic this long (characters) must end: the sampler then allows only ``" tokens="``.
+#: A promise topic this long (bytes, UTF-8) must end: the sampler then allows only ``" tokens="``.
 #: The annotators write topics of at most 32 characters (``pasta_engine.tools.annotate.TOPIC_CHARS``),
 #: so a learned model never needs more; every topic token is on the main thread's critical path.
-MAX_TOPIC_CHARS = 32
+#: Bytes, not characters: a byte-level tokenizer spends a token on at least one byte, so the cap
+#: bounds the topic's tokens too (32 emoji of 4 bytes would be about 100 tokens, and the learned
+#: model once wrote them).
+MAX_TOPIC_BYTES = 32
 #: A predicted length this many digits long must end: the sampler then allows only ``"/>``.
 MAX_LENGTH_DIGITS = 4
 
@@ -166,7 +169,7 @@ def grammar_state(is_main: bool, pending: str, can_fork: bool = True) -> Grammar
     if not sep:
         if not topic:
             return GrammarState.TOPIC_EMPTY
-        return GrammarState.TOPIC_FULL if len(topic) >= MAX_TOPIC_CHARS else GrammarState.TOPIC
+        return GrammarState.TOPIC_FULL if len(topic.encode("utf-8")) >= MAX_TOPIC_BYTES else GrammarState.TOPIC
     if not digits:
         return GrammarState.LENGTH_EMPTY
     return GrammarState.LENGTH_FULL if len(digits) >= MAX_LENGTH_DIGITS else GrammarState.LENGTH

@@ -157,6 +157,9 @@ def test_grammar_states_follow_the_parsers_pending_text():
     assert grammar_state(True, '<promise topic="Sleep') is GrammarState.TOPIC
     assert grammar_state(True, '<promise topic="' + "x" * 31) is GrammarState.TOPIC
     assert grammar_state(True, '<promise topic="' + "x" * 32) is GrammarState.TOPIC_FULL
+    # the cap is in bytes: 8 four-byte emoji fill it (the learned model wrote ~20 in one topic)
+    assert grammar_state(True, '<promise topic="' + "\N{GLOWING STAR}" * 7) is GrammarState.TOPIC
+    assert grammar_state(True, '<promise topic="' + "\N{GLOWING STAR}" * 8) is GrammarState.TOPIC_FULL
     assert grammar_state(True, '<promise topic="a" tokens="') is GrammarState.LENGTH_EMPTY
     assert grammar_state(True, '<promise topic="a" tokens="3') is GrammarState.LENGTH
     assert grammar_state(True, '<promise topic="a" tokens="3000') is GrammarState.LENGTH_FULL
