@@ -143,14 +143,25 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="the caller's name (accepted, unused)")
     pasta: PastaOptions = Field(default_factory=PastaOptions)
-    # vLLM's sampling fields the engine does not implement: refused unless they ask for nothing
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description=NOT_IMPLEMENTED.format("0"))
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=NOT_IMPLEMENTED.format("0"))
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=NOT_IMPLEMENTED.format("0"))
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description=NOT_IMPLEMENTED.format("1"))
-    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description=NOT_IMPLEMENTED.format("0"))
-    ignore_eos: bool = Field(False, description=NOT_IMPLEMENTED.format("false"))
-    stop_token_ids: list[_TokenId] | None = Field(None, max_length=1024, description=NOT_IMPLEMENTED.format("[]"))
+    # vLLM's sampling fields: honoured when SamplingParams has them (its docstring gives their
+    # meaning; it validates them again, one set of rules for the Python API and the server),
+    # else refused unless they ask for nothing
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "keep tokens with probability >= min_p x the top token's (after temperature, top-k, top-p; 0 = off)"))
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "subtracted from the logit of each token present in the response tokens the thread sees"))
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
+        "x count subtracted from each token's logit, count over the response tokens the thread sees"))
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description=(
+        "CTRL's penalty (1 = none) on every token the thread has seen, prompt included"))
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description=(
+        "EOS and stop_token_ids are masked until the response (all threads) has this many tokens; "
+        "at most max_tokens"))
+    ignore_eos: bool = Field(False, description=(
+        "mask the end-of-sequence token: the response runs to max_tokens, a stop token or a stop string"))
+    stop_token_ids: list[_TokenId] | None = Field(None, max_length=1024, description=(
+        "token ids that end a thread as EOS does (in pasta mode a chunk's ends only that chunk); "
+        "ids outside the vocabulary are refused"))
     skip_special_tokens: bool = Field(True, description="not supported: only true (tags and specials are removed)")
     spaces_between_special_tokens: bool = Field(True, description="not supported: only true")
     include_stop_str_in_output: bool = Field(False, description=NOT_IMPLEMENTED.format("false"))
@@ -212,7 +223,9 @@ class CompletionRequest(_Request):
                          "non-empty list of strings or of such lists")
 
 
-# (field, the value that asks for nothing, why it is refused otherwise)
+# (field, the value that asks for nothing, why it is refused otherwise); a field SamplingParams
+# has (_honoured: min_p, the penalties, min_tokens, ignore_eos, stop_token_ids) is passed on
+# instead, and its "why" is used only by an engine without it
 _UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("min_p", 0.0, "min-p filtering is not implemented (leave it 0)"),
     ("presence_penalty", 0.0, "penalties are not implemented (leave it 0)"),
@@ -249,7 +262,10 @@ def _honoured() -> set[str]:
 
 def engine_sampling_fields(req: _Request) -> dict[str, Any]:
     """The fields of :data:`_UNSUPPORTED` the engine honours (a :class:`SamplingParams` field of
-    the same name) and the request sets to something other than their neutral value."""
+    the same name: ``min_p``, the three penalties, ``min_tokens``, ``ignore_eos``,
+    ``stop_token_ids``) and the request sets to something other than their neutral value, to be
+    passed to :class:`SamplingParams` (which validates them: a bad value is a ParameterError
+    naming the field, a 400)."""
     honoured, fields = _honoured(), type(req).model_fields
     out = {name: getattr(req, name) for name, neutral, _ in _UNSUPPORTED
            if name in honoured and name in fields and getattr(req, name) != neutral}

@@ -1,0 +1,93 @@
+"""vLLM's sampling fields through the server (issue 20): passed to SamplingParams, which
+validates them (one set of rules with the Python API) and the engine honours; a bad value is a
+400 naming the field. A real ``pasta-engine serve`` process (the ``server`` fixture) and, for
+the tokens to expect, the Python API over the same checkpoint."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+PROMPT = [5, 6, 7, 5, 6, 7, 8]
+BASE = {"prompt": PROMPT, "temperature": 0, "pasta": {"mode": "sequential"}}
+
+
+def _post(server, body, path="/v1/completions"):
+    return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {server.api_key}"},
+                      timeout=120)
+
+
+def _ok(server, **kw):
+    r = _post(server, {**BASE, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def greedy_ids(tiny_llama):
+    """The greedy response's token ids for PROMPT (EOS masked), from the Python API."""
+    from pasta_engine import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20)
+    [res] = engine.generate([PROMPT], SamplingParams(max_new_tokens=16, ignore_eos=True), mode="sequential")
+    return res.token_ids
+
+
+def test_ignore_eos_with_max_tokens_gives_exactly_max_tokens_tokens(server):
+    for n in (1, 7, 20):
+        out = _ok(server, max_tokens=n, ignore_eos=True)
+        assert out["usage"]["completion_tokens"] == n and out["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_token_ids_end_the_response(server, greedy_ids):
+    i = next(k for k in range(2, len(greedy_ids)) if greedy_ids[k] not in greedy_ids[:k])
+    out = _ok(server, max_tokens=16, stop_token_ids=[greedy_ids[i]])
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] == i + 1  # the stop token is sampled (and left out of the text)
+    full = _ok(server, max_tokens=16, ignore_eos=True)["choices"][0]["text"]
+    assert full.startswith(out["choices"][0]["text"])
+    # min_tokens holds it back
+    held = _ok(server, max_tokens=16, stop_token_ids=[greedy_ids[i]], min_tokens=i + 2)
+    assert held["usage"]["completion_tokens"] >= i + 2
+
+
+def test_penalties_and_min_p_change_or_keep_greedy_output_as_they_should(server):
+    plain = _ok(server, max_tokens=20, ignore_eos=True)["choices"][0]["text"]
+    for field, value in (("presence_penalty", 2.0), ("frequency_penalty", 2.0), ("repetition_penalty", 2.0)):
+        got = _ok(server, max_tokens=20, ignore_eos=True, **{field: value})["choices"][0]["text"]
+        assert got != plain, field
+    # min_p=1 keeps only the top token: sampling equals greedy
+    top = _ok(server, max_tokens=20, ignore_eos=True, temperature=1.0, min_p=1.0, seed=3)["choices"][0]["text"]
+    assert top == plain
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"min_tokens": 30, "max_tokens": 5}, "min_tokens"),  # SamplingParams' rule
+    ({"stop_token_ids": [2**30]}, "stop_token_ids"),  # outside the vocabulary (the engine's check)
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"min_tokens": -1}, "min_tokens"),
+])
+def test_a_bad_sampling_value_is_a_400_naming_the_field(server, body, param):
+    for path, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                          "content": "Hi"}]})):
+        req = {**BASE, **body, **extra}
+        if extra:
+            del req["prompt"]
+        r = _post(server, req, path)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_openapi_describes_the_honoured_fields(server):
+    doc = httpx.get(server.url + "/openapi.json", headers={"Authorization": f"Bearer {server.api_key}"}).json()
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
+                 "stop_token_ids"):
+        assert "does not implement" not in props[name]["description"], name
+    assert "does not implement" in props["include_stop_str_in_output"]["description"]
