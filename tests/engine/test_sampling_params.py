@@ -296,3 +296,26 @@ def test_logprobs_count_zero_returns_the_sampled_tokens_logprobs(engine):
     res = _gen(engine, max_new_tokens=4, logprobs=0)
     assert res.logprobs is not None and len(res.logprobs) == 4 and all(lp <= 0 for lp in res.logprobs)
     assert _gen(engine, max_tokens=4).token_ids == _gen(engine, max_new_tokens=4).token_ids
+
+
+def test_per_thread_token_sets_and_end_masks():
+    """What the model runner gives the sampler per thread: the presence/frequency tokens are the
+    repetition penalty's (the thread's view) without the prompt, and min_tokens counts the
+    request's samples in all threads together."""
+    from types import SimpleNamespace
+
+    from pasta_engine.engine.model_runner import _masked_ends, _response_seen
+
+    views = {0: [1, 2, 3, 10, 11, 12], 1: [1, 2, 3, 10, 40, 41]}  # chunk 1 forked after main's token 10
+    interp = SimpleNamespace(prompt_ids=[1, 2, 3], seen_tokens=lambda tid: list(views[tid]), eos_ids=frozenset({0, 7}),
+                             total_sampled=4)
+
+    def thread(tid, **kw):
+        return SimpleNamespace(request=SimpleNamespace(interp=interp, params=SamplingParams(**kw)),
+                               step=SimpleNamespace(tid=tid))
+
+    assert _response_seen(thread(0)) == [10, 11, 12] and _response_seen(thread(1)) == [10, 40, 41]
+    assert _masked_ends(thread(0), 50) == []
+    assert _masked_ends(thread(1, ignore_eos=True, stop_token_ids=[7]), 50) == [0]  # stop tokens still end
+    assert _masked_ends(thread(1, min_tokens=5, stop_token_ids=[7, 30, 99]), 50) == [0, 7, 30]  # 4 < 5 sampled
+    assert _masked_ends(thread(1, min_tokens=4, stop_token_ids=[30]), 50) == []  # 4 sampled: free to end
