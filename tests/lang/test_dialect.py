@@ -17,7 +17,6 @@ from pasta_engine.engine.block_manager import BlockManager
 from pasta_engine.engine.interpreter import Interpreter
 from pasta_engine.engine.replay import replay_script
 from pasta_engine.engine.request import Request
-from pasta_engine.engine.scheduler import SampledTokens, Scheduler
 from pasta_engine.lang import tags
 from pasta_engine.lang.detokenizer import token_bytes_for
 from pasta_engine.lang.dialect import PASTA, Dialect, PastaDialect, TextParser
@@ -27,7 +26,7 @@ from pasta_engine.lang.tokenization import decode, encode_tag, eos_token_ids, re
 from pasta_engine.metrics import ResponseStructure, critical_path
 
 # the PASTA round-trip cases and strategy of test_tokenization.py (same folder, on sys.path)
-from test_tokenization import CASES, README_TRACE, annotated_responses, smol_tok, special_tok  # noqa: F401
+from test_tokenization import CASES, README_TRACE, annotated_responses, run_forced, smol_tok, special_tok  # noqa: F401
 
 
 def dry_run(tok, annotated: str, mode: str, dialect: Dialect, limits: Limits | None = None,
@@ -54,13 +53,7 @@ def dry_run(tok, annotated: str, mode: str, dialect: Dialect, limits: Limits | N
 
     req = Request("r", 0, mode, SamplingParams(max_new_tokens=max_new), make)
     bm = BlockManager(4096, 4)
-    sched = Scheduler(bm, 1)
-    sched.add(req)
-    while sched.has_unfinished():
-        batch = sched.schedule()
-        forced = [s.step.forced for s in batch.sampling]
-        sched.postprocess(batch, SampledTokens(forced, [0.0] * len(forced)))
-    assert req.finish_reason == "stop"
+    run_forced(req, bm)
     assert bm.num_free == bm.num_pages  # every page back
     return req, script
 

@@ -60,14 +60,20 @@ def dry_replay(tok, annotated: str, mode: str, max_forks: int = 64):
                                         policy=PositionPolicy(), max_positions=None, eos_ids=eos,
                                         annotated_response=annotated)
     req = Request("r", 0, mode, SamplingParams(max_new_tokens=max_new), make)
-    sched = Scheduler(BlockManager(4096, 4), 1)
+    run_forced(req, BlockManager(4096, 4))
+    return req.result()
+
+
+def run_forced(req, block_manager) -> None:
+    """Run ``req`` to its end through a scheduler over ``block_manager``, every sampled token the
+    forced one (no model), and check it ends with ``stop``."""
+    sched = Scheduler(block_manager, 1)
     sched.add(req)
     while sched.has_unfinished():
         batch = sched.schedule()
         forced = [s.step.forced for s in batch.sampling]
         sched.postprocess(batch, SampledTokens(forced, [0.0] * len(forced)))
     assert req.finish_reason == "stop"
-    return req.result()
 
 
 def check_round_trip(tok, annotated: str, max_forks: int = 64) -> None:
