@@ -159,8 +159,8 @@ def add_pasta_args(p: argparse.ArgumentParser) -> None:
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, temperature: float = 0.0,
                       top_p: float = 1.0, repetition_penalty: float | None = 1.0) -> None:
     """How tokens are picked (see :class:`pasta_engine.config.SamplingParams`); the keyword
-    arguments are the flags' defaults, and ``repetition_penalty=None`` leaves that flag out (for a
-    command that cannot honour it)."""
+    arguments are the flags' defaults, and ``repetition_penalty=None`` leaves that flag and
+    ``--ignore-eos`` out (``serve``: per-request fields there, not server-wide defaults)."""
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
                    help="tokens a response may hold, all threads together")
@@ -172,6 +172,9 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, 
         g.add_argument("--repetition-penalty", type=float, default=repetition_penalty,
                        help="CTRL's penalty on tokens already seen, per thread (1 = none; default: "
                        f"{repetition_penalty:g})")
+        g.add_argument("--ignore-eos", action="store_true",
+                       help="never sample end-of-sequence: every response runs to --max-new-tokens (vLLM's ignore_eos, "
+                       "for fixed-length benchmarks)")
     g.add_argument("--seed", type=nonneg_int, default=0)
 
 
@@ -220,7 +223,8 @@ def sampling_params(args: argparse.Namespace) -> Any:
 
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed,
-                          repetition_penalty=getattr(args, "repetition_penalty", 1.0))
+                          repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+                          ignore_eos=getattr(args, "ignore_eos", False))
 
 
 def _dtype_name(args: argparse.Namespace) -> str:

@@ -144,6 +144,9 @@ def test_generate_samples_with_the_model_cards_settings_and_serve_has_no_penalty
     params = sampling_params(parser.parse_args(["generate"]))
     assert (params.temperature, params.top_p, params.repetition_penalty) == (0.2, 0.9, 1.1)
     assert sampling_params(parser.parse_args(["generate", "--repetition-penalty", "1.3"])).repetition_penalty == 1.3
+    assert sampling_params(parser.parse_args(["generate", "--ignore-eos"])).ignore_eos is True
+    assert sampling_params(parser.parse_args(["generate"])).ignore_eos is False
     assert sampling_params(parser.parse_args(["bench", "learned", "--prompts", "p.json", "--out", "o"])).temperature == 0.0
-    with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--repetition-penalty", "1.1"])
+    for flag in (["--repetition-penalty", "1.1"], ["--ignore-eos"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *flag])
