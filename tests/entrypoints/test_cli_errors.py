@@ -87,10 +87,17 @@ def test_ctrl_c_in_generate_prints_the_partial_answer_and_exits_130(tiny_llama, 
     assert row["interrupted"] is True and row["index"] == 0 and len(row["pasta"]["token_ids"]) == 5
 
 
+def _as_from_a_shell() -> None:
+    """In the child before exec: SIGINT at its default and unblocked, as a shell starts a program
+    (a child inherits an ignored or blocked SIGINT from the test process, whatever set it there)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _popen(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "pasta_engine.entrypoints.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_as_from_a_shell)
 
 
 def _wait_for(stream, text: str, timeout_s: float = 120.0) -> str:
@@ -139,7 +146,8 @@ def test_a_real_ctrl_c_in_generate_keeps_the_output(tiny_llama, tmp_path):
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and "Traceback" not in err and "pasta-engine: interrupted" in err
+    assert proc.returncode == 130 and "Traceback" not in err and "pasta-engine: interrupted" in err, (
+        proc.returncode, signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []), err[-1500:])
     row = json.loads(out.strip().splitlines()[-1])
     assert row["interrupted"] is True and row["index"] in (0, 1) and 0 < len(row["pasta"]["token_ids"]) < 4000
 
