@@ -79,3 +79,14 @@ def open_server(tiny_llama, tmp_path_factory):
                        tmp_path_factory.mktemp("open_server") / "server.log")
     yield srv
     stop_server(srv)
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The (engine, settings) pairs the CLI builds (``cli.build_engine`` recorded)."""
+    from pasta_engine.entrypoints import cli
+
+    out: list = []
+    real = cli.build_engine
+    monkeypatch.setattr(cli, "build_engine", lambda args, **kw: out.append(real(args, **kw)) or out[-1])
+    return out

@@ -8,12 +8,11 @@ import argparse
 import json
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from pasta_engine.entrypoints import cli
 from pasta_engine.entrypoints.args import adapter_choice
 from pasta_engine.entrypoints.cli import main
+
+from sample_adapters import tiny_adapter  # noqa: E402  (tests/sample_adapters.py)
 
 FORKED = ('Tips: <promise topic="a" tokens="10"/><async>Sleep.</async> <promise topic="b" tokens="10"/>'
           '<async>Walk.</async><sync/> Done.')
@@ -33,27 +32,6 @@ def warm_ups(monkeypatch):
     real = ModelRunner.warm_up
     monkeypatch.setattr(ModelRunner, "warm_up", lambda self: calls.append(self) or real(self))
     return calls
-
-
-@pytest.fixture
-def built(monkeypatch):
-    """The (engine, settings) pairs the CLI builds."""
-    out: list = []
-    real = cli.build_engine
-    monkeypatch.setattr(cli, "build_engine", lambda args, **kw: out.append(real(args, **kw)) or out[-1])
-    return out
-
-
-def tiny_adapter(tmp_path):
-    d = tmp_path / "adapter"
-    d.mkdir()
-    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
-                                                       "target_modules": ["q_proj"], "bias": "none"}))
-    g = torch.Generator().manual_seed(0)
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 64, generator=g),
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 4, generator=g)},
-              str(d / "adapter_model.safetensors"))
-    return d
 
 
 def test_generate_both_warms_up_repeats_three_times_and_reports_the_spread(tiny_llama, warm_ups, built, capsys):

@@ -7,17 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pasta_engine.entrypoints import cli
 from pasta_engine.entrypoints.cli import main
-
-
-@pytest.fixture
-def built(monkeypatch):
-    """The (engine, settings) pairs the CLI builds."""
-    out: list = []
-    real = cli.build_engine
-    monkeypatch.setattr(cli, "build_engine", lambda args, **kw: out.append(real(args, **kw)) or out[-1])
-    return out
 
 
 def test_cpu_threads_policy(monkeypatch):

@@ -12,25 +12,11 @@ import pytest
 
 from pasta_engine.entrypoints.cli import main
 
+from sample_adapters import tiny_adapter  # noqa: E402  (tests/sample_adapters.py)
+
 FORKED = ('Tips: <promise topic="a" tokens="10"/><async>Sleep.</async> <promise topic="b" tokens="10"/>'
           '<async>Walk.</async><sync/> Done.')
 PLAIN = "Just rest and drink water."
-
-
-def tiny_adapter(tmp_path):
-    """A rank-4 LoRA on tiny-llama's first q_proj."""
-    import torch
-    from safetensors.torch import save_file
-
-    d = tmp_path / "adapter"
-    d.mkdir()
-    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
-                                                       "target_modules": ["q_proj"], "bias": "none"}))
-    g = torch.Generator().manual_seed(0)
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 64, generator=g),
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 4, generator=g)},
-              str(d / "adapter_model.safetensors"))
-    return d
 
 
 def fake(wall: float, tokens=(1, 2, 3)):
