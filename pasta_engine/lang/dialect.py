@@ -43,7 +43,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 from . import grammar, tags
 from .tags import ASYNC_CLOSE, ASYNC_OPEN, AsyncClose, AsyncOpen, Parsed, Promise, Sync, Threads
 
-__all__ = ["Dialect", "TextParser", "PastaDialect", "PASTA", "Fork", "Open", "Close", "Join"]
+__all__ = ["Dialect", "TextParser", "PastaDialect", "PASTA", "DIALECT_NAMES", "get_dialect", "Fork", "Open", "Close", "Join"]
 
 #: The event vocabulary a dialect's parser speaks (see the module docstring).
 Fork = Promise
@@ -189,3 +189,25 @@ class PastaDialect:
 
 #: The engine's default dialect.
 PASTA = PastaDialect()
+
+
+#: Every dialect the engine runs, by name (``--dialect``, the request's ``pasta.dialect``).
+DIALECT_NAMES = ("pasta", "apar", "multiverse")
+
+
+def get_dialect(name: str) -> Dialect:
+    """The dialect called ``name`` (one of :data:`DIALECT_NAMES`): ``pasta`` (PASTA-LANG, Jin
+    et al. 2025), ``apar`` (APAR, Liu et al. 2024, arXiv 2401.06761), ``multiverse``
+    (Multiverse, Yang et al. 2025, arXiv 2506.09991). Raises ValueError naming the name and
+    the choices for any other."""
+    if name == "pasta":
+        return PASTA
+    if name == "apar":
+        from .apar import APAR
+
+        return APAR
+    if name == "multiverse":
+        from .multiverse import MULTIVERSE
+
+        return MULTIVERSE
+    raise ValueError(f"dialect {name!r} is not one of {', '.join(DIALECT_NAMES)}")
