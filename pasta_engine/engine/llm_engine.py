@@ -40,6 +40,7 @@ import torch
 
 from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..errors import ContextLengthError, ParameterError
+from ..lang.dialect import DIALECT_NAMES, PASTA, Dialect, get_dialect
 from ..lang.prompts import PastaPrompt
 from ..lang.detokenizer import token_bytes_table
 from ..lang.grammar import state_masks, tag_tokens_of
@@ -271,11 +272,13 @@ class Engine:
         index: int | None,
         limits: Limits | None = None,
         position_policy: str | PositionPolicy | None = None,
+        dialect: str | Dialect | None = None,
     ) -> Request:
         """Validate everything about one request and build it (it holds no resource yet).
         ``index``: its place in a list of prompts (named in errors), None for a lone request."""
         if not isinstance(mode, str) or mode not in MODES:
             raise ParameterError("mode", mode, "'pasta' or 'sequential'")
+        lang = _dialect(dialect)
         if params is None:
             params = SamplingParams(max_new_tokens=1) if annotated_response is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -317,7 +320,7 @@ class Engine:
         make, max_new_tokens = interpreter_factory(
             self.tokenizer, prompt_ids, mode=mode, max_new_tokens=params.max_new_tokens, limits=limits, policy=policy,
             max_positions=self.max_positions, eos_ids=eos_ids, annotated_response=annotated_response,
-            grammar=self.tag_tokens is not None,
+            grammar=self.tag_tokens is not None, dialect=lang,
         )
         if max_new_tokens != params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=max_new_tokens,
@@ -349,6 +352,7 @@ class Engine:
         limits: Limits | None = None,
         position_policy: str | PositionPolicy | None = None,
         output_kind: str | OutputKind = OutputKind.CUMULATIVE,
+        dialect: str | Dialect | None = None,
     ) -> str:
         """Queue a request; it runs in the following :meth:`step` calls.
 
@@ -360,6 +364,9 @@ class Engine:
             annotated_response: make it a replay request forcing this annotated response
                 (string prompts then get the PASTA-LANG system prompt in both modes).
             limits, position_policy: override the engine's defaults for this request.
+            dialect: the decoding language the model writes (a name of
+                :data:`~pasta_engine.lang.dialect.DIALECT_NAMES` or a
+                :class:`~pasta_engine.lang.dialect.Dialect`; default ``pasta``, PASTA-LANG).
             output_kind: ``cumulative`` or ``delta`` (the default; the same here: each
                 :class:`~pasta_engine.engine.request.RequestOutput` carries both the cumulative
                 ``text`` and ``delta_text``): :meth:`step` returns an output for each step the
@@ -374,7 +381,7 @@ class Engine:
             except ValueError as e:
                 raise ParameterError("output_kind", output_kind, message=str(e)) from None
             req = self._make_request(prompt, params, mode, request_id, annotated_response, None, limits,
-                                     position_policy)
+                                     position_policy, dialect)
             if kind is not OutputKind.FINAL:
                 req.renderer = OutputRenderer()  # step() outputs its text and tokens as they come
             self._queue(req)
@@ -550,6 +557,7 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         mode: str = "pasta",
         progress: bool = False,
+        dialect: str | Dialect | None = None,
     ) -> list[RequestResult]:
         """Decode a response for each prompt (a loop over :meth:`step`).
 
@@ -561,6 +569,7 @@ class Engine:
             mode: ``"pasta"`` (act on PASTA-LANG tags) or ``"sequential"`` (one thread; string
                 prompts without the PASTA-LANG system prompt).
             progress: show a tqdm bar on stderr.
+            dialect: the decoding language (as :meth:`add_request`'s).
 
         Returns one :class:`RequestResult` per prompt, in order; a request that failed in
         flight has ``stats.finish_reason == "error"`` and its message in ``error``. Raises
@@ -568,7 +577,8 @@ class Engine:
         with self._lock:
             plist = _as_prompt_list(prompts)
             plist_params = _as_params_list(params, len(plist))
-            reqs = [self._make_request(p, sp, mode, None, None, i) for i, (p, sp) in enumerate(zip(plist, plist_params))]
+            reqs = [self._make_request(p, sp, mode, None, None, i, dialect=dialect)
+                    for i, (p, sp) in enumerate(zip(plist, plist_params))]
             return self._run(reqs, progress)
 
     def replay(
@@ -578,6 +588,7 @@ class Engine:
         mode: str = "pasta",
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
+        dialect: str | Dialect | None = None,
     ) -> list[RequestResult]:
         """Forced decoding of annotated responses: every forward pass, KV write, fork and join
         is real; only sampling is replaced by the response's tokens (see
@@ -589,6 +600,7 @@ class Engine:
             prompts, annotated_responses: equal-length lists (or one of each).
             params: only ``return_logprobs`` and ``max_new_tokens`` matter (the latter is
                 raised to the response's length when smaller); one, or one per prompt.
+            dialect: the language the responses are written in (as :meth:`add_request`'s).
 
         Raises ParameterError when the two lists differ in length, or for a bad prompt or mode."""
         with self._lock:
@@ -607,7 +619,7 @@ class Engine:
                 raise ParameterError("annotated_responses", len(responses),
                                      message=f"{len(plist)} prompts but {len(responses)} annotated responses")
             plist_params = _as_params_list(params, len(plist))
-            reqs = [self._make_request(p, sp, mode, None, resp, i)
+            reqs = [self._make_request(p, sp, mode, None, resp, i, dialect=dialect)
                     for i, (p, resp, sp) in enumerate(zip(plist, responses, plist_params))]
             return self._run(reqs, progress)
 
@@ -681,6 +693,21 @@ def _check_kv_budget(kv_cache_bytes: int | None, device: torch.device) -> None:
         raise ParameterError("kv_cache_bytes", kv_cache_bytes, message=(
             f"a KV cache of {_mib(kv_cache_bytes)} is more than {what} ({_mib(have)}): lower kv_cache_bytes "
             "(--kv-cache-mb)"))
+
+
+def _dialect(dialect: str | Dialect | None) -> Dialect:
+    """The request's dialect: PASTA-LANG for None, a registered name, or a Dialect object.
+    Raises ParameterError naming the value and the choices."""
+    if dialect is None:
+        return PASTA
+    if isinstance(dialect, str):
+        try:
+            return get_dialect(dialect)
+        except ValueError:
+            raise ParameterError("dialect", dialect, " | ".join(DIALECT_NAMES)) from None
+    if isinstance(dialect, Dialect):
+        return dialect
+    raise ParameterError("dialect", dialect, "a dialect name (" + " | ".join(DIALECT_NAMES) + ") or a Dialect")
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

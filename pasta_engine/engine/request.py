@@ -16,7 +16,7 @@ from typing import Any, Callable
 from .. import metrics
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..lang.detokenizer import token_bytes_for
-from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN
+from ..lang.dialect import PASTA, Dialect
 from ..lang.tokenization import decode, encode_tag, replay_eos_id
 from . import render
 from .block_manager import KVView
@@ -226,6 +226,7 @@ def interpreter_factory(
     eos_ids: list[int],
     annotated_response: str | None = None,
     grammar: bool = False,
+    dialect: Dialect = PASTA,
 ) -> tuple[Callable[[], Interpreter], int]:
     """How a request's interpreter is built (again after a preemption), the one recipe the
     engine and the training forward share.
@@ -240,20 +241,24 @@ def interpreter_factory(
         annotated_response: make it a replay of this response (forced tokens of
             :func:`~pasta_engine.engine.replay.replay_script`).
         grammar: the sampler enforces the PASTA-LANG grammar (the tokenizer has the piece
-            tokens of :mod:`pasta_engine.lang.grammar`); see ``Interpreter(grammar=)``.
+            tokens of :mod:`pasta_engine.lang.grammar`); see ``Interpreter(grammar=)``. Only
+            for PASTA-LANG: another dialect gets no mask.
+        dialect: the language the model writes (:class:`~pasta_engine.lang.dialect.Dialect`,
+            default PASTA-LANG): the replay's tokenization, the inserted tokens and the parser.
 
     Returns ``(make, max_new_tokens)``; ``make()`` raises ValueError for settings the
     interpreter refuses (the oracle policy outside replay)."""
     forced_main = forced_chunks = None
     if annotated_response is not None:
-        script = replay_script(tokenizer, annotated_response, replay_eos_id(tokenizer, eos_ids))
+        script = replay_script(tokenizer, annotated_response, replay_eos_id(tokenizer, eos_ids), dialect)
         max_new_tokens = max(max_new_tokens, len(script.sequential_ids) + 1)
         if mode == "pasta":
             forced_main, forced_chunks = script.forced_main, script.forced_chunks
         else:
             forced_main = script.sequential_ids
-    open_ids = encode_tag(tokenizer, ASYNC_OPEN)
-    close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
+    open_ids = encode_tag(tokenizer, dialect.open_tag)
+    close_len = len(encode_tag(tokenizer, dialect.close_tag))
+    grammar = grammar and dialect is PASTA
     table = token_bytes_for(tokenizer)
 
     def make() -> Interpreter:
@@ -261,7 +266,7 @@ def interpreter_factory(
             prompt_ids, decode=lambda ids: decode(tokenizer, ids), eos_ids=eos_ids, open_ids=open_ids,
             close_len=close_len, mode=mode, max_new_tokens=max_new_tokens, limits=limits, policy=policy,
             max_positions=max_positions, forced_main=forced_main, forced_chunks=forced_chunks, token_bytes=table,
-            grammar=grammar,
+            grammar=grammar, dialect=dialect,
         )
 
     return make, max_new_tokens

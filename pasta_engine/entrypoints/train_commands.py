@@ -61,6 +61,9 @@ def add_train_parser(subparsers: Any) -> None:
     s.add_argument("--min-promises", type=nonneg_int, default=0,
                    help="train only on answers the annotator gave at least this many promises (1 drops the unforked "
                    "ones; 2 keeps the answers with parallel chunks, whose content speedup the model should learn)")
+    s.add_argument("--min-content-speedup", type=float, default=0.0,
+                   help="train only on annotations whose theoretical content speedup (content tokens / critical path, "
+                   "tags as tokens when the model has them) is at least this: the structures the model should learn")
     s.add_argument("--forked-only", action="store_true",
                    help="the same as --min-promises 1 (kept so earlier manifests' commands run unchanged)")
     s.add_argument("--drop-repeats", action="store_true",
@@ -151,6 +154,8 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         raise ParameterError("--tag-weight", args.tag_weight, "a weight > 0 (1 = plain mean NLL)")
     if args.adapter is not None and not (args.adapter / "adapter_config.json").exists():
         raise ParameterError("--adapter", str(args.adapter), "a folder with adapter_config.json (a peft LoRA adapter)")
+    if not args.min_content_speedup >= 0:
+        raise ParameterError("--min-content-speedup", args.min_content_speedup, "a speedup >= 0 (0 keeps every answer)")
     rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
@@ -166,6 +171,9 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if min_promises:
         examples = [e for e in examples if e.promises >= min_promises]
         counts[f"min_promises_{min_promises}"] = len(examples)
+    if args.min_content_speedup > 0:
+        examples = _fast_examples(examples, args)
+        counts[f"min_content_speedup_{args.min_content_speedup:g}"] = len(examples)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "examples.jsonl").open("w") as f:
         f.writelines(json.dumps(e.to_dict()) + "\n" for e in examples)
@@ -184,6 +192,25 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
           f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}", file=sys.stderr)
     print(f"wrote {args.out / 'adapter'}, {args.out / 'loss.json'}, {args.out / 'loss.png'}")
     return 0
+
+
+def _fast_examples(examples: Sequence[Any], args: argparse.Namespace) -> list[Any]:
+    """The examples whose annotation's theoretical content speedup is >= --min-content-speedup,
+    measured with the tokenizer the adapter will have (its added tag tokens, or the PASTA-LANG
+    pieces with --tag-tokens)."""
+    from ..lang.grammar import add_tag_tokens
+    from ..lang.tokenization import eos_token_ids, replay_eos_id
+    from ..models.loader import add_adapter_tokens
+    from ..train.common import load_tokenizer
+    from ..train.data import annotation_content_speedup
+
+    tokenizer = load_tokenizer(args.model)
+    if args.adapter is not None:
+        add_adapter_tokens(tokenizer, args.adapter)
+    elif args.tag_tokens:
+        add_tag_tokens(tokenizer)
+    eos = replay_eos_id(tokenizer, eos_token_ids(tokenizer))
+    return [e for e in examples if annotation_content_speedup(tokenizer, e.annotated, eos) >= args.min_content_speedup]
 
 
 def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:

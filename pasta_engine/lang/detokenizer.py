@@ -146,19 +146,21 @@ class TokenBytes:
         return True
 
 
-_TABLES: "weakref.WeakKeyDictionary[Any, TokenBytes | None]" = weakref.WeakKeyDictionary()
+_TABLES: "weakref.WeakKeyDictionary[Any, tuple[int, TokenBytes | None]]" = weakref.WeakKeyDictionary()
 
 
 def token_bytes_for(tokenizer: Any) -> TokenBytes | None:
-    """:meth:`TokenBytes.from_tokenizer`, built once per tokenizer object (cached)."""
+    """:meth:`TokenBytes.from_tokenizer`, built once per tokenizer object (cached) and again
+    when tokens were added to it in place since (its ``len`` grew: an adapter's tag tokens)."""
     try:
-        return _TABLES[tokenizer]
-    except KeyError:
-        table = TokenBytes.from_tokenizer(tokenizer)
-        _TABLES[tokenizer] = table
-        return table
+        hit = _TABLES.get(tokenizer)
     except TypeError:  # not weak-referenceable: no cache
         return TokenBytes.from_tokenizer(tokenizer)
+    if hit is not None and hit[0] == len(tokenizer):
+        return hit[1]
+    table = TokenBytes.from_tokenizer(tokenizer)
+    _TABLES[tokenizer] = (len(tokenizer), table)
+    return table
 
 
 def token_bytes_table(tokenizer: Any) -> list[bytes]:

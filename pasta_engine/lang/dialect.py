@@ -38,6 +38,7 @@ the package).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from . import grammar, tags
@@ -191,6 +192,8 @@ class PastaDialect:
 PASTA = PastaDialect()
 
 
+_MODULES = {"apar": ("apar", "APAR"), "multiverse": ("multiverse", "MULTIVERSE")}
+
 #: Every dialect the engine runs, by name (``--dialect``, the request's ``pasta.dialect``).
 DIALECT_NAMES = ("pasta", "apar", "multiverse")
 
@@ -202,12 +205,7 @@ def get_dialect(name: str) -> Dialect:
     the choices for any other."""
     if name == "pasta":
         return PASTA
-    if name == "apar":
-        from .apar import APAR
-
-        return APAR
-    if name == "multiverse":
-        from .multiverse import MULTIVERSE
-
-        return MULTIVERSE
+    if name in _MODULES:  # imported on first use (a module per dialect, in this package)
+        module, attr = _MODULES[name]
+        return getattr(importlib.import_module(f".{module}", __package__), attr)
     raise ValueError(f"dialect {name!r} is not one of {', '.join(DIALECT_NAMES)}")

@@ -15,11 +15,14 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from ..lang.tags import strip_tags
+from ..engine.replay import replay_script
+from ..lang.tags import clean_text, strip_tags
+from ..lang.tokenization import encode_text
+from ..metrics import content_speedup, critical_path
 from ..tools.annotate import annotate
 from ..tools.traces import PromptRow
 
-__all__ = ["EVAL_DATASET", "TrainExample", "split_rows", "cut_response", "build_examples"]
+__all__ = ["EVAL_DATASET", "TrainExample", "split_rows", "cut_response", "build_examples", "annotation_content_speedup"]
 
 #: The AlpacaEval subset that is never trained on.
 EVAL_DATASET = "vicuna"
@@ -111,3 +114,19 @@ def build_examples(
     random.Random(seed).shuffle(out)
     return out, counts
 
+
+
+def annotation_content_speedup(tokenizer: Any, annotated: str, eos_id: int) -> float:
+    """The theoretical content speedup of an annotated answer when every promise forks
+    (docs/DESIGN.md section 3): content tokens of its clean text / the critical path of its
+    pasta replay at unlimited width (tokens / steps). Tag tokens are on the critical path and
+    not in the content, so the same annotation scores higher with tags as added tokens.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer (with the added tag tokens when the model has them).
+        annotated: the annotated answer (malformed tags are text).
+        eos_id: the end-of-sequence token id the main thread ends with (counted as a step).
+
+    Never raises on content; an answer without content has 0."""
+    script = replay_script(tokenizer, annotated, eos_id)
+    return content_speedup(len(encode_text(tokenizer, clean_text(annotated))), critical_path(script.structure))

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import Limits, PositionPolicy
+from ..lang.dialect import PASTA, Dialect
 from ..lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
 from ..lang.tokenization import encode_prompt, eos_token_ids
 from .layout import PastaLayout, pasta_layout
@@ -32,6 +33,7 @@ def layout_for(
     pasta_prompt: PastaPrompt = DEFAULT_PASTA_PROMPT,
     limits: Limits | None = None,
     prompt_special_tokens: str = "text",
+    dialect: Dialect = PASTA,
 ) -> PastaLayout:
     """The layout of one training example: ``prompt`` formatted as the engine formats a replay's
     prompt (a string through the chat template with ``pasta_prompt``; a list of ids as it is),
@@ -44,7 +46,7 @@ def layout_for(
         prompt_ids = [int(t) for t in prompt]
     return pasta_layout(tokenizer, prompt_ids, annotated_response, eos_ids=eos_token_ids(tokenizer, cfg),
                         position_policy=position_policy, limits=limits,
-                        max_positions=getattr(cfg, "max_position_embeddings", None))
+                        max_positions=getattr(cfg, "max_position_embeddings", None), dialect=dialect)
 
 
 def forward_logprobs(model: Any, layout: PastaLayout) -> torch.Tensor:
@@ -81,6 +83,7 @@ def pasta_logprobs(
     *,
     pasta_prompt: PastaPrompt = DEFAULT_PASTA_PROMPT,
     limits: Limits | None = None,
+    dialect: Dialect = PASTA,
 ) -> tuple[list[int], list[float | None]]:
     """Per-token log-probabilities of an annotated response as the engine's pasta-mode replay
     computes them, from one dense forward of a ``transformers`` model.
@@ -93,12 +96,13 @@ def pasta_logprobs(
         annotated_response: the response with PASTA-LANG tags.
         position_policy: ``predicted`` | ``constant:K`` | ``none`` | ``oracle``.
         pasta_prompt, limits: as the engine's config.
+        dialect: the language of ``annotated_response`` (default PASTA-LANG), as the replay's.
 
     Returns ``(token_ids, logprobs)`` aligned with ``RequestResult.token_ids`` and
     ``RequestResult.logprobs`` of ``Engine.replay(..., params=SamplingParams(return_logprobs=True))``:
     natural-log probabilities, None where the interpreter inserted the token."""
     layout = layout_for(model, tokenizer, prompt, annotated_response, position_policy, pasta_prompt=pasta_prompt,
-                        limits=limits)
+                        limits=limits, dialect=dialect)
     lps = forward_logprobs(model, layout).tolist()
     it = iter(lps)
     return list(layout.token_ids), [None if q is None else next(it) for q in layout.target_index]

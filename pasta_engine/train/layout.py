@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..engine.block_manager import BlockManager
 from ..engine.request import Request, interpreter_factory
+from ..lang.dialect import PASTA, Dialect
 from ..engine.scheduler import SampledTokens, Scheduler
 
 __all__ = ["PastaLayout", "pasta_layout"]
@@ -84,6 +85,7 @@ def pasta_layout(
     limits: Limits | None = None,
     max_positions: int | None = None,
     page_size: int = 16,
+    dialect: Dialect = PASTA,
 ) -> PastaLayout:
     """Lay ``annotated_response`` out as the engine's pasta-mode replay decodes it.
 
@@ -95,6 +97,7 @@ def pasta_layout(
         position_policy, limits, max_positions: as the engine's (the fork cap changes the
             layout: a chunk past it is decoded inline).
         page_size: KV page size of the dry run (the layout does not depend on it).
+        dialect: the language of ``annotated_response`` (default PASTA-LANG).
 
     Raises ValueError for the ``oracle`` policy's absence of a trace (never: replay has one)."""
     policy = PositionPolicy.parse(position_policy)
@@ -102,6 +105,7 @@ def pasta_layout(
     make, max_new = interpreter_factory(
         tokenizer, list(prompt_ids), mode="pasta", max_new_tokens=1, limits=limits, policy=policy,
         max_positions=max_positions, eos_ids=list(eos_ids), annotated_response=annotated_response,
+        dialect=dialect,
     )
     req = Request(request_id="layout", index=0, mode="pasta", params=SamplingParams(max_new_tokens=max_new),
                   make_interpreter=make)

@@ -356,3 +356,36 @@ def test_train_sft_drop_repeats_and_tag_tokens(tiny_llama, tmp_path, capsys):
     assert "without_repeated_lines" in err
     manifest = json.loads((out / "adapter" / "manifest.json").read_text())
     assert set(manifest["added_tokens"]) == {'<promise topic="', '" tokens="', '"/>', "<async>", "</async>", "<sync/>"}
+
+
+def test_annotation_content_speedup_counts_tags_as_overhead(tiny_llama):
+    from pasta_engine.lang.grammar import add_tag_tokens
+    from pasta_engine.lang.tokenization import encode_text
+    from pasta_engine.train.common import load_tokenizer
+    from pasta_engine.train.data import annotation_content_speedup
+
+    tok = load_tokenizer(tiny_llama)
+    eos = tok.eos_token_id
+    plain = "Go to bed early and avoid screens."
+    n = len(encode_text(tok, plain))
+    assert annotation_content_speedup(tok, plain, eos) == pytest.approx(n / (n + 1))  # one thread: +1 EOS step
+    forked = ("Tips:\n1. <promise topic=\"bed\" tokens=\"10\"/><async>Go to bed early, and get up at the same time "
+              "every day of the week.</async>\n2. <promise topic=\"screens\" tokens=\"10\"/><async>Avoid screens at "
+              "night, and read a paper book in a dim light instead.</async>")
+    text_tags = annotation_content_speedup(tok, forked, eos)
+    add_tag_tokens(tok)
+    token_tags = annotation_content_speedup(tok, forked, eos)
+    assert token_tags > text_tags  # the same structure, cheaper tags: a shorter critical path
+    assert token_tags > 1.0
+
+
+def test_train_sft_min_content_speedup_keeps_the_parallel_answers(tiny_llama, tmp_path, capsys):
+    long_items = "Tips:\n" + "".join(f"{i}. " + "Go to bed early, and get up at the same time every day. " * 3 + "\n"
+                                     for i in range(1, 5))
+    _, out, err = _sft_command(tiny_llama, tmp_path, capsys,
+                               [{"instruction": PROMPT, "dataset": "koala", "output": long_items},
+                                {"instruction": "plain", "dataset": "koala", "output": "Sleep well."}],
+                               "--min-content-speedup", "1.2", "--tag-tokens")
+    rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [PROMPT]  # the unforked answer (speedup < 1) is gone
+    assert "min_content_speedup_1.2" in err
