@@ -21,6 +21,7 @@ from ..lang.prompts import SAMPLE_PROMPT
 #: none); repetition penalty 1.1 is the setting of the model's own answers the shipped adapter was
 #: trained on (``train answers``), without which a 135M model loops its headings.
 GENERATE_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+from ..lang.dialect import DIALECT_NAMES
 from ..tools.annotate import ANNOTATORS
 from .args import (
     adapter_choice,
@@ -44,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pasta-engine", description="PASTA learned asynchronous decoding")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
+
+    def add_dialect_arg(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument("--dialect", choices=DIALECT_NAMES, default="pasta",
+                       help=f"the decoding language {what} (docs/DESIGN.md section 2, Dialects): pasta (PASTA-LANG, "
+                       "default), apar (the APAR dialect: [Fork] after a list item's header; not PASTA-LANG's "
+                       "--annotator apar), multiverse; both modes replay with it and the results record it")
 
     def add_output_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--mode", choices=("pasta", "sequential", "both"), default="pasta",
@@ -70,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--traces", type=Path, required=True,
                    help="JSONL, one object per line with 'prompt' and 'annotated_response' (or 'annotated'/'response')")
     add_output_args(r)
+    add_dialect_arg(r, "the traces' annotated responses are written in")
     add_model_args(r)
     add_pasta_args(r)
     add_run_args(r, timing=True, resume=False, progress=True)
@@ -87,11 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         "sequential mode (same model, same prompt), one prompt at a time; the content speedup is the headline "
         "(docs/DESIGN.md section 3); write summary.json, prompts.jsonl and speedup.png into --out.",
     )
-    src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("--traces", type=Path, help="trace file (JSONL: prompt, annotated_response, annotator)")
-    src.add_argument("--annotator", choices=ANNOTATORS, help="annotate --responses on the fly")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--traces", type=Path, help="trace file (JSONL: prompt, annotated_response, annotator), written in "
+                     "--dialect")
+    src.add_argument("--annotator", choices=ANNOTATORS,
+                     help="annotate --responses on the fly with this PASTA-LANG annotator (--dialect pasta only)")
     s.add_argument("--responses", type=Path, default=None,
-                   help="AlpacaEval-format JSON (list of {instruction, output}) to annotate with --annotator")
+                   help="AlpacaEval-format JSON (list of {instruction, output}) to annotate: with --annotator for "
+                   "--dialect pasta, with the dialect's own annotator for apar and multiverse")
+    add_dialect_arg(s, "the traces are written in (with --responses: which annotator writes them)")
     s.add_argument("--out", type=Path, required=True, help="output folder")
     add_sampling_args(s)  # the model annotator's
     add_model_args(s)
@@ -272,6 +284,8 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
     tokens, wall = 0, 0.0
     for i, prompt in enumerate(prompts):
         row: dict[str, Any] = {"index": i, "prompt": prompt}
+        if not generated:
+            row["dialect"] = args.dialect
         response = None if generated else responses[i]
         if both:
             row = _compare(args, per_mode, row, params, response)
@@ -294,6 +308,8 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
     if bar is not None:
         bar.close()
     summary = _summary(rows)
+    if not generated:
+        summary["dialect"] = args.dialect
     print("summary: " + json.dumps(summary), file=sys.stderr)
     _print_warnings(summary)
     return _exit_status(rows, modes)
@@ -306,6 +322,8 @@ def _warm_up(args: argparse.Namespace, per_mode: dict[str, Any], prompts: Sequen
     trace and of the one with the most promises (every thread-count bucket the run reaches, e.g.
     its CUDA graphs, then exists before the clock starts). A cold first run is not a measurement."""
     from ..config import SamplingParams
+    from ..lang.dialect import get_dialect
+    from ..lang.tags import Promise
 
     for engine in {id(e): e for e in per_mode.values()}.values():
         engine.model_runner.warm_up()
@@ -317,10 +335,11 @@ def _warm_up(args: argparse.Namespace, per_mode: dict[str, Any], prompts: Sequen
             res = pas.generate([prompts[0]], short, mode="pasta")[0]
             pas.replay([prompts[0]], [res.text], mode="sequential")
             continue
-        widest = max(range(len(responses)), key=lambda j: responses[j].count("<promise"))
+        lang = get_dialect(args.dialect)
+        widest = max(range(len(responses)), key=lambda j: sum(isinstance(e, Promise) for e in lang.parse(responses[j])))
         for j in dict.fromkeys((0, widest)):
-            res = pas.replay([prompts[j]], [responses[j]], mode="pasta")[0]
-            pas.replay([prompts[j]], [res.text], mode="sequential")
+            res = pas.replay([prompts[j]], [responses[j]], mode="pasta", dialect=lang)[0]
+            pas.replay([prompts[j]], [res.text], mode="sequential", dialect=lang)
 
 
 def _compare(args: argparse.Namespace, per_mode: dict[str, Any], row: dict[str, Any], params: Any,
@@ -395,7 +414,8 @@ def _decode(engine: Any, args: argparse.Namespace, row: dict[str, Any], mode: st
     freed), what it decoded so far is printed (as the row's JSON with ``"interrupted": true``
     under ``--json``) and :class:`_Interrupted` is raised."""
     # only the final output is read: output_kind="final" spares the per-step rendering
-    rid = engine.add_request(row["prompt"], params, mode=mode, annotated_response=response, output_kind="final")
+    rid = engine.add_request(row["prompt"], params, mode=mode, annotated_response=response, output_kind="final",
+                             dialect=getattr(args, "dialect", "pasta"))
     try:
         while True:
             for out in engine.step():
@@ -477,23 +497,38 @@ def _limit(rows: list, limit: int | None) -> list:
 
 
 def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from ..tools.bench import BenchError, annotate_rows, run_speedup
+    from ..tools.bench import BenchError, annotate_rows, annotate_rows_in_dialect, dialect_annotator, run_speedup
     from ..tools.traces import read_prompts, read_traces, write_traces
 
+    pasta = args.dialect == "pasta"
     if args.traces is not None:
         if args.responses is not None:
-            raise BenchError("--responses goes with --annotator, not with --traces")
+            raise BenchError("--responses goes with --annotator (or a --dialect with its own annotator), not with "
+                             "--traces")
         traces, to_annotate = _limit(read_traces(args.traces), args.limit), None
-    else:
+    elif pasta:
+        if args.annotator is None:
+            raise BenchError("give --traces FILE, or --annotator NAME with --responses FILE (AlpacaEval JSON)")
         if args.responses is None:
             raise BenchError(f"--annotator {args.annotator} needs --responses FILE (AlpacaEval JSON)")
         traces, to_annotate = None, _limit(read_prompts(args.responses, need_output=args.annotator != "model"),
                                            args.limit)
+    else:
+        if args.annotator is not None:
+            raise BenchError(f"--annotator {args.annotator} writes PASTA-LANG; --dialect {args.dialect} annotates "
+                             "--responses with its own annotator: drop --annotator")
+        if args.responses is None:
+            raise BenchError(f"--dialect {args.dialect} needs --traces FILE or --responses FILE (AlpacaEval JSON)")
+        dialect_annotator(args.dialect)  # a missing annotator fails before the model loads
+        traces, to_annotate = None, _limit(read_prompts(args.responses, need_output=True), args.limit)
     engine, settings = build_engine(args)
     out: Path = args.out
     if traces is None:
-        traces = annotate_rows(to_annotate, args.annotator, lambda text: len(engine.encode(text)), engine=engine,
-                               params=sampling_params(args))
+        count = lambda text: len(engine.encode(text))  # noqa: E731
+        if pasta:
+            traces = annotate_rows(to_annotate, args.annotator, count, engine=engine, params=sampling_params(args))
+        else:
+            traces = annotate_rows_in_dialect(to_annotate, args.dialect, count)
         out.mkdir(parents=True, exist_ok=True)
         write_traces(out / "traces.jsonl", traces)
     from ..tools.bench import run_info
@@ -502,9 +537,9 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                     traces=str(args.traces) if args.traces else str(out / "traces.jsonl"),
                     responses=str(args.responses) if args.responses else None)
     result = run_speedup(engine, traces, out, settings, warmup=args.warmup, repeats=args.repeats, resume=args.resume,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, dialect=args.dialect)
     s = result["summary"]
-    print(f"bench speedup: {s['prompts']} prompts, {s['forked_responses']} forked; geomean content speedup "
+    print(f"bench speedup (dialect {args.dialect}): {s['prompts']} prompts, {s['forked_responses']} forked; geomean content speedup "
           f"{_x(s['geomean_content_speedup'])} theoretical, {_x(s['geomean_realized_content_speedup'])} realized "
           f"(clean text sequential / pasta wall{_spread_text(s)}), realized/theoretical "
           f"{_x(s['geomean_realized_over_theoretical'], '')}{_forked_text(s)}; token parallelism "

@@ -56,6 +56,8 @@ from .traces import PromptRow, TraceRow, write_traces
 __all__ = [
     "BenchError",
     "annotate_rows",
+    "annotate_rows_in_dialect",
+    "dialect_annotator",
     "run_speedup",
     "run_pareto",
     "clean_text_replay",
@@ -159,6 +161,58 @@ def annotate_rows(rows: Sequence[PromptRow], name: str, count_tokens: Callable[[
             a = annotate(r.output, name, count_tokens or approx_token_count)
             out.append(TraceRow(r.instruction, a.annotated, name, response=r.output, promises=a.promises,
                                 index=i, dataset=r.dataset, note=a.note))
+            bar.update(1)
+    finally:
+        bar.close()
+    return out
+
+
+def dialect_annotator(dialect: str) -> Callable[[str, Callable[[str], int]], str]:
+    """The annotator that writes dialect ``dialect`` (not ``pasta``, whose annotators are
+    :data:`~pasta_engine.tools.annotate.ANNOTATORS`, ``--annotator``): ``apar``:
+    :func:`pasta_engine.tools.annotate_apar.annotate_apar` (the APAR dialect's ``[Fork]`` markers,
+    not PASTA-LANG's ``--annotator apar``); ``multiverse``:
+    :func:`pasta_engine.tools.annotate_multiverse.annotate_multiverse`. Each is ``(text,
+    count_tokens) -> annotated`` whose clean text is ``text``.
+
+    Raises BenchError naming ``--dialect`` for ``pasta``, an unknown name, or an annotator whose
+    module is not installed."""
+    if dialect == "apar":
+        from .annotate_apar import annotate_apar
+
+        return annotate_apar
+    if dialect == "multiverse":
+        try:
+            from .annotate_multiverse import annotate_multiverse
+        except ImportError as e:
+            raise BenchError(f"--dialect multiverse needs pasta_engine.tools.annotate_multiverse, which cannot be "
+                             f"imported ({e}); use --traces FILE with Multiverse traces, or another --dialect") from None
+        return annotate_multiverse
+    raise BenchError(f"--dialect {dialect!r} has no dialect annotator (pasta annotates with --annotator; "
+                     "dialects with one: apar, multiverse)")
+
+
+def annotate_rows_in_dialect(rows: Sequence[PromptRow], dialect: str,
+                             count_tokens: Callable[[str], int] | None = None) -> list[TraceRow]:
+    """Trace rows for ``rows`` (each with an ``output``) annotated by :func:`dialect_annotator`
+    (``dialect``): the trace's ``annotator`` is ``dialect:NAME`` and ``promises`` its forks.
+    Raises BenchError for a row without ``output`` and as :func:`dialect_annotator`."""
+    from ..lang.dialect import get_dialect
+    from ..lang.tags import Promise
+
+    annotate_fn, lang = dialect_annotator(dialect), get_dialect(dialect)
+    count = count_tokens or approx_token_count
+    out: list[TraceRow] = []
+    bar = _bar(len(rows), f"annotating (dialect {dialect})")
+    try:
+        for i, r in enumerate(rows):
+            if r.output is None:
+                raise BenchError(f"row {i} has no 'output' to annotate")
+            annotated = annotate_fn(r.output, count)
+            forks = sum(isinstance(e, Promise) for e in lang.parse(annotated))
+            out.append(TraceRow(r.instruction, annotated, f"dialect:{dialect}", response=r.output, promises=forks,
+                                index=i, dataset=r.dataset,
+                                note=None if forks else f"dialect {dialect}: left unannotated"))
             bar.update(1)
     finally:
         bar.close()
@@ -336,11 +390,16 @@ def resumed_rows(out: Path, prompts: Sequence[str], resume: bool, need: str | No
     return rows
 
 
-def warmup_traces(traces: Sequence[TraceRow]) -> list[TraceRow]:
-    """The first trace and the one with the most promises: replaying both before timing warms
-    up whatever the engine prepares per shape or per thread count (kernel compilation, CUDA
-    graph capture for each bucket of live threads up to the widest the run reaches)."""
-    widest = max(traces, key=lambda t: t.annotated_response.count("<promise"))
+def warmup_traces(traces: Sequence[TraceRow], dialect: str = "pasta") -> list[TraceRow]:
+    """The first trace and the one with the most forks (read in ``dialect``): replaying both
+    before timing warms up whatever the engine prepares per shape or per thread count (kernel
+    compilation, CUDA graph capture for each bucket of live threads up to the widest the run
+    reaches)."""
+    from ..lang.dialect import get_dialect
+    from ..lang.tags import Promise
+
+    lang = get_dialect(dialect)
+    widest = max(traces, key=lambda t: sum(isinstance(e, Promise) for e in lang.parse(t.annotated_response)))
     return [traces[0]] if widest is traces[0] else [traces[0], widest]
 
 
@@ -375,11 +434,12 @@ def _measure_rows(out: Path, items: Sequence[Any], rows: list[dict[str, Any]],
 # --------------------------------------------------------------------------- speedup (replay)
 
 
-def clean_text_replay(engine: Any, prompt: Any, pasta: Any, repeats: int = 1) -> Any:
+def clean_text_replay(engine: Any, prompt: Any, pasta: Any, repeats: int = 1, dialect: str = "pasta") -> Any:
     """The sequential side of the realized content speedup: the pasta answer's clean text
     (``pasta.text``: tags stripped, no tag tokens) replayed in sequential mode on ``engine``
-    (same weights, same prompt), the fastest of ``repeats`` runs."""
-    return _fastest([engine.replay([prompt], [pasta.text], mode="sequential")[0] for _ in range(repeats)])
+    (same weights, same prompt, read in ``dialect``), the fastest of ``repeats`` runs."""
+    return _fastest([engine.replay([prompt], [pasta.text], mode="sequential", dialect=dialect)[0]
+                     for _ in range(repeats)])
 
 
 def speedup_row(seq: Any, pasta: Any) -> dict[str, Any]:
@@ -544,7 +604,8 @@ def plot_or_warn(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None
 
 
 def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: dict[str, Any], *, warmup: int = 1,
-                repeats: int = DEFAULT_REPEATS, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+                repeats: int = DEFAULT_REPEATS, resume: bool = False, progress: bool = True,
+                dialect: str = "pasta") -> dict[str, Any]:
     """Replay every trace in pasta mode, and its clean text sequentially (see the module
     docstring); write ``prompts.jsonl``, ``summary.json`` and ``speedup.png`` into ``out``.
 
@@ -558,6 +619,9 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
             and the spread is recorded (:func:`timing_record`, :data:`TIMING_STATISTIC`).
         resume: keep the rows of an earlier run in ``out`` and run the rest.
         progress: a tqdm bar on stderr (prompts, content tokens/s of the pasta runs).
+        dialect: the language the traces are written in (a name of
+            :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`): both sides replay with it, and
+            ``settings``, the summary and each row record it.
 
     Returns ``{"summary": ..., "settings": ...}`` as written to ``summary.json``; the summary's
     ``warnings`` (answers that never forked, realized beyond theoretical) are also printed on
@@ -567,19 +631,23 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
     out.mkdir(parents=True, exist_ok=True)
     rows = resumed_rows(out, [t.prompt for t in traces], resume, need="content_speedup")
     settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, timing_statistic=TIMING_STATISTIC,
-                    batch_size=1, annotators=sorted({t.annotator for t in traces}),
+                    batch_size=1, annotators=sorted({t.annotator for t in traces}), dialect=dialect,
                     sequential_side="the pasta answer's clean text (no tag tokens), replayed")
     if warmup and len(rows) < len(traces):
         engine.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
-    for t in warmup_traces(traces) * (warmup if len(rows) < len(traces) else 0):
-        clean_text_replay(engine, t.prompt, engine.replay([t.prompt], [t.annotated_response], mode="pasta")[0])
+    for t in warmup_traces(traces, dialect) * (warmup if len(rows) < len(traces) else 0):
+        clean_text_replay(engine, t.prompt,
+                          engine.replay([t.prompt], [t.annotated_response], mode="pasta", dialect=dialect)[0],
+                          dialect=dialect)
     result: dict[str, Any] = {}
 
     def measure(i: int, t: TraceRow) -> dict[str, Any]:
-        runs = timed_runs(repeats, lambda: engine.replay([t.prompt], [t.annotated_response], mode="pasta")[0],
-                          lambda pas: engine.replay([t.prompt], [pas.text], mode="sequential")[0])
+        runs = timed_runs(repeats,
+                          lambda: engine.replay([t.prompt], [t.annotated_response], mode="pasta", dialect=dialect)[0],
+                          lambda pas: engine.replay([t.prompt], [pas.text], mode="sequential", dialect=dialect)[0])
         fastest, timing = timing_record(runs, runs["pasta"][0].stats.content_speedup)
         return {"index": t.index if t.index is not None else i, "prompt": t.prompt, "annotator": t.annotator,
+                "dialect": dialect,
                 "promises": t.promises, "note": t.note,
                 **speedup_row(fastest["clean_text_sequential"], fastest["pasta"]), "timing": timing}
 
@@ -590,7 +658,7 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
     finally:
         if rows:  # an interrupted run still leaves the aggregates of what it measured
             settings.update(prompts_planned=len(traces), complete=len(rows) == len(traces))
-            result = {"summary": summarize_speedup(rows), "settings": settings}
+            result = {"summary": {**summarize_speedup(rows), "dialect": dialect}, "settings": settings}
             _write_json(out / "summary.json", result)
     plot_or_warn(rows, out / "speedup.png",
                  f"{settings.get('model', '')} on {settings.get('device_name', '')} ({settings.get('dtype', '')})")
