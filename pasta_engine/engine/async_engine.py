@@ -44,6 +44,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..errors import EngineDeadError, ParameterError
+from ..lang.dialect import Dialect
 from ..lang.tokenization import encode_prompt
 from .llm_engine import Engine, Prompt
 from .render import ThreadEvent
@@ -244,14 +245,17 @@ class AsyncEngine:
         annotated_response: str | None = None,
         limits: Limits | None = None,
         position_policy: str | PositionPolicy | None = None,
+        dialect: str | Dialect | None = None,
     ) -> RequestStream:
         """Queue a request on the engine thread and return its output stream.
 
         Args:
             prompt: as :meth:`Engine.add_request` (a string, or a list of token ids), or chat
                 messages ``[{"role": ..., "content": ...}, ...]`` (see :func:`format_chat`).
-            params, mode, request_id, annotated_response, limits, position_policy: as
-                :meth:`Engine.add_request`.
+            params, mode, request_id, annotated_response, limits, position_policy, dialect: as
+                :meth:`Engine.add_request` (``dialect``: a name of
+                :data:`~pasta_engine.lang.dialect.DIALECT_NAMES` or a
+                :class:`~pasta_engine.lang.dialect.Dialect`; default ``pasta``, PASTA-LANG).
             chat_template: False: a string prompt is tokenized as plain text, without the chat
                 template or the PASTA-LANG system prompt (a text completion).
             output_kind: ``delta`` | ``cumulative`` | ``final`` (see :class:`StreamOutput`).
@@ -261,8 +265,10 @@ class AsyncEngine:
                 finished output says ``finish_reason="stop"`` and ``stop_reason``).
 
         Raises ParameterError (naming the parameter; ContextLengthError for a prompt that does
-        not fit) before the request takes any resource, EngineDeadError when the engine is
-        dead."""
+        not fit; naming ``dialect`` for an unknown dialect name) before the request takes any
+        resource, EngineDeadError when the engine is dead. A registered dialect whose module
+        cannot be imported raises that import's error (ModuleNotFoundError), also before the
+        request takes any resource."""
         try:
             kind = OutputKind.parse(output_kind)
         except ValueError as e:
@@ -276,7 +282,8 @@ class AsyncEngine:
         collector = _Collector(kind)
         fut = loop.create_future()
         spec = dict(prompt=prompt, chat_template=chat_template, params=params, mode=mode, request_id=request_id,
-                    annotated_response=annotated_response, limits=limits, position_policy=position_policy)
+                    annotated_response=annotated_response, limits=limits, position_policy=position_policy,
+                    dialect=dialect)
         self._post_command(("add", (spec, kind, events, stops, collector), loop, fut))
         rid = await fut
         return RequestStream(self, rid, collector)
@@ -378,7 +385,7 @@ class AsyncEngine:
                         raise ParameterError("prompt", "", message="the prompt is empty")
                 rid = self.engine.add_request(prompt, spec["params"], spec["mode"], spec["request_id"],
                                               spec["annotated_response"], limits=spec["limits"],
-                                              position_policy=spec["position_policy"])
+                                              position_policy=spec["position_policy"], dialect=spec["dialect"])
             except Exception as e:  # a bad request (ParameterError) or one the engine could not take: its own
                 _post(loop, _settle, fut, None, e)
                 return

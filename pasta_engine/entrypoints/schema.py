@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..config import MAX_SEED, PositionPolicy, SamplingParams
 from ..errors import ParameterError
+from ..lang.dialect import DIALECT_NAMES
 
 __all__ = [
     "ChatCompletionRequest",
@@ -107,7 +108,10 @@ class PastaOptions(BaseModel):
     """The ``pasta`` extension of a request."""
 
     model_config = _MODEL
-    mode: Literal["pasta", "sequential"] = Field("pasta", description="act on PASTA-LANG tags, or one thread")
+    mode: Literal["pasta", "sequential"] = Field("pasta", description="act on the dialect's fork tags, or one thread")
+    dialect: Literal[DIALECT_NAMES] = Field(  # type: ignore[valid-type]
+        "pasta", description="the decoding language the model writes: pasta (PASTA-LANG), apar (APAR) or "
+        "multiverse (Multiverse); a replay's annotated_response is read in it")
     position_policy: str | None = Field(
         None, max_length=64, description="predicted | none | oracle (replay only) | constant:K (0 <= K < 10**9)")
     max_threads: int | None = Field(None, ge=0, le=2**20, description="threads decoding together (0 = unlimited)")

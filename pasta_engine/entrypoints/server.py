@@ -9,11 +9,14 @@ A thin FastAPI app (run by uvicorn) over :class:`~pasta_engine.engine.async_engi
   pydantic models of :mod:`.schema` (vLLM's field names; a field the engine does not honour, or
   an unknown one, is a 400 naming it). Streamed text is the response in reading order
   (:mod:`pasta_engine.engine.streaming`).
-* the ``pasta`` extension: in a request, ``{"mode": "pasta" | "sequential", "position_policy":
-  ..., "max_threads": N (0 = unlimited), "max_forks": N, "events": bool, "annotated_response":
-  str}`` (``annotated_response`` replays that response: forced decoding); in each choice of a
+* the ``pasta`` extension: in a request, ``{"mode": "pasta" | "sequential", "dialect": "pasta" |
+  "apar" | "multiverse", "position_policy": ..., "max_threads": N (0 = unlimited), "max_forks":
+  N, "events": bool, "annotated_response": str}`` (``dialect``: the language the model writes,
+  :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`, default PASTA-LANG; ``annotated_response``
+  replays that response, written in that dialect: forced decoding); in each choice of a
   response, ``{"annotated_text", "stats": {content_tokens, content_speedup, decode_steps,
-  tokens_decoded, tag_tokens, critical_path, token_parallelism, threads, ...}, "diagnostics"}``
+  tokens_decoded, tag_tokens, critical_path, token_parallelism, threads, ...}, "diagnostics",
+  "mode", "dialect"}``
   (:class:`~pasta_engine.engine.request.RequestStats`, the content figures first); with ``events`` each streamed chunk's choice carries the
   thread events of that step (``pasta.events``) and the counters ``decode_steps`` and
   ``tokens_decoded``.
@@ -71,6 +74,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import MAX_SEED, Limits, SamplingParams
 from ..engine.async_engine import AsyncEngine, RequestStream, StreamOutput, format_chat
 from ..errors import ContextLengthError, EngineDeadError, ParameterError
+from ..lang.dialect import DIALECT_NAMES, get_dialect
 from ..lang.tokenization import encode_text
 from .schema import (
     MAX_INT_DIGITS,
@@ -106,6 +110,7 @@ _PARAM_NAMES = {
     "max_forks": "pasta.max_forks",
     "annotated_response": "pasta.annotated_response",
     "mode": "pasta.mode",
+    "dialect": "pasta.dialect",
 }
 
 
@@ -239,11 +244,39 @@ class _Options:
     stop: list[str]
     logprobs: bool
     mode: str
+    dialect: str  # a name of DIALECT_NAMES whose module imports (checked by _check_dialect)
     events: bool
     annotated_response: str | None
     limits: Limits | None
     position_policy: str | None
     meter: "_Meter | None" = None
+
+
+def _check_dialect(name: str) -> None:
+    """Check that the dialect ``name`` (one of :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`,
+    as the request schema allows) can run on this server, before the request takes any resource.
+
+    Each dialect but ``pasta`` lives in a module of :mod:`pasta_engine.lang` imported on first
+    use (:func:`~pasta_engine.lang.dialect.get_dialect`). Raises OpenAIError 400 (param
+    ``pasta.dialect``, code ``dialect_unavailable``) when that module is not installed in this
+    server's pasta-engine, 500 (``server_error``) when it is there but fails to import, and
+    ParameterError naming ``pasta.dialect`` for a name that is not a dialect."""
+    try:
+        get_dialect(name)
+    except ValueError as e:
+        raise ParameterError("pasta.dialect", name, message=f"invalid pasta.dialect={name!r}: {e}") from None
+    except ModuleNotFoundError as e:
+        lang = get_dialect.__module__.rpartition(".")[0]  # pasta_engine.lang: where the dialect modules live
+        if e.name is not None and e.name.startswith(f"{lang}."):  # the dialect's own module, not a dependency
+            raise OpenAIError(400, f"pasta.dialect={name!r} is not available on this server: its module "
+                              f"{e.name} is not installed in this pasta-engine (use another dialect of "
+                              f"{', '.join(DIALECT_NAMES)}, or upgrade the server's pasta-engine)",
+                              param="pasta.dialect", code="dialect_unavailable") from None
+        raise OpenAIError(500, f"pasta.dialect={name!r} failed to load: {type(e).__name__}: {e}",
+                          type="server_error", param="pasta.dialect") from None
+    except Exception as e:  # noqa: BLE001 - a dialect module that fails to import is the server's fault
+        raise OpenAIError(500, f"pasta.dialect={name!r} failed to load: {type(e).__name__}: {e}",
+                          type="server_error", param="pasta.dialect") from None
 
 
 class _Server:
@@ -328,6 +361,7 @@ class _Server:
         seed = self.rng.randrange(MAX_SEED + 1) if req.seed is None else req.seed
         logprobs = req.logprobs if chat else req.logprobs == 0
         pasta = req.pasta
+        _check_dialect(pasta.dialect)
         limits = None
         if pasta.max_threads is not None or pasta.max_forks is not None:
             base = self.engine.engine.config.limits
@@ -340,7 +374,8 @@ class _Server:
                   for i in range(req.n)]
         return _Options(params=params, n=req.n, stream=req.stream,
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        stop=req.stops(), logprobs=logprobs, mode=pasta.mode, events=pasta.events,
+                        stop=req.stops(), logprobs=logprobs, mode=pasta.mode, dialect=pasta.dialect,
+                        events=pasta.events,
                         annotated_response=pasta.annotated_response, limits=limits,
                         position_policy=pasta.position_policy)
 
@@ -356,7 +391,7 @@ class _Server:
                     streams.append(await self.engine.add_request(
                         prompt, params, opts.mode, f"{cid}-{p * opts.n + i}", output_kind="delta", events=True,
                         stop=opts.stop, chat_template=False, annotated_response=opts.annotated_response,
-                        limits=opts.limits, position_policy=opts.position_policy))
+                        limits=opts.limits, position_policy=opts.position_policy, dialect=opts.dialect))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -374,11 +409,12 @@ class _Server:
             old.dropped = True
             self.log_bytes -= old.nbytes
 
-    def choice_ext(self, out: StreamOutput) -> dict[str, Any]:
-        """The ``pasta`` object of a finished choice."""
+    def choice_ext(self, out: StreamOutput, opts: _Options) -> dict[str, Any]:
+        """The ``pasta`` object of a finished choice (``dialect``: the dialect its request ran
+        in, a name of :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`)."""
         r = out.result
         return {"annotated_text": r.annotated_text, "stats": dataclasses.asdict(r.stats), "diagnostics": r.diagnostics,
-                "mode": r.mode}
+                "mode": r.mode, "dialect": opts.dialect}
 
     async def logprobs(self, out: StreamOutput, chat: bool) -> dict[str, Any] | None:
         """OpenAI's logprobs object for a finished choice: every sampled token in spliced order
@@ -974,7 +1010,7 @@ async def _collect(srv: _Server, streams: list[RequestStream], opts: _Options, c
             c["text"] = text
         if out.stop_reason is not None:
             c["stop_reason"] = out.stop_reason
-        c["pasta"] = srv.choice_ext(out)
+        c["pasta"] = srv.choice_ext(out, opts)
         choices.append(c)
     return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": srv.model_name, "choices": choices, "usage": _usage(_prompt_tokens(finals, opts.n), finals)}
@@ -1019,7 +1055,7 @@ async def _stream(srv: _Server, streams: list[RequestStream], opts: _Options, ci
                     finals[i] = out
                     if out.finish_reason == "error":
                         raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
-                    extra: dict[str, Any] = {"pasta": srv.choice_ext(out)}
+                    extra: dict[str, Any] = {"pasta": srv.choice_ext(out, opts)}
                     if out.stop_reason is not None:
                         extra["stop_reason"] = out.stop_reason
                     c = choice(i, None, out.finish_reason, **extra)

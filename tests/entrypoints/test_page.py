@@ -58,3 +58,56 @@ def test_page_shows_threads_side_by_side(server, tmp_path):
             assert errors == []
         finally:
             browser.close()
+
+
+APAR = ("Two tips:\n1. Sleep[Fork][Child] early, every day.[/Child]\n2. Walk[Fork][Child] after lunch.[/Child]\n"
+        "That is all.")
+
+
+def test_page_dialect_selector_sends_the_field_and_shows_any_dialects_threads(server):
+    """The dialect selector sits next to the mode selector, offers every dialect of the registry
+    and sends ``pasta.dialect``; an APAR replay (forks without topic or length) shows its threads
+    and its spliced answer from the thread events, as a PASTA-LANG one does."""
+    from pasta_engine.lang.dialect import DIALECT_NAMES, get_dialect
+
+    get_dialect("apar")  # the APAR dialect's module (pasta_engine.lang.apar) must be in this tree
+    exe = chromium()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            sent: list[dict] = []
+            page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions")
+                    else None)
+            page.goto(server.url + "/")
+            # next to the mode selector, in the same row of controls
+            assert page.eval_on_selector("#dialect", "e => e.closest('.controls') === "
+                                         "document.querySelector('#mode').closest('.controls')")
+            assert [o.get_attribute("value") for o in page.query_selector_all("#dialect option")] == list(DIALECT_NAMES)
+            assert page.input_value("#dialect") == "pasta"
+            page.select_option("#dialect", "apar")
+            page.click("summary")
+            page.fill("#api-key", server.api_key)
+            page.fill("#annotated", APAR)
+            page.click("#run")
+            page.wait_for_selector("body[data-state=done], body[data-state=error]", timeout=120_000)
+            assert page.get_attribute("body", "data-state") == "done", page.inner_text("#error")
+            assert len(sent) == 1 and sent[0]["pasta"]["dialect"] == "apar"
+            assert sent[0]["pasta"]["annotated_response"] == APAR
+            cols = page.query_selector_all(".thread")
+            assert len(cols) == 3
+            texts = [c.query_selector(".text").inner_text() for c in cols]
+            assert texts[1].strip() == "early, every day." and texts[2].strip() == "after lunch."
+            assert "⟨1⟩" in texts[0] and "⟨2⟩" in texts[0] and texts[0].endswith("That is all.")
+            assert "[Fork]" not in page.inner_text("#threads") + page.inner_text("#answer")
+            assert [c.get_attribute("data-status") for c in cols[1:]] == ["joined", "joined"]
+            marks = [e.inner_text() for e in page.query_selector_all("#answer .promise")]
+            chunks = [e.inner_text().strip() for e in page.query_selector_all("#answer .chunk")]
+            assert marks == ["thread 1", "thread 2"] and chunks == ["early, every day.", "after lunch."]
+            steps, decoded = int(page.inner_text("#steps")), int(page.inner_text("#seq-steps"))
+            assert 0 < steps < decoded
+            assert errors == []
+        finally:
+            browser.close()

@@ -1,0 +1,228 @@
+"""A dialect per request in the OpenAI server (issue 23, item 5): ``pasta.dialect`` is in the
+schema, accepted, passed to the engine and reported; a bad one is a 400 naming it before the
+request takes any resource; requests in several dialects decode together, each as it would
+alone. The page's dialect selector is tested in test_page.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from pasta_engine.lang import dialect as dialect_mod
+from pasta_engine.lang.dialect import DIALECT_NAMES, get_dialect
+
+ANNOTATED = ('Two tips: <promise topic="sleep" tokens="10"/><async>Sleep early, every day.</async> and '
+             '<promise topic="walk" tokens="10"/><async>Walk after lunch.</async><sync/> That is all.')
+
+# A short answer in each dialect's syntax, to replay (forced decoding). Only the engine reads
+# them: the assertions below compare with what the dialect itself makes of its trace
+# (clean_text, split_threads), so they hold whatever the exact syntax is.
+TRACES = {
+    "pasta": ANNOTATED,
+    "apar": ("Two tips:\n1. Sleep[Fork][Child] early, every day.[/Child]\n2. Walk[Fork][Child] after lunch.[/Child]\n"
+             "That is all."),
+    "multiverse": ("Two tips:\n<Parallel>\n<Goal>\n<Outline>1: sleep</Outline>\n<Outline>2: walk</Outline>\n</Goal>\n"
+                   "<Path>\n1: Sleep early, every day.\n</Path>\n<Path>\n2: Walk after lunch.\n</Path>\n"
+                   "<Conclusion>\nThat is all.\n</Conclusion>\n</Parallel>"),
+}
+# forks each trace makes in its dialect (a trace not yet checked against its dialect's module has
+# none here: its forks are only compared with what the dialect reads in it)
+TRACE_FORKS = {"pasta": 2, "apar": 2}
+# the stats of a choice that do not depend on what else the engine ran (not wall_s, the prefix
+# cache's cached_tokens, preemptions, or decode_steps, which the batch's token budget may spread)
+SAME_STATS = ("content_tokens", "tokens_decoded", "tag_tokens", "threads", "forks", "critical_path", "finish_reason")
+
+
+def auth(server) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.api_key}"}
+
+
+def settled_stats(server, tries: int = 400) -> dict:
+    """The engine's counters once no request is running, waiting or open (bounded polling)."""
+    s = {}
+    for _ in range(tries):
+        s = httpx.get(server.url + "/v1/pasta/stats", headers=auth(server)).json()
+        if s["running"] == 0 and s["waiting"] == 0 and s["open"] == 0:
+            return s
+        time.sleep(0.05)
+    return s
+
+
+def missing_module(name: str) -> str | None:
+    """The module of dialect ``name`` when it is not in this tree yet (None when it imports).
+    Raises any other import error (a dialect module that is there but broken)."""
+    try:
+        get_dialect(name)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("pasta_engine.lang."):
+            return e.name
+        raise
+    return None
+
+
+def available() -> list[str]:
+    """``pasta`` and each other dialect of DIALECT_NAMES whose module is in this tree."""
+    return [d for d in DIALECT_NAMES if missing_module(d) is None]
+
+
+def need(name: str) -> None:
+    module = missing_module(name)
+    if module is not None:
+        pytest.skip(f"the {name} dialect's module {module} is not in this tree yet (issue 23)")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+
+
+def chat_body(server, dialect: str | None, replay: bool, **extra) -> dict:
+    pasta = {} if dialect is None else {"dialect": dialect}
+    if replay:
+        pasta["annotated_response"] = TRACES[dialect or "pasta"]
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Give me two tips."}],
+            "temperature": 0, "max_tokens": 256 if replay else 16, "logprobs": True, "pasta": pasta}
+    body.update(extra)
+    return body
+
+
+def summary(resp: dict) -> dict:
+    """What must not change when a request runs beside others: its text, annotated text, tokens,
+    structure and dialect."""
+    c = resp["choices"][0]
+    p = c["pasta"]
+    return {"text": c["message"]["content"], "finish_reason": c["finish_reason"],
+            "tokens": [t["token"] for t in c["logprobs"]["content"]], "annotated_text": p["annotated_text"],
+            "dialect": p["dialect"], "mode": p["mode"], **{k: p["stats"][k] for k in SAME_STATS}}
+
+
+def test_openapi_documents_the_dialect_field(server):
+    doc = httpx.get(server.url + "/openapi.json", headers=auth(server)).json()
+    field = doc["components"]["schemas"]["PastaOptions"]["properties"]["dialect"]
+    assert field["enum"] == list(DIALECT_NAMES) and field["default"] == "pasta"
+    assert "PASTA-LANG" in field["description"]
+
+
+@pytest.mark.parametrize("name", DIALECT_NAMES)
+def test_the_field_is_accepted_and_reported(server, client, name):
+    need(name)
+    msgs = [{"role": "user", "content": "Give me two tips."}]
+    full = client.chat.completions.create(model=server.model, messages=msgs, temperature=0, max_tokens=8,
+                                          extra_body={"pasta": {"dialect": name}})
+    assert full.choices[0].model_extra["pasta"]["dialect"] == name
+    # streamed: the last chunk's pasta object reports it too
+    pasta = [c.model_extra["pasta"] for ch in client.chat.completions.create(
+        model=server.model, messages=msgs, temperature=0, max_tokens=8, stream=True,
+        extra_body={"pasta": {"dialect": name}}) for c in ch.choices if c.finish_reason]
+    assert [p["dialect"] for p in pasta] == [name]
+    # text completions take it as well
+    comp = client.completions.create(model=server.model, prompt="Once upon a time", temperature=0, max_tokens=4,
+                                     extra_body={"pasta": {"dialect": name}})
+    assert comp.choices[0].model_extra["pasta"]["dialect"] == name
+
+
+def test_the_default_is_pasta_and_equals_asking_for_it(server, client):
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    default = client.chat.completions.create(model=server.model, messages=msgs, temperature=0, max_tokens=10)
+    named = client.chat.completions.create(model=server.model, messages=msgs, temperature=0, max_tokens=10,
+                                           extra_body={"pasta": {"dialect": "pasta", "mode": "pasta"}})
+    nulled = client.chat.completions.create(model=server.model, messages=msgs, temperature=0, max_tokens=10,
+                                            extra_body={"pasta": {"dialect": None}})  # null: left out
+    for r in (default, named, nulled):
+        assert r.choices[0].model_extra["pasta"]["dialect"] == "pasta"
+    assert default.choices[0].message.content == named.choices[0].message.content == nulled.choices[0].message.content
+
+
+@pytest.mark.parametrize("value", ["klingon", "PASTA", "", 3, ["apar"]])
+def test_a_bad_dialect_is_a_400_naming_it_and_the_next_request_is_served(server, value):
+    body = chat_body(server, None, replay=False)
+    body["pasta"] = {"dialect": value}
+    with httpx.Client(base_url=server.url, headers=auth(server), timeout=60) as h:
+        for stream in (False, True):
+            r = h.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert r.status_code == 400
+            err = r.json()["error"]
+            assert err["param"] == "pasta.dialect" and err["type"] == "invalid_request_error"
+            assert repr(value) in err["message"] and "'multiverse'" in err["message"]  # the value, the choices
+        stats = settled_stats(server)
+        assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["open"] == 0  # it took nothing
+        ok = h.post("/v1/chat/completions", json=chat_body(server, "pasta", replay=True))
+        assert ok.status_code == 200 and ok.json()["choices"][0]["pasta"]["dialect"] == "pasta"
+
+
+def test_an_unavailable_dialect_module_fails_alone(tiny_llama, monkeypatch):
+    """In-process over ASGI: a dialect whose module is not installed is a 400 naming
+    ``pasta.dialect`` (code ``dialect_unavailable``), one whose module is there but fails to load
+    a 500; neither takes a resource, and the engine serves the next request."""
+    from pasta_engine import AsyncEngine, Engine
+    from pasta_engine.entrypoints.server import build_app
+
+    monkeypatch.setattr(dialect_mod, "_MODULES", {"apar": ("no_such_dialect_module", "APAR"),
+                                                  "multiverse": ("tags", "NO_SUCH_DIALECT")})
+    aengine = AsyncEngine(Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20))
+    app = build_app(aengine, "tiny")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as h:
+            missing = await h.post("/v1/chat/completions", json={**body, "pasta": {"dialect": "apar"}})
+            broken = await h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4,
+                                                            "pasta": {"dialect": "multiverse"}})
+            stats = (await h.get("/v1/pasta/stats")).json()
+            ok = await h.post("/v1/chat/completions", json={**body, "pasta": {"dialect": "pasta"}})
+            return missing, broken, stats, ok
+
+    try:
+        missing, broken, stats, ok = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    err = missing.json()["error"]
+    assert missing.status_code == 400 and err["param"] == "pasta.dialect" and err["code"] == "dialect_unavailable"
+    assert "'apar'" in err["message"] and "pasta_engine.lang.no_such_dialect_module" in err["message"]
+    err = broken.json()["error"]
+    assert broken.status_code == 500 and err["type"] == "server_error" and err["param"] == "pasta.dialect"
+    assert "'multiverse'" in err["message"] and "NO_SUCH_DIALECT" in err["message"]
+    assert stats["steps"] == 0 and stats["open"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert ok.status_code == 200 and ok.json()["choices"][0]["pasta"]["dialect"] == "pasta"
+
+
+def test_requests_in_several_dialects_decode_together_as_they_would_alone(server):
+    """Replays of an annotated response and greedy generations, in every dialect of this tree
+    (pasta, and apar and multiverse once their modules are in), sent at once: each choice is
+    what the same request gives alone (text, tokens, annotated text, structure), and a replay's
+    text and forks are what its dialect reads in its trace."""
+    names = available()
+    assert names[0] == "pasta"
+    bodies = [chat_body(server, d, replay) for d in names for replay in (True, False)]
+    with httpx.Client(base_url=server.url, headers=auth(server), timeout=120) as h:
+        alone = []
+        for b in bodies:
+            r = h.post("/v1/chat/completions", json=b)
+            assert r.status_code == 200, r.text
+            alone.append(summary(r.json()))
+
+    async def together() -> list[dict]:
+        async with httpx.AsyncClient(base_url=server.url, headers=auth(server), timeout=120) as h:
+            rs = await asyncio.gather(*(h.post("/v1/chat/completions", json=b) for b in bodies))
+        for r in rs:
+            assert r.status_code == 200, r.text
+        return [summary(r.json()) for r in rs]
+
+    mixed = asyncio.run(together())
+    for b, one, both in zip(bodies, alone, mixed):
+        assert both == one, (b["pasta"], one, both)
+    for b, one in zip(bodies, alone):
+        name = b["pasta"]["dialect"]
+        assert one["dialect"] == name
+        if "annotated_response" in b:
+            lang, trace = get_dialect(name), b["pasta"]["annotated_response"]
+            assert one["text"] == lang.clean_text(trace)
+            assert one["forks"] == len(lang.split_threads(trace).chunks) and one["threads"] == one["forks"] + 1
+            assert one["forks"] == TRACE_FORKS.get(name, one["forks"])
+            assert one["critical_path"] < one["tokens_decoded"] or not one["forks"]  # threads ran side by side
+    stats = settled_stats(server)
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
