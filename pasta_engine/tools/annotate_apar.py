@@ -27,7 +27,7 @@ from ..lang.apar import APAR, CHILD, CHILD_CLOSE, FORK
 from ..lang.tags import Text
 from .annotate import _units, approx_token_count
 
-__all__ = ["annotate_apar", "apar_forks", "HEADER_WORDS", "LEAD_WORDS", "MIN_BODY_TOKENS"]
+__all__ = ["apar_trace", "apar_forks", "HEADER_WORDS", "LEAD_WORDS", "MIN_BODY_TOKENS"]
 
 #: A colon or spaced dash within this many words of an item's start ends its header.
 HEADER_WORDS = 8
@@ -61,7 +61,7 @@ def _header_end(text: str, start: int, end: int) -> int:
 
 def apar_forks(text: str, count_tokens: Callable[[str], int] | None = None,
                min_body_tokens: int = MIN_BODY_TOKENS) -> list[tuple[int, int]]:
-    """Where :func:`annotate_apar` forks ``text``: ``(header_end, body_end)`` per forked item,
+    """Where :func:`apar_trace` forks ``text``: ``(header_end, body_end)`` per forked item,
     in order (``[Fork][Child]`` goes at ``header_end``, ``[/Child]`` at ``body_end``)."""
     count = count_tokens or approx_token_count
     forks: list[tuple[int, int]] = []
@@ -76,7 +76,7 @@ def apar_forks(text: str, count_tokens: Callable[[str], int] | None = None,
     return forks
 
 
-def annotate_apar(text: str, count_tokens: Callable[[str], int] | None = None, *,
+def apar_trace(text: str, count_tokens: Callable[[str], int] | None = None, *,
                   min_body_tokens: int = MIN_BODY_TOKENS) -> str:
     """``text`` (an AlpacaEval reference answer) as a trace in the APAR dialect (see the module
     docstring); ``APAR.clean_text`` of the result equals ``text`` exactly.

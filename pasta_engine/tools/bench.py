@@ -170,7 +170,7 @@ def annotate_rows(rows: Sequence[PromptRow], name: str, count_tokens: Callable[[
 def dialect_annotator(dialect: str) -> Callable[[str, Callable[[str], int]], str]:
     """The annotator that writes dialect ``dialect`` (not ``pasta``, whose annotators are
     :data:`~pasta_engine.tools.annotate.ANNOTATORS`, ``--annotator``): ``apar``:
-    :func:`pasta_engine.tools.annotate_apar.annotate_apar` (the APAR dialect's ``[Fork]`` markers,
+    :func:`pasta_engine.tools.annotate_apar.apar_trace` (the APAR dialect's ``[Fork]`` markers,
     not PASTA-LANG's ``--annotator apar``); ``multiverse``:
     :func:`pasta_engine.tools.annotate_multiverse.annotate_multiverse`. Each is ``(text,
     count_tokens) -> annotated`` whose clean text is ``text``.
@@ -178,9 +178,9 @@ def dialect_annotator(dialect: str) -> Callable[[str, Callable[[str], int]], str
     Raises BenchError naming ``--dialect`` for ``pasta``, an unknown name, or an annotator whose
     module is not installed."""
     if dialect == "apar":
-        from .annotate_apar import annotate_apar
+        from .annotate_apar import apar_trace
 
-        return annotate_apar
+        return apar_trace
     if dialect == "multiverse":
         try:
             from .annotate_multiverse import annotate_multiverse

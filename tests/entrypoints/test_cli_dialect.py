@@ -9,7 +9,7 @@ import pytest
 
 from pasta_engine.entrypoints.cli import main
 from pasta_engine.lang.apar import APAR, FORK
-from pasta_engine.tools.annotate_apar import annotate_apar
+from pasta_engine.tools.apar_trace import apar_trace
 from pasta_engine.tools.traces import read_traces
 
 ANSWERS = [
@@ -50,14 +50,14 @@ def test_bench_speedup_in_the_apar_dialect(responses, cache, tmp_path, capsys):
         rows[0]["realized_content_speedup"] / rows[0]["content_speedup"])
     assert (out / "speedup.png").read_bytes().startswith(b"\x89PNG")
     traces = read_traces(out / "traces.jsonl")
-    assert [t.annotated_response for t in traces] == [annotate_apar(a["output"]) for a in ANSWERS]
+    assert [t.annotated_response for t in traces] == [apar_trace(a["output"]) for a in ANSWERS]
     assert [APAR.clean_text(t.annotated_response) for t in traces] == [a["output"] for a in ANSWERS]
     assert [t.promises for t in traces] == [2, 0]
 
 
 def test_replay_in_the_apar_dialect(responses, cache, tmp_path, capsys):
     traces = tmp_path / "traces.jsonl"
-    traces.write_text("".join(json.dumps({"prompt": a["instruction"], "annotated_response": annotate_apar(a["output"])})
+    traces.write_text("".join(json.dumps({"prompt": a["instruction"], "annotated_response": apar_trace(a["output"])})
                               + "\n" for a in ANSWERS))
     rc = main(["replay", "--traces", str(traces), "--dialect", "apar", "--mode", "both", "--json", "--preset",
                "tiny-llama", "--kv-cache-mb", "16", "--max-threads", "0", "--repeats", "1", "--no-progress"])

@@ -1,6 +1,6 @@
 """The APAR dialect (pasta_engine/lang/apar.py) on the engine: replay text == its clean text in
 both modes, decode steps == the critical path, the training forward == the replay's logprobs,
-malformed markers are text, the fork cap; and its annotator (pasta_engine/tools/annotate_apar.py)."""
+malformed markers are text, the fork cap; and its annotator (pasta_engine/tools/apar_trace.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pasta_engine.lang.dialect import Dialect, TextParser, get_dialect
 from pasta_engine.lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, TagText, Text
 from pasta_engine.lang.tokenization import replay_eos_id
 from pasta_engine.metrics import critical_path
-from pasta_engine.tools.annotate_apar import annotate_apar
+from pasta_engine.tools.apar_trace import apar_trace
 from pasta_engine.train import pasta_logprobs
 
 TRACE = (f"Tips:\n1. **Sleep**{FORK}{CHILD}: go to bed early, every day.{CHILD_CLOSE}\n"
@@ -187,29 +187,29 @@ ANSWERS = [
 
 @pytest.mark.parametrize("answer", ANSWERS)
 def test_the_annotators_clean_text_is_its_input(answer):
-    annotated = annotate_apar(answer, len)  # count_tokens: characters here
+    annotated = apar_trace(answer, len)  # count_tokens: characters here
     assert APAR.clean_text(annotated) == answer or annotated == answer
-    assert APAR.clean_text(annotate_apar(answer)) == APAR.clean_text(answer)
+    assert APAR.clean_text(apar_trace(answer)) == APAR.clean_text(answer)
 
 
 def test_the_annotator_forks_after_each_items_header():
-    a = annotate_apar(ANSWERS[0])
+    a = apar_trace(ANSWERS[0])
     assert a.count(FORK) == 2  # "Short: Ok." is too short to fork
     assert f"1. **Track Your Usage:**{FORK}{CHILD} Use the built-in" in a
     assert f"stick to a daily limit.\n   - Start small\n   - Adjust weekly{CHILD_CLOSE}\n3." in a
     assert APAR.clean_text(a) == ANSWERS[0]
-    b = annotate_apar(ANSWERS[1])
+    b = apar_trace(ANSWERS[1])
     assert f"- Wood/Timber:{FORK}{CHILD} renewable" in b and f"- Stone:{FORK}{CHILD} durable" in b
-    c = annotate_apar(ANSWERS[2])
+    c = apar_trace(ANSWERS[2])
     assert f"1. Preheat your oven{FORK}{CHILD} to 180" in c and c.count(FORK) == 2
     for unannotated in ANSWERS[3:]:  # no list, a single item, marker text of its own
-        assert annotate_apar(unannotated) == unannotated
+        assert apar_trace(unannotated) == unannotated
     with pytest.raises(TypeError, match="text must be a string"):
-        annotate_apar(None)
+        apar_trace(None)
 
 
 def test_annotated_answers_replay_to_the_answer(tiny_engine):
     for answer in ANSWERS[:3]:
-        annotated = annotate_apar(answer)
+        annotated = apar_trace(answer)
         res = replay(tiny_engine, annotated, "pasta")
         assert res.text == answer and res.stats.forks == annotated.count(FORK) > 0
