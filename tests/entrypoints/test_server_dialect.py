@@ -200,10 +200,12 @@ def test_requests_in_several_dialects_decode_together_as_they_would_alone(server
     bodies = [chat_body(server, d, replay) for d in names for replay in (True, False)]
     with httpx.Client(base_url=server.url, headers=auth(server), timeout=120) as h:
         alone = []
+        steps0 = settled_stats(server)["steps"]
         for b in bodies:
             r = h.post("/v1/chat/completions", json=b)
             assert r.status_code == 200, r.text
             alone.append(summary(r.json()))
+        steps1 = settled_stats(server)["steps"]
 
     async def together() -> list[dict]:
         async with httpx.AsyncClient(base_url=server.url, headers=auth(server), timeout=120) as h:
@@ -213,6 +215,8 @@ def test_requests_in_several_dialects_decode_together_as_they_would_alone(server
         return [summary(r.json()) for r in rs]
 
     mixed = asyncio.run(together())
+    steps2 = settled_stats(server)["steps"]
+    assert steps2 - steps1 < steps1 - steps0  # they decoded together: fewer engine steps than one by one
     for b, one, both in zip(bodies, alone, mixed):
         assert both == one, (b["pasta"], one, both)
     for b, one in zip(bodies, alone):
