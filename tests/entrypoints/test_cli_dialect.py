@@ -9,7 +9,7 @@ import pytest
 
 from pasta_engine.entrypoints.cli import main
 from pasta_engine.lang.apar import APAR, FORK
-from pasta_engine.tools.apar_trace import apar_trace
+from pasta_engine.tools.annotate_apar import apar_trace
 from pasta_engine.tools.traces import read_traces
 
 ANSWERS = [

@@ -1,6 +1,6 @@
 """The APAR dialect (pasta_engine/lang/apar.py) on the engine: replay text == its clean text in
 both modes, decode steps == the critical path, the training forward == the replay's logprobs,
-malformed markers are text, the fork cap; and its annotator (pasta_engine/tools/apar_trace.py)."""
+malformed markers are text, the fork cap; and its annotator (pasta_engine/tools/annotate_apar.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pasta_engine.lang.dialect import Dialect, TextParser, get_dialect
 from pasta_engine.lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, TagText, Text
 from pasta_engine.lang.tokenization import replay_eos_id
 from pasta_engine.metrics import critical_path
-from pasta_engine.tools.apar_trace import apar_trace
+from pasta_engine.tools.annotate_apar import apar_trace
 from pasta_engine.train import pasta_logprobs
 
 TRACE = (f"Tips:\n1. **Sleep**{FORK}{CHILD}: go to bed early, every day.{CHILD_CLOSE}\n"
