@@ -273,6 +273,10 @@ class Limits:
         async_min_cap, cap_factor: a child samples at most
             ``max(async_min_cap, ceil(cap_factor * N))`` tokens (docs/DESIGN.md section 2, rule 4).
         max_promise_tokens: ``N`` above this is clamped (positions and caps).
+        max_fork_depth: how deep forks nest, in a dialect that nests them (Multiverse): a
+            thread at depth ``d`` (the main thread at 0, its children at 1) forks only while
+            ``d < max_fork_depth``; past it a fork marker's block is decoded inline by the
+            thread itself (text the model writes). 1: only the main thread forks.
 
     The response's total length is :attr:`SamplingParams.max_new_tokens`."""
 
@@ -281,6 +285,7 @@ class Limits:
     async_min_cap: int = 64
     cap_factor: float = 2.0
     max_promise_tokens: int = 4096
+    max_fork_depth: int = 2
 
     def __post_init__(self) -> None:
         check_int("max_threads", self.max_threads, 1, none_ok=True)
@@ -288,6 +293,7 @@ class Limits:
         check_int("async_min_cap", self.async_min_cap, 1)
         check_float("cap_factor", self.cap_factor, 0.0, lo_open=True)
         check_int("max_promise_tokens", self.max_promise_tokens, 0)
+        check_int("max_fork_depth", self.max_fork_depth, 1)
 
     def chunk_cap(self, predicted: int) -> int:
         """Most tokens a child forked for ``tokens="predicted"`` may sample."""

@@ -77,20 +77,28 @@ __all__ = [
 
 @dataclass
 class ResponseStructure:
-    """Token counts of one response, as the interpreter decoded it.
+    """Token counts of one response, as the interpreter decoded it: a tree of threads.
 
     Attributes:
         main_tokens: tokens the main thread sampled (EOS included).
-        forks: ``(k, L)`` per child in fork order: forked after the main thread's k-th sampled
+        forks: ``(k, L)`` per child in fork order: forked after its parent's k-th sampled
             token (1-based), sampled L tokens (content, closing tag or EOS).
-        syncs: main-thread token indices (1-based) that completed a ``<sync/>``.
-        inserted: tokens the interpreter inserted (the ``<async>`` tags of all children).
+        syncs: main-thread token indices (1-based) that completed a join (``<sync/>``; in a
+            dialect whose fork is also a join, the fork's token).
+        inserted: tokens the interpreter inserted (the ``<async>`` tags of all children, and
+            any text a dialect inserts at a join).
+        parents: per child, its parent: 0 the main thread, ``j >= 1`` the child ``forks[j-1]``
+            (which comes before it); empty: every child's parent is the main thread (PASTA-LANG).
+        fork_syncs: per child, the indices (1-based, into its own sampled tokens) that
+            completed a join of its own children; empty: none (no nesting).
     """
 
     main_tokens: int
     forks: list[tuple[int, int]] = field(default_factory=list)
     syncs: list[int] = field(default_factory=list)
     inserted: int = 0
+    parents: list[int] = field(default_factory=list)
+    fork_syncs: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -107,60 +115,84 @@ class ResponseStructure:
 
 def critical_path(s: ResponseStructure) -> int:
     """Steps with unlimited width (see the module docstring): :func:`simulate_steps` with no
-    width limit. Raises ValueError for a fork or sync index outside ``1..main_tokens``."""
+    width limit. Raises ValueError as :func:`simulate_steps` does."""
     return simulate_steps(s, None)
+
+
+def _threads(s: ResponseStructure) -> tuple[list[int], list[set[int]], dict[tuple[int, int], list[int]]]:
+    """Per thread (0 the main thread, ``j`` the child ``forks[j-1]``): tokens to sample, join
+    indices, and the children each ``(thread, k)`` forks. Raises ValueError for an index
+    outside its thread or a parent that does not come before its child."""
+    if s.parents and len(s.parents) != len(s.forks):
+        raise ValueError(f"parents has {len(s.parents)} entries for {len(s.forks)} forks")
+    if s.fork_syncs and len(s.fork_syncs) != len(s.forks):
+        raise ValueError(f"fork_syncs has {len(s.fork_syncs)} entries for {len(s.forks)} forks")
+    total = [s.main_tokens] + [n for _, n in s.forks]
+    syncs = [set(s.syncs)] + [set(s.fork_syncs[j]) if s.fork_syncs else set() for j in range(len(s.forks))]
+    forks_at: dict[tuple[int, int], list[int]] = {}
+    for j, (k, n) in enumerate(s.forks, start=1):
+        parent = s.parents[j - 1] if s.parents else 0
+        if not 0 <= parent < j:
+            raise ValueError(f"fork {j} has parent {parent}: a parent comes before its child")
+        if not 1 <= k <= total[parent] or n < 0:
+            who = "a main thread" if parent == 0 else f"thread {parent}"
+            raise ValueError(f"fork ({k}, {n}) outside {who} of {total[parent]} tokens")
+        forks_at.setdefault((parent, k), []).append(j)
+    for t, ks in enumerate(syncs):
+        for k in ks:
+            if not 1 <= k <= total[t]:
+                who = "a main thread" if t == 0 else f"thread {t}"
+                raise ValueError(f"sync at {k} outside {who} of {total[t]} tokens")
+    return total, syncs, forks_at
 
 
 def simulate_steps(s: ResponseStructure, max_threads: int | None = None) -> int:
     """Steps a response takes at a width of ``max_threads`` sampling threads (None =
-    unlimited), under the interpreter's policy: the main thread first, then children in fork
-    order. The one simulation of the interpreter's timing: at unlimited width it is the
-    critical path, at width 1 it is ``s.tokens``.
+    unlimited), under the interpreter's policy: threads in fork order, the main thread first.
+    The one simulation of the interpreter's timing: at unlimited width it is the critical path,
+    at width 1 it is ``s.tokens``.
 
-    A step samples one token for each runnable thread: the main thread unless it is stalled at
-    a sync, and each child with tokens left. A child forked at the main thread's k-th token
-    starts in the next step; a sync completed at the main thread's k-th token stalls it until
-    every child forked so far has sampled all its tokens.
+    A step samples one token for each runnable thread: every started thread with tokens left
+    that is not stalled at a join. A child forked at its parent's k-th token starts in the next
+    step; a join completed at a thread's k-th token stalls it until every child it forked so
+    far has *finished*: sampled all its tokens, and every child of its own has finished (a
+    thread's end is an implicit join of its children; docs/DESIGN.md section 2). The response
+    ends when the main thread has finished.
 
-    Raises ValueError for a fork or sync index outside ``1..main_tokens`` or a width < 1."""
-    for k, n in s.forks:
-        if not 1 <= k <= s.main_tokens or n < 0:
-            raise ValueError(f"fork ({k}, {n}) outside a main thread of {s.main_tokens} tokens")
-    for k in s.syncs:
-        if not 1 <= k <= s.main_tokens:
-            raise ValueError(f"sync at {k} outside a main thread of {s.main_tokens} tokens")
+    Raises ValueError for a fork or sync index outside its thread, a parent that does not
+    come before its child, or a width < 1."""
+    total, syncs, forks_at = _threads(s)
     if max_threads is not None and max_threads < 1:
         raise ValueError(f"max_threads must be >= 1, got {max_threads}")
-    fork_at: dict[int, list[int]] = {}
-    for k, n in s.forks:
-        fork_at.setdefault(k, []).append(n)
-    syncs = set(s.syncs)
-    main_done = 0  # main tokens sampled
-    stalled = False
-    children: list[list[int]] = []  # [remaining tokens] in fork order
-    outstanding: list[list[int]] = []
+    n = len(total)
+    done = [0] * n
+    stalled = [False] * n
+    children: list[list[int]] = [[] for _ in range(n)]
+    outstanding: list[list[int]] = [[] for _ in range(n)]
+    started = [0]  # in fork order
+
+    def finished(t: int) -> bool:
+        return done[t] >= total[t] and all(finished(c) for c in children[t])
+
     steps = 0
-    while main_done < s.main_tokens or any(c[0] > 0 for c in children):
-        if stalled and all(c[0] == 0 for c in outstanding):
-            stalled, outstanding = False, []
-        runnable: list[list[int] | None] = []
-        if main_done < s.main_tokens and not stalled:
-            runnable.append(None)
-        runnable += [c for c in children if c[0] > 0]
+    while not finished(0):
+        for t in started:
+            if stalled[t] and all(finished(c) for c in outstanding[t]):
+                stalled[t], outstanding[t] = False, []
+        runnable = [t for t in started if done[t] < total[t] and not stalled[t]]
         if max_threads is not None:
             runnable = runnable[:max_threads]
+        if not runnable:  # cannot happen: a stalled thread waits only on threads that can run
+            raise ValueError("the structure deadlocks: a thread waits on itself")
         steps += 1
-        for r in runnable:
-            if r is None:
-                main_done += 1
-                for n in fork_at.get(main_done, []):
-                    c = [n]
-                    children.append(c)
-                    outstanding.append(c)
-                if main_done in syncs:
-                    stalled = True
-            else:
-                r[0] -= 1
+        for t in runnable:
+            done[t] += 1
+            for c in forks_at.get((t, done[t]), ()):
+                started.append(c)
+                children[t].append(c)
+                outstanding[t].append(c)
+            if done[t] in syncs[t]:
+                stalled[t] = True
     return steps
 
 

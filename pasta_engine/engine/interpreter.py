@@ -26,6 +26,15 @@ Jin et al., ICML 2025, arXiv 2502.11517, section 3):
 * end of sequence on the main thread is an implicit sync; the response is the main text with
   each chunk spliced right after the token that completed its promise.
 
+Generalized for other dialects (docs/DESIGN.md section 2, "Dialects"): a fork marker may fork
+several threads, each with its own inserted text (``dialect.branches``); a fork may also be a
+join (``dialect.fork_joins``: the thread forwards the marker's token, then waits, status
+``WAITING``); a join may insert text (``dialect.join_tag``) and move the thread's position
+(``dialect.join_position``); and when ``dialect.nesting`` is True any thread whose depth is
+under ``limits.max_fork_depth`` forks (past it, or past ``max_forks``, a replay decodes the
+branches inline in the same thread). A join waits only for the joining thread's own children,
+and a thread's end is an implicit join of its children (it ends when they have).
+
 Step accounting: a token sampled at step ``t`` is forwarded (its KV written) at step ``t+1``
 (when the scheduler's token budget lets every pending token run: see the scheduler).
 A child that ended still forwards its last token once (a "flush" step with no sampling), so
@@ -44,12 +53,14 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
-from ..lang.dialect import PASTA, Dialect, TextParser
+from ..lang import dialect as dialects
+from ..lang.dialect import PASTA, Dialect, Markup, TextParser
 from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagText, Text
+from ..lang.tokenization import ForcedChunk
 from ..metrics import ResponseStructure
 from . import render
 from .batch import KVBound, KVFork, KVJoin, KVOp, KVRelease, ThreadStep  # re-exported: they lived here
@@ -79,7 +90,8 @@ class ThreadStatus(enum.Enum):
 
     QUEUED = "queued"  # forked, waiting for width
     RUNNING = "running"
-    STALLED = "stalled"  # main thread at a sync
+    STALLED = "stalled"  # at a join (its pending tokens forward when it resumes), or ending with children running
+    WAITING = "waiting"  # at a join on the token that forked (its pending tokens forward now, no sampling)
     FLUSH = "flush"  # ended; forwards its last token once more (no sampling)
     DONE = "done"
 
@@ -101,10 +113,13 @@ class Thread:
     parser: TextParser
     next_pos: int
     promise: Promise | None = None
-    fork_at: int = 0  # main tokens before the chunk in the spliced response
-    fork_char: int = 0  # main-thread characters before the chunk in the annotated text
-    fork_clean: int = 0  # main-thread clean characters before the chunk in the clean text
-    fork_drop: int = 0  # main-thread drops before the chunk (its promise's included)
+    parent: "Thread | None" = None
+    depth: int = 0  # 0 the main thread, 1 its children, ...
+    fork_at: int = 0  # parent tokens before the chunk in the spliced response
+    fork_k: int = 0  # tokens the parent had sampled at the fork (its fork index, 1-based)
+    fork_char: int = 0  # parent characters before the chunk in the annotated text
+    fork_clean: int = 0  # parent clean characters before the chunk in the clean text
+    fork_drop: int = 0  # parent drops before the chunk (its promise's included)
     cap: int | None = None
     forced: deque | None = None
     status: ThreadStatus = ThreadStatus.RUNNING
@@ -119,7 +134,16 @@ class Thread:
     pending: list[int] = field(default_factory=list)
     pending_pos: list[int] = field(default_factory=list)
     n_sampled: int = 0
-    inserted: int = 0  # leading tokens the interpreter inserted (a child's opening tag), not sampled
+    inserted: int = 0  # tokens the interpreter inserted (a child's opening tag, a join's text), not sampled
+    inserted_idx: list[int] = field(default_factory=list)  # their indices in ``tokens``
+    children: list["Thread"] = field(default_factory=list)
+    outstanding: list["Thread"] = field(default_factory=list)  # children not joined yet
+    forced_chunks: list = field(default_factory=list)  # replay: per branch it forks, its chunk
+    n_branches: int = 0  # branches of its fork markers so far (the index into forced_chunks)
+    syncs: list[int] = field(default_factory=list)  # its sampled-token index (1-based) of each join
+    inline: bool = False  # inside a chunk decoded inline (past the fork cap, replay; PASTA-LANG)
+    inline_pending: bool = False  # that chunk's <async> is its next tag
+    end_flush: bool = False  # ending once its children end: flush its last token then
     finish: str | None = None
     closed_by_interpreter: bool = False
     started: bool = False
@@ -128,7 +152,7 @@ class Thread:
 
     @property
     def is_main(self) -> bool:
-        return self.promise is None
+        return self.parent is None
 
     @property
     def ended(self) -> bool:
@@ -157,8 +181,10 @@ class Interpreter:
         max_positions: the model's context length: no token gets a logical position at or past
             it (None: no limit).
         forced_main: replay: the main thread's tokens (EOS last) replacing sampling.
-        forced_chunks: replay: per promise in order, the child's tokens (content then
-            ``</async>``), or None for a promise without a chunk.
+        forced_chunks: replay: per branch the main thread forks, in order (one per promise in
+            PASTA-LANG), the child's tokens (content then ``</async>``), or a
+            :class:`~pasta_engine.lang.tokenization.ForcedChunk` for a child that forks threads of
+            its own (a nesting dialect), or None for a branch without a chunk.
         token_bytes: the tokenizer's token-bytes table (fast incremental detokenization, see
             :mod:`pasta_engine.lang.detokenizer`), or None to detokenize through ``decode``.
         grammar: report each sampling thread's :class:`~pasta_engine.lang.grammar.GrammarState`
@@ -168,6 +194,9 @@ class Interpreter:
             how its text parses into forks, closes and joins, each child's cap, the positions a
             fork reserves, the grammar state; ``open_ids``/``close_len`` are its
             ``open_tag``/``close_tag`` tokenized. Default: PASTA-LANG.
+        encode: ``text -> ids`` for the other text the dialect inserts (a branch's own header,
+            a join's text: :func:`~pasta_engine.lang.tokenization.encode_tag`); None: only
+            ``open_ids`` (PASTA-LANG needs no more).
 
     Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay.
 
@@ -193,15 +222,17 @@ class Interpreter:
         token_bytes: TokenBytes | None = None,
         grammar: bool = False,
         dialect: Dialect | None = None,
+        encode: Callable[[str], Sequence[int]] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected 'pasta' or 'sequential'")
         if len(prompt_ids) == 0:
             raise ValueError("empty prompt: at least one token is needed")
-        if dialect is not None and dialect.nesting:
-            raise ValueError(f"dialect {dialect.name!r} nests forks: the interpreter forks from the main thread only")
         self.mode = mode
         self.dialect: Dialect = PASTA if dialect is None else dialect
+        self.encode = encode
+        self._insert_ids: dict[str, list[int]] = {self.dialect.open_tag: [int(t) for t in open_ids]}
+        self.join_ids = self._inserted_ids(dialects.join_tag(self.dialect))
         self.max_new_tokens = int(max_new_tokens)
         self.limits = limits or Limits()
         self.policy = PositionPolicy.parse(policy)
@@ -216,19 +247,18 @@ class Interpreter:
         self.max_positions = max_positions
         self.replay = forced_main is not None
         self.grammar = bool(grammar) and mode == "pasta" and not self.replay
-        self._forced_chunks = [None if c is None else [int(t) for t in c] for c in (forced_chunks or [])]
+        self._forced_chunks = [None if c is None else c if isinstance(c, ForcedChunk) else [int(t) for t in c]
+                               for c in (forced_chunks or [])]
         self.threads: list[Thread] = []
         self.kv_ops: list[KVOp] = []
         self.diagnostics: list[str] = []
         self.total_sampled = 0
-        self.n_promises = 0  # promises the main thread completed
+        self.n_promises = 0  # fork markers completed (by any thread)
         self.n_forks = 0
         self.finish: str | None = None
-        self.syncs: list[int] = []  # main sampled-token index (1-based) of each sync
-        self._outstanding: list[Thread] = []
-        self._inline = False  # main thread inside a chunk decoded inline (past the fork cap, replay)
-        self._inline_pending = False  # that chunk's <async> is the main thread's next tag
         main = self._new_thread(next_pos=0, forced=forced_main)
+        main.forced_chunks = self._forced_chunks
+        self.syncs: list[int] = main.syncs  # main sampled-token index (1-based) of each sync
         main.pending = list(self.prompt_ids)
         main.pending_pos = list(range(len(self.prompt_ids)))
         main.next_pos = len(self.prompt_ids)
@@ -275,8 +305,9 @@ class Interpreter:
         if self.finish is not None:
             return []
         flush, queued, running, done = ThreadStatus.FLUSH, ThreadStatus.QUEUED, _RUNNING, ThreadStatus.DONE
+        waiting = ThreadStatus.WAITING
         steps = [ThreadStep(t.tid, t.pending, t.pending_pos, False) for t in self.threads
-                 if t.pending and (t.status is flush or (t.status is done and not t.released))]
+                 if t.pending and (t.status is flush or t.status is waiting or (t.status is done and not t.released))]
         for t in self.threads:
             status = t.status
             if status is running or status is queued:
@@ -293,15 +324,19 @@ class Interpreter:
 
     def worst_case_kv(self) -> KVBound:
         """The most KV the request can write over its whole life, in tokens (its prompt, every
-        token it may sample, the inserted ``<async>`` tags of its forks) and forks (a replay
-        forks only for the chunks its trace holds; sequential mode never forks)."""
+        token it may sample, the inserted ``<async>`` tags of its forks and a dialect's join
+        text) and forks (a replay forks only for the chunks its trace holds; sequential mode
+        never forks)."""
+        per_fork = len(self.open_ids)
+        if self.join_ids or hasattr(self.dialect, "branches"):  # per-branch inserted text: bound it by its bytes
+            per_fork = max(per_fork, dialects.inserted_bytes(self.dialect, self.limits)) + len(self.join_ids)
         if self.mode != "pasta":
             forks = 0
         elif self.replay:
-            forks = len(self._forced_chunks)
+            forks = _count_chunks(self._forced_chunks)
         else:
             forks = min(self.limits.max_forks, self.max_new_tokens)
-        return KVBound(len(self.prompt_ids) + self.max_new_tokens + forks * len(self.open_ids), forks)
+        return KVBound(len(self.prompt_ids) + self.max_new_tokens + forks * per_fork, forks)
 
     def peek_kv_ops(self) -> tuple[KVOp, ...]:
         """The KV operations :meth:`take_kv_ops` would return, left in place."""
@@ -309,16 +344,31 @@ class Interpreter:
 
     def seen_tokens(self, tid: int) -> list[int]:
         """Token ids thread ``tid`` sees (for the repetition penalty): the prompt, then for the
-        main thread its own tokens, for a chunk the main thread's tokens up to its promise and
-        its own (the inserted ``<async>`` included)."""
+        main thread its own tokens, for a chunk its parent's tokens up to its promise (and so
+        on up to the main thread) and its own (the inserted ``<async>`` included)."""
         t = self.threads[tid]
-        if t.is_main:
-            return self.prompt_ids + t.tokens
-        return self.prompt_ids + self.main.tokens[: t.fork_at] + t.tokens
+        parts = [t.tokens]
+        while t.parent is not None:
+            parts.append(t.parent.tokens[: t.fork_at])
+            t = t.parent
+        return self.prompt_ids + [x for part in reversed(parts) for x in part]
 
     def _grammar_state(self, t: Thread) -> int:
         """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample."""
         return self.dialect.grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks)
+
+    def _inserted_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` the interpreter inserts (the dialect's opening tag: ``open_ids``;
+        another text through ``encode``). Raises ValueError when another text is needed and
+        the interpreter was built without ``encode``."""
+        ids = self._insert_ids.get(text)
+        if ids is None and not text:
+            return []
+        if ids is None:
+            if self.encode is None:
+                raise ValueError(f"dialect {self.dialect.name!r} inserts {text!r}: the interpreter needs encode=")
+            ids = self._insert_ids[text] = [int(t) for t in self.encode(text)]
+        return ids
 
     def step_done(self, steps: Sequence[ThreadStep]) -> None:
         """Call after the forward of ``steps`` (before :meth:`on_token`): each step's tokens
@@ -449,23 +499,24 @@ class Interpreter:
             # a tag or tag-like text: never in the clean text (a tag not acted on stays in the
             # annotated text only)
             thread.drops.append(thread.clean_len)
-            if not act or closed or isinstance(item, TagText):
+            if not act or closed or isinstance(item, (TagText, Markup)):
                 continue  # sequential mode: tags are text for decoding, left out of the clean text
             if not thread.is_main:
                 if isinstance(item, AsyncClose):
                     closed = True  # what follows in this piece sits right after </async>: the chunk's
                     continue
-                self._note(thread, f"{item.raw} inside a chunk not acted on (no nesting); left out of the clean text")
-                continue
-            if self._inline:
+                if not self.dialect.nesting:
+                    self._note(thread, f"{item.raw} inside a chunk not acted on (no nesting); left out of the clean text")
+                    continue
+            if thread.inline:
                 if isinstance(item, AsyncClose):
-                    self._inline = False
+                    thread.inline = False
                 else:
                     self._note(thread, f"{item.raw} inside an inline chunk kept as text")
                 continue
             if isinstance(item, Promise):
                 self.n_promises += 1
-                forked_now |= self._on_promise(thread, item)
+                forked_now |= self._on_fork(thread, item)
                 if self.done:
                     return
             elif isinstance(item, Sync):
@@ -473,11 +524,11 @@ class Interpreter:
                     # The fork needs this token's KV, which a stalled thread would not write.
                     self._note(thread, "<sync/> completed by the same token as a promise kept as text")
                     continue
-                self.syncs.append(thread.n_sampled)
-                self._stall(thread)
+                thread.syncs.append(thread.n_sampled)
+                self._stall(thread, ThreadStatus.STALLED)
             elif isinstance(item, AsyncOpen):
-                if self._inline_pending:
-                    self._inline_pending, self._inline = False, True
+                if thread.inline_pending:
+                    thread.inline_pending, thread.inline = False, True
                 else:  # text, as split_threads reads it: only an <async> right after a promise opens a chunk
                     self._note(thread, "main thread wrote <async> itself; kept as text")
             elif isinstance(item, AsyncClose):
@@ -485,83 +536,134 @@ class Interpreter:
         if closed:
             self._end_thread(thread, "close", flush=True)
 
-    def _on_promise(self, main: Thread, p: Promise) -> bool:
-        idx = self.n_promises - 1
-        chunk = None
+    def _on_fork(self, parent: Thread, fork: Promise) -> bool:
+        """Fork the branches of ``fork`` from ``parent`` (docs/DESIGN.md section 2; a dialect
+        may fork several, each with its own inserted text, and may join them at once). Returns
+        whether a thread was forked."""
+        branches = dialects.fork_branches(self.dialect, fork)
+        base = parent.n_branches
+        parent.n_branches += len(branches)
+        chunks: list = [None] * len(branches)
         if self.replay:
-            chunk = self._forced_chunks[idx] if idx < len(self._forced_chunks) else None
-            if chunk is None:
-                self._note(main, f"promise {p.topic!r} has no chunk in the trace; kept as text")
+            chunks = [parent.forced_chunks[base + i] if base + i < len(parent.forced_chunks) else None
+                      for i in range(len(branches))]
+            for (bp, _), chunk in zip(branches, chunks):
+                if chunk is None:
+                    self._note(parent, f"promise {bp.topic!r} has no chunk in the trace; kept as text")
+            branches = [b for b, c in zip(branches, chunks) if c is not None]
+            chunks = [c for c in chunks if c is not None]
+            if not branches:
                 return False
-        if self.n_forks >= self.limits.max_forks:
-            if chunk is not None:
-                self._note(main, f"fork cap {self.limits.max_forks} reached: chunk {p.topic!r} decoded inline")
-                main.forced.extendleft(reversed(self.open_ids + chunk))
-                self._inline_pending = True
+        p = branches[0][0]
+        refused = None
+        if self.n_forks + len(branches) > self.limits.max_forks:
+            refused = f"fork cap {self.limits.max_forks} reached"
+        elif parent.depth >= self.limits.max_fork_depth:
+            refused = f"fork depth cap {self.limits.max_fork_depth} reached"
+        if refused is not None:
+            what = p.topic if len(branches) == 1 else f"{len(branches)} branches"
+            if self.replay:
+                self._note(parent, f"{refused}: chunk {what!r} decoded inline")
+                inline: list[int] = []
+                for (_, text), chunk in zip(branches, chunks):
+                    inline += self._inserted_ids(text) + (chunk.spliced if isinstance(chunk, ForcedChunk) else chunk)
+                if dialects.fork_joins(self.dialect):
+                    inline += self.join_ids
+                parent.forced.extendleft(reversed(inline))
+                parent.inline_pending = not self.dialect.nesting  # PASTA-LANG: its <async> opens the inline chunk
             else:
-                self._note(main, f"fork cap {self.limits.max_forks} reached: promise {p.topic!r} kept as text")
+                self._note(parent, f"{refused}: promise {what!r} kept as text")
             return False
-        start = main.next_pos  # right after the promise's last token
-        if self.max_positions is not None and start + len(self.open_ids) > self.max_positions:
-            self._note(main, f"promise {p.topic!r} not forked: no room under the context length")
+        start = parent.next_pos  # right after the fork marker's last token
+        header_ids = [self._inserted_ids(text) for _, text in branches]
+        if self.max_positions is not None and start + max(len(h) for h in header_ids) > self.max_positions:
+            self._note(parent, f"promise {p.topic!r} not forked: no room under the context length")
             self._finish_request("length")
             return False
-        self.n_forks += 1
-        size = self._reserved(p, chunk)
-        child = self._new_thread(
-            next_pos=start,
-            forced=chunk,
-            promise=p,
-            fork_at=len(main.tokens),
-            fork_char=p.end,
-            fork_clean=main.clean_len,
-            fork_drop=len(main.drops),
-            cap=None if self.replay else self.dialect.child_cap(self.limits, p),
-            status=ThreadStatus.QUEUED,
-        )
-        main.next_pos += size
-        self.kv_ops.append(KVFork(main.tid, child.tid))
-        for tok in self.open_ids:  # the inserted opening tag is part of the child's text
-            child.tokens.append(tok)
-            piece = child.detok.push(tok)
-            child.pieces.append(piece)
-            child.parser.feed(piece)  # a tag: nothing for the clean text
-            child.logprobs.append(None)
-        child.inserted = len(self.open_ids)
-        child.drops.append(0)  # where its <async> was left out
-        self._give(child, list(self.open_ids))
-        self._outstanding.append(child)
-        if child.forced is not None and not child.forced:
-            # replay of a trace that ends right after this <async>: the child has no token to
-            # take, so it ends now (its <async> still flushes into the cache), as a thread whose
-            # trace runs out mid-chunk does in on_token
-            self._note(child, "trace ended without a closing tag")
-            self._end_thread(child, "trace_end", flush=True)
+        self.n_forks += len(branches)
+        size = 0
+        for (bp, _), ids, chunk in zip(branches, header_ids, chunks):
+            forced = None if chunk is None else chunk.ids if isinstance(chunk, ForcedChunk) else chunk
+            size += self._reserved(parent, bp, ids, forced)
+            child = self._new_thread(
+                next_pos=start,
+                forced=forced,
+                promise=bp,
+                parent=parent,
+                depth=parent.depth + 1,
+                fork_at=len(parent.tokens),
+                fork_k=parent.n_sampled,
+                fork_char=fork.end,
+                fork_clean=parent.clean_len,
+                fork_drop=len(parent.drops),
+                cap=None if self.replay else self.dialect.child_cap(self.limits, bp),
+                status=ThreadStatus.QUEUED,
+            )
+            child.forced_chunks = chunk.chunks if isinstance(chunk, ForcedChunk) else []
+            self.kv_ops.append(KVFork(parent.tid, child.tid))
+            self._insert(child, ids)  # the inserted opening tag is part of the child's text
+            child.drops.append(0)  # where its opening tag was left out
+            parent.children.append(child)
+            parent.outstanding.append(child)
+        parent.next_pos += size
+        if dialects.fork_joins(self.dialect):  # the fork is a join: wait for these children now
+            parent.syncs.append(parent.n_sampled)
+            self._stall(parent, ThreadStatus.WAITING)
+        for child in parent.children[-len(branches):]:
+            if child.forced is not None and not child.forced and not child.ended:
+                # replay of a trace that ends right after this opening tag: the child has no token
+                # to take, so it ends now (its tag still flushes into the cache), as a thread whose
+                # trace runs out mid-chunk does in on_token
+                self._note(child, "trace ended without a closing tag")
+                self._end_thread(child, "trace_end", flush=True)
         return True
 
-    def _reserved(self, p: Promise, chunk: list[int] | None) -> int:
-        size, note = self.dialect.reserved_positions(p, self.policy, self.limits, len(self.open_ids), self.close_len,
+    def _insert(self, thread: Thread, ids: list[int]) -> None:
+        """Give ``thread`` inserted tokens (not sampled): they are its text and its next input."""
+        for tok in ids:
+            thread.inserted_idx.append(len(thread.tokens))
+            thread.tokens.append(tok)
+            piece = thread.detok.push(tok)
+            thread.pieces.append(piece)
+            thread.logprobs.append(None)
+            for item in thread.parser.feed(piece):  # a tag: nothing for the clean text
+                if type(item) is Text:
+                    self._add_clean(thread, item.text)
+        thread.inserted += len(ids)
+        self._give(thread, list(ids))
+
+    def _reserved(self, parent: Thread, p: Promise, open_ids: list[int], chunk: list[int] | None) -> int:
+        size, note = self.dialect.reserved_positions(p, self.policy, self.limits, len(open_ids), self.close_len,
                                                      None if chunk is None else len(chunk))
         if note:
-            self._note(self.main, note)
+            self._note(parent, note)
         return size
 
-    def _stall(self, main: Thread) -> None:
-        main.status = ThreadStatus.STALLED
-        self._try_resume()
+    def _stall(self, thread: Thread, status: ThreadStatus) -> None:
+        thread.status = status
+        self._try_resume(thread)
 
-    def _try_resume(self) -> None:
-        main = self.main
-        if main.status is not ThreadStatus.STALLED or any(not c.ended for c in self._outstanding):
+    def _try_resume(self, thread: Thread | None) -> None:
+        """Complete ``thread``'s join (or its end, which waits for its children) once every
+        child it waits for has ended: their KV joins its view (metadata only)."""
+        if thread is None or thread.status not in (ThreadStatus.STALLED, ThreadStatus.WAITING):
             return
-        children, self._outstanding = self._outstanding, []
+        if any(not c.ended for c in thread.outstanding):
+            return
+        children, thread.outstanding = thread.outstanding, []
         if children:
-            self.kv_ops.append(KVJoin(main.tid, [c.tid for c in children]))
+            self.kv_ops.append(KVJoin(thread.tid, [c.tid for c in children]))
             for c in children:
                 c.joined = True
                 if c.status is ThreadStatus.DONE:  # a FLUSH child is released after its flush
                     self._release(c)
-        main.status = ThreadStatus.RUNNING
+            thread.next_pos = dialects.join_position(self.dialect, thread.next_pos, [c.next_pos for c in children])
+        if thread.finish is not None:  # its end waited for its children
+            self._finish_thread(thread)
+            return
+        if self.join_ids and children:
+            self._insert(thread, self.join_ids)
+        thread.status = _RUNNING
 
     def _release(self, thread: Thread) -> None:
         if not thread.released:
@@ -594,12 +696,23 @@ class Interpreter:
             thread.drops.append(thread.clean_len)  # where its inserted </async> is left out
             if reason == "eos":
                 self._note(thread, "ended at end-of-sequence; closed by the interpreter")
-        if flush and thread.pending:
+        thread.end_flush = flush
+        if any(not c.ended for c in thread.outstanding):
+            # a thread's end is an implicit join of its own children: it ends when they have
+            thread.status = ThreadStatus.STALLED
+            return
+        thread.outstanding = []  # ended children (it forked them and ended before joining)
+        self._finish_thread(thread)
+
+    def _finish_thread(self, thread: Thread) -> None:
+        """A child's end, once its own children have ended: it flushes its last token (when
+        ``end_flush``), and its parent may resume."""
+        if thread.end_flush and thread.pending:
             thread.status = ThreadStatus.FLUSH
         else:
             thread.status = ThreadStatus.DONE
             thread.pending, thread.pending_pos = [], []
-        self._try_resume()
+        self._try_resume(thread.parent)
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
@@ -612,6 +725,8 @@ class Interpreter:
         for t in self.threads:
             if t.is_main or t.ended:
                 continue
+            if t.finish is not None and t.status is ThreadStatus.STALLED:
+                continue  # it ended itself, waiting for its children
             if t.started and t.n_sampled > 0:
                 t.finish = reason
                 t.closed_by_interpreter = True
@@ -649,7 +764,19 @@ class Interpreter:
         return render.clean_text(self, final)
 
     def structure(self) -> ResponseStructure:
-        """Token counts of the response for the critical-path simulation."""
-        forks = [(c.fork_at, c.n_sampled) for c in self.threads[1:] if c.finish != "not_run"]
-        inserted = sum(c.inserted for c in self.threads[1:] if c.finish != "not_run")
-        return ResponseStructure(main_tokens=self.main.n_sampled, forks=forks, syncs=list(self.syncs), inserted=inserted)
+        """Token counts of the response for the critical-path simulation: a tree when forks
+        nest (:class:`~pasta_engine.metrics.ResponseStructure` ``parents``, ``fork_syncs``)."""
+        ran = [c for c in self.threads[1:] if c.finish != "not_run"]
+        index = {c.tid: j for j, c in enumerate(ran, start=1)}
+        forks = [(c.fork_k, c.n_sampled) for c in ran]
+        inserted = sum(t.inserted for t in self.threads if t.finish != "not_run")
+        nested = any(not c.parent.is_main or c.syncs for c in ran)
+        parents = [0 if c.parent.is_main else index[c.parent.tid] for c in ran] if nested else []
+        fork_syncs = [list(c.syncs) for c in ran] if nested else []
+        return ResponseStructure(main_tokens=self.main.n_sampled, forks=forks, syncs=list(self.syncs),
+                                 inserted=inserted, parents=parents, fork_syncs=fork_syncs)
+
+
+def _count_chunks(chunks: Sequence) -> int:
+    """Chunks in a replay's forced chunks, nested ones included."""
+    return sum(1 + (_count_chunks(c.chunks) if isinstance(c, ForcedChunk) else 0) for c in chunks if c is not None)

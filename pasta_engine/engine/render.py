@@ -71,15 +71,18 @@ def _ran(interp: "Interpreter") -> list["Thread"]:
     return [c for c in interp.threads[1:] if c.finish != "not_run"]
 
 
+def _kids(t: "Thread") -> list["Thread"]:
+    """The children of ``t`` that ran (with nested forks, each thread splices its own)."""
+    return [c for c in t.children if c.finish != "not_run"]
+
+
 def spliced(interp: "Interpreter") -> Spliced:
-    """The response's tokens in spliced order: each child's tokens right after the main token
-    that completed its promise (token granularity: if that token also holds the next
-    characters, they come before the chunk here but after it in :func:`annotated_text`). A
-    child's EOS is left out (it counts in its ``n_sampled``)."""
+    """The response's tokens in spliced order: each child's tokens (its own children spliced
+    in the same way) right after its parent's token that completed its promise (token
+    granularity: if that token also holds the next characters, they come before the chunk here
+    but after it in :func:`annotated_text`). A child's EOS is left out (it counts in its
+    ``n_sampled``)."""
     out = Spliced()
-    by_tok: dict[int, list[Thread]] = {}
-    for c in _ran(interp):
-        by_tok.setdefault(c.fork_at, []).append(c)
 
     def add(t: Thread, lo: int, hi: int) -> None:
         out.ids += t.tokens[lo:hi]
@@ -87,27 +90,36 @@ def spliced(interp: "Interpreter") -> Spliced:
         out.positions += t.positions[lo:hi]
         out.threads += [t.tid] * (hi - lo)
 
-    main = interp.main
-    for i in range(len(main.tokens) + 1):
-        for c in by_tok.get(i, []):
-            add(c, 0, len(c.tokens))
-        if i < len(main.tokens):
-            add(main, i, i + 1)
+    def walk(t: Thread) -> None:
+        by_tok: dict[int, list[Thread]] = {}
+        for c in _kids(t):
+            by_tok.setdefault(c.fork_at, []).append(c)
+        for i in range(len(t.tokens) + 1):
+            for c in by_tok.get(i, []):
+                walk(c)
+            if i < len(t.tokens):
+                add(t, i, i + 1)
+
+    walk(interp.main)
     return out
 
 
 def annotated_text(interp: "Interpreter") -> str:
     """The main thread's text with each chunk (``<async>`` + content, and ``</async>`` when the
-    interpreter closed it: the dialect's ``open_tag`` and ``close_tag``) spliced right after its
-    promise tag: every character the model wrote."""
-    text = "".join(interp.main.pieces)
+    interpreter closed it: the dialect's ``open_tag`` and ``close_tag``; its own chunks spliced
+    the same way) spliced right after its promise tag: every character the model wrote."""
     close = interp.dialect.close_tag
-    parts, at = [], 0
-    for c in sorted(_ran(interp), key=lambda c: (c.fork_char, c.tid)):
-        parts += [text[at : c.fork_char], "".join(c.pieces), close if c.closed_by_interpreter else ""]
-        at = c.fork_char
-    parts.append(text[at:])
-    return "".join(parts)
+
+    def render(t: Thread) -> str:
+        text = "".join(t.pieces)
+        parts, at = [], 0
+        for c in sorted(_kids(t), key=lambda c: (c.fork_char, c.tid)):
+            parts += [text[at : c.fork_char], render(c), close if c.closed_by_interpreter else ""]
+            at = c.fork_char
+        parts.append(text[at:])
+        return "".join(parts)
+
+    return render(interp.main)
 
 
 # --------------------------------------------------------------------------- the clean text
@@ -146,6 +158,14 @@ def splice_clean(main: str, main_drops: Sequence[int], chunks: Sequence[tuple["T
 
     A main-thread drop at a chunk's splice offset goes before the chunk when it was made
     before the fork (``fork_drop``), after it otherwise, as in the annotated text."""
+    text, drops, _ = _splice(main, main_drops, chunks, final, stop_after)
+    return drop_empty_items(text, drops, final)
+
+
+def _splice(main: str, main_drops: Sequence[int], chunks: Sequence[tuple["Thread", str, Sequence[int], bool]],
+            final: bool, stop_after: "Thread | None" = None) -> tuple[str, list[int], bool]:
+    """:func:`splice_clean` before empty list items are dropped: the text, its drops, and
+    whether it stopped after ``stop_after``."""
     parts: list[str] = []
     drops: list[int] = []
     at = shift = i = 0
@@ -166,10 +186,10 @@ def splice_clean(main: str, main_drops: Sequence[int], chunks: Sequence[tuple["T
         shift += len(text)
         at = fc
         if c is stop_after:
-            return drop_empty_items("".join(parts), drops, final)
+            return "".join(parts), drops, True
     parts.append(main[at:])
     drops += [d + shift for d in main_drops[i:]]
-    return drop_empty_items("".join(parts), drops, final)
+    return "".join(parts), drops, False
 
 
 def clean_text(interp: "Interpreter", final: bool | None = None) -> str:
@@ -179,11 +199,30 @@ def clean_text(interp: "Interpreter", final: bool | None = None) -> str:
     until the request ends (``final``: None for ``interp.done``). Not prefix-stable while the
     request runs (a chunk's text lands in the middle); :func:`reading_order_prefix` is. At the
     end it equals :func:`final_text`."""
-    ran = _ran(interp)
-    ran.sort(key=reading_order_key)
+    final = interp.done if final is None else final
     main = interp.main
-    return splice_clean(joined(main), main.drops, [(c, joined(c), c.drops, c.ended) for c in ran],
-                        interp.done if final is None else final)
+    if not any(c.children for c in interp.threads[1:]):  # no nesting
+        ran = _ran(interp)
+        ran.sort(key=reading_order_key)
+        return splice_clean(joined(main), main.drops, [(c, joined(c), c.drops, c.ended) for c in ran], final)
+    text, drops, _ = _clean_tree(main, final, False)
+    return drop_empty_items(text, drops, final)
+
+
+def _clean_tree(t: "Thread", final: bool, prefix: bool) -> tuple[str, list[int], bool]:
+    """The clean text and drops of ``t`` with its children's (their own spliced in) at their
+    forks, and whether a thread still decoding stopped it (``prefix``: stop after the first
+    one in reading order, as :func:`reading_order_prefix` does)."""
+    chunks: list[tuple[Thread, str, list[int], bool]] = []
+    stop = None
+    for c in sorted(_kids(t), key=reading_order_key):
+        text, drops, stopped = _clean_tree(c, final, prefix)
+        chunks.append((c, text, drops, c.ended and not stopped))
+        if prefix and (stopped or not c.ended):
+            stop = c
+            break
+    text, drops, stopped = _splice(joined(t), t.drops, chunks, final, stop)
+    return text, drops, stopped or (prefix and not t.ended and t.parent is not None)
 
 
 def final_text(interp: "Interpreter", annotated: str | None = None) -> str:
@@ -200,6 +239,9 @@ def reading_order_prefix(interp: "Interpreter") -> str:
     (its text so far included), less a last line that may still become an empty list item.
     Every later prefix of the same run extends it, and :func:`final_text` at the end does."""
     main = interp.main
+    if any(c.children for c in interp.threads[1:]):  # nested forks
+        text, drops, _ = _clean_tree(main, False, True)
+        return drop_empty_items(text, drops, False)
     chunks: list[tuple[Thread, str, list[int], bool]] = []
     stop = None
     for c in sorted(interp.threads[1:], key=reading_order_key):
@@ -224,12 +266,12 @@ class ThreadEvent:
     Attributes:
         kind: ``fork`` (a promise forked thread ``thread`` from ``parent``; ``topic`` and
             ``tokens``, the predicted length in tokens, come from the promise; ``at`` is the
-            main thread's clean length in characters where the chunk splices in), ``text``
+            parent's clean length in characters where the chunk splices in), ``text``
             (``text`` is the thread's new clean text, tags left out), ``end`` (the thread stopped
             decoding; ``reason``: ``close`` at ``</async>``, ``eos``, ``cap`` (its length cap),
             ``length``, ``trace_end``, ``abort``, ``error``, or ``not_run`` for a chunk the request
-            ended before it ran), ``join`` (an ended chunk became visible to the main thread, at a
-            ``<sync/>`` or at the main thread's end), ``finish`` (the request ended; thread 0,
+            ended before it ran), ``join`` (an ended chunk became visible to its parent, at a
+            join or at the end of the parent or of the request), ``finish`` (the request ended; thread 0,
             ``reason`` is its finish reason).
         thread: the thread's id (0 is the main thread; children are numbered in fork order).
     """
@@ -360,11 +402,11 @@ class OutputRenderer:
         # the main thread's new text, with each new fork at its splice point (a column view then
         # shows where each chunk belongs)
         for c in sorted((c for c in interp.threads[1:] if c.tid not in self._forked), key=reading_order_key):
-            if c.fork_clean > sent0:
+            if c.parent is main and c.fork_clean > sent0:
                 out.append(ThreadEvent("text", 0, text=main_text[sent0 : c.fork_clean]))
                 sent0 = c.fork_clean
             p = c.promise
-            out.append(ThreadEvent("fork", c.tid, parent=0, topic=p.topic, tokens=p.tokens, at=c.fork_clean))
+            out.append(ThreadEvent("fork", c.tid, parent=c.parent.tid, topic=p.topic, tokens=p.tokens, at=c.fork_clean))
             self._forked.add(c.tid)
         if len(main_text) > sent0:
             out.append(ThreadEvent("text", 0, text=main_text[sent0:]))
@@ -380,7 +422,7 @@ class OutputRenderer:
                 self._ended.add(c.tid)
             implicit = finish_reason == "stop" and c.finish != "not_run"  # the main thread's end syncs
             if (c.joined or implicit) and c.ended and c.tid not in self._joined:
-                out.append(ThreadEvent("join", c.tid, parent=0))
+                out.append(ThreadEvent("join", c.tid, parent=c.parent.tid))
                 self._joined.add(c.tid)
         if finish_reason is not None and not self._finished:
             if 0 not in self._ended:

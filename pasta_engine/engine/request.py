@@ -266,7 +266,7 @@ def interpreter_factory(
             prompt_ids, decode=lambda ids: decode(tokenizer, ids), eos_ids=eos_ids, open_ids=open_ids,
             close_len=close_len, mode=mode, max_new_tokens=max_new_tokens, limits=limits, policy=policy,
             max_positions=max_positions, forced_main=forced_main, forced_chunks=forced_chunks, token_bytes=table,
-            grammar=grammar, dialect=dialect,
+            grammar=grammar, dialect=dialect, encode=lambda text: encode_tag(tokenizer, text),
         )
 
     return make, max_new_tokens

@@ -27,9 +27,25 @@ fork's context is the main thread's context at the token that completed the fork
 KV view shared, never copied); the new thread first forwards the dialect's inserted tokens
 (:attr:`Dialect.open_tag`, tokenized by the caller); it ends at :data:`Close`, at
 end-of-sequence or at :meth:`Dialect.child_cap`; a join (and the main thread's end, an implicit
-join) adds the ended threads' KV to the main thread's view; positions come from
-:meth:`Dialect.reserved_positions`; fork markers inside a forked thread are not acted on
-(:attr:`Dialect.nesting` is False for every dialect the interpreter runs today).
+join) adds the ended threads' KV to the joining thread's view; positions come from
+:meth:`Dialect.reserved_positions`; fork markers inside a forked thread are acted on only when
+:attr:`Dialect.nesting` is True (and the thread's depth is under ``limits.max_fork_depth``).
+
+Optional members (a dialect without them behaves as PASTA-LANG; read through the functions of
+this module, so a dialect written for the first version of the interface keeps working):
+
+* ``branches(fork)``: the threads one fork event starts, ``[(promise, inserted text), ...]``
+  (:func:`fork_branches`; default: one, ``(fork, open_tag)``);
+* ``fork_joins``: a fork is also a join: the forking thread forwards the fork marker's token,
+  then waits for the threads it just forked (default False);
+* ``join_tag``: text inserted into a thread when its join completes, forwarded with the
+  children's KV visible (default ``""``: none);
+* ``join_position(next_pos, child_next)``: the joining thread's next position after a join,
+  given its own and each joined child's next position (default: its own);
+* ``inserted_bytes(limits)``: an upper bound in UTF-8 bytes of one branch's inserted text
+  (default ``len(open_tag)``), for the KV bound of a generated request;
+* ``split_tree(annotated)``: a trace as a :class:`TraceThread` tree, for a nesting dialect's
+  replay and training tokenization (default: none; :meth:`Dialect.split_threads` is used).
 
 ``limits`` and ``policy`` below are :class:`pasta_engine.config.Limits` and
 :class:`~pasta_engine.config.PositionPolicy` (read by attribute: ``lang`` imports nothing else of
@@ -39,18 +55,98 @@ the package).
 from __future__ import annotations
 
 import importlib
-from typing import Any, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, Union, runtime_checkable
 
 from . import grammar, tags
 from .tags import ASYNC_CLOSE, ASYNC_OPEN, AsyncClose, AsyncOpen, Parsed, Promise, Sync, Threads
 
-__all__ = ["Dialect", "TextParser", "PastaDialect", "PASTA", "DIALECT_NAMES", "get_dialect", "Fork", "Open", "Close", "Join"]
+__all__ = ["Dialect", "TextParser", "PastaDialect", "PASTA", "DIALECT_NAMES", "get_dialect", "Fork", "Open", "Close", "Join",
+           "Markup", "TraceFork", "TraceThread", "fork_branches", "fork_joins", "join_tag", "join_position",
+           "inserted_bytes", "split_tree"]
 
 #: The event vocabulary a dialect's parser speaks (see the module docstring).
 Fork = Promise
 Open = AsyncOpen
 Close = AsyncClose
 Join = Sync
+
+
+@dataclass(frozen=True)
+class Markup:
+    """A complete tag that changes no thread (a block's opening, a planning element): never
+    shown, never acted on, tokenized apart from the text around it like every tag."""
+
+    raw: str
+    end: int = field(default=0, compare=False)
+
+
+# ---- the optional members (see the module docstring), with their PASTA-LANG defaults
+
+
+def fork_branches(dialect: Any, fork: Promise) -> list[tuple[Promise, str]]:
+    """The threads ``fork`` starts in ``dialect``: ``(promise, inserted text)`` each, in fork
+    order (the promise gives the thread's topic and predicted length). PASTA-LANG: one thread,
+    ``<async>`` inserted."""
+    method = getattr(dialect, "branches", None)
+    return [(fork, dialect.open_tag)] if method is None else list(method(fork))
+
+
+def fork_joins(dialect: Any) -> bool:
+    """Whether a fork in ``dialect`` is also a join of the threads it forks (Multiverse: the
+    parent waits at ``</Goal>`` for its paths)."""
+    return bool(getattr(dialect, "fork_joins", False))
+
+
+def join_tag(dialect: Any) -> str:
+    """The text inserted into a thread when its join completes (``""``: none)."""
+    return getattr(dialect, "join_tag", "")
+
+
+def join_position(dialect: Any, next_pos: int, child_next: Sequence[int]) -> int:
+    """The joining thread's next logical position after a join: ``next_pos`` (its own; the
+    PASTA-LANG reservation already made room) unless the dialect says otherwise."""
+    method = getattr(dialect, "join_position", None)
+    return next_pos if method is None else int(method(next_pos, child_next))
+
+
+def inserted_bytes(dialect: Any, limits: Any) -> int:
+    """An upper bound, in UTF-8 bytes, of the text inserted into one forked thread."""
+    method = getattr(dialect, "inserted_bytes", None)
+    return len(dialect.open_tag.encode()) if method is None else int(method(limits))
+
+
+@dataclass
+class TraceFork:
+    """One fork event of a trace thread: the branches it forks, each a :class:`TraceThread`
+    (or None: no chunk in the trace), and what the joining thread gets inserted after it."""
+
+    branches: list["TraceThread | None"]
+    join_insert: str = ""
+
+
+@dataclass
+class TraceThread:
+    """One thread of an annotated trace for a nesting dialect (:func:`split_tree`).
+
+    Attributes:
+        items: in order: ``("text", s)`` (text, tag-like text included), ``("tag", raw)`` (a
+            tag the thread writes; ``("fork", raw)`` for the one completing a fork marker,
+            ``("join", raw)`` for a join marker) and :class:`TraceFork` right after its fork
+            marker.
+        header: the text the interpreter inserts before the thread's first sample (a child).
+        closed: whether the trace closes the thread itself (a child)."""
+
+    items: list[Union[tuple[str, str], TraceFork]] = field(default_factory=list)
+    header: str = ""
+    closed: bool = True
+
+
+def split_tree(dialect: Any, annotated: str) -> TraceThread | None:
+    """``annotated`` as a tree of threads when ``dialect`` tokenizes traces as trees (a nesting
+    dialect), else None."""
+    method = getattr(dialect, "split_tree", None)
+    return None if method is None else method(annotated)
 
 
 @runtime_checkable

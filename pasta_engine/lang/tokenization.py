@@ -37,6 +37,7 @@ __all__ = [
     "decode",
     "encode_prompt",
     "AnnotatedTokens",
+    "ForcedChunk",
     "tokenize_annotated",
 ]
 
@@ -146,6 +147,25 @@ def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], special_to
     if rest:
         ids += list(tokenizer.encode(rest, add_special_tokens=False))
     return ids
+
+
+@dataclass
+class ForcedChunk:
+    """A forked thread's tokens in a replay when it forks threads of its own (a nesting
+    dialect; a chunk that forks nothing is a plain list of ids).
+
+    Attributes:
+        ids: the tokens it samples (content, its fork markers, then its closing tag when the
+            trace closes it), without the text the interpreter inserts.
+        chunks: per branch its own fork markers start, in order: that branch's chunk (ids or
+            a ForcedChunk), or None for a branch without a chunk in the trace.
+        spliced: the same thread decoded inline (what its parent writes when the fork is
+            refused): ``ids`` with each branch's inserted text and spliced tokens, and each
+            join's inserted text, in place."""
+
+    ids: list[int]
+    chunks: list["list[int] | ForcedChunk | None"]
+    spliced: list[int]
 
 
 @dataclass

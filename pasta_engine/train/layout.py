@@ -42,7 +42,7 @@ class PastaLayout:
         targets: per sampled token in the engine's sampling order, ``(thread id, query index, token)``.
         token_ids: the response in spliced order, as ``RequestResult.token_ids``.
         target_index: per entry of ``token_ids``, the query index that predicts it, or None for a
-            token the interpreter inserted (``<async>``).
+            token the interpreter inserted (``<async>``, a dialect's branch header or join text).
         prompt_len: tokens of the prompt (the first ``prompt_len`` of ``input_ids``)."""
 
     input_ids: list[int]
@@ -92,7 +92,7 @@ def pasta_layout(
     Args:
         tokenizer: the model's ``transformers`` tokenizer.
         prompt_ids: the formatted prompt (as :meth:`pasta_engine.Engine.format_prompt` gives it).
-        annotated_response: the response with PASTA-LANG tags.
+        annotated_response: the response with the dialect's tags (PASTA-LANG by default).
         eos_ids: the model's end-of-sequence ids (:func:`pasta_engine.lang.tokenization.eos_token_ids`).
         position_policy, limits, max_positions: as the engine's (the fork cap changes the
             layout: a chunk past it is decoded inline).
@@ -140,12 +140,18 @@ def pasta_layout(
     for tid, q, _ in targets:
         per_thread.setdefault(tid, []).append(q)
     sp = it.spliced()
-    n_inserted = {t.tid: t.inserted for t in it.threads}  # the dialect's opening tag, per child
+    inserted = {t.tid: set(t.inserted_idx) for t in it.threads}  # a child's opening tag, a join's text
     seen: dict[int, int] = {}
+    n_sampled: dict[int, int] = {}
     target_index: list[int | None] = []
     for tid in sp.threads:
         k = seen.get(tid, 0)
         seen[tid] = k + 1
-        target_index.append(None if k < n_inserted[tid] else per_thread[tid][k - n_inserted[tid]])
+        if k in inserted[tid]:
+            target_index.append(None)
+        else:
+            j = n_sampled.get(tid, 0)
+            n_sampled[tid] = j + 1
+            target_index.append(per_thread[tid][j])
     return PastaLayout(input_ids, position_ids, visible, targets, sp.ids, target_index, len(prompt_ids),
                        list(it.diagnostics))

@@ -338,12 +338,15 @@ def test_a_toy_apar_trace_runs_through_the_interpreter_as_computed_by_hand():
     assert r.token_ids == toy(TOY_TRACE) + [EOS_ID]  # spliced: each item's child right after its ⟨fork⟩
 
 
-def test_a_nesting_dialect_is_refused_until_the_interpreter_nests():
+def test_a_nesting_dialect_runs_with_its_fork_depth_capped():
+    # the interpreter nests forks now (issue 23 item 2): a nesting dialect is accepted, and the
+    # main thread is at depth 0, under any fork depth cap (Limits.max_fork_depth >= 1)
     class Nesting(ToyApar):
         nesting = True
 
-    with pytest.raises(ValueError, match="nests forks"):
-        Interpreter([1], decode=lambda ids: "", eos_ids=[0], open_ids=[5], close_len=1, dialect=Nesting())
+    it = Interpreter([1], decode=lambda ids: "", eos_ids=[0], open_ids=[5], close_len=1, dialect=Nesting(),
+                     limits=Limits(max_fork_depth=1))
+    assert it.main.depth == 0 and it.main.is_main and it.dialect.nesting
 
 
 def test_the_toy_dialect_round_trips_in_both_modes():
