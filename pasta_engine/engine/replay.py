@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..lang.detokenizer import IncrementalDetokenizer, token_bytes_for
-from ..lang.dialect import PASTA, Dialect
+from ..lang.dialect import PASTA, Dialect, fork_joins
 from ..lang.tags import Sync
-from ..lang.tokenization import AnnotatedTokens, decode, tokenize_annotated
+from ..lang.tokenization import AnnotatedTokens, ThreadTokens, decode, tokenize_annotated
 from ..metrics import ResponseStructure
 
 __all__ = ["ReplayScript", "replay_script"]
@@ -56,6 +56,37 @@ def _sync_ends(tokenizer: Any, main_ids: list[int], dialect: Dialect = PASTA) ->
     return out
 
 
+def _tree_structure(tree: ThreadTokens, joins_at_fork: bool) -> ResponseStructure:
+    """The structure of a trace tree when every branch forks (children in depth-first fork
+    order, a parent before its children); ``joins_at_fork``: each fork is also a join."""
+    forks: list[tuple[int, int]] = []
+    parents: list[int] = []
+    syncs: dict[int, list[int]] = {0: []}
+    inserted = 0
+
+    def visit(t: ThreadTokens, tid: int) -> None:
+        nonlocal inserted
+        for end, branches, join in t.forks:
+            if not any(b is not None for b in branches):
+                continue
+            if joins_at_fork:
+                syncs[tid].append(end)
+            inserted += len(join)
+            for b in branches:
+                if b is None:
+                    continue
+                forks.append((end, len(b.ids)))
+                parents.append(tid)
+                j = len(forks)
+                syncs[j] = []
+                inserted += len(b.header)
+                visit(b, j)
+
+    visit(tree, 0)
+    return ResponseStructure(main_tokens=len(tree.ids) + 1, forks=forks, syncs=syncs[0], inserted=inserted,
+                             parents=parents, fork_syncs=[syncs[j] for j in range(1, len(forks) + 1)])
+
+
 def replay_script(tokenizer: Any, annotated: str, eos_id: int, dialect: Dialect = PASTA) -> ReplayScript:
     """Tokenize ``annotated`` for replay (see the module docstring).
 
@@ -68,6 +99,9 @@ def replay_script(tokenizer: Any, annotated: str, eos_id: int, dialect: Dialect 
     Never raises on content."""
     tok = tokenize_annotated(tokenizer, annotated, dialect)
     eos = int(eos_id)
+    if tok.tree is not None:  # a nesting dialect: a tree of threads
+        structure = _tree_structure(tok.tree, fork_joins(dialect))
+        return ReplayScript(tok, tok.main_ids + [eos], tok.chunk_ids, tok.spliced_ids + [eos], structure)
     forks = [(end, len(c)) for end, c in zip(tok.promise_ends, tok.chunk_ids) if c is not None]
     structure = ResponseStructure(
         main_tokens=len(tok.main_ids) + 1,

@@ -141,6 +141,18 @@ class TraceThread:
     header: str = ""
     closed: bool = True
 
+    def text(self, header: bool = True) -> str:
+        """The thread's annotated text: its items, each fork's branches (header, text) and
+        join text in place (``header``: its own header first)."""
+        parts = [self.header] if header else []
+        for it in self.items:
+            if isinstance(it, TraceFork):
+                parts += [b.text() for b in it.branches if b is not None]
+                parts.append(it.join_insert)
+            else:
+                parts.append(it[1])
+        return "".join(parts)
+
 
 def split_tree(dialect: Any, annotated: str) -> TraceThread | None:
     """``annotated`` as a tree of threads when ``dialect`` tokenizes traces as trees (a nesting

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .dialect import PASTA, Dialect
+from .dialect import PASTA, Dialect, TraceFork, TraceThread, split_tree
 from .tags import Malformed, Promise, Text
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "encode_prompt",
     "AnnotatedTokens",
     "ForcedChunk",
+    "ThreadTokens",
     "tokenize_annotated",
 ]
 
@@ -169,6 +170,69 @@ class ForcedChunk:
 
 
 @dataclass
+class ThreadTokens:
+    """One thread of a trace tree in tokens (a nesting dialect: :func:`~.dialect.split_tree`).
+
+    Attributes:
+        ids: the tokens it samples (its text, tags and fork markers; a child's closing tag
+            when the trace closes it), without inserted text.
+        header: the tokens inserted before its first sample (a child's header).
+        forks: per fork marker: the number of ``ids`` up to and including it, its branches
+            (None: no chunk in the trace) and the tokens its join inserts.
+        spliced: ``ids`` with every branch (header then its own ``spliced``) and join text in
+            place: what one thread decodes for it inline (its own header not included)."""
+
+    ids: list[int]
+    header: list[int]
+    forks: list[tuple[int, list["ThreadTokens | None"], list[int]]]
+    spliced: list[int]
+
+    def forced(self) -> "list[int] | ForcedChunk":
+        """What the interpreter forces for this thread as a child: its ids, or a
+        :class:`ForcedChunk` when it forks threads of its own."""
+        if not self.forks:
+            return self.ids
+        chunks = [None if b is None else b.forced() for _, bs, _ in self.forks for b in bs]
+        return ForcedChunk(self.ids, chunks, self.spliced)
+
+
+def _tokenize_tree(tokenizer: Any, t: TraceThread) -> ThreadTokens:
+    """A trace thread's tokens: text runs tokenized as text, each tag apart (as
+    :func:`_encode_segments` does), branches recursively."""
+    ids: list[int] = []
+    spliced: list[int] = []
+    forks: list[tuple[int, list[ThreadTokens | None], list[int]]] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            x = encode_text(tokenizer, "".join(run))
+            ids.extend(x)
+            spliced.extend(x)
+            run.clear()
+
+    for it in t.items:
+        if isinstance(it, TraceFork):
+            flush()
+            branches = [None if b is None else _tokenize_tree(tokenizer, b) for b in it.branches]
+            join = encode_tag(tokenizer, it.join_insert) if it.join_insert else []
+            forks.append((len(ids), branches, join))
+            for b in branches:
+                if b is not None:
+                    spliced.extend(b.header + b.spliced)
+            spliced.extend(join)
+        elif it[0] == "text":
+            run.append(it[1])
+        else:
+            flush()
+            x = encode_tag(tokenizer, it[1])
+            ids.extend(x)
+            spliced.extend(x)
+    flush()
+    return ThreadTokens(ids, encode_tag(tokenizer, t.header) if t.header else [], forks, spliced)
+
+
+@dataclass
 class AnnotatedTokens:
     """An annotated response in tokens, canonically (see the module docstring).
 
@@ -185,7 +249,10 @@ class AnnotatedTokens:
         canonical: the annotated text these tokens decode to (the input, with whitespace
             between a promise and its ``<async>`` moved into the chunk).
         diagnostics: what :func:`~pasta_engine.lang.tags.split_threads` noted (stray or
-            malformed tags, kept as text)."""
+            malformed tags, kept as text).
+        tree: the main thread as a tree of threads, for a nesting dialect (its ``chunk_ids``
+            are then the main thread's branches, a :class:`ForcedChunk` for one that forks);
+            None otherwise."""
 
     main_ids: list[int]
     chunk_ids: list[list[int] | None]
@@ -194,6 +261,7 @@ class AnnotatedTokens:
     spliced_ids: list[int]
     canonical: str
     diagnostics: list[str] = field(default_factory=list)
+    tree: ThreadTokens | None = None
 
 
 def _encode_segments(tokenizer: Any, text: str, dialect: Dialect = PASTA) -> tuple[list[int], list[int]]:
@@ -228,7 +296,16 @@ def tokenize_annotated(tokenizer: Any, annotated: str, dialect: Dialect = PASTA)
         dialect: the language (:class:`~pasta_engine.lang.dialect.Dialect`; its
             ``split_threads``, ``parse``, ``splice``, ``open_tag`` and ``close_tag``).
 
-    Returns :class:`AnnotatedTokens`. Never raises on content."""
+    Returns :class:`AnnotatedTokens`. Never raises on content. A nesting dialect's trace
+    (one with ``split_tree``) is tokenized as a tree: each thread's text runs and tags as
+    here, each branch's own forks nested (:class:`ThreadTokens`)."""
+    tree = split_tree(dialect, annotated)
+    if tree is not None:
+        tt = _tokenize_tree(tokenizer, tree)
+        chunks = [None if b is None else b.forced() for _, bs, _ in tt.forks for b in bs]
+        ends = [end for end, bs, _ in tt.forks for _ in bs]
+        return AnnotatedTokens(tt.ids, chunks, encode_tag(tokenizer, dialect.open_tag), ends, tt.spliced,
+                               tree.text(), [], tt)
     th = dialect.split_threads(annotated, lead_whitespace="chunk")
     main_ids, promise_ends = _encode_segments(tokenizer, th.main, dialect)
     open_ids = encode_tag(tokenizer, dialect.open_tag)
