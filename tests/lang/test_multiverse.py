@@ -204,3 +204,48 @@ def test_nesting_past_the_cap_decodes_inline(tok):
     assert any("fork depth cap 1 reached" in d for d in pasta.interp.diagnostics)
     flat = check_round_trip(tok, TRACE, Limits(max_threads=None, max_forks=1))
     assert flat.interp.n_forks == 0 and any("fork cap 1 reached" in d for d in flat.interp.diagnostics)
+
+
+# --------------------------------------------------------------------------- the annotator
+
+ANSWER = ("Here are tips:\n\n1. **Sleep well**: go to bed early.\n2. Walk daily - it helps.\n   - even short walks\n"
+          "3. Eat well.\n\nIn short, be kind to yourself.")
+
+
+def test_the_annotator_makes_one_path_per_item_and_keeps_the_answer():
+    from pasta_engine.tools.annotate_multiverse import annotate_multiverse
+
+    trace = annotate_multiverse(ANSWER, None)
+    assert M.clean_text(trace) == ANSWER
+    assert trace.startswith("Here are tips:\n\n<Parallel><Goal><Outline>1: Sleep well</Outline>"
+                            "<Outline>2: Walk daily</Outline><Outline>3: Eat well</Outline></Goal>")
+    assert "<Path>\n2:2. Walk daily - it helps.\n   - even short walks\n</Path>" in trace  # nested lines stay
+    assert trace.endswith("<Conclusion>\n\nIn short, be kind to yourself.</Conclusion></Parallel>")
+    [fork] = [e for e in M.parse(trace) if isinstance(e, GoalFork)]
+    assert len(fork.outlines) == 3
+    # answers without a list of two items, or with Multiverse tag text, stay as they are
+    for text in ("No list here.", "1. only one item", "Use <Path> tags:\n- a\n- b"):
+        assert annotate_multiverse(text, None) == text
+    # the largest list by tokens is the block's
+    two = "- a\n- b\n\nThen:\n\n- a much longer item with many words\n- and another long one here"
+    t2 = annotate_multiverse(two, lambda s: len(s.split()))
+    assert t2.startswith("- a\n- b\n\nThen:\n\n<Parallel>") and M.clean_text(t2) == two
+
+
+def test_annotated_alpaca_eval_answers_replay_to_the_answer(tok, alpaca_outputs):
+    import json
+
+    from pasta_engine.tools.annotate_multiverse import annotate_multiverse
+
+    rows = json.loads(alpaca_outputs.read_text())[:40]
+    forked = 0
+    for row in rows:
+        answer = row["output"]
+        trace = annotate_multiverse(answer, lambda s: len(tok.encode(s, add_special_tokens=False)))
+        assert M.clean_text(trace) == answer
+        if trace != answer:
+            forked += 1
+            pasta = dry_run(tok, trace, "pasta")
+            assert pasta.result().text == answer
+            assert pasta.interp.n_forks >= 2 and pasta.steps == critical_path(pasta.interp.structure())
+    assert forked >= 15, forked  # most AlpacaEval answers hold a list
