@@ -94,3 +94,94 @@ def test_training_forward_equals_the_replay(tiny_llama, engine, trace):
     got = torch.tensor([x for x in lps if x is not None])
     want = torch.tensor([x for x in res.logprobs if x is not None])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- the interpreter's tree rules
+
+from pasta_engine.config import PositionPolicy  # noqa: E402
+from pasta_engine.engine.batch import KVJoin, SampledTokens  # noqa: E402
+from pasta_engine.engine.block_manager import BlockManager  # noqa: E402
+from pasta_engine.engine.interpreter import Interpreter  # noqa: E402
+from pasta_engine.engine.request import Request  # noqa: E402
+from pasta_engine.engine.scheduler import Scheduler  # noqa: E402
+from pasta_engine.lang.dialect import PastaDialect  # noqa: E402
+
+
+class NestingPasta(PastaDialect):
+    """PASTA-LANG with nesting on: a promise in a chunk forks, a <sync/> in a chunk joins that
+    chunk's own children (scoped joins), and a chunk's </async> ends it once its children end."""
+
+    nesting = True
+
+
+def scripted(scripts: dict[int, str], limits: Limits, dialect=None):
+    """Decode with every thread's text scripted by thread id (characters as tokens, EOS 0 at
+    the main thread's end), through scheduler and block manager. Returns (request, block
+    manager, the step at which each thread was first seen ended)."""
+    dialect = dialect or NestingPasta()
+    enc = lambda s: [ord(c) for c in s]  # noqa: E731
+    main_text = scripts[0]
+    make = lambda: Interpreter([1, 2, 3], decode=lambda ids: "".join(chr(i) for i in ids), eos_ids=[0],  # noqa: E731
+                               open_ids=enc(dialect.open_tag), close_len=len(dialect.close_tag), max_new_tokens=10_000,
+                               limits=limits, policy=PositionPolicy(), dialect=dialect, encode=enc)
+    req = Request("r", 0, "pasta", SamplingParams(max_new_tokens=10_000), make)
+    bm = BlockManager(1024, 4)
+    sched = Scheduler(bm, 1)
+    sched.add(req)
+    ended_at: dict[int, int] = {}
+    step = 0
+    while sched.has_unfinished():
+        step += 1
+        batch = sched.schedule()
+        toks = []
+        for s in batch.sampling:
+            t = req.interp.threads[s.step.tid]
+            text = scripts[t.tid] if t.tid else main_text
+            k = t.n_sampled
+            toks.append(ord(text[k]) if k < len(text) else 0)
+        sched.postprocess(batch, SampledTokens(toks, [0.0] * len(toks)))
+        for t in req.interp.threads:
+            if t.ended and t.tid not in ended_at:
+                ended_at[t.tid] = step
+    return req, bm, ended_at
+
+
+def test_a_chunk_forks_joins_its_own_children_and_ends_after_them():
+    p = '<promise topic="{}" tokens="100"/>'
+    scripts = {
+        0: f"Main {p.format('x')} main goes on <sync/> after.",
+        1: f"chunk {p.format('y')} <sync/> chunk after its own join {p.format('z')} bye</async>",
+        2: "grandchild y, quite a long one</async>",
+        3: "grandchild z, the longest of all of them by far</async>",
+    }
+    req, bm, ended_at = scripted(scripts, Limits(max_threads=None))
+    it = req.interp
+    assert [t.depth for t in it.threads] == [0, 1, 2, 2] and [t.parent and t.parent.tid for t in it.threads] == \
+        [None, 0, 1, 1]
+    s = it.structure()
+    assert s.parents == [0, 1, 1] and s.fork_syncs[0] and s.syncs
+    assert req.steps == critical_path(s)
+    # thread 1 joined only its own first child at its <sync/>; its end waited for its second;
+    # the main thread's join came after
+    r = req.result()
+    assert r.text == "Main chunk grandchild y, quite a long one  chunk after its own join grandchild z, the longest " \
+                     "of all of them by far bye main goes on  after."
+    assert bm.num_free == bm.num_pages
+    # the child wrote its </async> while thread 3 still ran: it ended with it (its end joins its
+    # children), and the main thread's join waited for both
+    assert it.threads[1].finish == "close" and ended_at[1] == ended_at[3]
+    assert it.main.n_sampled > it.main.syncs[0]
+    assert "</async>" not in r.text and r.annotated_text.count("<async>") == 3
+    t1, t2 = it.threads[1], it.threads[2]
+    assert it.seen_tokens(2) == [1, 2, 3] + it.main.tokens[: t1.fork_at] + t1.tokens[: t2.fork_at] + t2.tokens
+    assert KVJoin(1, [2]) not in it.kv_ops  # applied: taken by the scheduler
+
+
+def test_nesting_past_the_depth_cap_is_text_in_generation():
+    p = '<promise topic="{}" tokens="10"/>'
+    scripts = {0: f"Main {p.format('x')} go <sync/> end.", 1: f"chunk {p.format('y')} bye</async>"}
+    req, bm, _ = scripted(scripts, Limits(max_threads=None, max_fork_depth=1))
+    it = req.interp
+    assert len(it.threads) == 2 and any("fork depth cap 1 reached" in d for d in it.diagnostics)
+    assert req.result().text == "Main chunk  bye go  end."
+    assert req.steps == critical_path(it.structure()) and bm.num_free == bm.num_pages

@@ -85,6 +85,13 @@ def test_multiverse_implements_the_interface():
     assert [(p.topic, h) for p, h in M.branches(fork)] == [("1: a", "<Path>\n1:"), ("2: b", "<Path>\n2:")]
     assert M.reserved_positions(fork, PositionPolicy(), Limits(), 3, 3, None) == (0, None)
     assert M.join_position(50, [60, 80, 70]) == 80 and M.join_position(90, [60]) == 90  # after the longest path
+    # a path's thread: its inserted header opens it, its own </Path> closes it, a nested one does not
+    p = M.parser()
+    assert [type(e) for e in p.feed(path_header(1))] == [Markup]
+    inner = p.feed("x <Parallel><Goal><Outline>o</Outline></Goal><Path>\n1:y</Path></Parallel>")
+    assert [type(e) for e in inner if not isinstance(e, Text)] == [Markup, Markup, Markup, Markup, GoalFork, Markup,
+                                                                  Markup, Markup]
+    assert [type(e) for e in p.feed(" z</Path>")] == [Text, AsyncClose]
 
 
 # --------------------------------------------------------------------------- the parser
@@ -119,6 +126,8 @@ def test_malformed_input_is_text_and_never_shown():
     assert [e.raw for e in items if isinstance(e, Malformed)] == ["<Path ", "</Path>", "<Goal>", "<Conclusion>",
                                                                   "</Conclusion>"]
     assert M.clean_text("x <Path y> </Path> <Goal> <Conclusion>z</Conclusion>") == "x  y>   z"
+    assert [e.text for e in items if isinstance(e, TagText)] == ["<Path", "</Path>", "<Goal>", "<Conclusion>",
+                                                               "</Conclusion>"]
     # a Path label that never completes: the tag, then its whitespace and digits as body
     assert M.clean_text("<Parallel><Goal><Outline>o</Outline></Goal><Path>\n12 apples</Path></Parallel>") \
         == "\n12 apples"
