@@ -185,3 +185,24 @@ def test_nesting_past_the_depth_cap_is_text_in_generation():
     assert len(it.threads) == 2 and any("fork depth cap 1 reached" in d for d in it.diagnostics)
     assert req.result().text == "Main chunk  bye go  end."
     assert req.steps == critical_path(it.structure()) and bm.num_free == bm.num_pages
+
+
+@pytest.mark.parametrize("trace", [FLAT, NESTED], ids=["flat", "nested"])
+def test_streamed_text_is_prefix_stable_and_ends_as_the_clean_text(engine, trace):
+    """The step API's reading-order text over a tree of threads: every output extends the
+    previous one, and the last is the dialect's clean text; fork and join events name each
+    thread's own parent."""
+    rid = engine.add_request(PROMPT, annotated_response=trace, dialect="multiverse")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    text = ""
+    for o in outs:
+        assert o.request_id == rid and o.text == text + o.delta_text, (text, o.delta_text)
+        text = o.text
+    assert len({o.text for o in outs}) > 3
+    assert outs[-1].text == outs[-1].result.text == MULTIVERSE.clean_text(trace)
+    events = [e for o in outs for e in o.events]
+    forks = {e.thread: e.parent for e in events if e.kind == "fork"}
+    joins = {e.thread: e.parent for e in events if e.kind == "join"}
+    assert forks == joins == ({1: 0, 2: 0, 3: 0} if trace is FLAT else {1: 0, 2: 0, 3: 2, 4: 2})
