@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from pasta_engine import Engine
@@ -29,6 +31,29 @@ NESTED = ("Plan:\n<Parallel><Goal><Outline>1: a</Outline><Outline>2: b</Outline>
           "<Conclusion>inner end</Conclusion></Parallel> after\n</Path>"
           "<Conclusion>\nSo.\n</Conclusion></Parallel>\nBye")
 PROMPT = "Give me tips."
+
+
+WORDS = st.lists(st.sampled_from(["sleep", "walk", "- item", "1. first", "\n", " ", "a<b", "<P", ":", "\u00e9"]),
+                 max_size=5).map(" ".join)
+
+
+@st.composite
+def block(draw, depth: int):
+    """A Multiverse block of 1 to 3 outlines, as many paths or fewer, each path perhaps
+    holding a block of its own (``depth`` levels more)."""
+    n = draw(st.integers(1, 3))
+    outlines = "".join(f"<Outline>{i}: {draw(WORDS)}</Outline>" for i in range(1, n + 1))
+    paths = ""
+    for i in range(1, draw(st.integers(0, n)) + 1):
+        inner = draw(block(depth - 1)) if depth > 0 and draw(st.booleans()) else ""
+        paths += f"<Path>\n{i}: {draw(WORDS)}{inner}{draw(WORDS)}</Path>"
+    conclusion = draw(st.sampled_from(["", "<Conclusion>" + draw(WORDS) + "</Conclusion>"]))
+    return f"<Parallel><Goal>{outlines}</Goal>{paths}{conclusion}</Parallel>"
+
+
+@st.composite
+def multiverse_traces(draw):
+    return draw(WORDS) + "".join(draw(block(2)) + draw(WORDS) for _ in range(draw(st.integers(1, 2))))
 
 
 def unlimited(tiny_llama, **kw) -> Engine:
@@ -56,6 +81,21 @@ def test_replay_text_steps_and_pages(engine, trace):
     assert p.stats.forks == len(script.structure.forks) == (3 if trace is FLAT else 4)
     if trace is NESTED:
         assert script.structure.parents == [0, 0, 2, 2]  # the second path forks two of its own
+    assert all(r == 0 for r in pool.refcount) and pool.num_free == pool.num_pages
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(trace=multiverse_traces())
+def test_generated_traces_replay_on_the_model(engine, trace):
+    """Hypothesis: replay text == the dialect's clean text in pasta and sequential modes on the
+    tiny model, decode steps == the critical path at unlimited width (nested blocks up to three
+    levels, the default depth cap of 2 decoding the deepest inline), every KV page back."""
+    pool = engine.block_manager.pool
+    want = MULTIVERSE.clean_text(trace)
+    [p] = engine.replay([PROMPT], [trace], dialect="multiverse")
+    [s] = engine.replay([PROMPT], [trace], mode="sequential", dialect="multiverse")
+    assert p.text == want and s.text == want
+    assert p.stats.decode_steps == p.stats.critical_path
     assert all(r == 0 for r in pool.refcount) and pool.num_free == pool.num_pages
 
 
