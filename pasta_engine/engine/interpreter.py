@@ -101,8 +101,10 @@ class ThreadStatus(enum.Enum):
 
 @dataclass(eq=False, slots=True)
 class Thread:
-    """One decoding thread. ``tokens``/``pieces``/``logprobs`` hold what it wrote (inserted tag
-    tokens first for a child, with ``logprob`` None); ``clean`` holds its text with tags and
+    """One decoding thread, a node of the request's tree (``parent``, ``children``, ``depth``).
+    ``tokens``/``pieces``/``logprobs`` hold what it wrote (inserted tokens, with ``logprob``
+    None, at ``inserted_idx``: a child's header first, a dialect's join text after a join);
+    ``clean`` holds its text with tags and
     tag-like text left out (what a reader sees, before :func:`~pasta_engine.lang.tags.drop_empty_items`);
     ``drops`` the offsets in that text where something was left out (a child's inserted
     ``<async>`` at 0, and its ``</async>`` at its end when the interpreter closed it);

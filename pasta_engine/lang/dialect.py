@@ -15,12 +15,14 @@ turns the text of each decoded token into:
   text the model wrote that a reader never sees (a malformed or partial marker);
   :class:`~pasta_engine.lang.tags.Malformed`: a diagnostic beside it;
 * :data:`Fork` (a :class:`~pasta_engine.lang.tags.Promise`: ``topic``, ``tokens`` the
-  predicted length or 0, ``raw``, ``end``): on the main thread, fork a thread here;
+  predicted length or 0, ``raw``, ``end``): fork here (on the main thread; on any thread under
+  the depth cap when the dialect nests);
 * :data:`Open` (:class:`~pasta_engine.lang.tags.AsyncOpen`): the main thread opens a chunk
   itself (only meaningful for a chunk decoded inline past the fork cap);
 * :data:`Close` (:class:`~pasta_engine.lang.tags.AsyncClose`): a forked thread ends here;
-* :data:`Join` (:class:`~pasta_engine.lang.tags.Sync`): on the main thread, wait for every
-  outstanding thread, then see them all.
+* :data:`Join` (:class:`~pasta_engine.lang.tags.Sync`): wait for every outstanding child of
+  the joining thread, then see them all;
+* :class:`Markup`: a tag that changes no thread.
 
 What the interpreter does with those events is the engine's, the same for every dialect: a
 fork's context is the main thread's context at the token that completed the fork marker (its
