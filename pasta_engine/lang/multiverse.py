@@ -409,7 +409,7 @@ class MultiverseDialect:
         for it in root.items:
             if isinstance(it, TraceFork):
                 for b in it.branches:
-                    chunks.append(Chunk(b.text(header=False), b.closed) if b is not None else Chunk(None))
+                    chunks.append(Chunk("", 0, _body(b), b.closed) if b is not None else Chunk("", 0, None))
                 main.append(it.join_insert)
             else:
                 main.append(it[1])
@@ -451,6 +451,12 @@ class MultiverseDialect:
 
     def __repr__(self) -> str:
         return "MultiverseDialect()"
+
+
+def _body(t: TraceThread) -> str:
+    """A path's text without its header and its closing ``</Path>`` (a chunk's content)."""
+    items = t.items[:-1] if t.closed and t.items and t.items[-1] == ("tag", f"</{PATH}>") else t.items
+    return TraceThread(items).text(header=False)
 
 
 def _no_join_without_paths(t: TraceThread) -> None:

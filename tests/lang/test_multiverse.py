@@ -190,6 +190,15 @@ def test_caps_decode_blocks_inline_with_the_same_text(tok, trace, depth, max_for
     check_round_trip(tok, trace, Limits(max_threads=None, max_forks=max_forks, max_fork_depth=depth))
 
 
+def test_split_threads_and_splice_are_inverse():
+    th = M.split_threads(NESTED)
+    assert [c.content is not None for c in th.chunks] == [True, True]  # the main thread's two paths
+    assert (th.chunks[0].content, th.chunks[0].closed) == (" first\n", True)
+    assert "<Path>" in th.chunks[1].content  # its own block stays in its text
+    assert M.splice(th.main, th.chunks) == M.split_tree(NESTED).text()
+    assert M.clean_text(M.splice(th.main, th.chunks)) == M.clean_text(NESTED)
+
+
 def test_the_replay_structure_is_the_interpreters(tok):
     pasta = check_round_trip(tok, NESTED)
     it = pasta.interp
