@@ -246,3 +246,35 @@ def test_streamed_text_is_prefix_stable_and_ends_as_the_clean_text(engine, trace
     forks = {e.thread: e.parent for e in events if e.kind == "fork"}
     joins = {e.thread: e.parent for e in events if e.kind == "join"}
     assert forks == joins == ({1: 0, 2: 0, 3: 0} if trace is FLAT else {1: 0, 2: 0, 3: 2, 4: 2})
+
+
+# --------------------------------------------------------------------------- the tree's critical path
+
+from pasta_engine.metrics import ResponseStructure  # noqa: E402
+
+
+def test_the_critical_path_of_a_tree_by_hand():
+    # main: 10 tokens, forks A at its 2nd, joins at its 3rd; A: 5 tokens, forks G at its 1st and
+    # ends without a join of its own; G: 8 tokens. Steps: main 1-3 (stalls), A 3-7, G 4-11; A's
+    # end waits for G, so the main thread resumes at step 12: tokens 4..10 at steps 12-18.
+    s = ResponseStructure(main_tokens=10, forks=[(2, 5), (1, 8)], syncs=[3], parents=[0, 1], fork_syncs=[[], []])
+    assert critical_path(s) == 18
+    assert simulate_steps(s, 1) == s.tokens == 23
+    # a join of A's own at its 2nd token: A stalls there until G ends (step 11), then 3 more
+    s2 = ResponseStructure(main_tokens=10, forks=[(2, 5), (1, 8)], syncs=[3], parents=[0, 1], fork_syncs=[[2], []])
+    assert critical_path(s2) == 14 + 7  # A resumes at 12, ends at 14; main resumes at 15: 7 tokens, 15-21
+    # without parents every child is the main thread's, as before (PASTA-LANG): G runs at steps
+    # 2-9, A at 3-7, the main thread resumes at 10: tokens 4..10 at steps 10-16
+    flat = ResponseStructure(main_tokens=10, forks=[(2, 5), (1, 8)], syncs=[3])
+    assert critical_path(flat) == 16
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(forks=[(1, 2)], parents=[1]), "fork 1 has parent 1: a parent comes before its child"),
+    (dict(forks=[(1, 2), (3, 1)], parents=[0, 1]), r"fork \(3, 1\) outside thread 1 of 2 tokens"),
+    (dict(forks=[(1, 2)], fork_syncs=[[3]]), "sync at 3 outside thread 1 of 2 tokens"),
+    (dict(forks=[(1, 2)], parents=[0, 0]), "parents has 2 entries for 1 forks"),
+])
+def test_a_malformed_tree_is_refused_naming_what(bad, match):
+    with pytest.raises(ValueError, match=match):
+        critical_path(ResponseStructure(main_tokens=4, **bad))
