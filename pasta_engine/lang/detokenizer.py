@@ -146,7 +146,7 @@ class TokenBytes:
         return True
 
 
-_TABLES: "weakref.WeakKeyDictionary[Any, tuple[int, TokenBytes | None]]" = weakref.WeakKeyDictionary()
+_TABLES: "weakref.WeakKeyDictionary[Any, tuple[int | None, TokenBytes | None]]" = weakref.WeakKeyDictionary()
 
 
 def token_bytes_for(tokenizer: Any) -> TokenBytes | None:
@@ -156,11 +156,21 @@ def token_bytes_for(tokenizer: Any) -> TokenBytes | None:
         hit = _TABLES.get(tokenizer)
     except TypeError:  # not weak-referenceable: no cache
         return TokenBytes.from_tokenizer(tokenizer)
-    if hit is not None and hit[0] == len(tokenizer):
+    size = _vocab_size(tokenizer)
+    if hit is not None and hit[0] == size:
         return hit[1]
     table = TokenBytes.from_tokenizer(tokenizer)
-    _TABLES[tokenizer] = (len(tokenizer), table)
+    _TABLES[tokenizer] = (size, table)
     return table
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
+    """Tokens ``tokenizer`` has, added ones included (``len``), or None for one without a
+    length (a test double): its cached table is then never rebuilt."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return None
 
 
 def token_bytes_table(tokenizer: Any) -> list[bytes]:
