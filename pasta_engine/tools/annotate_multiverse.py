@@ -25,7 +25,7 @@ from typing import Callable
 from ..lang.multiverse import CONCLUSION, GOAL, MULTIVERSE, OUTLINE, PARALLEL, PATH, path_header
 from .annotate import _ITEM, _topic, _units, approx_token_count
 
-__all__ = ["annotate_multiverse", "multiverse_lists"]
+__all__ = ["multiverse_trace", "multiverse_lists"]
 
 _TAG_TEXTS = tuple(f"<{n}>" for n in (PARALLEL, GOAL, OUTLINE, PATH, CONCLUSION)) + \
     tuple(f"</{n}>" for n in (PARALLEL, GOAL, OUTLINE, PATH, CONCLUSION))
@@ -55,7 +55,7 @@ def _lead(item: str, i: int) -> str:
     return _topic(item[m.end():] if m else item, i)
 
 
-def annotate_multiverse(text: str, count_tokens: Callable[[str], int] | None = None) -> str:
+def multiverse_trace(text: str, count_tokens: Callable[[str], int] | None = None) -> str:
     """``text`` (an answer, e.g. an AlpacaEval reference) as a Multiverse trace (see the module
     docstring), or ``text`` itself when it has no list of two or more items, already holds
     Multiverse tag text, or the annotation's clean text would not equal it.

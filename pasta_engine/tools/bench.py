@@ -172,7 +172,7 @@ def dialect_annotator(dialect: str) -> Callable[[str, Callable[[str], int]], str
     :data:`~pasta_engine.tools.annotate.ANNOTATORS`, ``--annotator``): ``apar``:
     :func:`pasta_engine.tools.annotate_apar.apar_trace` (the APAR dialect's ``[Fork]`` markers,
     not PASTA-LANG's ``--annotator apar``); ``multiverse``:
-    :func:`pasta_engine.tools.annotate_multiverse.annotate_multiverse`. Each is ``(text,
+    :func:`pasta_engine.tools.annotate_multiverse.multiverse_trace`. Each is ``(text,
     count_tokens) -> annotated`` whose clean text is ``text``.
 
     Raises BenchError naming ``--dialect`` for ``pasta``, an unknown name, or an annotator whose
@@ -183,11 +183,11 @@ def dialect_annotator(dialect: str) -> Callable[[str, Callable[[str], int]], str
         return apar_trace
     if dialect == "multiverse":
         try:
-            from .annotate_multiverse import annotate_multiverse
+            from .annotate_multiverse import multiverse_trace
         except ImportError as e:
             raise BenchError(f"--dialect multiverse needs pasta_engine.tools.annotate_multiverse, which cannot be "
                              f"imported ({e}); use --traces FILE with Multiverse traces, or another --dialect") from None
-        return annotate_multiverse
+        return multiverse_trace
     raise BenchError(f"--dialect {dialect!r} has no dialect annotator (pasta annotates with --annotator; "
                      "dialects with one: apar, multiverse)")
 

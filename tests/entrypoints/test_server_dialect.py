@@ -29,9 +29,8 @@ TRACES = {
                    "<Path>\n1: Sleep early, every day.\n</Path>\n<Path>\n2: Walk after lunch.\n</Path>\n"
                    "<Conclusion>\nThat is all.\n</Conclusion>\n</Parallel>"),
 }
-# forks each trace makes in its dialect (a trace not yet checked against its dialect's module has
-# none here: its forks are only compared with what the dialect reads in it)
-TRACE_FORKS = {"pasta": 2, "apar": 2}
+# forks each trace makes in its dialect
+TRACE_FORKS = {"pasta": 2, "apar": 2, "multiverse": 2}
 # the stats of a choice that do not depend on what else the engine ran (not wall_s, the prefix
 # cache's cached_tokens, preemptions, or decode_steps, which the batch's token budget may spread)
 SAME_STATS = ("content_tokens", "tokens_decoded", "tag_tokens", "threads", "forks", "critical_path", "finish_reason")
@@ -50,29 +49,6 @@ def settled_stats(server, tries: int = 400) -> dict:
             return s
         time.sleep(0.05)
     return s
-
-
-def missing_module(name: str) -> str | None:
-    """The module of dialect ``name`` when it is not in this tree yet (None when it imports).
-    Raises any other import error (a dialect module that is there but broken)."""
-    try:
-        get_dialect(name)
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("pasta_engine.lang."):
-            return e.name
-        raise
-    return None
-
-
-def available() -> list[str]:
-    """``pasta`` and each other dialect of DIALECT_NAMES whose module is in this tree."""
-    return [d for d in DIALECT_NAMES if missing_module(d) is None]
-
-
-def need(name: str) -> None:
-    module = missing_module(name)
-    if module is not None:
-        pytest.skip(f"the {name} dialect's module {module} is not in this tree yet (issue 23)")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +85,6 @@ def test_openapi_documents_the_dialect_field(server):
 
 @pytest.mark.parametrize("name", DIALECT_NAMES)
 def test_the_field_is_accepted_and_reported(server, client, name):
-    need(name)
     msgs = [{"role": "user", "content": "Give me two tips."}]
     full = client.chat.completions.create(model=server.model, messages=msgs, temperature=0, max_tokens=8,
                                           extra_body={"pasta": {"dialect": name}})
@@ -192,10 +167,10 @@ def test_an_unavailable_dialect_module_fails_alone(tiny_llama, monkeypatch):
 
 def test_requests_in_several_dialects_decode_together_as_they_would_alone(server):
     """Replays of an annotated response and greedy generations, in every dialect of this tree
-    (pasta, and apar and multiverse once their modules are in), sent at once: each choice is
+    (pasta, apar and multiverse), sent at once: each choice is
     what the same request gives alone (text, tokens, annotated text, structure), and a replay's
     text and forks are what its dialect reads in its trace."""
-    names = available()
+    names = list(DIALECT_NAMES)
     assert names[0] == "pasta"
     bodies = [chat_body(server, d, replay) for d in names for replay in (True, False)]
     with httpx.Client(base_url=server.url, headers=auth(server), timeout=120) as h:

@@ -231,9 +231,9 @@ ANSWER = ("Here are tips:\n\n1. **Sleep well**: go to bed early.\n2. Walk daily 
 
 
 def test_the_annotator_makes_one_path_per_item_and_keeps_the_answer():
-    from pasta_engine.tools.annotate_multiverse import annotate_multiverse
+    from pasta_engine.tools.annotate_multiverse import multiverse_trace
 
-    trace = annotate_multiverse(ANSWER, None)
+    trace = multiverse_trace(ANSWER, None)
     assert M.clean_text(trace) == ANSWER
     assert trace.startswith("Here are tips:\n\n<Parallel><Goal><Outline>1: Sleep well</Outline>"
                             "<Outline>2: Walk daily</Outline><Outline>3: Eat well</Outline></Goal>")
@@ -243,23 +243,23 @@ def test_the_annotator_makes_one_path_per_item_and_keeps_the_answer():
     assert len(fork.outlines) == 3
     # answers without a list of two items, or with Multiverse tag text, stay as they are
     for text in ("No list here.", "1. only one item", "Use <Path> tags:\n- a\n- b"):
-        assert annotate_multiverse(text, None) == text
+        assert multiverse_trace(text, None) == text
     # the largest list by tokens is the block's
     two = "- a\n- b\n\nThen:\n\n- a much longer item with many words\n- and another long one here"
-    t2 = annotate_multiverse(two, lambda s: len(s.split()))
+    t2 = multiverse_trace(two, lambda s: len(s.split()))
     assert t2.startswith("- a\n- b\n\nThen:\n\n<Parallel>") and M.clean_text(t2) == two
 
 
 def test_annotated_alpaca_eval_answers_replay_to_the_answer(tok, alpaca_outputs):
     import json
 
-    from pasta_engine.tools.annotate_multiverse import annotate_multiverse
+    from pasta_engine.tools.annotate_multiverse import multiverse_trace
 
     rows = json.loads(alpaca_outputs.read_text())[:40]
     forked = 0
     for row in rows:
         answer = row["output"]
-        trace = annotate_multiverse(answer, lambda s: len(tok.encode(s, add_special_tokens=False)))
+        trace = multiverse_trace(answer, lambda s: len(tok.encode(s, add_special_tokens=False)))
         assert M.clean_text(trace) == answer
         if trace != answer:
             forked += 1
