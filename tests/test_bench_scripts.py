@@ -75,3 +75,28 @@ def test_plot_draws_the_cpu_results(tmp_path):
     for p in cpu:
         png = (tmp_path / p.name).with_suffix(".png")
         assert png.read_bytes().startswith(b"\x89PNG"), p.name
+
+
+def test_bench_dialects_compares_the_three_dialects_on_the_same_answers(tmp_path):
+    """bench_dialects.py on two list answers and a tiny preset: every dialect forks both, its
+    theoretical figure is content tokens / critical path of each row, and the realized run on the
+    first answer is recorded with its command."""
+    answers = [{"instruction": f"q{i}", "dataset": "koala", "output": "Tips:\n" + "".join(
+        f"{k}. **Item {k}**: do this well, every day, and write it down in a notebook.\n" for k in range(1, 4))}
+        for i in range(2)]
+    responses = tmp_path / "answers.json"
+    responses.write_text(json.dumps(answers))
+    out = tmp_path / "d.json"
+    cmd = [sys.executable, str(BENCH / "bench_dialects.py"), "--responses", str(responses), "--limit", "2",
+           "--realized", "1", "--preset", "tiny-llama", "--jobs", "2", "--out", str(out), "--", "--repeats", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["dialects"]) == {"pasta", "apar", "multiverse"}
+    for name, d in result["dialects"].items():
+        assert d["forked_answers"] == 2, name
+        assert all(r["content_speedup"] == r["content_tokens"] / r["critical_path"] for r in d["rows"])
+        assert len(d["realized_rows"]) == 1 and d["realized"] > 0 and "--dialect " + name in d["realized_run"]["command"]
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    again = subprocess.run([*cmd[:-3], "--realized", "0"], capture_output=True, text=True, env=ENV, timeout=600)
+    assert again.returncode == 0 and (tmp_path / "d-2.json").exists()  # a rerun never replaces a result
