@@ -49,8 +49,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from .dialect import policy_reserve
 from .grammar import GrammarState
-from .tags import AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, TagText, Text, Threads, drop_empty_items
+from .tags import AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, TagText, Text, Threads, clean_from_items
 
 __all__ = ["AparDialect", "AparParser", "APAR", "FORK", "CHILD", "CHILD_CLOSE", "DEFAULT_RESERVE", "MAX_MARKER_JUNK"]
 
@@ -231,13 +232,7 @@ class AparDialect:
         fork marker): ``predicted`` (default) the markers plus :attr:`reserve`; ``constant:K``
         the markers plus K; ``none`` nothing (the paper's decoder: parent and child go on from
         the same position); ``oracle`` the child's true length (replay)."""
-        if policy.kind == "none":
-            return 0, None
-        if policy.kind == "oracle":
-            return open_len + (chunk_len or 0), None
-        if policy.kind == "constant":
-            return open_len + close_len + policy.constant, None
-        return open_len + close_len + self.reserve, None
+        return policy_reserve(policy, open_len, close_len, chunk_len, self.reserve), None
 
     def split_threads(self, annotated: str, lead_whitespace: str = "main") -> Threads:
         """An annotated response as the main thread's text (``[Fork]`` markers kept, bodies
@@ -327,16 +322,7 @@ class AparDialect:
         header then its body), less the list items that leaving them out emptied
         (:func:`~pasta_engine.lang.tags.drop_empty_items`, the rule the engine's streamed text
         follows too)."""
-        parts: list[str] = []
-        drops: list[int] = []
-        n = 0
-        for e in self.parse(annotated):
-            if type(e) is Text:
-                parts.append(e.text)
-                n += len(e.text)
-            elif not isinstance(e, Malformed):
-                drops.append(n)
-        return drop_empty_items("".join(parts), drops)
+        return clean_from_items(self.parse(annotated))
 
     def __repr__(self) -> str:
         return f"AparDialect(reserve={self.reserve})"

@@ -63,7 +63,7 @@ from typing import Any, Protocol, Sequence, Union, runtime_checkable
 from . import grammar, tags
 from .tags import ASYNC_CLOSE, ASYNC_OPEN, AsyncClose, AsyncOpen, Parsed, Promise, Sync, Threads
 
-__all__ = ["Dialect", "TextParser", "PastaDialect", "PASTA", "DIALECT_NAMES", "get_dialect", "Fork", "Open", "Close", "Join",
+__all__ = ["Dialect", "TextParser", "PastaDialect", "PASTA", "DIALECT_NAMES", "get_dialect", "policy_reserve", "Fork", "Open", "Close", "Join",
            "Markup", "TraceFork", "TraceThread", "fork_branches", "fork_joins", "join_tag", "join_position",
            "inserted_bytes", "split_tree"]
 
@@ -248,6 +248,22 @@ class Dialect(Protocol):
         ...
 
 
+def policy_reserve(policy: Any, open_len: int, close_len: int, chunk_len: int | None, predicted: int) -> int:
+    """Positions a parent skips after a fork under position policy ``policy``
+    (:class:`pasta_engine.config.PositionPolicy`; Jin et al. 2025, section 3.2, the paper's
+    position ablation): ``none`` 0 (the child and the parent's next text overlap); ``oracle``
+    the opening tag plus the child's true length ``chunk_len`` (replay); ``constant:K`` the tags
+    plus K; ``predicted`` the tags plus ``predicted`` (the dialect's predicted chunk length).
+    All in tokens (positions)."""
+    if policy.kind == "none":
+        return 0
+    if policy.kind == "oracle":
+        return open_len + (chunk_len or 0)
+    if policy.kind == "constant":
+        return open_len + close_len + policy.constant
+    return open_len + close_len + predicted
+
+
 class PastaDialect:
     """PASTA-LANG (docs/DESIGN.md section 2): ``<promise topic="T" tokens="N"/>`` forks,
     ``<async>`` (inserted) ... ``</async>`` is the chunk, ``<sync/>`` joins; positions follow the
@@ -274,12 +290,8 @@ class PastaDialect:
 
     def reserved_positions(self, fork: Promise, policy: Any, limits: Any, open_len: int,
                            close_len: int, chunk_len: int | None) -> tuple[int, str | None]:
-        if policy.kind == "none":
-            return 0, None
-        if policy.kind == "oracle":
-            return open_len + (chunk_len or 0), None
-        if policy.kind == "constant":
-            return open_len + close_len + policy.constant, None
+        if policy.kind != "predicted":
+            return policy_reserve(policy, open_len, close_len, chunk_len, 0), None
         note = None
         if fork.tokens > limits.max_promise_tokens:
             note = f"promise tokens={fork.tokens} clamped to {limits.max_promise_tokens}"

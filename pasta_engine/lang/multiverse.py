@@ -438,16 +438,7 @@ class MultiverseDialect:
         """What a reader sees (module docstring): the text outside blocks, the paths' bodies
         and the conclusions, no tag and no tag-like text, and no list item a left-out tag
         emptied (:func:`~pasta_engine.lang.tags.drop_empty_items`, as for PASTA-LANG)."""
-        parts: list[str] = []
-        drops: list[int] = []
-        n = 0
-        for e in self.parse(annotated):
-            if type(e) is Text:
-                parts.append(e.text)
-                n += len(e.text)
-            elif not isinstance(e, Malformed):
-                drops.append(n)
-        return tags.drop_empty_items("".join(parts), drops)
+        return tags.clean_from_items(self.parse(annotated))
 
     def __repr__(self) -> str:
         return "MultiverseDialect()"

@@ -57,6 +57,7 @@ __all__ = [
     "parse",
     "strip_tags",
     "clean_text",
+    "clean_from_items",
     "drop_empty_items",
     "held_line_start",
     "split_threads",
@@ -467,10 +468,17 @@ def clean_text(annotated: str) -> str:
     inside a chunk leaves no bare ``- `` line). A function of the whole string: the engine's
     result ``text`` is ``clean_text(annotated_text)``, and the interpreter's clean text and the
     streamed deltas end equal to it."""
+    return clean_from_items(parse(annotated))
+
+
+def clean_from_items(items: Iterable[Parsed]) -> str:
+    """The clean text of a parsed response (any dialect's items, :mod:`pasta_engine.lang.dialect`):
+    its :class:`Text` runs, less the list items that the other items (tags, tag-like text) left
+    empty (:func:`drop_empty_items`). Diagnostics (:class:`Malformed`) take no place."""
     parts: list[str] = []
     drops: list[int] = []
     n = 0
-    for e in parse(annotated):
+    for e in items:
         if type(e) is Text:
             parts.append(e.text)
             n += len(e.text)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
 from pasta_engine.lang.tags import strip_tags
+
+from server_helpers import auth, settled_stats  # tests/server_helpers.py
 
 ANNOTATED = ('Two tips: <promise topic="sleep" tokens="10"/><async>Sleep early, every day.</async> and '
              '<promise topic="walk" tokens="10"/><async>Walk.</async><sync/> That is all.')
@@ -22,21 +23,6 @@ ANNOTATED = ('Two tips: <promise topic="sleep" tokens="10"/><async>Sleep early, 
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
 
-
-def auth(server) -> dict[str, str]:
-    return {"Authorization": f"Bearer {server.api_key}"}
-
-
-def settled_stats(server, tries: int = 400) -> dict:
-    """The engine's counters once no request is running or waiting (aborts are applied
-    between steps; bounded polling)."""
-    s = {}
-    for _ in range(tries):
-        s = httpx.get(server.url + "/v1/pasta/stats", headers=auth(server)).json()
-        if s["running"] == 0 and s["waiting"] == 0 and s["open"] == 0:
-            return s
-        time.sleep(0.05)
-    return s
 
 
 def stream_chat(client, **kw):

@@ -6,7 +6,6 @@ alone. The page's dialect selector is tested in test_page.py."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
@@ -14,6 +13,8 @@ import pytest
 
 from pasta_engine.lang import dialect as dialect_mod
 from pasta_engine.lang.dialect import DIALECT_NAMES, get_dialect
+
+from server_helpers import auth, settled_stats  # tests/server_helpers.py
 
 ANNOTATED = ('Two tips: <promise topic="sleep" tokens="10"/><async>Sleep early, every day.</async> and '
              '<promise topic="walk" tokens="10"/><async>Walk after lunch.</async><sync/> That is all.')
@@ -35,20 +36,6 @@ TRACE_FORKS = {"pasta": 2, "apar": 2, "multiverse": 2}
 # cache's cached_tokens, preemptions, or decode_steps, which the batch's token budget may spread)
 SAME_STATS = ("content_tokens", "tokens_decoded", "tag_tokens", "threads", "forks", "critical_path", "finish_reason")
 
-
-def auth(server) -> dict[str, str]:
-    return {"Authorization": f"Bearer {server.api_key}"}
-
-
-def settled_stats(server, tries: int = 400) -> dict:
-    """The engine's counters once no request is running, waiting or open (bounded polling)."""
-    s = {}
-    for _ in range(tries):
-        s = httpx.get(server.url + "/v1/pasta/stats", headers=auth(server)).json()
-        if s["running"] == 0 and s["waiting"] == 0 and s["open"] == 0:
-            return s
-        time.sleep(0.05)
-    return s
 
 
 @pytest.fixture(scope="module")
