@@ -35,10 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pasta_engine.engine.replay import replay_script
+from pasta_engine.engine.replay import trace_content_figures
 from pasta_engine.lang.dialect import DIALECT_NAMES, get_dialect
-from pasta_engine.lang.tokenization import encode_text, eos_token_ids, replay_eos_id
-from pasta_engine.metrics import content_speedup, critical_path, geomean
+from pasta_engine.lang.tokenization import eos_token_ids, replay_eos_id
+from pasta_engine.metrics import content_speedup, geomean
 from pasta_engine.tools.bench import annotate_rows, annotate_rows_in_dialect, count_tokens_fn
 from pasta_engine.tools.presets import PRESETS, preset_tokenizer
 from pasta_engine.tools.traces import read_prompts, write_traces
@@ -58,12 +58,9 @@ def traces_for(rows: list[Any], dialect: str, count) -> list[Any]:
 
 def theoretical(tokenizer: Any, dialect: str, annotated: str) -> dict[str, Any]:
     """One trace's structure and theoretical content speedup (tokens / steps) in ``dialect``."""
-    lang = get_dialect(dialect)
-    script = replay_script(tokenizer, annotated, replay_eos_id(tokenizer, eos_token_ids(tokenizer)), lang)
-    content = len(encode_text(tokenizer, lang.clean_text(annotated)))
-    cp = critical_path(script.structure)
-    return {"content_tokens": content, "critical_path": cp, "forks": len(script.structure.forks),
-            "tokens_decoded": script.structure.tokens, "content_speedup": content_speedup(content, cp)}
+    content, cp, forks = trace_content_figures(tokenizer, annotated, replay_eos_id(tokenizer, eos_token_ids(tokenizer)),
+                                               get_dialect(dialect))
+    return {"content_tokens": content, "critical_path": cp, "forks": forks, "content_speedup": content_speedup(content, cp)}
 
 
 def realized_command(traces: list[Any], dialect: str, out: Path, args: argparse.Namespace) -> list[str]:

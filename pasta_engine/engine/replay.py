@@ -17,10 +17,10 @@ from typing import Any
 from ..lang.detokenizer import IncrementalDetokenizer, token_bytes_for
 from ..lang.dialect import PASTA, Dialect, fork_joins
 from ..lang.tags import Sync
-from ..lang.tokenization import AnnotatedTokens, ThreadTokens, decode, tokenize_annotated
-from ..metrics import ResponseStructure
+from ..lang.tokenization import AnnotatedTokens, ThreadTokens, decode, encode_text, tokenize_annotated
+from ..metrics import ResponseStructure, critical_path
 
-__all__ = ["ReplayScript", "replay_script"]
+__all__ = ["ReplayScript", "replay_script", "trace_content_figures"]
 
 
 @dataclass
@@ -110,3 +110,16 @@ def replay_script(tokenizer: Any, annotated: str, eos_id: int, dialect: Dialect 
         inserted=len(tok.open_ids) * len(forks),
     )
     return ReplayScript(tok, tok.main_ids + [eos], tok.chunk_ids, tok.spliced_ids + [eos], structure)
+
+
+def trace_content_figures(tokenizer: Any, annotated: str, eos_id: int, dialect: Dialect = PASTA) -> tuple[int, int, int]:
+    """``(content_tokens, critical_path, forks)`` of an annotated response when every fork
+    marker forks, without running a model: the tokens of its clean text (``dialect.clean_text``,
+    under the canonical tokenization, no tag tokens, no EOS), the steps of its pasta replay at
+    unlimited width (:func:`pasta_engine.metrics.critical_path` of :func:`replay_script`'s
+    structure; tag tokens and the EOS step are on it), and the threads forked. Their ratio is the
+    theoretical content speedup (docs/DESIGN.md section 3; :func:`pasta_engine.metrics.content_speedup`).
+
+    Args: as :func:`replay_script`. Never raises on content."""
+    structure = replay_script(tokenizer, annotated, eos_id, dialect).structure
+    return len(encode_text(tokenizer, dialect.clean_text(annotated))), critical_path(structure), len(structure.forks)

@@ -159,7 +159,8 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
-    count = count_tokens_fn(load_tokenizer(args.model))
+    tokenizer = load_tokenizer(args.model)
+    count = count_tokens_fn(tokenizer)
     examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
                                       annotator=args.annotator, seed=args.seed)
     if args.drop_repeats:
@@ -172,7 +173,7 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         examples = [e for e in examples if e.promises >= min_promises]
         counts[f"min_promises_{min_promises}"] = len(examples)
     if args.min_content_speedup > 0:
-        examples = _fast_examples(examples, args)
+        examples = _fast_examples(examples, args, tokenizer)
         counts[f"min_content_speedup_{args.min_content_speedup:g}"] = len(examples)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "examples.jsonl").open("w") as f:
@@ -194,17 +195,15 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     return 0
 
 
-def _fast_examples(examples: Sequence[Any], args: argparse.Namespace) -> list[Any]:
+def _fast_examples(examples: Sequence[Any], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
     """The examples whose annotation's theoretical content speedup is >= --min-content-speedup,
-    measured with the tokenizer the adapter will have (its added tag tokens, or the PASTA-LANG
-    pieces with --tag-tokens)."""
+    measured with the tokenizer the adapter will have: ``tokenizer`` (the base model's) gets the
+    adapter's added tag tokens, or the PASTA-LANG pieces with --tag-tokens, in place."""
     from ..lang.grammar import add_tag_tokens
     from ..lang.tokenization import eos_token_ids, replay_eos_id
     from ..models.loader import add_adapter_tokens
-    from ..train.common import load_tokenizer
     from ..train.data import annotation_content_speedup
 
-    tokenizer = load_tokenizer(args.model)
     if args.adapter is not None:
         add_adapter_tokens(tokenizer, args.adapter)
     elif args.tag_tokens:

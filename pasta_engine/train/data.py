@@ -15,10 +15,9 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from ..engine.replay import replay_script
-from ..lang.tags import clean_text, strip_tags
-from ..lang.tokenization import encode_text
-from ..metrics import content_speedup, critical_path
+from ..engine.replay import trace_content_figures
+from ..lang.tags import strip_tags
+from ..metrics import content_speedup
 from ..tools.annotate import annotate
 from ..tools.traces import PromptRow
 
@@ -128,5 +127,5 @@ def annotation_content_speedup(tokenizer: Any, annotated: str, eos_id: int) -> f
         eos_id: the end-of-sequence token id the main thread ends with (counted as a step).
 
     Never raises on content; an answer without content has 0."""
-    script = replay_script(tokenizer, annotated, eos_id)
-    return content_speedup(len(encode_text(tokenizer, clean_text(annotated))), critical_path(script.structure))
+    content, critical, _ = trace_content_figures(tokenizer, annotated, eos_id)
+    return content_speedup(content, critical)
