@@ -349,11 +349,11 @@ class Interpreter:
         main thread its own tokens, for a chunk its parent's tokens up to its promise (and so
         on up to the main thread) and its own (the inserted ``<async>`` included)."""
         t = self.threads[tid]
-        parts = [t.tokens]
-        while t.parent is not None:
-            parts.append(t.parent.tokens[: t.fork_at])
+        seen = t.tokens
+        while t.parent is not None:  # list concatenation (C speed): this runs per step per penalised thread
+            seen = t.parent.tokens[: t.fork_at] + seen
             t = t.parent
-        return self.prompt_ids + [x for part in reversed(parts) for x in part]
+        return self.prompt_ids + seen
 
     def _grammar_state(self, t: Thread) -> int:
         """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample."""
