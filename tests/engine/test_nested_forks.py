@@ -278,3 +278,24 @@ def test_the_critical_path_of_a_tree_by_hand():
 def test_a_malformed_tree_is_refused_naming_what(bad, match):
     with pytest.raises(ValueError, match=match):
         critical_path(ResponseStructure(main_tokens=4, **bad))
+
+
+def test_an_abort_at_any_step_of_a_nested_request_frees_every_page(tiny_engine):
+    """Abort a nested Multiverse replay after k steps, for every k up to its end: whatever its
+    threads are doing (children stalled at their own joins, a parent ending while its children
+    run), every KV page is free once the abort's final output is returned, and the engine
+    serves the next request (docs/DESIGN.md section 7)."""
+    engine = tiny_engine
+    total = engine.block_manager.num_free
+    [full] = engine.replay([PROMPT], [NESTED], dialect="multiverse")
+    steps = full.stats.decode_steps
+    for k in range(1, steps + 1, max(1, steps // 12)):
+        rid = engine.add_request(PROMPT, annotated_response=NESTED, dialect="multiverse")
+        for _ in range(k):
+            engine.step()
+        engine.abort(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.block_manager.num_free == total, k
+    [again] = engine.replay([PROMPT], [NESTED], dialect="multiverse")
+    assert again.text == full.text
