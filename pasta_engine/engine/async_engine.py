@@ -44,9 +44,9 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..errors import EngineDeadError, ParameterError
-from ..lang.dialect import Dialect
+from ..lang.dialect import Dialect, dialect_prompt
 from ..lang.tokenization import encode_prompt
-from .llm_engine import Engine, Prompt
+from .llm_engine import Engine, Prompt, resolve_dialect
 from .render import ThreadEvent
 from .request import RequestOutput, RequestResult, RequestStats
 from .streaming import OutputKind, StopFilter
@@ -378,7 +378,8 @@ class AsyncEngine:
             try:
                 prompt = spec["prompt"]
                 if _is_chat(prompt):  # tokenized here: the tokenizer is shared with this thread's detokenizers
-                    prompt = format_chat(self.engine, prompt, "pasta" if spec["annotated_response"] else spec["mode"])
+                    prompt = format_chat(self.engine, prompt, "pasta" if spec["annotated_response"] else spec["mode"],
+                                         spec["dialect"])
                 elif isinstance(prompt, str) and not spec["chat_template"]:
                     prompt = self.engine.encode(prompt)
                     if not prompt:
@@ -503,17 +504,22 @@ def _is_chat(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
-def format_chat(engine: Engine, messages: Sequence[dict[str, Any]], mode: str = "pasta") -> list[int]:
+def format_chat(engine: Engine, messages: Sequence[dict[str, Any]], mode: str = "pasta",
+                dialect: str | Dialect | None = None) -> list[int]:
     """Prompt token ids for chat messages, through the model's chat template.
 
     Args:
         engine: gives the tokenizer, ``config.pasta_prompt`` and ``config.prompt_special_tokens``.
         messages: ``[{"role": "system" | "developer" | "user" | "assistant", "content": str or a
             list of {"type": "text", "text": str} parts}, ...]``, ending with a user message.
-        mode: in ``pasta`` mode the PASTA-LANG system prompt (its instructions, then the
+        mode: in ``pasta`` mode the dialect's system prompt (its instructions, then the
             messages' own system text) and its example exchanges come first.
+        dialect: the request's dialect (a name or a Dialect; None: PASTA-LANG, whose prompt is
+            ``config.pasta_prompt``; any other brings its own,
+            :func:`~pasta_engine.lang.dialect.dialect_prompt`).
 
-    Raises ParameterError naming ``messages`` (with the index of the bad one)."""
+    Raises ParameterError naming ``messages`` (with the index of the bad one), or ``dialect``
+    for an unknown one."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ParameterError("messages", messages, "a non-empty list of {role, content} objects")
     system: list[str] = []
@@ -541,7 +547,7 @@ def format_chat(engine: Engine, messages: Sequence[dict[str, Any]], mode: str = 
         raise ParameterError("messages", messages, message="the last message must be the user's (role 'user')")
     head: list[dict[str, str]] = []
     if mode == "pasta":
-        pp = engine.config.pasta_prompt
+        pp = dialect_prompt(resolve_dialect(dialect), engine.config.pasta_prompt)
         system = [pp.system, *system] if pp.system else system
         for q, a in pp.examples:
             head += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]

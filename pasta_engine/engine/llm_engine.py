@@ -40,7 +40,7 @@ import torch
 
 from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..errors import ContextLengthError, ParameterError
-from ..lang.dialect import DIALECT_NAMES, PASTA, Dialect, get_dialect
+from ..lang.dialect import DIALECT_NAMES, PASTA, Dialect, dialect_prompt, get_dialect
 from ..lang.prompts import PastaPrompt
 from ..lang.detokenizer import token_bytes_table
 from ..lang.grammar import state_masks, tag_tokens_of
@@ -231,18 +231,25 @@ class Engine:
         """Text of ``ids`` with special tokens kept (tags may be special tokens)."""
         return decode(self.tokenizer, ids)
 
-    def format_prompt(self, prompt: Prompt, mode: str = "pasta", index: int | None = None) -> list[int]:
+    def format_prompt(self, prompt: Prompt, mode: str = "pasta", index: int | None = None,
+                      dialect: str | Dialect | None = None) -> list[int]:
         """Token ids for ``prompt``: a list of ids is used as it is; a string goes through the
-        chat template (in pasta mode with the PASTA-LANG system prompt and examples), its text
-        tokenized as ``config.prompt_special_tokens`` says. ``index`` names the prompt in
-        errors (its place in a list of prompts).
+        chat template (in pasta mode with the dialect's system prompt and examples:
+        ``config.pasta_prompt`` for PASTA-LANG, the dialect's own for any other,
+        :func:`~pasta_engine.lang.dialect.dialect_prompt`), its text tokenized as
+        ``config.prompt_special_tokens`` says. ``index`` names the prompt in errors (its place
+        in a list of prompts); ``dialect`` is as :meth:`add_request`'s.
 
         Raises ParameterError naming the prompt for anything else (None, bytes, an empty list,
-        non-integer or out-of-vocabulary ids, a string with a lone surrogate)."""
+        non-integer or out-of-vocabulary ids, a string with a lone surrogate), or naming
+        ``dialect`` for an unknown one."""
         where = f"prompt {index}" if index is not None else "prompt"
         if isinstance(prompt, str):
             _check_text(prompt, "prompt", where)
-            msgs = self.config.pasta_prompt.messages(prompt) if mode == "pasta" else [{"role": "user", "content": prompt}]
+            if mode == "pasta":
+                msgs = dialect_prompt(resolve_dialect(dialect), self.config.pasta_prompt).messages(prompt)
+            else:
+                msgs = [{"role": "user", "content": prompt}]
             return encode_prompt(self.tokenizer, msgs, self.config.prompt_special_tokens)
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
             raise ParameterError("prompt", prompt, message=f"{where} must be a string or a list of token ids, got "
@@ -278,7 +285,7 @@ class Engine:
         ``index``: its place in a list of prompts (named in errors), None for a lone request."""
         if not isinstance(mode, str) or mode not in MODES:
             raise ParameterError("mode", mode, "'pasta' or 'sequential'")
-        lang = _dialect(dialect)
+        lang = resolve_dialect(dialect)
         if params is None:
             params = SamplingParams(max_new_tokens=1) if annotated_response is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -300,9 +307,9 @@ class Engine:
             if not isinstance(annotated_response, str):
                 raise ParameterError("annotated_response", annotated_response, "a string")
             _check_text(annotated_response, "annotated_response", "the annotated response")
-            prompt_ids = self.format_prompt(prompt, "pasta", index)  # both modes see the same prompt
+            prompt_ids = self.format_prompt(prompt, "pasta", index, lang)  # both modes see the same prompt
         else:
-            prompt_ids = self.format_prompt(prompt, mode, index)
+            prompt_ids = self.format_prompt(prompt, mode, index, lang)
         if self.max_positions is not None and len(prompt_ids) >= self.max_positions:
             raise ContextLengthError("prompt", len(prompt_ids), message=(
                 f"{'the prompt' if index is None else f'prompt {index}'} has {len(prompt_ids)} tokens, which leaves no "
@@ -695,7 +702,7 @@ def _check_kv_budget(kv_cache_bytes: int | None, device: torch.device) -> None:
             "(--kv-cache-mb)"))
 
 
-def _dialect(dialect: str | Dialect | None) -> Dialect:
+def resolve_dialect(dialect: str | Dialect | None) -> Dialect:
     """The request's dialect: PASTA-LANG for None, a registered name, or a Dialect object.
     Raises ParameterError naming the value and the choices."""
     if dialect is None:

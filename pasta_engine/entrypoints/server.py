@@ -511,16 +511,17 @@ class _Prompts:
         # BPE and SentencePiece spell one byte with one or more characters); doubled for margin
         self.bytes_per_token_max = 2 * max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
 
-    async def tokenize(self, prompts: Sequence[Any], chat: bool, mode: str) -> list[list[int]]:
+    async def tokenize(self, prompts: Sequence[Any], chat: bool, mode: str, dialect: str = "pasta") -> list[list[int]]:
         """Token ids of each prompt: chat messages (``[{"role", "content"}]``, through the chat
-        template in ``mode``), a text (tokenized as text, no template) or token ids (kept).
+        template in ``mode``, with ``dialect``'s system prompt in pasta mode), a text (tokenized as
+        text, no template) or token ids (kept).
 
         Raises ParameterError naming the prompt (ContextLengthError for one that leaves no room
         under the model's context)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._tokenize, list(prompts), chat, mode)
+        return await loop.run_in_executor(self._pool, self._tokenize, list(prompts), chat, mode, dialect)
 
-    def _tokenize(self, prompts: list[Any], chat: bool, mode: str) -> list[list[int]]:
+    def _tokenize(self, prompts: list[Any], chat: bool, mode: str, dialect: str) -> list[list[int]]:
         tok = self._copies.get()
         try:
             view = _TokenizerView(tok, self.config)
@@ -529,7 +530,7 @@ class _Prompts:
                 where = "the prompt" if len(prompts) == 1 else f"prompt {i}"
                 if chat:
                     self._check_text(sum(len(m["content"].encode("utf-8")) for m in prompt), where)
-                    ids = format_chat(view, prompt, mode)  # type: ignore[arg-type]
+                    ids = format_chat(view, prompt, mode, dialect)  # type: ignore[arg-type]
                 elif isinstance(prompt, str):
                     self._check_text(len(prompt.encode("utf-8")), where)
                     ids = encode_text(tok, prompt)
@@ -927,7 +928,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
             opts = srv.options(req, chat=True)
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             mode = "pasta" if opts.annotated_response is not None else opts.mode  # a replay's prompt: pasta's
-            prompts = await srv.prompts.tokenize([messages], chat=True, mode=mode)
+            prompts = await srv.prompts.tokenize([messages], chat=True, mode=mode, dialect=opts.dialect)
             cid = f"chatcmpl-{uuid.uuid4().hex}"
             streams = await srv.start(prompts, opts, cid, t0)
         except Exception as e:
@@ -945,7 +946,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
             if len(prompts) * opts.n > MAX_PROMPTS:
                 raise ParameterError("prompt", len(prompts), message=f"{len(prompts)} prompts x n={opts.n} is more "
                                      f"than {MAX_PROMPTS} completions in one request")
-            prompts = await srv.prompts.tokenize(prompts, chat=False, mode=opts.mode)
+            prompts = await srv.prompts.tokenize(prompts, chat=False, mode=opts.mode, dialect=opts.dialect)
             cid = f"cmpl-{uuid.uuid4().hex}"
             streams = await srv.start(prompts, opts, cid, t0)
         except Exception as e:

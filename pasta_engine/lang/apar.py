@@ -51,9 +51,10 @@ from typing import Any, Sequence
 
 from .dialect import policy_reserve
 from .grammar import GrammarState
+from .prompts import PastaPrompt
 from .tags import AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, TagText, Text, Threads, clean_from_items
 
-__all__ = ["AparDialect", "AparParser", "APAR", "FORK", "CHILD", "CHILD_CLOSE", "DEFAULT_RESERVE", "MAX_MARKER_JUNK"]
+__all__ = ["AparDialect", "AparParser", "APAR", "APAR_PROMPT", "FORK", "CHILD", "CHILD_CLOSE", "DEFAULT_RESERVE", "MAX_MARKER_JUNK"]
 
 #: The paper's ``[Fork]``: the main thread forks after it.
 FORK = "[Fork]"
@@ -65,6 +66,22 @@ CHILD_CLOSE = "[/Child]"
 DEFAULT_RESERVE = 64
 #: After a malformed marker, at most this many further characters are tag-like (through ``]``).
 MAX_MARKER_JUNK = 16
+
+#: The prompt that teaches an un-finetuned instruct model APAR (a request in this dialect gets it
+#: instead of the engine's PASTA-LANG prompt: :func:`~.dialect.dialect_prompt`). As PASTA-LANG's,
+#: its example is what the main thread writes and sees: headers each ending in ``[Fork]``; the
+#: bodies are written by the children, after ``[Child]``.
+APAR_PROMPT = PastaPrompt(
+    system=(f"You are a helpful assistant. When a list has independent items, write each item's short "
+            f"header and then {FORK} instead of the item's body. Each body is then written in parallel: it "
+            f"starts after {CHILD} and ends with {CHILD_CLOSE}, for example: {CHILD}: go to bed at the same "
+            f"time every day.{CHILD_CLOSE} After the last header, finish the answer."),
+    examples=((
+        "Give me three tips for better sleep.",
+        f"Here are three tips for better sleep:\n1. **Regular schedule**{FORK}\n2. **No screens**{FORK}\n"
+        f"3. **A quiet, dark room**{FORK}\nThese habits will help you sleep better.",
+    ),),
+)
 
 _MARKERS = {FORK: "fork", CHILD: "open", CHILD_CLOSE: "close"}
 _HEADS = tuple(m[:-1] for m in _MARKERS)  # "[Fork", "[Child", "[/Child"
@@ -201,6 +218,8 @@ class AparDialect:
     nesting = False
     #: Fixed pieces a tokenizer may add as tokens (each then encodes as one token).
     tag_pieces = (FORK, CHILD, CHILD_CLOSE)
+    #: What a string prompt in this dialect is formatted with (:func:`~.dialect.dialect_prompt`).
+    prompt = APAR_PROMPT
 
     def __init__(self, reserve: int = DEFAULT_RESERVE) -> None:
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:

@@ -61,11 +61,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, Union, runtime_checkable
 
 from . import grammar, tags
+from .prompts import NO_PROMPT, PastaPrompt
 from .tags import ASYNC_CLOSE, ASYNC_OPEN, AsyncClose, AsyncOpen, Parsed, Promise, Sync, Threads
 
 __all__ = ["Dialect", "TextParser", "PastaDialect", "PASTA", "DIALECT_NAMES", "get_dialect", "policy_reserve", "Fork", "Open", "Close", "Join",
            "Markup", "TraceFork", "TraceThread", "fork_branches", "fork_joins", "join_tag", "join_position",
-           "inserted_bytes", "split_tree"]
+           "inserted_bytes", "split_tree", "dialect_prompt"]
 
 #: The event vocabulary a dialect's parser speaks (see the module docstring).
 Fork = Promise
@@ -200,7 +201,13 @@ class Dialect(Protocol):
         close_tag: the text that ends a forked thread; the annotated text gets it when the
             interpreter closed a thread (cap, end-of-sequence, cut off).
         nesting: whether a fork marker inside a forked thread forks (False: it is not acted
-            on and left out of the clean text)."""
+            on and left out of the clean text).
+
+    Optional members (read through this module's helpers; a dialect without them gets
+    PASTA-LANG's behaviour): ``branches`` (:func:`fork_branches`), ``fork_joins``
+    (:func:`fork_joins`), ``join_tag``, ``join_position``, ``inserted_bytes``, and ``prompt``
+    (:func:`dialect_prompt`: the system prompt and examples that teach an un-finetuned model the
+    dialect)."""
 
     name: str
     open_tag: str
@@ -246,6 +253,18 @@ class Dialect(Protocol):
     def clean_text(self, annotated: str) -> str:
         """The clean response a reader sees: no tag, no tag-like text."""
         ...
+
+
+def dialect_prompt(dialect: Any, pasta_prompt: PastaPrompt) -> PastaPrompt:
+    """The prompt a string prompt is formatted with in pasta mode (and in a replay), for a
+    request in ``dialect``: ``pasta_prompt`` (the engine's configured one, an adapter's manifest's
+    when it has one) for PASTA-LANG; the dialect's own ``prompt`` member for any other, since a
+    prompt that teaches PASTA-LANG's tags would teach the wrong language; no system prompt and
+    no example for a dialect that has none."""
+    if dialect is PASTA or getattr(dialect, "name", None) == PASTA.name:
+        return pasta_prompt
+    own = getattr(dialect, "prompt", None)
+    return own if isinstance(own, PastaPrompt) else NO_PROMPT
 
 
 def policy_reserve(policy: Any, open_len: int, close_len: int, chunk_len: int | None, predicted: int) -> int:

@@ -63,11 +63,12 @@ from typing import Any, Sequence
 
 from . import tags
 from .dialect import Markup, TraceFork, TraceThread
+from .prompts import PastaPrompt
 from .tags import AsyncClose, Chunk, Malformed, Parsed, Promise, TagText, Text, Threads
 
 __all__ = [
     "PARALLEL", "GOAL", "OUTLINE", "PATH", "CONCLUSION", "GoalFork", "MultiverseParser", "MultiverseDialect",
-    "MULTIVERSE", "path_header", "MAX_LABEL_CHARS",
+    "MULTIVERSE", "MULTIVERSE_PROMPT", "path_header", "MAX_LABEL_CHARS",
 ]
 
 PARALLEL, GOAL, OUTLINE, PATH, CONCLUSION = "Parallel", "Goal", "Outline", "Path", "Conclusion"
@@ -86,6 +87,24 @@ def path_header(i: int) -> str:
     if i < 1:
         raise ValueError(f"path index i must be >= 1, got {i}")
     return f"<{PATH}>\n{i}:"
+
+
+#: The prompt that teaches an un-finetuned instruct model Multiverse (a request in this dialect
+#: gets it instead of the engine's PASTA-LANG prompt: :func:`~.dialect.dialect_prompt`). Its
+#: example is a whole block: after ``</Goal>`` the parent sees every path, then concludes.
+MULTIVERSE_PROMPT = PastaPrompt(
+    system=("You are a helpful assistant. When an answer has independent parts, write them as a parallel "
+            "block: <Parallel>, then a <Goal> with one short <Outline> per part, then one <Path> per outline "
+            "(each starts with the outline's number and is written in parallel), then a <Conclusion> that "
+            "uses them all, then </Parallel>."),
+    examples=((
+        "Give me two tips for better sleep.",
+        "Here are two tips for better sleep:\n<Parallel>\n<Goal>\n<Outline>1: regular schedule</Outline>\n"
+        "<Outline>2: no screens</Outline>\n</Goal>\n<Path>\n1: Go to bed and get up at the same time every day.\n"
+        "</Path>\n<Path>\n2: Put your phone away an hour before bed.\n</Path>\n<Conclusion>\nThese habits "
+        "will help you sleep better.\n</Conclusion>\n</Parallel>",
+    ),),
+)
 
 
 @dataclass(frozen=True)
@@ -298,6 +317,8 @@ class MultiverseDialect:
     join_tag = f"<{CONCLUSION}>"
     nesting = True
     fork_joins = True
+    #: What a string prompt in this dialect is formatted with (:func:`~.dialect.dialect_prompt`).
+    prompt = MULTIVERSE_PROMPT
 
     def parser(self) -> MultiverseParser:
         """A fresh parser for one decoding thread."""

@@ -1,11 +1,12 @@
 """Prompts: the PASTA-LANG system prompt that teaches an un-finetuned instruct model the tags,
-and the project's sample prompt."""
+and the project's sample prompt. (The other dialects' prompts live with their dialects:
+``pasta_engine.lang.apar.APAR_PROMPT``, ``pasta_engine.lang.multiverse.MULTIVERSE_PROMPT``.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["PastaPrompt", "DEFAULT_PASTA_PROMPT", "LEARNED_PASTA_PROMPT", "LEARNED_SYSTEM", "SAMPLE_PROMPT"]
+__all__ = ["PastaPrompt", "NO_PROMPT", "DEFAULT_PASTA_PROMPT", "LEARNED_PASTA_PROMPT", "LEARNED_SYSTEM", "SAMPLE_PROMPT"]
 
 SAMPLE_PROMPT = "What are different drawers I should have for clothes?"
 
@@ -58,6 +59,10 @@ class PastaPrompt:
 
 
 DEFAULT_PASTA_PROMPT = PastaPrompt()
+
+#: No system prompt and no example: the user's message alone (a dialect without a prompt of its
+#: own, :func:`~pasta_engine.lang.dialect.dialect_prompt`).
+NO_PROMPT = PastaPrompt(system="", examples=())
 
 #: The one short system line a model finetuned on PASTA-LANG is trained and run with (no
 #: examples): the long prompt above costs ~230 prompt tokens per request, which made pasta mode

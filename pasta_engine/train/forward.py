@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import Limits, PositionPolicy
-from ..lang.dialect import PASTA, Dialect
+from ..lang.dialect import PASTA, Dialect, dialect_prompt
 from ..lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
 from ..lang.tokenization import encode_prompt, eos_token_ids
 from .layout import PastaLayout, pasta_layout
@@ -36,12 +36,14 @@ def layout_for(
     dialect: Dialect = PASTA,
 ) -> PastaLayout:
     """The layout of one training example: ``prompt`` formatted as the engine formats a replay's
-    prompt (a string through the chat template with ``pasta_prompt``; a list of ids as it is),
-    the response laid out by :func:`~pasta_engine.train.layout.pasta_layout` with the model's
-    end-of-sequence ids and context length."""
+    prompt (a string through the chat template with ``pasta_prompt`` for PASTA-LANG, with the
+    dialect's own prompt for any other: :func:`~pasta_engine.lang.dialect.dialect_prompt`; a list
+    of ids as it is), the response laid out by :func:`~pasta_engine.train.layout.pasta_layout`
+    with the model's end-of-sequence ids and context length."""
     cfg = _model_config(model)
     if isinstance(prompt, str):
-        prompt_ids = encode_prompt(tokenizer, pasta_prompt.messages(prompt), prompt_special_tokens)
+        messages = dialect_prompt(dialect, pasta_prompt).messages(prompt)
+        prompt_ids = encode_prompt(tokenizer, messages, prompt_special_tokens)
     else:
         prompt_ids = [int(t) for t in prompt]
     return pasta_layout(tokenizer, prompt_ids, annotated_response, eos_ids=eos_token_ids(tokenizer, cfg),
@@ -95,7 +97,8 @@ def pasta_logprobs(
             it) or a list of token ids.
         annotated_response: the response with PASTA-LANG tags.
         position_policy: ``predicted`` | ``constant:K`` | ``none`` | ``oracle``.
-        pasta_prompt, limits: as the engine's config.
+        pasta_prompt, limits: as the engine's config (``pasta_prompt`` applies to PASTA-LANG;
+            another dialect brings its own prompt, as in the engine).
         dialect: the language of ``annotated_response`` (default PASTA-LANG), as the replay's.
 
     Returns ``(token_ids, logprobs)`` aligned with ``RequestResult.token_ids`` and

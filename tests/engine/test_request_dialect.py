@@ -33,3 +33,38 @@ def test_pasta_by_name_equals_the_default(tiny_engine):
     b = tiny_engine.generate(["hello"], SamplingParams(max_new_tokens=6), dialect="pasta")[0]
     c = tiny_engine.generate(["hello"], SamplingParams(max_new_tokens=6), dialect=PASTA)[0]
     assert a.token_ids == b.token_ids == c.token_ids
+
+
+def test_each_dialect_brings_its_own_prompt(tiny_engine):
+    """A string prompt in pasta mode gets the request's dialect's system prompt and example (a
+    prompt teaching PASTA-LANG's tags would teach APAR or Multiverse the wrong language); the
+    engine's configured prompt stays PASTA-LANG's; sequential mode has none in any dialect."""
+    from pasta_engine.engine.async_engine import format_chat
+
+    shown = {n: tiny_engine.decode(tiny_engine.format_prompt("Name two fruits.", "pasta", dialect=n))
+             for n in DIALECT_NAMES}
+    assert "<promise" in shown["pasta"] and "[Fork]" not in shown["pasta"]
+    assert "[Fork]" in shown["apar"] and "<promise" not in shown["apar"] and "PASTA-LANG" not in shown["apar"]
+    assert "<Outline>" in shown["multiverse"] and "<promise" not in shown["multiverse"]
+    assert tiny_engine.format_prompt("Name two fruits.", "pasta") == tiny_engine.format_prompt(
+        "Name two fruits.", "pasta", dialect=PASTA)
+    seq = {tuple(tiny_engine.format_prompt("Name two fruits.", "sequential", dialect=n)) for n in DIALECT_NAMES}
+    assert len(seq) == 1
+    msgs = [{"role": "user", "content": "Name two fruits."}]
+    for n in DIALECT_NAMES:  # chat messages go through the same prompt
+        assert format_chat(tiny_engine, msgs, "pasta", n) == tiny_engine.format_prompt("Name two fruits.", "pasta",
+                                                                                         dialect=n)
+    with pytest.raises(ParameterError, match="dialect"):
+        tiny_engine.format_prompt("hi", "pasta", dialect="klingon")
+
+
+def test_a_request_and_its_replay_are_formatted_with_their_dialects_prompt(tiny_engine):
+    from pasta_engine.lang.dialect import dialect_prompt
+    from pasta_engine.lang.tokenization import encode_prompt
+
+    trace = "Two tips:\n1. Sleep[Fork][Child] early.[/Child]\n2. Walk[Fork][Child] daily.[/Child]\nDone."
+    [res] = tiny_engine.replay(["Give me two tips."], [trace], dialect="apar")
+    want = encode_prompt(tiny_engine.tokenizer, dialect_prompt(get_dialect("apar"), tiny_engine.config.pasta_prompt)
+                         .messages("Give me two tips."), tiny_engine.config.prompt_special_tokens)
+    assert res.prompt_ids == want != tiny_engine.format_prompt("Give me two tips.", "pasta")
+    assert res.stats.forks == 2

@@ -193,3 +193,23 @@ def test_requests_in_several_dialects_decode_together_as_they_would_alone(server
             assert one["critical_path"] < one["tokens_decoded"] or not one["forks"]  # threads ran side by side
     stats = settled_stats(server)
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_a_chat_prompt_gets_its_dialects_system_prompt(server, client, tiny_llama):
+    """The server formats a pasta-mode chat prompt with the request's dialect's prompt (usage's
+    prompt_tokens is its length), never PASTA-LANG's for APAR or Multiverse."""
+    from transformers import AutoTokenizer
+
+    from pasta_engine.lang.dialect import dialect_prompt
+    from pasta_engine.lang.prompts import DEFAULT_PASTA_PROMPT
+    from pasta_engine.lang.tokenization import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    seen = {}
+    for name in DIALECT_NAMES:
+        r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi."}],
+                                           temperature=0, max_tokens=2, extra_body={"pasta": {"dialect": name}})
+        want = encode_prompt(tok, dialect_prompt(get_dialect(name), DEFAULT_PASTA_PROMPT).messages("Hi."))
+        assert r.usage.prompt_tokens == len(want), name
+        seen[name] = r.usage.prompt_tokens
+    assert len(set(seen.values())) == len(DIALECT_NAMES)

@@ -359,3 +359,13 @@ def test_the_toy_dialect_round_trips_in_both_modes():
 def test_generated_toy_lists_round_trip(items, tail):
     ann = "".join(f"\n{i}. {h}{FORK}" + (CHILD + b + END if has else "") for i, (h, b, has) in enumerate(items)) + tail
     check_dialect_round_trip(ToyTokenizer(), ann, ToyApar())
+
+
+def test_a_dialect_without_a_prompt_of_its_own_gets_none_and_pasta_gets_the_configured_one():
+    from pasta_engine.lang.dialect import dialect_prompt
+    from pasta_engine.lang.prompts import DEFAULT_PASTA_PROMPT, LEARNED_PASTA_PROMPT, NO_PROMPT
+
+    assert dialect_prompt(PASTA, LEARNED_PASTA_PROMPT) is LEARNED_PASTA_PROMPT
+    assert dialect_prompt(PastaDialect(), DEFAULT_PASTA_PROMPT) is DEFAULT_PASTA_PROMPT
+    assert dialect_prompt(ToyApar(), LEARNED_PASTA_PROMPT) is NO_PROMPT
+    assert NO_PROMPT.messages("hi") == [{"role": "user", "content": "hi"}]
