@@ -154,6 +154,9 @@ def add_pasta_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-threads", type=nonneg_int, default=16,
                    help="threads of one request decoding together (0 = unlimited)")
     g.add_argument("--max-forks", type=nonneg_int, default=64, help="forks per request; later promises are text")
+    g.add_argument("--max-fork-depth", type=positive_int, default=2,
+                   help="how deep forks nest in a dialect that nests them (multiverse): a thread at depth d "
+                        "forks only when d < this; deeper blocks decode inline")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, temperature: float = 0.0,
@@ -280,7 +283,8 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
     )
     if hasattr(args, "max_threads"):
-        options["limits"] = Limits(max_threads=args.max_threads or None, max_forks=args.max_forks)
+        options["limits"] = Limits(max_threads=args.max_threads or None, max_forks=args.max_forks,
+                                   max_fork_depth=args.max_fork_depth)
         options["position_policy"] = args.position_policy
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20
@@ -309,5 +313,5 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
     }
     if hasattr(args, "max_threads"):
         settings.update(position_policy=str(engine.config.position_policy), max_threads=args.max_threads or None,
-                        max_forks=args.max_forks)
+                        max_forks=args.max_forks, max_fork_depth=args.max_fork_depth)
     return engine, settings

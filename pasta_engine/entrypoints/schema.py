@@ -116,6 +116,8 @@ class PastaOptions(BaseModel):
         None, max_length=64, description="predicted | none | oracle (replay only) | constant:K (0 <= K < 10**9)")
     max_threads: int | None = Field(None, ge=0, le=2**20, description="threads decoding together (0 = unlimited)")
     max_forks: int | None = Field(None, ge=0, le=2**20, description="forks per request")
+    max_fork_depth: int | None = Field(None, ge=1, le=64, description="how deep forks nest in a dialect that nests "
+                                       "them (multiverse); deeper blocks decode inline")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
     annotated_response: str | None = Field(None, description="replay this annotated response (forced decoding)")
 

@@ -104,3 +104,32 @@ def test_dialect_usage_errors(responses, cache, tmp_path, capsys, monkeypatch):
     assert main([*common, "--dialect", "multiverse"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pasta-engine: error: --dialect multiverse needs")
+
+
+NESTED = ("Intro.\n<Parallel><Goal><Outline>1: a</Outline><Outline>2: b</Outline></Goal>"
+          "<Path>\n1: first\n</Path>"
+          "<Path>\n2: second <Parallel><Goal><Outline>1: x</Outline><Outline>2: y</Outline></Goal>"
+          "<Path>\n1: inner one</Path><Path>\n2: inner two, longer than one</Path>"
+          "<Conclusion>inner end</Conclusion></Parallel> after\n</Path>"
+          "<Conclusion>\nSo.\n</Conclusion></Parallel>\nBye")
+
+
+@pytest.mark.parametrize("depth,forks", [(1, 2), (2, 4)])
+def test_max_fork_depth_caps_a_nested_multiverse_replay(cache, tmp_path, capsys, depth, forks):
+    """``--max-fork-depth 1``: the nested block decodes inline in its path (2 threads forked,
+    the outer paths); 2 (the default): it forks too (4). The clean text is the same either way."""
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text(json.dumps({"prompt": "Two things?", "annotated_response": NESTED}) + "\n")
+    rc = main(["replay", "--traces", str(traces), "--dialect", "multiverse", "--json", "--preset", "tiny-llama",
+               "--kv-cache-mb", "16", "--max-threads", "0", "--max-fork-depth", str(depth), "--repeats", "1",
+               "--no-progress"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    row = json.loads(out.splitlines()[0])
+    from pasta_engine.lang.multiverse import MULTIVERSE
+
+    assert row["pasta"]["stats"]["forks"] == forks and row["pasta"]["text"] == MULTIVERSE.clean_text(NESTED)
+    assert any("fork depth cap 1 reached" in d for d in row["pasta"]["diagnostics"]) == (depth == 1)
+    with pytest.raises(SystemExit) as e:
+        main(["replay", "--traces", str(traces), "--max-fork-depth", "0"])
+    assert e.value.code == 2 and "--max-fork-depth" in capsys.readouterr().err

@@ -213,3 +213,22 @@ def test_a_chat_prompt_gets_its_dialects_system_prompt(server, client, tiny_llam
         assert r.usage.prompt_tokens == len(want), name
         seen[name] = r.usage.prompt_tokens
     assert len(set(seen.values())) == len(DIALECT_NAMES)
+
+
+def test_max_fork_depth_is_a_request_field(server):
+    """``pasta.max_fork_depth``: a nested Multiverse replay forks its inner block only under a
+    depth cap of 2 (the default); 0 is a 400 naming the field."""
+    from test_cli_dialect import NESTED  # tests/entrypoints/test_cli_dialect.py
+
+    def forks(**pasta):
+        body = {"model": server.model, "messages": [{"role": "user", "content": "Two things?"}], "temperature": 0,
+                "max_tokens": 256, "pasta": {"dialect": "multiverse", "annotated_response": NESTED, **pasta}}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(server), timeout=120)
+        return r.status_code, r.json()
+
+    code, shallow = forks(max_fork_depth=1, max_threads=0)
+    assert code == 200 and shallow["choices"][0]["pasta"]["stats"]["forks"] == 2
+    code, deep = forks(max_threads=0)
+    assert code == 200 and deep["choices"][0]["pasta"]["stats"]["forks"] == 4
+    code, err = forks(max_fork_depth=0)
+    assert code == 400 and err["error"]["param"] == "pasta.max_fork_depth"
