@@ -9,7 +9,8 @@ sections 2 and 7):
 * the clean text: :func:`final_text` (the finished response a reader sees:
   :func:`pasta_engine.lang.tags.clean_text` of the annotated text, the one rule for what tag text
   is left out) and :func:`clean_text` (the same text while the request runs, with what may still
-  change held back), both over :func:`splice_clean`;
+  change held back), both one walk of the thread tree that splices each thread's children into
+  its clean text at their forks (the rule of :func:`splice_clean`), for flat and nested forks alike;
 * reading order: :func:`reading_order_prefix`, the prefix of the response in reading order that
   can no longer change (main text up to a promise, its chunk, the main text after it, ...);
 * :class:`OutputRenderer`: per request, across steps and preemptions, what is new since the
@@ -66,13 +67,9 @@ class Spliced:
     threads: list[int] = field(default_factory=list)
 
 
-def _ran(interp: "Interpreter") -> list["Thread"]:
-    """The children that ran (a chunk the request ended before it ran has no text)."""
-    return [c for c in interp.threads[1:] if c.finish != "not_run"]
-
-
 def _kids(t: "Thread") -> list["Thread"]:
-    """The children of ``t`` that ran (with nested forks, each thread splices its own)."""
+    """The children of ``t`` that ran (a chunk the request ended before it ran has no text;
+    each thread splices its own children, so one walk serves flat and nested forks)."""
     return [c for c in t.children if c.finish != "not_run"]
 
 
@@ -200,12 +197,7 @@ def clean_text(interp: "Interpreter", final: bool | None = None) -> str:
     request runs (a chunk's text lands in the middle); :func:`reading_order_prefix` is. At the
     end it equals :func:`final_text`."""
     final = interp.done if final is None else final
-    main = interp.main
-    if not any(c.children for c in interp.threads[1:]):  # no nesting
-        ran = _ran(interp)
-        ran.sort(key=reading_order_key)
-        return splice_clean(joined(main), main.drops, [(c, joined(c), c.drops, c.ended) for c in ran], final)
-    text, drops, _ = _clean_tree(main, final, False)
+    text, drops, _ = _clean_tree(interp.main, final, False)
     return drop_empty_items(text, drops, final)
 
 
@@ -238,18 +230,8 @@ def reading_order_prefix(interp: "Interpreter") -> str:
     text and chunks in reading order, stopping after the first chunk that is still decoding
     (its text so far included), less a last line that may still become an empty list item.
     Every later prefix of the same run extends it, and :func:`final_text` at the end does."""
-    main = interp.main
-    if any(c.children for c in interp.threads[1:]):  # nested forks
-        text, drops, _ = _clean_tree(main, False, True)
-        return drop_empty_items(text, drops, False)
-    chunks: list[tuple[Thread, str, list[int], bool]] = []
-    stop = None
-    for c in sorted(interp.threads[1:], key=reading_order_key):
-        chunks.append((c, joined(c), c.drops, c.ended))
-        if not c.ended:
-            stop = c
-            break
-    return splice_clean(joined(main), main.drops, chunks, False, stop)
+    text, drops, _ = _clean_tree(interp.main, False, True)
+    return drop_empty_items(text, drops, False)
 
 
 # --------------------------------------------------------------------------- outputs
