@@ -9,3 +9,14 @@ ANNOTATED = (
     "<sync/>\nAlso: "
     '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
 )
+
+#: A Multiverse block whose second path holds a block of its own (nesting depth 2): 2 threads
+#: forked at depth 1, 4 with the inner block's.
+NESTED_MULTIVERSE = (
+    "Intro.\n<Parallel><Goal><Outline>1: a</Outline><Outline>2: b</Outline></Goal>"
+    "<Path>\n1: first\n</Path>"
+    "<Path>\n2: second <Parallel><Goal><Outline>1: x</Outline><Outline>2: y</Outline></Goal>"
+    "<Path>\n1: inner one</Path><Path>\n2: inner two, longer than one</Path>"
+    "<Conclusion>inner end</Conclusion></Parallel> after\n</Path>"
+    "<Conclusion>\nSo.\n</Conclusion></Parallel>\nBye"
+)

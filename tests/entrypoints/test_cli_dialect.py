@@ -12,6 +12,8 @@ from pasta_engine.lang.apar import APAR, FORK
 from pasta_engine.tools.annotate_apar import apar_trace
 from pasta_engine.tools.traces import read_traces
 
+from sample_traces import NESTED_MULTIVERSE  # tests/sample_traces.py
+
 ANSWERS = [
     {"instruction": "Two sleep tips?",
      "output": "Sure:\n1. **Sleep early**: go to bed at the same time every night, even on weekends.\n"
@@ -106,12 +108,7 @@ def test_dialect_usage_errors(responses, cache, tmp_path, capsys, monkeypatch):
     assert len(err) == 1 and err[0].startswith("pasta-engine: error: --dialect multiverse needs")
 
 
-NESTED = ("Intro.\n<Parallel><Goal><Outline>1: a</Outline><Outline>2: b</Outline></Goal>"
-          "<Path>\n1: first\n</Path>"
-          "<Path>\n2: second <Parallel><Goal><Outline>1: x</Outline><Outline>2: y</Outline></Goal>"
-          "<Path>\n1: inner one</Path><Path>\n2: inner two, longer than one</Path>"
-          "<Conclusion>inner end</Conclusion></Parallel> after\n</Path>"
-          "<Conclusion>\nSo.\n</Conclusion></Parallel>\nBye")
+NESTED = NESTED_MULTIVERSE  # tests/sample_traces.py
 
 
 @pytest.mark.parametrize("depth,forks", [(1, 2), (2, 4)])

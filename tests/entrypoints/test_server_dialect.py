@@ -218,7 +218,7 @@ def test_a_chat_prompt_gets_its_dialects_system_prompt(server, client, tiny_llam
 def test_max_fork_depth_is_a_request_field(server):
     """``pasta.max_fork_depth``: a nested Multiverse replay forks its inner block only under a
     depth cap of 2 (the default); 0 is a 400 naming the field."""
-    from test_cli_dialect import NESTED  # tests/entrypoints/test_cli_dialect.py
+    from sample_traces import NESTED_MULTIVERSE as NESTED  # tests/sample_traces.py
 
     def forks(**pasta):
         body = {"model": server.model, "messages": [{"role": "user", "content": "Two things?"}], "temperature": 0,

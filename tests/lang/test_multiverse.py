@@ -21,6 +21,7 @@ from pasta_engine.lang.tags import AsyncClose, Malformed, TagText, Text
 from pasta_engine.lang.tokenization import eos_token_ids
 from pasta_engine.metrics import critical_path
 
+from sample_traces import NESTED_MULTIVERSE  # tests/sample_traces.py
 from test_tokenization import run_forced  # same folder, on sys.path
 
 M = MULTIVERSE
@@ -28,12 +29,7 @@ M = MULTIVERSE
 TRACE = ("Intro.\n<Parallel><Goal><Outline>1: a</Outline><Outline>2: b</Outline></Goal>\n"
          "<Path>\n1: first point\n</Path>\n<Path>\n2: second point\n</Path>\n"
          "<Conclusion>\nSo both.\n</Conclusion>\n</Parallel>\nBye")
-NESTED = ("Intro.\n<Parallel><Goal><Outline>1: a</Outline><Outline>2: b</Outline></Goal>"
-          "<Path>\n1: first\n</Path>"
-          "<Path>\n2: second <Parallel><Goal><Outline>1: x</Outline><Outline>2: y</Outline></Goal>"
-          "<Path>\n1: inner one</Path><Path>\n2: inner two, longer than one</Path>"
-          "<Conclusion>inner end</Conclusion></Parallel> after\n</Path>"
-          "<Conclusion>\nSo.\n</Conclusion></Parallel>\nBye")
+NESTED = NESTED_MULTIVERSE  # tests/sample_traces.py
 
 
 @pytest.fixture(scope="module")
