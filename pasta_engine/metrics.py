@@ -48,6 +48,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from .lang.tags import is_empty_list_item
+
 __all__ = [
     "ResponseStructure",
     "critical_path",
@@ -72,6 +74,7 @@ __all__ = [
     "has_tag_text",
     "text_proxies",
     "summarize_text_proxies",
+    "empty_list_items_from_tags",
 ]
 
 
@@ -334,10 +337,6 @@ def geomean_positive(values: Iterable[float | None]) -> float | None:
 #: Pieces of PASTA-LANG tag text: the clean text a user reads holds none of them.
 TAG_TEXT_MARKERS = ("<promise", "<async", "</async", "<sync", '" tokens="')
 
-# a line that is only list markers: "-", "*", "+", "•", "1.", "1)", or nested ones such as "1. 1." or
-# "- -" (surrounding spaces stripped); a thematic break ("---", "* * *") is no list item
-_LIST_MARKER_ONLY = re.compile(r"(?:[-*+\u2022]|\d+[.)])(?:\s+(?:[-*+\u2022]|\d+[.)]))*")
-_THEMATIC_BREAK = re.compile(r"([-*_])(?:\s*\1){2,}")
 
 
 def repeated_line_fraction(text: str) -> float:
@@ -366,11 +365,20 @@ def distinct_n(text: str, n: int = 2) -> float:
 
 
 def empty_list_items(text: str) -> int:
-    """Lines of ``text`` that hold only list markers (``-``, ``*``, ``+``, ``•``, ``1.``, ``1)``,
-    or nested ones such as ``1. 1.``; spaces around them allowed): the bare ``- `` a dropped
-    promise leaves behind. A thematic break (``---``, ``* * *``) is not one."""
-    return sum(1 for line in text.splitlines()
-               if _LIST_MARKER_ONLY.fullmatch(x := line.strip()) and not _THEMATIC_BREAK.fullmatch(x))
+    """Lines of ``text`` that are list items with nothing in them
+    (:func:`pasta_engine.lang.tags.is_empty_list_item`: only list markers, ``-``, ``*``, ``+``,
+    ``•``, ``1.``, ``1)`` or nested ones such as ``- 1)``; a thematic break is not one): the bare
+    ``- `` a dropped promise would leave behind, or one the model wrote itself."""
+    return sum(1 for line in text.splitlines() if is_empty_list_item(line))
+
+
+def empty_list_items_from_tags(text: str, annotated: str) -> int:
+    """Empty list items of the clean ``text`` that its ``annotated`` text (every character the
+    model wrote, tags included) does not have as bare lines: items that only leaving out a tag
+    emptied (``- <promise .../>`` written inside a chunk, a nested marker before ``</async>``),
+    which the clean text must drop (:func:`pasta_engine.lang.tags.drop_empty_items`). Items the
+    model wrote empty itself are bare lines in both and are not counted. 0 or more."""
+    return max(0, empty_list_items(text) - empty_list_items(annotated))
 
 
 def has_tag_text(text: str) -> bool:
@@ -387,19 +395,24 @@ def text_proxies(text: str) -> dict[str, Any]:
             "empty_list_items": empty_list_items(text), "tag_text": has_tag_text(text)}
 
 
-def summarize_text_proxies(texts: Sequence[str], finish_reasons: Sequence[str]) -> dict[str, Any]:
+def summarize_text_proxies(texts: Sequence[str], finish_reasons: Sequence[str],
+                           annotated: Sequence[str] | None = None) -> dict[str, Any]:
     """The text-only quality proxies of a set of clean answers, for one side of a comparison:
     ``answers``; ``mean_repeated_lines`` and ``mean_distinct_2`` (arithmetic means over
     answers); ``cut_fraction`` (:func:`cut_fraction` of ``finish_reasons``);
     ``answers_with_empty_list_items`` and ``empty_list_items`` (answers with at least one, and
-    the total); ``answers_with_tag_text``. Raises ValueError for no answers or lengths that
-    differ."""
+    the total); ``answers_with_tag_text``; with ``annotated`` (each answer's annotated text),
+    ``answers_with_empty_list_items_from_tags`` (:func:`empty_list_items_from_tags`). Raises
+    ValueError for no answers or lengths that differ."""
     if not texts:
         raise ValueError("text proxies of no answers")
-    if len(texts) != len(finish_reasons):
-        raise ValueError(f"{len(texts)} answers but {len(finish_reasons)} finish reasons")
+    if len(texts) != len(finish_reasons) or (annotated is not None and len(annotated) != len(texts)):
+        raise ValueError(f"{len(texts)} answers but {len(finish_reasons)} finish reasons"
+                         + ("" if annotated is None else f" and {len(annotated)} annotated texts"))
     per = [text_proxies(t) for t in texts]
     n = len(per)
+    extra = {} if annotated is None else {"answers_with_empty_list_items_from_tags": sum(
+        1 for t, a in zip(texts, annotated) if empty_list_items_from_tags(t, a))}
     return {
         "answers": n,
         "mean_repeated_lines": sum(p["repeated_lines"] for p in per) / n,
@@ -408,4 +421,5 @@ def summarize_text_proxies(texts: Sequence[str], finish_reasons: Sequence[str]) 
         "answers_with_empty_list_items": sum(1 for p in per if p["empty_list_items"]),
         "empty_list_items": sum(p["empty_list_items"] for p in per),
         "answers_with_tag_text": sum(1 for p in per if p["tag_text"]),
+        **extra,
     }

@@ -54,6 +54,21 @@ def test_empty_list_items_are_lines_of_bare_markers():
     assert empty_list_items("") == 0
 
 
+def test_empty_list_items_from_tags_counts_only_items_a_left_out_tag_emptied():
+    from pasta_engine.metrics import empty_list_items_from_tags
+
+    # the model wrote "- " bare itself: in the annotated text it is bare too
+    assert empty_list_items_from_tags("a\n- \nb", "a\n- \nb") == 0
+    # a bare "- 1) " in the clean text whose annotated line held a promise: one
+    ann = 'a<promise topic="t" tokens="10"/><async>x\n- 1) <promise topic="y" tokens="10"/>\nz</async>'
+    assert empty_list_items_from_tags("ax\n- 1) \nz", ann) == 1
+    assert empty_list_items_from_tags("ax\nz", ann) == 0  # what the clean text is (drop_empty_items)
+    s = summarize_text_proxies(["ax\nz", "a\n- \nb"], ["stop", "stop"], [ann, "a\n- \nb"])
+    assert s["answers_with_empty_list_items"] == 1 and s["answers_with_empty_list_items_from_tags"] == 0
+    with pytest.raises(ValueError, match="annotated"):
+        summarize_text_proxies(["a"], ["stop"], [])
+
+
 def test_tag_text_markers():
     assert TAG_TEXT_MARKERS == ("<promise", "<async", "</async", "<sync", '" tokens="')
     for shown in ('6. <promise topic="Social', "a <async>b", "b</async> c", "x <sync/>", 'topic="a" tokens="1'):

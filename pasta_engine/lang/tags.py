@@ -60,6 +60,7 @@ __all__ = [
     "clean_from_items",
     "drop_empty_items",
     "held_line_start",
+    "is_empty_list_item",
     "split_threads",
     "splice",
     "promise_tag",
@@ -407,10 +408,24 @@ def strip_tags(text: str) -> str:
     return "".join(e.text for e in parse(text) if isinstance(e, Text))
 
 
-# A line that is only a list marker ("- ", "* ", "+ ", "1. ", "2) "), indentation and spaces allowed.
-_MARKER_LINE = re.compile(r"[ \t\r]*(?:[-*+]|[0-9]{1,9}[.)])[ \t\r]*")
+# One list marker: "-", "*", "+", "•", "1.", "2)".
+_ONE_MARKER = r"(?:[-*+\u2022]|[0-9]{1,9}[.)])"
+# A line that is only list markers ("- ", "1. ", "• ", or nested ones: "- 1) ", "1. 1. "),
+# indentation and spaces allowed.
+_MARKER_LINE = re.compile(rf"[ \t\r]*{_ONE_MARKER}(?:[ \t\r]+{_ONE_MARKER})*[ \t\r]*")
 # A line that may still become one (every prefix of a _MARKER_LINE, the empty line included).
-_MARKER_START = re.compile(r"[ \t\r]*(?:[-*+][ \t\r]*|[0-9]{1,9}(?:[.)][ \t\r]*)?)?")
+_MARKER_START = re.compile(rf"[ \t\r]*(?:{_ONE_MARKER}[ \t\r]+)*(?:{_ONE_MARKER}[ \t\r]*|[0-9]{{1,9}})?")
+# A thematic break ("---", "* * *", "___"): a line of markers that is no list item.
+_THEMATIC_BREAK = re.compile(r"[ \t\r]*([-*_])(?:[ \t\r]*\1){2,}[ \t\r]*")
+
+
+def is_empty_list_item(line: str) -> bool:
+    """Whether ``line`` (one line, no line break) is a list item with nothing in it: only list
+    markers (``-``, ``*``, ``+``, ``•``, ``1.``, ``1)``, or nested ones such as ``- 1)`` or
+    ``1. 1.``), spaces and tabs around them allowed, and not a thematic break (``---``,
+    ``* * *``). The one definition the clean text (:func:`drop_empty_items`) and the quality
+    proxies (:func:`pasta_engine.metrics.empty_list_items`) share."""
+    return bool(_MARKER_LINE.fullmatch(line)) and not _THEMATIC_BREAK.fullmatch(line)
 
 
 def held_line_start(text: str) -> int:
@@ -424,8 +439,8 @@ def held_line_start(text: str) -> int:
 def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str:
     """``text`` without the list items that something left out of it has emptied.
 
-    A line of ``text`` (its characters between line breaks) that is only a list marker (``-``,
-    ``*``, ``+``, ``1.``, ``1)``; indentation and spaces around it allowed) and holds a drop
+    A line of ``text`` (its characters between line breaks) that is an empty list item
+    (:func:`is_empty_list_item`: only list markers, nested ones too) and holds a drop
     offset (``d`` with ``start <= d <= end`` of the line, ``end`` being its line break) goes,
     with its line break. A list item the model left empty by itself (no drop in its line) stays.
 
@@ -448,7 +463,7 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str
         e = text.find("\n", d)
         if e < 0:
             e = end
-        if _MARKER_LINE.fullmatch(text, s, e):
+        if _MARKER_LINE.fullmatch(text, s, e) and not _THEMATIC_BREAK.fullmatch(text, s, e):
             cuts.append((s, min(e + 1, end)))
     if not cuts:
         return text if end == len(text) else text[:end]

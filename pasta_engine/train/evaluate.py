@@ -121,7 +121,9 @@ def quality_proxies(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     for key in SIDES:
         xs = [r[key] for r in rows if key in r]
         if xs:
-            out[key] = {**summarize_text_proxies([x["text"] for x in xs], [x.get("finish_reason", "stop") for x in xs]),
+            annotated = [x["annotated"] for x in xs] if all("annotated" in x for x in xs) else None
+            out[key] = {**summarize_text_proxies([x["text"] for x in xs], [x.get("finish_reason", "stop") for x in xs],
+                                                 annotated),
                         "mean_likelihood_proxy": sum(x["quality"] for x in xs) / len(xs)}
     return out
 

@@ -18,6 +18,7 @@ from pasta_engine.lang.tags import (
     Text,
     clean_text,
     drop_empty_items,
+    is_empty_list_item,
     parse,
     promise_tag,
     splice,
@@ -283,16 +284,26 @@ def test_a_promise_written_inside_a_chunk_leaves_no_empty_list_item():
     assert clean_text("1. " + promise_tag("t", 10) + "\n2. b") == "2. b"
 
 
+def test_a_nested_or_bulleted_item_emptied_by_a_tag_goes_too():
+    """The rule's list markers are the quality proxy's (``is_empty_list_item``): nested markers
+    (``- 1)``, ``1. 1.``) and ``•`` are list items too; a thematic break is not one."""
+    chunk = '\n- 1) <promise topic="x" tokens="10"/>\n  1. 1. <sync/>\n• <sync/>\n- 2) kept\n- 3) '
+    ann = "Tips:" + promise_tag("list", 50) + "<async>" + chunk + "</async>\n* * *<sync/>\n---\n- 1)\nDone."
+    assert clean_text(ann) == "Tips:\n- 2) kept\n* * *\n---\n- 1)\nDone."  # the bare "- 1)" the model wrote stays
+    assert [is_empty_list_item(x) for x in ["- 1) ", " 1. 1.", "\u2022", "* * *", "---", "- x", "1.5", "-1)"]] == \
+        [True, True, True, False, False, False, False, False]
+
+
 def test_drop_empty_items_holds_a_last_line_that_may_still_become_an_empty_item():
     assert drop_empty_items("a\n- ", [4], final=True) == "a\n"
     assert drop_empty_items("a\n- ", [], final=True) == "a\n- "
-    for tail in ["", " ", "-", "- ", "12", "12.", "3) ", "  * "]:
+    for tail in ["", " ", "-", "- ", "12", "12.", "3) ", "  * ", "- 1", "- 1)", "1. 2", "\u2022 "]:
         assert drop_empty_items("a\n" + tail, [], final=False) == "a\n"
     for tail in ["x", "- x", "1.5", "-x", "1234567890"]:
         assert drop_empty_items("a\n" + tail, [], final=False) == "a\n" + tail
 
 
-LISTY = st.sampled_from(["- ", "* ", "1. ", "2) ", "  - ", "\n", "\n- ", "\n1. ", "x", " ", "-"])
+LISTY = st.sampled_from(["- ", "* ", "1. ", "2) ", "  - ", "\n", "\n- ", "\n1. ", "x", " ", "-", "- 1) ", "\u2022 ", "* * *"])
 
 
 def annotated_lists():
