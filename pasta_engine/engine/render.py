@@ -204,17 +204,26 @@ def clean_text(interp: "Interpreter", final: bool | None = None) -> str:
 def _clean_tree(t: "Thread", final: bool, prefix: bool) -> tuple[str, list[int], bool]:
     """The clean text and drops of ``t`` with its children's (their own spliced in) at their
     forks, and whether a thread still decoding stopped it (``prefix``: stop after the first
-    one in reading order, as :func:`reading_order_prefix` does)."""
+    one in reading order, as :func:`reading_order_prefix` does). A thread without children (every
+    chunk of a flat response) is its own clean text and drops, returned as they are (the caller
+    copies nothing from them: this runs for every thread on every output of a step)."""
+    stopped = prefix and not t.ended and t.parent is not None
+    kids = _kids(t)
+    if not kids:
+        return joined(t), t.drops, stopped
     chunks: list[tuple[Thread, str, list[int], bool]] = []
     stop = None
-    for c in sorted(_kids(t), key=reading_order_key):
-        text, drops, stopped = _clean_tree(c, final, prefix)
-        chunks.append((c, text, drops, c.ended and not stopped))
-        if prefix and (stopped or not c.ended):
+    for c in sorted(kids, key=reading_order_key):
+        if c.children:
+            text, drops, c_stopped = _clean_tree(c, final, prefix)
+        else:  # a leaf, inline (the common case: the walk's cost is per thread per step)
+            text, drops, c_stopped = joined(c), c.drops, prefix and not c.ended
+        chunks.append((c, text, drops, c.ended and not c_stopped))
+        if prefix and (c_stopped or not c.ended):
             stop = c
             break
-    text, drops, stopped = _splice(joined(t), t.drops, chunks, final, stop)
-    return text, drops, stopped or (prefix and not t.ended and t.parent is not None)
+    text, drops, stopped_inside = _splice(joined(t), t.drops, chunks, final, stop)
+    return text, drops, stopped_inside or stopped
 
 
 def final_text(interp: "Interpreter", annotated: str | None = None) -> str:
