@@ -44,7 +44,6 @@ judge: ``bench learned`` also writes AlpacaEval ``model_outputs`` for one.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 

@@ -463,7 +463,7 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str
         e = text.find("\n", d)
         if e < 0:
             e = end
-        if _MARKER_LINE.fullmatch(text, s, e) and not _THEMATIC_BREAK.fullmatch(text, s, e):
+        if is_empty_list_item(text[s:e]):
             cuts.append((s, min(e + 1, end)))
     if not cuts:
         return text if end == len(text) else text[:end]
