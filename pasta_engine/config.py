@@ -277,6 +277,14 @@ class Limits:
             thread at depth ``d`` (the main thread at 0, its children at 1) forks only while
             ``d < max_fork_depth``; past it a fork marker's block is decoded inline by the
             thread itself (text the model writes). 1: only the main thread forks.
+        fork_threshold: the fork knob of a learned model (None: off, the model decides as it
+            samples). Where the main thread may open a promise, the promise piece token
+            (``<promise topic="``) is taken when its probability, after penalties and masks
+            and before temperature, is at least this, and masked otherwise: a lower threshold
+            forks more (faster, each fork a bet on independence), a higher one less. In
+            ``(0, 1]``. Needs pasta mode, the PASTA-LANG dialect and a model whose tokenizer has
+            the tag pieces as tokens (an adapter trained with ``--tag-tokens``); the engine
+            refuses it otherwise. Not applied to forced (replayed) tokens.
 
     The response's total length is :attr:`SamplingParams.max_new_tokens`."""
 
@@ -286,6 +294,7 @@ class Limits:
     cap_factor: float = 2.0
     max_promise_tokens: int = 4096
     max_fork_depth: int = 2
+    fork_threshold: float | None = None
 
     def __post_init__(self) -> None:
         check_int("max_threads", self.max_threads, 1, none_ok=True)
@@ -294,6 +303,8 @@ class Limits:
         check_float("cap_factor", self.cap_factor, 0.0, lo_open=True)
         check_int("max_promise_tokens", self.max_promise_tokens, 0)
         check_int("max_fork_depth", self.max_fork_depth, 1)
+        if self.fork_threshold is not None:
+            check_float("fork_threshold", self.fork_threshold, 0.0, 1.0, lo_open=True)
 
     def chunk_cap(self, predicted: int) -> int:
         """Most tokens a child forked for ``tokens="predicted"`` may sample."""

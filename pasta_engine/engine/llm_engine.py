@@ -123,9 +123,14 @@ class Engine:
         self.close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
         # PASTA-LANG pieces as tokens (an adapter that added them): the sampler enforces the grammar
         self.tag_tokens = tag_tokens_of(tokenizer)
+        if self.tag_tokens is None and self.config.limits.fork_threshold is not None:
+            raise ParameterError("fork_threshold", self.config.limits.fork_threshold, message=(
+                f"fork_threshold={self.config.limits.fork_threshold} needs a model whose tokenizer has the PASTA-LANG "
+                "pieces as tokens (an adapter trained with --tag-tokens, such as the shipped one); leave it unset"))
         if self.tag_tokens is not None:
             self.model_runner.set_grammar(state_masks(self.tag_tokens, token_bytes_table(tokenizer),
-                                                      self.model.config.vocab_size, self.eos_ids))
+                                                      self.model.config.vocab_size, self.eos_ids),
+                                          fork_token=self.tag_tokens.promise_open)
         self.max_positions = model.config.max_position_embeddings
         self.source: str | os.PathLike | None = None  # what from_pretrained loaded
         self.adapter: Any = None  # the LoRA adapter folder merged into the weights, if any
@@ -292,7 +297,20 @@ class Engine:
             raise ParameterError("params", params, "a pasta_engine.SamplingParams")
         if limits is not None and not isinstance(limits, Limits):
             raise ParameterError("limits", limits, "a pasta_engine.Limits")
+        explicit = limits is not None and limits.fork_threshold != self.config.limits.fork_threshold
         limits = limits or self.config.limits
+        if limits.fork_threshold is not None:
+            why = ("a replay (its tokens are forced)" if annotated_response is not None
+                   else f"mode {mode!r} (it decides forks in pasta mode)" if mode != "pasta"
+                   else f"the {lang.name!r} dialect (it decides PASTA-LANG promises)" if lang.name != "pasta"
+                   else "a model without the PASTA-LANG pieces as tokens (train the adapter with --tag-tokens)"
+                   if self.tag_tokens is None else None)
+            if why is not None and explicit:
+                raise ParameterError("fork_threshold", limits.fork_threshold,
+                                     message=f"fork_threshold={limits.fork_threshold} cannot apply to {why}; leave it "
+                                     "unset (None)")
+            if why is not None:  # the engine's default knob is for the requests it can apply to
+                limits = dataclasses.replace(limits, fork_threshold=None)
         policy = PositionPolicy.parse(position_policy) if position_policy is not None else self.config.position_policy
         if request_id is None:
             request_id = str(next(self._ids))

@@ -23,8 +23,9 @@ from ..errors import ParameterError
 from ..layers.attention import AttentionMetadata
 from ..layers.backends import get_backend, graph_backend_names
 from ..layers.kv_cache import KVCache, kv_bytes_per_token
-from ..layers.sampler import (MIN_TOP_P, apply_output_penalties, apply_repetition_penalty, draw_noise, logprobs_of,
-                              mask_tokens, sample_batch)
+from ..lang.grammar import GrammarState
+from ..layers.sampler import (MIN_TOP_P, apply_fork_threshold, apply_output_penalties, apply_repetition_penalty,
+                              draw_noise, logprobs_of, mask_tokens, sample_batch)
 from ..layers.utils import to_device
 from ..models.protocol import CausalLM
 from .batch import SampledTokens, ScheduledBatch, ScheduledThread
@@ -126,6 +127,7 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphs(model, self.kv_cache, self.backend)
         self.logits_hook: Callable[[Request, int, torch.Tensor], None] | None = None
         self.grammar_masks: torch.Tensor | None = None  # [states, vocab] bool: True = masked (set_grammar)
+        self.fork_token: int | None = None  # the promise piece's id, for Limits.fork_threshold (set_grammar)
         self.profile: list[StepProfile] | None = None
         self.steps = 0  # steps run (the attention plan is updated, not rebuilt, from one step to the next)
         self.step_hook: Callable[[AttentionMetadata, list[int], list[int], list[int]], None] | None = None
@@ -141,18 +143,24 @@ class ModelRunner:
 
         return prepare(self.model.projection_weights())
 
-    def set_grammar(self, masks: Sequence[tuple[bool, Sequence[int]]] | None) -> None:
+    def set_grammar(self, masks: Sequence[tuple[bool, Sequence[int]]] | None, fork_token: int | None = None) -> None:
         """Enforce a token grammar in the sampler: ``masks[state]`` is ``(allow, ids)`` as
         :func:`pasta_engine.lang.grammar.state_masks` returns it (allow only ``ids``, or forbid
         them); a sampling thread whose :class:`~pasta_engine.engine.interpreter.ThreadStep`
         says ``grammar=state`` gets every other token's logit set to ``-inf`` before sampling
         (one ``[rows, vocab]`` gather and ``masked_fill`` per step). None: no grammar.
+        ``fork_token``: the promise piece's id, which a request's ``Limits.fork_threshold``
+        decides on in the ``MAIN`` state (None: no request may set one).
 
         Raises ValueError for an id outside the model's ``config.vocab_size`` rows."""
         if masks is None:
             self.grammar_masks = None
+            self.fork_token = None
             return
         vocab = self.model.config.vocab_size
+        if fork_token is not None and not 0 <= fork_token < vocab:
+            raise ValueError(f"fork_token {fork_token} is outside the vocabulary of {vocab}")
+        self.fork_token = fork_token
         table = torch.zeros((len(masks), vocab), dtype=torch.bool)
         for row, (allow, ids) in enumerate(masks):
             if any(not 0 <= i < vocab for i in ids):
@@ -305,6 +313,12 @@ class ModelRunner:
             states = [st.step.grammar for st in sampling]
             if any(states):  # the PASTA-LANG grammar: forbidden tokens get -inf (logprobs see the mask too)
                 logits = logits.masked_fill(self.grammar_masks[to_device(states, torch.long, dev)], float("-inf"))
+        if self.fork_token is not None:
+            fk = [(k, st.request.interp.limits.fork_threshold) for k, st in enumerate(sampling)
+                  if st.step.forced is None and st.step.grammar == GrammarState.MAIN
+                  and st.request.interp is not None and st.request.interp.limits.fork_threshold is not None]
+            if fk:  # Limits.fork_threshold: the fork decided by the promise piece's probability
+                logits = apply_fork_threshold(logits, [k for k, _ in fk], [t for _, t in fk], self.fork_token)
         if all(f >= 0 for f in forced):  # replay: nothing to sample
             tokens, bad = to_device(forced, torch.long, dev), None
         else:

@@ -157,6 +157,11 @@ def add_pasta_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-fork-depth", type=positive_int, default=2,
                    help="how deep forks nest in a dialect that nests them (multiverse): a thread at depth d "
                         "forks only when d < this; deeper blocks decode inline")
+    g.add_argument("--fork-threshold", type=float, default=None,
+                   help="the fork knob of a learned model, a probability in (0, 1]: the main thread opens a promise "
+                        "exactly where the promise token's probability is at least this (lower forks more, faster; "
+                        "default: the model decides as it samples); applies to pasta-mode generation with a model "
+                        "that has the tag tokens")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, temperature: float = 0.0,
@@ -284,7 +289,8 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
     )
     if hasattr(args, "max_threads"):
         options["limits"] = Limits(max_threads=args.max_threads or None, max_forks=args.max_forks,
-                                   max_fork_depth=args.max_fork_depth)
+                                   max_fork_depth=args.max_fork_depth,
+                                   fork_threshold=getattr(args, "fork_threshold", None))
         options["position_policy"] = args.position_policy
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20
@@ -313,5 +319,6 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
     }
     if hasattr(args, "max_threads"):
         settings.update(position_policy=str(engine.config.position_policy), max_threads=args.max_threads or None,
-                        max_forks=args.max_forks, max_fork_depth=args.max_fork_depth)
+                        max_forks=args.max_forks, max_fork_depth=args.max_fork_depth,
+                        fork_threshold=getattr(args, "fork_threshold", None))
     return engine, settings

@@ -118,6 +118,10 @@ class PastaOptions(BaseModel):
     max_forks: int | None = Field(None, ge=0, le=2**20, description="forks per request")
     max_fork_depth: int | None = Field(None, ge=1, le=64, description="how deep forks nest in a dialect that nests "
                                        "them (multiverse); deeper blocks decode inline")
+    fork_threshold: float | None = Field(
+        None, gt=0, le=1, description="the fork knob: the main thread opens a promise exactly where the promise "
+        "token's probability is at least this (lower forks more; unset: the model decides as it samples); pasta mode, "
+        "PASTA-LANG dialect and a model with the tag tokens only")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
     annotated_response: str | None = Field(None, description="replay this annotated response (forced decoding)")
 

@@ -11,7 +11,7 @@ A thin FastAPI app (run by uvicorn) over :class:`~pasta_engine.engine.async_engi
   (:mod:`pasta_engine.engine.streaming`).
 * the ``pasta`` extension: in a request, ``{"mode": "pasta" | "sequential", "dialect": "pasta" |
   "apar" | "multiverse", "position_policy": ..., "max_threads": N (0 = unlimited), "max_forks":
-  N, "max_fork_depth": N (>= 1), "events": bool, "annotated_response": str}`` (``dialect``: the language the model writes,
+  N, "max_fork_depth": N (>= 1), "fork_threshold": p (0 < p <= 1), "events": bool, "annotated_response": str}`` (``dialect``: the language the model writes,
   :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`, default PASTA-LANG; ``annotated_response``
   replays that response, written in that dialect: forced decoding); in each choice of a
   response, ``{"annotated_text", "stats": {content_tokens, content_speedup, decode_steps,
@@ -109,6 +109,7 @@ _PARAM_NAMES = {
     "max_threads": "pasta.max_threads",
     "max_forks": "pasta.max_forks",
     "max_fork_depth": "pasta.max_fork_depth",
+    "fork_threshold": "pasta.fork_threshold",
     "annotated_response": "pasta.annotated_response",
     "mode": "pasta.mode",
     "dialect": "pasta.dialect",
@@ -364,12 +365,15 @@ class _Server:
         pasta = req.pasta
         _check_dialect(pasta.dialect)
         limits = None
-        if pasta.max_threads is not None or pasta.max_forks is not None or pasta.max_fork_depth is not None:
+        if (pasta.max_threads is not None or pasta.max_forks is not None or pasta.max_fork_depth is not None
+                or pasta.fork_threshold is not None):
             base = self.engine.engine.config.limits
             mt = (base.max_threads or 0) if pasta.max_threads is None else pasta.max_threads
             mf = base.max_forks if pasta.max_forks is None else pasta.max_forks
             md = base.max_fork_depth if pasta.max_fork_depth is None else pasta.max_fork_depth
-            limits = dataclasses.replace(base, max_threads=mt or None, max_forks=mf, max_fork_depth=md)
+            ft = base.fork_threshold if pasta.fork_threshold is None else pasta.fork_threshold
+            limits = dataclasses.replace(base, max_threads=mt or None, max_forks=mf, max_fork_depth=md,
+                                         fork_threshold=ft)
         more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
         params = [SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                  top_k=top_k, seed=(seed + i) % (MAX_SEED + 1), return_logprobs=logprobs, **more)

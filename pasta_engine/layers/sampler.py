@@ -12,7 +12,7 @@ import torch
 from ..config import SamplingParams
 
 __all__ = ["sample", "sample_batch", "draw_noise", "logprobs_of", "apply_repetition_penalty", "apply_output_penalties",
-           "mask_tokens", "MIN_TOP_P"]
+           "mask_tokens", "apply_fork_threshold", "MIN_TOP_P"]
 
 #: A smaller top_p is taken as this one (keeps the most likely token, as any tiny top_p does): a
 #: top_p such as 1e-300 rounds to 0 in float32, and a zero top_p dropped every token (nan).
@@ -77,6 +77,32 @@ def mask_tokens(logits: torch.Tensor, rows: list[int], ids: list[list[int]]) -> 
     mask = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
     mask[r.to(dev, non_blocking=True), c.to(dev, non_blocking=True)] = True
     return logits.masked_fill(mask, float("-inf"))
+
+
+def apply_fork_threshold(logits: torch.Tensor, rows: list[int], thresholds: list[float], token: int) -> torch.Tensor:
+    """The logits with a fork decision made for each of ``rows`` (a new tensor): where the
+    probability of ``token`` (the promise piece) under the row's softmax is at least
+    ``thresholds[i]``, every other token gets ``-inf`` (the row forks whatever the sampler
+    does next); elsewhere ``token`` gets ``-inf`` (the row does not fork).
+    (:attr:`pasta_engine.config.Limits.fork_threshold`; the paper's speed-quality knob,
+    Jin et al., ICML 2025, arXiv 2502.11517, section 5, moved from training to decoding.)
+
+    Args:
+        logits: ``[N, vocab]`` float32, after penalties and masks.
+        rows: row indices into ``logits`` that may open a promise now.
+        thresholds: per such row, a probability in ``(0, 1]``.
+        token: the promise piece's token id (below ``logits.shape[-1]``)."""
+    dev = logits.device
+    r = torch.tensor(rows, dtype=torch.long, device=dev)
+    x = logits.index_select(0, r)
+    p = torch.softmax(x.float(), dim=-1)[:, token]
+    fork = p >= torch.tensor(thresholds, dtype=p.dtype, device=dev)
+    keep = x[:, token].clone()
+    x = torch.where(fork[:, None], torch.full_like(x, float("-inf")), x)
+    x[:, token] = torch.where(fork, keep, torch.full_like(keep, float("-inf")))
+    out = logits.clone()
+    out[r] = x
+    return out
 
 
 def _min_p_filter(x: torch.Tensor, min_p: torch.Tensor | float) -> torch.Tensor:

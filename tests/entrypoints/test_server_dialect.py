@@ -232,3 +232,24 @@ def test_max_fork_depth_is_a_request_field(server):
     assert code == 200 and deep["choices"][0]["pasta"]["stats"]["forks"] == 4
     code, err = forks(max_fork_depth=0)
     assert code == 400 and err["error"]["param"] == "pasta.max_fork_depth"
+
+
+def test_fork_threshold_is_a_request_field_refused_where_it_cannot_apply(server):
+    """``pasta.fork_threshold`` is in the schema; out of (0, 1] it is a 400 naming it, and so is
+    a model whose tokenizer lacks the tag pieces (this server's), a sequential request or a replay:
+    refused before the request takes any resource, and the server serves the next call."""
+    doc = httpx.get(server.url + "/openapi.json", headers=auth(server)).json()
+    assert "fork_threshold" in doc["components"]["schemas"]["PastaOptions"]["properties"]
+
+    def post(**pasta):
+        body = {"model": server.model, "messages": [{"role": "user", "content": "Hi."}], "temperature": 0,
+                "max_tokens": 4, "pasta": pasta}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(server), timeout=120)
+        return r.status_code, r.json()
+
+    for pasta in ({"fork_threshold": 0}, {"fork_threshold": 1.5}, {"fork_threshold": 0.5},
+                  {"fork_threshold": 0.5, "mode": "sequential"}):
+        code, err = post(**pasta)
+        assert code == 400 and err["error"]["param"] == "pasta.fork_threshold", (pasta, err)
+    code, ok = post()
+    assert code == 200 and ok["choices"][0]["message"]["content"] is not None

@@ -134,3 +134,17 @@ def test_a_vanishing_top_p_keeps_the_most_likely_token(tiny_engine):
     logits = torch.randn(3, VOCAB)
     assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-300), torch.Generator()).tolist() == \
         logits.argmax(-1).tolist()
+
+
+def test_apply_fork_threshold_forces_or_masks_the_promise_per_row():
+    from pasta_engine.layers.sampler import apply_fork_threshold
+
+    # row 0: promise p = 0.5; row 1: promise p = 0.2; row 2: untouched
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.7, 0.1], [0.2, 0.7, 0.1]])
+    logits = probs.log()
+    out = apply_fork_threshold(logits, [0, 1], [0.4, 0.4], token=0)
+    assert out[0, 0] == logits[0, 0] and torch.isinf(out[0, 1:]).all()  # 0.5 >= 0.4: only the promise
+    assert torch.isinf(out[1, 0]) and torch.equal(out[1, 1:], logits[1, 1:])  # 0.2 < 0.4: no promise
+    assert torch.equal(out[2], logits[2]) and torch.equal(logits, probs.log())  # other rows, input unchanged
+    # a threshold at or under the probability forks: the row can then only promise
+    assert apply_fork_threshold(logits, [1], [0.19], token=0)[1].argmax() == 0

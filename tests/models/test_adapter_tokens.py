@@ -180,3 +180,95 @@ def test_a_topic_starts_with_a_letter_and_a_length_with_a_nonzero_digit():
     assert allow and set(ids) == {1, 6, 7}  # "10", "3", "10": no leading zero
     allow, ids = masks[GrammarState.LENGTH]
     assert allow and set(ids) == {1, 4, 5, 6, 7, pieces.promise_close}
+
+
+def _fork_odds_hook(tags, p_promise: float, other: int, p_other: float, steps: int = 1):
+    """A hook that, on the main thread's first ``steps`` samples, gives the promise piece
+    probability about ``p_promise`` and token ``other`` about ``p_other`` (the rest shares what
+    is left evenly)."""
+    import math
+
+    calls = {"n": 0}
+
+    def hook(req, tid, row):
+        if tid != 0 or calls["n"] >= steps:
+            return
+        calls["n"] += 1
+        rest = 1.0 - p_promise - p_other
+        n = row.shape[0] - 2
+        row.zero_()
+        row[tags.promise_open] = math.log(p_promise / rest * n)
+        row[other] = math.log(p_other / rest * n)
+
+    return hook
+
+
+def _run_one(engine, prompt, params, mode="pasta", **kw):
+    """One request through add_request and step (the per-request limits' door); its result."""
+    rid = engine.add_request(prompt, params, mode, output_kind="final", **kw)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    assert final is not None and final.error is None, final and final.error
+    return final.result
+
+
+def test_fork_threshold_forks_exactly_where_the_promise_is_likely_enough(tagged):
+    from pasta_engine import Limits
+
+    ckpt, adapter, _, _ = tagged
+    engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20, position_policy="constant:8")
+    tags = tag_tokens_of(engine.tokenizer)
+    other = 11
+    params = SamplingParams(max_new_tokens=3)
+
+    def first_token(threshold):
+        engine.logits_hook = _fork_odds_hook(tags, 0.3, other, 0.6)
+        limits = None if threshold is None else Limits(fork_threshold=threshold)
+        return _run_one(engine, "Hi", params, limits=limits).token_ids[0]
+
+    assert first_token(None) == other  # greedy: the likelier token
+    assert first_token(0.25) == tags.promise_open  # 0.3 >= 0.25: forced to fork
+    assert first_token(0.35) == other  # 0.3 < 0.35: the promise is masked
+    # a likely promise (0.6) below a high threshold is masked, and the next likeliest is taken
+    engine.logits_hook = _fork_odds_hook(tags, 0.6, other, 0.3)
+    assert _run_one(engine, "Hi", params, limits=Limits(fork_threshold=0.7)).token_ids[0] == other
+    # the engine's default knob is the same per-request setting
+    ranked = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20, position_policy="constant:8",
+                                    limits=Limits(fork_threshold=0.25))
+    ranked.logits_hook = _fork_odds_hook(tags, 0.3, other, 0.6)
+    [res] = ranked.generate(["Hi"], params, mode="pasta")
+    assert res.token_ids[0] == tags.promise_open
+    # ... and a sequential request on that engine is served without it (the default is for pasta mode)
+    ranked.logits_hook = None
+    [res] = ranked.generate(["Hi"], params, mode="sequential")
+    assert res.error is None and res.stats.finish_reason in ("stop", "length")
+
+
+def test_fork_threshold_is_refused_where_it_cannot_apply(tagged, tiny_engine):
+    from pasta_engine import Limits
+    from pasta_engine.errors import ParameterError
+
+    ckpt, adapter, _, _ = tagged
+    engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
+    knob = Limits(fork_threshold=0.5)
+    two = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ParameterError, match="fork_threshold.*sequential"):
+        engine.add_request("Hi", two, "sequential", limits=knob)
+    with pytest.raises(ParameterError, match="fork_threshold.*replay"):
+        engine.add_request("Hi", two, "pasta", annotated_response="Hello.", limits=knob)
+    with pytest.raises(ParameterError, match="fork_threshold.*apar"):
+        engine.add_request("Hi", two, "pasta", limits=knob, dialect="apar")
+    with pytest.raises(ParameterError, match="fork_threshold.*tag-tokens"):
+        tiny_engine.add_request("Hi", two, "pasta", limits=knob)
+    for bad in (0.0, 1.5, float("nan"), True):
+        with pytest.raises(ParameterError, match="fork_threshold"):
+            Limits(fork_threshold=bad)
+    with pytest.raises(ParameterError, match="fork_threshold.*tag-tokens"):
+        Engine.from_pretrained(tiny_engine.source, kv_cache_bytes=8 * 2**20, limits=knob)
+    # the engine serves the next call after each refusal
+    [res] = engine.generate(["Hi"], SamplingParams(max_new_tokens=2), mode="pasta")
+    assert res.error is None
+    assert engine.block_manager.num_free == engine.block_manager.num_pages
