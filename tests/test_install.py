@@ -54,6 +54,9 @@ def test_the_wheel_installs_in_a_fresh_venv_and_generates(tmp_path):
                  "pasta_engine/entrypoints/static/index.html", "pasta_engine/triton_kernels/__init__.py",
                  "pasta_engine/adapters/smollm2-135m-pasta/adapter_model.safetensors"):
         assert want in names, want
+    # every subpackage of the checkout is in the wheel (pasta_engine.distributed once was not)
+    for init in sorted((ROOT / "pasta_engine").glob("*/__init__.py")):
+        assert f"pasta_engine/{init.parent.name}/__init__.py" in names, init.parent.name
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv], cwd=tmp_path)
@@ -72,8 +75,8 @@ def test_the_wheel_installs_in_a_fresh_venv_and_generates(tmp_path):
     env.update(OMP_NUM_THREADS="1", PASTA_ENGINE_CACHE=str(tmp_path / "cache"))
     exe = bindir / "pasta-engine"
     assert _run([exe, "--version"], cwd=tmp_path, env=env).stdout.strip() == f"pasta-engine {version}"
-    where = _run([python, "-c", "import pasta_engine; print(pasta_engine.__file__); print(pasta_engine.__version__)"],
-                 cwd=tmp_path, env=env).stdout.split()
+    where = _run([python, "-c", "import pasta_engine, pasta_engine.distributed.executor; print(pasta_engine.__file__); "
+                  "print(pasta_engine.__version__)"], cwd=tmp_path, env=env).stdout.split()
     assert Path(where[0]).is_relative_to(venv) and where[1] == version  # the wheel's copy, not this checkout
     out = _run([exe, "generate", "Give me two tips.", "--preset", "tiny-llama", "--max-new-tokens", "4",
                 "--kv-cache-mb", "8", "--json"], cwd=tmp_path, env=env)
