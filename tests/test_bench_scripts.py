@@ -100,3 +100,34 @@ def test_bench_dialects_compares_the_three_dialects_on_the_same_answers(tmp_path
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     again = subprocess.run([*cmd[:-3], "--realized", "0"], capture_output=True, text=True, env=ENV, timeout=600)
     assert again.returncode == 0 and (tmp_path / "d-2.json").exists()  # a rerun never replaces a result
+
+
+def test_judge_pairs_round_trip_counts_wins_from_the_candidates_side(tmp_path):
+    """bench/judge_pairs.py: make hides which side is the candidate; join, given verdicts that
+    always pick the candidate in the first order and always the baseline in the reversed one
+    (and a tie), counts wins, losses and ties from the candidate's side in each order."""
+    cand = [{"instruction": f"q{i}", "output": f"cand {i}"} for i in range(6)]
+    base = [{"instruction": f"q{i}", "output": f"base {i}"} for i in range(6)]
+    (tmp_path / "c.json").write_text(json.dumps(cand))
+    (tmp_path / "b.json").write_text(json.dumps(base))
+    out = tmp_path / "judge"
+    run = subprocess.run([sys.executable, str(BENCH / "judge_pairs.py"), "make", "--candidate", str(tmp_path / "c.json"),
+                          "--baseline", str(tmp_path / "b.json"), "--out", str(out), "--seed", "3"],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert run.returncode == 0, run.stderr
+    pairs = [json.loads(x) for x in (out / "pairs.jsonl").read_text().splitlines()]
+    rev = [json.loads(x) for x in (out / "pairs_reversed.jsonl").read_text().splitlines()]
+    assert {p["answer_a"][:4] for p in pairs} == {"cand", "base"}  # both orders occur
+    assert all(p["answer_a"] == r["answer_b"] for p, r in zip(pairs, rev))
+    fwd = [{"id": p["id"], "verdict": "A" if p["answer_a"].startswith("cand") else "B"} for p in pairs]
+    back = [{"id": r["id"], "verdict": "A" if r["answer_a"].startswith("base") else "B"} for r in rev]
+    back[0]["verdict"] = "tie"
+    (out / "verdicts.jsonl").write_text("".join(json.dumps(v) + "\n" for v in fwd))
+    (out / "verdicts_reversed.jsonl").write_text("".join(json.dumps(v) + "\n" for v in back))
+    run = subprocess.run([sys.executable, str(BENCH / "judge_pairs.py"), "join", "--out", str(out)],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert run.returncode == 0, run.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["first_order"]["wins"], s["first_order"]["win_rate"]) == (6, 1.0)
+    assert (s["reversed_order"]["losses"], s["reversed_order"]["ties"]) == (5, 1)
+    assert s["reversed_order"]["win_rate"] == 0.5 / 6 and s["orders_agree"] == 0

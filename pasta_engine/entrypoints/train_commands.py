@@ -38,8 +38,13 @@ def add_train_parser(subparsers: Any) -> None:
         "adapter (float16, manifest), OUT/checkpoint (resumable), OUT/loss.json and loss.png, OUT/examples.jsonl.",
     )
     _add_io_args(s, "AlpacaEval JSON with reference answers (e.g. results/gpt4_1106_preview/model_outputs.json)")
-    s.add_argument("--annotator", choices=("mixed", "sot", "apar"), default="mixed",
-                   help="how answers get their tags (mixed: sot where a list forks, apar otherwise)")
+    s.add_argument("--annotator", choices=("mixed", "sot", "apar", "independent"), default="mixed",
+                   help="how answers get their tags (mixed: sot where a list forks, apar otherwise; independent: list "
+                   "items and paragraphs forked only where they do not lean on the chunks beside them, a sync where "
+                   "later text does, topics that say what a chunk covers)")
+    s.add_argument("--independence-labels", type=Path, default=None,
+                   help="with --annotator independent: a reader's labels of the answers' pieces (JSONL of "
+                   "bench/reader_independence.py collect); they decide the labelled pieces, the lexical measure the rest")
     s.add_argument("--max-response-tokens", type=positive_int, default=448,
                    help="answers are cut at a line boundary to at most this many tokens")
     s.add_argument("--epochs", type=positive_int, default=2)
@@ -161,8 +166,20 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         rows = rows[: args.limit]
     tokenizer = load_tokenizer(args.model)
     count = count_tokens_fn(tokenizer)
+    labels = None
+    if args.independence_labels is not None:
+        if args.annotator != "independent":
+            raise ParameterError("--independence-labels", str(args.independence_labels),
+                                 message="--independence-labels needs --annotator independent")
+        try:
+            lines = args.independence_labels.read_text().splitlines()
+            labels = {row["instruction"]: row for row in (json.loads(x) for x in lines if x.strip())}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ParameterError("--independence-labels", str(args.independence_labels),
+                                 message=f"cannot read {args.independence_labels} as labels JSONL "
+                                 f"(bench/reader_independence.py collect): {e}") from None
     examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
-                                      annotator=args.annotator, seed=args.seed)
+                                      annotator=args.annotator, seed=args.seed, independence_labels=labels)
     if args.drop_repeats:
         from ..train.quality import repeated_line_fraction
 
@@ -187,7 +204,8 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                            tag_tokens=args.tag_tokens)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
-                        "annotator": args.annotator, "max_response_tokens": args.max_response_tokens, **counts}
+                        "annotator": args.annotator, "max_response_tokens": args.max_response_tokens,
+                        "independence_labels": None if labels is None else str(args.independence_labels), **counts}
     summary = train_sft(examples, args.out, settings, base=args.model, resume=args.resume, manifest=manifest)
     print(f"train sft: {summary['optimizer_steps']} steps in {summary['train_seconds']:.0f} s; loss "
           f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}", file=sys.stderr)

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..lang.tags import (
-    ASYNC_CLOSE, ASYNC_OPEN, SYNC, Malformed, Promise, Sync, Text, parse, promise_tag, splice, split_threads,
+    ASYNC_CLOSE, ASYNC_OPEN, SYNC, AsyncClose, AsyncOpen, Malformed, Promise, Sync, Text, parse, promise_tag, splice,
+    split_threads,
 )
 
 __all__ = [
@@ -306,14 +307,18 @@ class _Fork:
     end: int  # just past its last character (</async> goes here)
 
 
-def _render(response: str, forks: Sequence[_Fork], syncs: Sequence[int], count: CountTokens) -> str:
+def _render(response: str, forks: Sequence[_Fork], syncs: Sequence[int], count: CountTokens,
+            topics: Sequence[str] | None = None) -> str:
     inserts: list[tuple[int, int, str]] = []  # (offset, order, text)
     for k, f in enumerate(forks, 1):
         content = response[f.start : f.end]
-        tag = promise_tag(_topic(content, k), _round10(count(content)))
-        inserts.append((f.start, 1, tag + ASYNC_OPEN))
+        topic = topics[k - 1] if topics is not None else _topic(content, k)
+        tag = promise_tag(topic, _round10(count(content)))
+        inserts.append((f.start, 2, tag + ASYNC_OPEN))
         inserts.append((f.end, 0, ASYNC_CLOSE))
-    inserts += [(s, 2, SYNC) for s in syncs]
+    # at one offset: a chunk's close, then a sync, then the next promise (a sync before a fork
+    # waits for the chunks before it; after the promise it would sit inside the new chunk)
+    inserts += [(s, 1, SYNC) for s in syncs]
     inserts.sort(key=lambda x: (x[0], x[1]))
     out, at = [], 0
     for off, _, tag in inserts:
@@ -334,7 +339,8 @@ def verify_annotation(response: str, annotated: str) -> str | None:
 
     Checks: ``strip_tags(annotated) == response``; no Malformed tag beyond those already in
     ``response``; every chunk closed and directly after its promise (split_threads then
-    splice gives ``annotated`` back, with one chunk per promise); topics without newlines."""
+    splice gives ``annotated`` back, with one chunk per promise); no sync inside a chunk; topics
+    without newlines."""
     events = parse(annotated)
     stripped = "".join(e.text for e in events if isinstance(e, Text))
     if stripped != response:
@@ -348,15 +354,24 @@ def verify_annotation(response: str, annotated: str) -> str | None:
         return "a promise without a closed chunk right after it"
     if splice(th.main, th.chunks) != annotated:
         return "split_threads/splice does not round-trip"
+    inside = False
+    for e in events:
+        if isinstance(e, AsyncOpen):
+            inside = True
+        elif isinstance(e, AsyncClose):
+            inside = False
+        elif isinstance(e, Sync) and inside:
+            return "a sync inside a chunk"
     if any("\n" in p.topic for p in promises):
         return "a topic holds a newline"
     return None
 
 
-def _finish(response: str, forks: list[_Fork], syncs: list[int], count: CountTokens, name: str) -> Annotation:
+def _finish(response: str, forks: list[_Fork], syncs: list[int], count: CountTokens, name: str,
+            topics: Sequence[str] | None = None) -> Annotation:
     if not forks:
         return Annotation(response, note=f"{name}: nothing to fork")
-    annotated = _render(response, forks, syncs, count)
+    annotated = _render(response, forks, syncs, count, topics)
     problem = verify_annotation(response, annotated)
     if problem is not None:
         return Annotation(response, note=f"{name}: left unannotated ({problem})")

@@ -5,7 +5,8 @@ is training data; ``vicuna`` (80 prompts) is the evaluation split and is never t
 Answers are cut at a line boundary to at most ``max_response_tokens`` tokens (never inside a
 code fence), so CPU training stays affordable and the model learns answers of a length it can
 decode; the cut answer is then annotated (``mixed``: Skeleton-of-Thought for lists, APAR for
-prose) and kept only when the annotation strips back to it exactly (the paper's filter, Jin et
+prose; ``independent``: those candidates forked only where the piece does not lean on the chunks
+beside it, :mod:`pasta_engine.tools.annotate_independent`) and kept only when the annotation strips back to it exactly (the paper's filter, Jin et
 al. 2025, section 4.1).
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..engine.replay import trace_content_figures
 from ..lang.tags import strip_tags
@@ -85,15 +86,27 @@ def build_examples(
     max_response_tokens: int = 448,
     annotator: str = "mixed",
     seed: int = 0,
+    independence_labels: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[list[TrainExample], dict[str, int]]:
     """Annotated training examples of ``rows`` (which must carry ``output``), shuffled with
     ``seed``.
 
+    ``independence_labels`` (annotator ``independent`` only): instruction -> a row of
+    ``bench/reader_independence.py collect`` (``response``: the cut answer, ``pieces``: each
+    piece's ``start`` and ``dependence``): a reader's judgement decides those pieces, the
+    :class:`~pasta_engine.tools.annotate_independent.LexicalDependence` measure the rest; a
+    row whose ``response`` is not the answer as cut here is not used.
+
     Returns ``(examples, counts)``: counts of rows ``kept``, ``forked`` (with at least one
-    promise), ``too_long`` (no line fits), ``no_output`` and ``filtered`` (annotation not
-    stripping back to the answer)."""
+    promise), ``too_long`` (no line fits), ``no_output``, ``filtered`` (annotation not
+    stripping back to the answer) and, with labels, ``reader_labelled``."""
     out: list[TrainExample] = []
     counts = {"rows": len(rows), "kept": 0, "forked": 0, "too_long": 0, "no_output": 0, "filtered": 0}
+    idf = None
+    if annotator == "independent":
+        from ..tools.annotate_independent import document_frequencies
+
+        idf = document_frequencies(r.output for r in rows if r.output)
     for r in rows:
         if r.output is None or not r.output.strip():
             counts["no_output"] += 1
@@ -102,7 +115,17 @@ def build_examples(
         if cut is None:
             counts["too_long"] += 1
             continue
-        a = annotate(cut, annotator, count_tokens)
+        if annotator == "independent":
+            from ..tools.annotate_independent import LexicalDependence, annotate_independent, table_dependence
+
+            dep = LexicalDependence(r.instruction)
+            row = (independence_labels or {}).get(r.instruction)
+            if row is not None and row.get("response") == cut:
+                dep = table_dependence(row["pieces"], default=dep)
+                counts["reader_labelled"] = counts.get("reader_labelled", 0) + 1
+            a, _ = annotate_independent(cut, dep, count_tokens, idf=idf)
+        else:
+            a = annotate(cut, annotator, count_tokens)
         if strip_tags(a.annotated) != cut:
             counts["filtered"] += 1
             continue

@@ -1,0 +1,107 @@
+"""Screen an adapter (or the base model) on the evaluation split, batched and untimed: the
+answers for a blind pairwise reading, their theoretical content speedup, and the forks' checks.
+
+The 80 vicuna prompts (never trained on) through the engine, ``--max-running-requests`` at a
+time, greedy with repetition penalty 1.1, 512 tokens, CPU float32 (the evaluation's settings;
+batching changes no greedy answer: the stage 3 screen reproduced its batch-1 evaluation figure
+for figure). Optionally at a fork threshold (``Limits.fork_threshold``). Writes to ``--out``:
+
+- ``model_outputs.json``: the clean answers in AlpacaEval's format (for ``bench/judge_pairs.py``);
+- ``rows.jsonl``: per prompt the annotated answer, forks, threads, content tokens, critical path,
+  theoretical content speedup, tag tokens, finish reason, and each fork's independence check
+  (:func:`pasta_engine.tools.annotate_independent.check_forks` with the lexical measure);
+- ``summary.json``: geomean theoretical content speedup (all answers, and the forked ones), fork
+  rate, mean threads, tag-token fraction, the text proxies, the fraction of forks that pass the
+  independence test and of chunks that open with their own topic, settings and command.
+
+No timing: realized speedup comes from ``pasta-engine bench learned`` (batch 1, warm, repeats).
+
+    python bench/screen_adapter.py --prompts ../shared/data/alpaca_eval/instructions.json \\
+        --adapter runs/sft-indep/adapter --out bench/results/screen-x [--fork-threshold 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", required=True, type=Path, help="AlpacaEval JSON (its vicuna rows are used)")
+    ap.add_argument("--adapter", default="auto", help="adapter folder; 'none' for the base model; default the shipped")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--mode", default="pasta", choices=("pasta", "sequential"))
+    ap.add_argument("--fork-threshold", type=float, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--repetition-penalty", type=float, default=1.1)
+    ap.add_argument("--max-running-requests", type=int, default=16)
+    ap.add_argument("--limit", type=int, default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from pasta_engine import Engine, Limits, SamplingParams
+    from pasta_engine.metrics import geomean, summarize_text_proxies
+    from pasta_engine.tools.annotate_independent import LexicalDependence, check_forks
+
+    rows = [r for r in json.loads(args.prompts.read_text()) if r.get("dataset") == "vicuna"][: args.limit]
+    adapter = None if args.adapter == "none" else args.adapter
+    limits = Limits(fork_threshold=args.fork_threshold)
+    engine = Engine.from_pretrained(None, adapter=adapter, max_running_requests=args.max_running_requests,
+                                    limits=limits)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0,
+                            repetition_penalty=args.repetition_penalty)
+    t0 = time.time()
+    results = engine.generate([r["instruction"] for r in rows], params, mode=args.mode, progress=True)
+    seconds = time.time() - t0
+    out_rows, checks = [], []
+    for r, res in zip(rows, results):
+        st = res.stats
+        forks = check_forks(res.annotated_text, LexicalDependence(r["instruction"])) if st.forks else []
+        checks += forks
+        out_rows.append({"instruction": r["instruction"], "text": res.text, "annotated": res.annotated_text,
+                         "forks": st.forks, "threads": st.forks + 1, "content_tokens": st.content_tokens,
+                         "critical_path": st.critical_path, "content_speedup": st.content_speedup,
+                         "tag_tokens": st.tag_tokens, "tokens_decoded": st.tokens_decoded,
+                         "finish_reason": st.finish_reason, "error": res.error,
+                         "fork_checks": [{"topic": c.topic, "dependence": round(c.dependence, 3), "passes": c.passes,
+                                          "opens_with_topic": c.opens_with_topic} for c in forks]})
+    label = f"adapter={args.adapter} mode={args.mode} fork_threshold={args.fork_threshold}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "model_outputs.json").write_text(json.dumps(
+        [{"instruction": r["instruction"], "output": o["text"], "generator": label, "dataset": "vicuna"}
+         for r, o in zip(rows, out_rows)], indent=1) + "\n")
+    (args.out / "rows.jsonl").write_text("".join(json.dumps(o) + "\n" for o in out_rows))
+    forked = [o for o in out_rows if o["forks"]]
+    decoded = sum(o["tokens_decoded"] for o in out_rows)
+    summary = {
+        "what": "untimed screen on the vicuna split (see bench/screen_adapter.py)",
+        "label": label, "prompts": len(out_rows),
+        "geomean_content_speedup": geomean([o["content_speedup"] for o in out_rows]),
+        "geomean_content_speedup_forked": geomean([o["content_speedup"] for o in forked]) if forked else None,
+        "forked": len(forked), "fork_rate": len(forked) / len(out_rows),
+        "mean_threads": sum(o["threads"] for o in out_rows) / len(out_rows),
+        "tag_token_fraction": sum(o["tag_tokens"] for o in out_rows) / decoded if decoded else 0.0,
+        "errors": sum(o["error"] is not None for o in out_rows),
+        "forks_checked": len(checks),
+        "forks_passing_independence": sum(c.passes for c in checks) / len(checks) if checks else None,
+        "chunks_opening_with_topic": sum(c.opens_with_topic for c in checks) / len(checks) if checks else None,
+        "proxies": summarize_text_proxies([o["text"] for o in out_rows], [o["finish_reason"] for o in out_rows],
+                                          [o["annotated"] for o in out_rows]),
+        "settings": {"max_new_tokens": args.max_new_tokens, "temperature": 0.0,
+                     "repetition_penalty": args.repetition_penalty, "mode": args.mode,
+                     "fork_threshold": args.fork_threshold, "max_running_requests": args.max_running_requests,
+                     "adapter": args.adapter, "torch_threads": torch.get_num_threads(), "device": "cpu",
+                     "dtype": "float32", "seconds": round(seconds, 1)},
+        "command": "python " + " ".join(sys.argv),
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("proxies", "settings")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
