@@ -131,3 +131,33 @@ def test_judge_pairs_round_trip_counts_wins_from_the_candidates_side(tmp_path):
     assert (s["first_order"]["wins"], s["first_order"]["win_rate"]) == (6, 1.0)
     assert (s["reversed_order"]["losses"], s["reversed_order"]["ties"]) == (5, 1)
     assert s["reversed_order"]["win_rate"] == 0.5 / 6 and s["orders_agree"] == 0
+
+
+def test_frontier_writes_its_table_and_plot_from_stored_rows(tmp_path):
+    """bench/frontier.py: from stored screen and judge summaries (no model run), a row per
+    operating point with the win rate over both orders and its bootstrap interval, and a plot."""
+    points = []
+    for k, (speed, outcomes) in enumerate([(1.2, ["win", "tie", "loss", "win"]), (1.8, ["loss", "loss", "tie", "win"])]):
+        screen, judge = tmp_path / f"s{k}", tmp_path / f"j{k}"
+        screen.mkdir()
+        judge.mkdir()
+        (screen / "summary.json").write_text(json.dumps({"geomean_content_speedup": speed, "fork_rate": 0.5,
+                                                         "mean_threads": 2.0}))
+        rows = [{"id": i, "first_order": o, "reversed_order": o} for i, o in enumerate(outcomes)]
+        tally = {"wins": 2 * outcomes.count("win"), "losses": 2 * outcomes.count("loss"), "ties": 2 * outcomes.count("tie")}
+        rate = (outcomes.count("win") + 0.5 * outcomes.count("tie")) / len(outcomes)
+        (judge / "summary.json").write_text(json.dumps({
+            "rows": rows, "first_order": {"win_rate": rate, **{k2: v // 2 for k2, v in tally.items()}},
+            "reversed_order": {"win_rate": rate, **{k2: v // 2 for k2, v in tally.items()}}}))
+        points.append({"label": f"p{k}", "screen": f"s{k}", "judge": f"j{k}"})
+    (tmp_path / "points.json").write_text(json.dumps(points))
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(BENCH / "frontier.py"), "--points", str(tmp_path / "points.json"),
+                          "--out", str(out), "--base", str(tmp_path)], capture_output=True, text=True, env=ENV,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads((out / "frontier.json").read_text())["points"]
+    assert [p["win_rate"] for p in got] == [0.625, 0.375]
+    assert all(p["win_rate_ci95"][0] <= p["win_rate"] <= p["win_rate_ci95"][1] for p in got)
+    assert "| p1 | 1.80x |" in (out / "frontier.md").read_text()
+    assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"
