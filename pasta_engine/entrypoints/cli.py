@@ -655,6 +655,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        _refuse_unused_fork_threshold(args)
         if args.command == "train":
             from .train_commands import run_train
 
@@ -691,6 +692,23 @@ def _main(argv: Sequence[str] | None) -> int:
             ValueError) as e:
         print(f"pasta-engine: error: {e}", file=sys.stderr)
         return 2
+
+
+def _refuse_unused_fork_threshold(args: argparse.Namespace) -> None:
+    """``--fork-threshold`` decides forks while the model samples in pasta mode: a command that
+    only replays annotated responses, or generates sequentially only, would ignore it, so it is
+    refused there (ParameterError naming the flag)."""
+    from ..errors import ParameterError
+
+    value = getattr(args, "fork_threshold", None)
+    if value is None:
+        return
+    replays = args.command == "replay" or (args.command == "bench" and args.bench_command == "speedup")
+    sequential = args.command == "generate" and getattr(args, "mode", "pasta") == "sequential"
+    if replays or sequential:
+        what = "replays the annotated responses' tokens" if replays else "decodes sequentially (--mode sequential)"
+        raise ParameterError("--fork-threshold", value, message=f"--fork-threshold {value} decides forks while the "
+                             f"model samples in pasta mode, and this command {what}: leave it out")
 
 
 def _check_utf8(text: str, what: str) -> None:

@@ -196,3 +196,23 @@ def test_serve_on_sigint_shuts_down_without_a_traceback(tiny_llama):
     finally:
         proc.kill()
     assert "Traceback" not in err and proc.returncode in (0, 130), err[-2000:]
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "Hi", "--mode", "sequential"],
+    ["bench", "speedup", "--annotator", "sot", "--responses", "x.json", "--out", "o"],
+    ["generate", "Hi", "--fork-threshold", "0"],
+])
+def test_fork_threshold_where_it_cannot_apply_is_one_line(tiny_llama, capsys, argv):
+    """--fork-threshold is refused before any model loads where nothing samples in pasta mode (a
+    replay, a sequential generate), and out of (0, 1] everywhere; and where the model has no tag
+    tokens (the tiny preset's), the engine refuses it naming fork_threshold."""
+    extra = [] if "--fork-threshold" in argv else ["--fork-threshold", "0.3"]
+    code = main([*argv, *extra, "--model", str(tiny_llama), "--kv-cache-mb", "8"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    _one_error_line(err, "fork")
+    code = main(["generate", "Hi", "--fork-threshold", "0.3", "--model", str(tiny_llama), *TINY_RUN])
+    _, err = capsys.readouterr()
+    assert code == 2
+    _one_error_line(err, "fork_threshold", "tag-tokens")
