@@ -1,7 +1,7 @@
 """A blind pairwise reading by an LLM judge: pair files, their key, and the joined win rate.
 
-``make``: from two AlpacaEval-format outputs files (a list of ``{instruction, output}`` in the
-same order), writes ``pairs.jsonl`` (``id``, ``question``, ``answer_a``, ``answer_b``: the two
+``make``: from two AlpacaEval-format outputs files (a list of ``{instruction, output}``; the rows
+are paired by instruction, in the candidate file's order), writes ``pairs.jsonl`` (``id``, ``question``, ``answer_a``, ``answer_b``: the two
 answers in a seeded random order), ``pairs_reversed.jsonl`` (every order swapped) and ``key.json``
 (which side is the candidate in each file). The judge sees only a pairs file; the key stays
 with us.
@@ -25,9 +25,10 @@ from pathlib import Path
 
 def make(candidate: Path, baseline: Path, out: Path, seed: int, label: str) -> None:
     cand = json.loads(candidate.read_text())
-    base = json.loads(baseline.read_text())
-    if [r["instruction"] for r in cand] != [r["instruction"] for r in base]:
-        raise SystemExit("the two outputs files must hold the same instructions in the same order")
+    by_instruction = {r["instruction"]: r for r in json.loads(baseline.read_text())}
+    if sorted(r["instruction"] for r in cand) != sorted(by_instruction):
+        raise SystemExit("the two outputs files must hold the same instructions")
+    base = [by_instruction[r["instruction"]] for r in cand]  # paired by instruction, in the candidate's order
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     key, fwd, rev = [], [], []

@@ -50,7 +50,8 @@ def main() -> None:
     s = json.loads((a.judge / "summary.json").read_text())
     key = json.loads((a.judge / "key.json").read_text())
     cand = json.loads((ROOT / key["candidate"]).read_text())
-    base = json.loads((ROOT / key["baseline"]).read_text())
+    by_instruction = {r["instruction"]: r for r in json.loads((ROOT / key["baseline"]).read_text())}
+    base = [by_instruction[r["instruction"]] for r in cand]  # as judge_pairs.py paired them
     score = {"win": 1.0, "tie": 0.5, "loss": 0.0}
     reader = []
     for r in s["rows"]:
