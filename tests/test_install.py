@@ -82,3 +82,8 @@ def test_the_wheel_installs_in_a_fresh_venv_and_generates(tmp_path):
                 "--kv-cache-mb", "8", "--json"], cwd=tmp_path, env=env)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["pasta"]["stats"]["finish_reason"] in ("stop", "length") and row["pasta"]["token_ids"]
+    # tensor parallelism from the installed copy: two ranks start, decode and give rank 0's answer
+    out = _run([exe, "generate", "Give me two tips.", "--preset", "tiny-llama", "--max-new-tokens", "4",
+                "--kv-cache-mb", "8", "--tensor-parallel-size", "2", "--json"], cwd=tmp_path, env=env)
+    tp = json.loads(out.stdout.strip().splitlines()[-1])
+    assert tp["pasta"]["token_ids"] == row["pasta"]["token_ids"]
