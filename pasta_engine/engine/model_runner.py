@@ -313,11 +313,12 @@ class ModelRunner:
             states = [st.step.grammar for st in sampling]
             if any(states):  # the PASTA-LANG grammar: forbidden tokens get -inf (logprobs see the mask too)
                 logits = logits.masked_fill(self.grammar_masks[to_device(states, torch.long, dev)], float("-inf"))
-        if self.fork_token is not None:
-            fk = [(k, st.request.interp.limits.fork_threshold) for k, st in enumerate(sampling)
-                  if st.step.forced is None and st.step.grammar == GrammarState.MAIN
-                  and st.request.interp is not None and st.request.interp.limits.fork_threshold is not None]
-            if fk:  # Limits.fork_threshold: the fork decided by the promise piece's probability
+        knobs = [(a, m, t) for a, m, req, _ in groups
+                 for t in [req.interp.limits.fork_threshold] if t is not None] if self.fork_token is not None else []
+        if knobs:  # Limits.fork_threshold (requests that set it only): the promise piece's probability decides
+            fk = [(k, t) for a, m, t in knobs for k in range(a, a + m)
+                  if sampling[k].step.forced is None and sampling[k].step.grammar == GrammarState.MAIN]
+            if fk:
                 logits = apply_fork_threshold(logits, [k for k, _ in fk], [t for _, t in fk], self.fork_token)
         if all(f >= 0 for f in forced):  # replay: nothing to sample
             tokens, bad = to_device(forced, torch.long, dev), None

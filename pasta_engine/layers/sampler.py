@@ -80,29 +80,29 @@ def mask_tokens(logits: torch.Tensor, rows: list[int], ids: list[list[int]]) -> 
 
 
 def apply_fork_threshold(logits: torch.Tensor, rows: list[int], thresholds: list[float], token: int) -> torch.Tensor:
-    """The logits with a fork decision made for each of ``rows`` (a new tensor): where the
-    probability of ``token`` (the promise piece) under the row's softmax is at least
-    ``thresholds[i]``, every other token gets ``-inf`` (the row forks whatever the sampler
-    does next); elsewhere ``token`` gets ``-inf`` (the row does not fork).
-    (:attr:`pasta_engine.config.Limits.fork_threshold`; the paper's speed-quality knob,
-    Jin et al., ICML 2025, arXiv 2502.11517, section 5, moved from training to decoding.)
+    """The logits with a fork decision made for each of ``rows`` (a new tensor; one softmax over
+    those rows and one ``masked_fill``, no host-device sync): where the probability of ``token``
+    (the promise piece) under the row's softmax is at least ``thresholds[i]``, every other token
+    gets ``-inf`` (the row forks whatever the sampler does next); elsewhere ``token`` gets
+    ``-inf`` (the row does not fork). (:attr:`pasta_engine.config.Limits.fork_threshold`; the
+    paper's speed-quality knob, Jin et al., ICML 2025, arXiv 2502.11517, section 5, moved from
+    training to decoding.)
 
     Args:
         logits: ``[N, vocab]`` float32, after penalties and masks.
-        rows: row indices into ``logits`` that may open a promise now.
+        rows: row indices into ``logits`` that may open a promise now (at least one).
         thresholds: per such row, a probability in ``(0, 1]``.
         token: the promise piece's token id (below ``logits.shape[-1]``)."""
     dev = logits.device
-    r = torch.tensor(rows, dtype=torch.long, device=dev)
-    x = logits.index_select(0, r)
-    p = torch.softmax(x.float(), dim=-1)[:, token]
-    fork = p >= torch.tensor(thresholds, dtype=p.dtype, device=dev)
-    keep = x[:, token].clone()
-    x = torch.where(fork[:, None], torch.full_like(x, float("-inf")), x)
-    x[:, token] = torch.where(fork, keep, torch.full_like(keep, float("-inf")))
-    out = logits.clone()
-    out[r] = x
-    return out
+    r = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+    thr = torch.tensor(thresholds, dtype=torch.float32).to(dev, non_blocking=True)
+    fork = torch.softmax(logits.index_select(0, r).float(), dim=-1)[:, token] >= thr
+    forks = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev).index_put_((r,), fork)
+    decided = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev).index_put_((r,), ~fork)
+    is_token = torch.zeros(logits.shape[-1], dtype=torch.bool, device=dev)
+    is_token[token] = True
+    mask = (forks[:, None] & ~is_token) | (decided[:, None] & is_token)
+    return logits.masked_fill(mask, float("-inf"))
 
 
 def _min_p_filter(x: torch.Tensor, min_p: torch.Tensor | float) -> torch.Tensor:
