@@ -286,14 +286,19 @@ def _topic(content: str, n: int) -> str:
     first = content.lstrip().split("\n", 1)[0]
     m = _BOLD_LEAD.match(first)
     lead = m.group(2) if m else _LEAD_END.split(first, maxsplit=1)[0]
-    lead = "".join(c if c.isprintable() else " " for c in _TOPIC_DROP.sub(" ", lead))
+    return topic_text(lead) or f"point {n}"
+
+
+def topic_text(text: str) -> str:
+    """``text`` as a promise topic: characters a topic may not hold (``"``, ``<``, ``>``,
+    markdown, non-printables) become spaces, then at most :data:`TOPIC_WORDS` words and
+    :data:`TOPIC_CHARS` characters, trimmed of edge punctuation (may be empty)."""
     words: list[str] = []
-    for w in lead.split()[:TOPIC_WORDS]:
+    for w in "".join(c if c.isprintable() else " " for c in _TOPIC_DROP.sub(" ", text)).split()[:TOPIC_WORDS]:
         if len(" ".join([*words, w])) > TOPIC_CHARS:
             break
         words.append(w)
-    topic = " ".join(words).strip(" :,.;-'")
-    return topic or f"point {n}"
+    return " ".join(words).strip(" :,.;-'")
 
 
 def _round10(n: int) -> int:

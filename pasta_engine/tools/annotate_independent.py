@@ -34,12 +34,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
+from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, Text
 from ..lang.tags import parse as parse_events
 from .annotate import (
-    _BOLD_LEAD, _TOPIC_DROP, MIN_CHUNK_TOKENS, TOPIC_CHARS, TOPIC_WORDS, Annotation, CountTokens, _finish, _Fork,
-    _is_title, _precheck, _units, approx_token_count,
+    _BOLD_LEAD, MIN_CHUNK_TOKENS, Annotation, CountTokens, _finish, _Fork, _is_title, _precheck, _units,
+    approx_token_count, topic_text,
 )
 
 __all__ = [
@@ -98,15 +99,6 @@ def document_frequencies(texts: Iterable[str]) -> dict[str, float]:
     return {w: math.log((1 + n) / (1 + d)) + 1 for w, d in df.items()}
 
 
-def _clean(words: Iterable[str]) -> str:
-    kept: list[str] = []
-    for w in words:
-        if len(" ".join([*kept, w])) > TOPIC_CHARS or len(kept) == TOPIC_WORDS:
-            break
-        kept.append(w)
-    return " ".join(kept).strip(" :,.;-'")
-
-
 def descriptive_topic(content: str, taken: Iterable[str] = (), idf: Mapping[str, float] | None = None,
                       words: int = 3) -> str:
     """A topic that says what ``content`` covers, in at most :data:`TOPIC_WORDS` words and
@@ -118,21 +110,20 @@ def descriptive_topic(content: str, taken: Iterable[str] = (), idf: Mapping[str,
     the next most specific word is added or swapped in; ``point N`` is the last resort. Never
     holds ``"``, ``<``, ``>`` or a newline."""
     taken_l = {t.lower() for t in taken}
-    first = content.lstrip().split("\n", 1)[0]
-    m = _BOLD_LEAD.match(first)
+    m = _BOLD_LEAD.match(content.lstrip().split("\n", 1)[0])
     if m:
-        title = _clean("".join(c if c.isprintable() else " " for c in _TOPIC_DROP.sub(" ", m.group(2))).split())
+        title = topic_text(m.group(2))
         if title and title.lower() not in taken_l:
             return title
     seq = [w for w in _words(" ".join(content.split()[:60])) if w not in _STOP and len(w) > 2]
     order: dict[str, int] = {}
     for i, w in enumerate(seq):
         order.setdefault(w, i)
-    top_idf = max(idf.values()) + 1 if idf else 1.0
-    ranked = sorted(order, key=lambda w: (-(idf.get(w, top_idf) if idf else 1.0), order[w]))
-    for extra in range(0, max(1, len(ranked) - words + 1)):
-        pick = ranked[:words - 1] + ranked[words - 1 + extra:words + extra] if extra else ranked[:words]
-        topic = _clean(sorted(pick, key=order.__getitem__))
+    # rarest first (a word the table never saw counts as the rarest), then by position
+    ranked = sorted(order, key=lambda w: (-(idf.get(w, math.inf) if idf else 1.0), order[w]))
+    head = ranked[: words - 1]
+    for last in ranked[words - 1:] or [None]:  # the next rarest word swapped in while the topic is taken
+        topic = topic_text(" ".join(sorted(head + ([last] if last else []), key=order.__getitem__)))
         if topic and topic.lower() not in taken_l:
             return topic
     n = len(taken_l) + 1
@@ -220,6 +211,18 @@ def table_dependence(pieces: Iterable[Mapping[str, float]], default: Dependence 
         return default(seen, alone, piece) if default is not None else 0.0
 
     return dependence
+
+
+def _alone(text: str, outstanding: Sequence[tuple[int, int, str]], end: int) -> str:
+    """``text[:end]`` as the thread of a piece starting at ``end`` sees it: each outstanding
+    sibling ``(start, stop, topic)`` (character offsets) replaced by its topic, the promise its
+    thread saw instead of its text."""
+    parts, at = [], 0
+    for start, stop, topic in outstanding:
+        parts += [text[at:start], topic]
+        at = stop
+    parts.append(text[at:end])
+    return "".join(parts)
 
 
 @dataclass
@@ -331,13 +334,8 @@ def annotate_independent(
                 fork(p)
                 scores.append(PieceScore(p.start, p.end, True, 0.0, "fork"))
             continue
-        seen = response[:p.start]
-        alone, at = [], 0
-        for o, topic in outstanding:  # the thread sees a sibling's promise (its topic), not its text
-            alone += [response[at:o.start], topic]
-            at = o.end
-        alone.append(response[at:p.start])
-        dep = float(dependence(seen, "".join(alone), response[p.start:p.end]))
+        alone = _alone(response, [(o.start, o.end, topic) for o, topic in outstanding], p.start)
+        dep = float(dependence(response[:p.start], alone, response[p.start:p.end]))
         if dep > threshold:
             syncs.append(p.start)
             outstanding.clear()
@@ -373,32 +371,20 @@ def check_forks(annotated: str, dependence: Dependence, threshold: float = DEFAU
     chunk, ``alone`` the same with each outstanding sibling's text replaced by its topic (what the
     chunk's thread saw; a ``<sync/>`` ends the outstanding set). Malformed tags are text; a chunk
     never closed counts to the end. Never raises on content."""
-    from ..lang.tags import AsyncClose, AsyncOpen, Promise, Sync, Text
-
     seen: list[str] = []  # clean text so far (main and chunks, in reading order)
-    alone_parts: list[str] = []  # the same with outstanding chunks replaced by their topics
-    outstanding: list[tuple[int, int, str]] = []  # (start, end) in seen-chars of each open sibling, topic
+    outstanding: list[tuple[int, int, str]] = []  # each open sibling: start, end (in seen's characters), topic
     out: list[ForkCheck] = []
     topic: str | None = None
     chunk: list[str] | None = None
     chunk_start = 0
 
-    def text_so_far() -> str:
-        return "".join(seen)
-
     def close() -> None:
         nonlocal chunk, topic
         if chunk is None:
             return
-        text = "".join(chunk)
-        before = text_so_far()[:chunk_start]
-        s = text_so_far()
-        a_parts, at = [], 0
-        for a, b, t in outstanding:
-            a_parts += [s[at:a], t]
-            at = b
-        a_parts.append(s[at:chunk_start])
-        dep = float(dependence(before, "".join(a_parts), text)) if outstanding and text.strip() else 0.0
+        text, so_far = "".join(chunk), "".join(seen)
+        dep = (float(dependence(so_far[:chunk_start], _alone(so_far, outstanding, chunk_start), text))
+               if outstanding and text.strip() else 0.0)
         out.append(ForkCheck(topic or "", text, dep, dep <= threshold, opens_with_topic(topic or "", text)))
         outstanding.append((chunk_start, chunk_start + len(text), topic or ""))
         chunk, topic = None, None
@@ -407,13 +393,13 @@ def check_forks(annotated: str, dependence: Dependence, threshold: float = DEFAU
         if isinstance(e, Promise):
             topic = e.topic
         elif isinstance(e, AsyncOpen):
-            chunk, chunk_start = [], len(text_so_far())
+            chunk, chunk_start = [], sum(map(len, seen))
         elif isinstance(e, AsyncClose):
             close()
         elif isinstance(e, Sync):
             close()
             outstanding.clear()
-        elif isinstance(e, Text) or hasattr(e, "raw"):
+        elif isinstance(e, (Text, Malformed)):  # a malformed tag is text the reader sees
             t = e.text if isinstance(e, Text) else e.raw
             if chunk is not None:
                 chunk.append(t)

@@ -104,7 +104,9 @@ def build_examples(
     counts = {"rows": len(rows), "kept": 0, "forked": 0, "too_long": 0, "no_output": 0, "filtered": 0}
     idf = None
     if annotator == "independent":
-        from ..tools.annotate_independent import document_frequencies
+        from ..tools.annotate_independent import (
+            LexicalDependence, annotate_independent, document_frequencies, table_dependence,
+        )
 
         idf = document_frequencies(r.output for r in rows if r.output)
     for r in rows:
@@ -116,8 +118,6 @@ def build_examples(
             counts["too_long"] += 1
             continue
         if annotator == "independent":
-            from ..tools.annotate_independent import LexicalDependence, annotate_independent, table_dependence
-
             dep = LexicalDependence(r.instruction)
             row = (independence_labels or {}).get(r.instruction)
             if row is not None and row.get("response") == cut:
