@@ -11,11 +11,20 @@
 # ../shared, so copy ../shared/data/alpaca_eval/gpt4_1106_preview_outputs.json into .data/
 # (ignored by git) and carry .data with the call, or point ALPACA_OUTPUTS at the file.
 # Results land in bench/results/ (and $OUT when set, so the device tool brings them back).
+# Exit status: 0 when every stage it ran passed, 1 when one failed (each failed stage is named at
+# the end), 2 when there is no CUDA GPU here (one line, before anything is installed or built).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "run_gpu.sh: no CUDA GPU visible to $PY (torch.cuda.is_available() is false): run it on the GPU machine" >&2
+  exit 2
+fi
+failed=()
+# stage NAME CMD...: run one stage; a non-zero status (of any command in its pipeline) marks it failed
+stage() { local name=$1; shift; "$@" || failed+=("$name"); }
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -25,29 +34,37 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 out=${OUT:-bench/results}
 mkdir -p "$out"
 if [ "$what" = csrc ] || [ "$what" = all ] || [ "$what" = tests ]; then
-  cmake -S . -B build -DPython3_EXECUTABLE="$(command -v $PY)" >"$out/csrc_build.log" 2>&1 \
-    && cmake --build build -j >>"$out/csrc_build.log" 2>&1 && echo "csrc extension built" || echo "csrc build failed (see csrc_build.log)"
+  build_csrc() {
+    cmake -S . -B build -DPython3_EXECUTABLE="$(command -v $PY)" >"$out/csrc_build.log" 2>&1 \
+      && cmake --build build -j >>"$out/csrc_build.log" 2>&1 && echo "csrc extension built"
+  }
+  stage "csrc build (see $out/csrc_build.log)" build_csrc
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  $PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  stage "gpu tests" bash -o pipefail -c "$PY -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee '$out/gpu_tests.log' | tail -25"
 fi
 if [ "$what" = tree ] || [ "$what" = all ]; then
-  $PY bench/bench_tree_attention.py ${QUICK:+--quick} 2>&1 | tee "$out/tree_attention.log" | tail -5
+  stage "tree attention" bash -o pipefail -c "$PY bench/bench_tree_attention.py ${QUICK:+--quick} 2>&1 | tee '$out/tree_attention.log' | tail -5"
 fi
 if [ "$what" = decode ] || [ "$what" = all ]; then
-  $PY bench/bench_decode_step.py 2>&1 | tee "$out/decode_step.log" | tail -5
+  stage "decode step" bash -o pipefail -c "$PY bench/bench_decode_step.py 2>&1 | tee '$out/decode_step.log' | tail -5"
 fi
 if [ "$what" = csrc ] || [ "$what" = all ]; then
-  $PY bench/bench_csrc_ops.py 2>&1 | tee "$out/csrc_ops.log" | tail -5
+  stage "csrc ops" bash -o pipefail -c "$PY bench/bench_csrc_ops.py 2>&1 | tee '$out/csrc_ops.log' | tail -5"
 fi
 if [ "$what" = speedup ]; then
   resume=""
   [ -f bench/results/speedup-llama3-8b-sot-gpu/prompts.jsonl ] && resume=--resume
-  $PY -m pasta_engine.entrypoints.cli bench speedup --annotator sot \
+  stage "speedup" $PY -m pasta_engine.entrypoints.cli bench speedup --annotator sot \
     --responses "${ALPACA_OUTPUTS:-.data/gpt4_1106_preview_outputs.json}" ${LIMIT:+--limit $LIMIT} \
     --preset llama-3-8b --device cuda --dtype bfloat16 --attention-backend triton --cuda-graphs on \
-    --max-threads 0 $resume --out bench/results/speedup-llama3-8b-sot-gpu 2>&1 | tail -5
+    --max-threads 0 $resume --out bench/results/speedup-llama3-8b-sot-gpu
 fi
 $PY bench/plot.py bench/results/tree_attention_*.json bench/results/decode_step_*.json 2>/dev/null
 [ "$out" != bench/results ] && cp bench/results/*.json bench/results/*.png "$out"/ 2>/dev/null
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'run_gpu.sh: failed stage: %s\n' "${failed[@]}" >&2
+  exit 1
+fi
+echo "run_gpu.sh: every stage passed"
 exit 0

@@ -161,3 +161,25 @@ def test_frontier_writes_its_table_and_plot_from_stored_rows(tmp_path):
     assert all(p["win_rate_ci95"][0] <= p["win_rate"] <= p["win_rate_ci95"][1] for p in got)
     assert "| p1 | 1.80x |" in (out / "frontier.md").read_text()
     assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_gpu_fails_without_a_gpu_and_when_a_stage_fails(tmp_path):
+    """bench/run_gpu.sh: no CUDA GPU is one line and exit 2 before anything is installed; a stage
+    that fails makes the script exit 1 naming it (it once ended with a bare ``exit 0``)."""
+    script = str(BENCH / "run_gpu.sh")
+    run = subprocess.run(["bash", script, "tests"], capture_output=True, text=True, timeout=300,
+                         env={**ENV, "PYTHON": sys.executable})
+    if run.returncode != 2:
+        pytest.skip("a CUDA GPU is visible: the no-GPU path cannot be checked here")
+    assert [line for line in run.stderr.splitlines() if line.strip()] == [
+        f"run_gpu.sh: no CUDA GPU visible to {sys.executable} (torch.cuda.is_available() is false): run it on the GPU "
+        "machine"]
+    # a stand-in interpreter: it sees a GPU and installs fine, and every benchmark it runs fails
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    'case "$1 $2" in "-c "*|"-m pip") exit 0;; *bench_decode_step*) exit 3;; *) exit 0;; esac\n')
+    fake.chmod(0o755)
+    run = subprocess.run(["bash", script, "decode"], capture_output=True, text=True, timeout=300,
+                         env={**ENV, "PYTHON": str(fake), "OUT": str(tmp_path / "out")})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "run_gpu.sh: failed stage: decode step" in run.stderr
