@@ -138,7 +138,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "CUDA; N must divide the KV heads; default: 1)")
     g.add_argument("--threads", type=_threads_flag, default="auto", metavar="auto|N",
                    help="torch CPU threads (--device cpu): N, or auto (default): "
-                   f"{AUTO_THREADS_POLICY} (see README, 'CPU threads')")
+                   f"{AUTO_THREADS_POLICY} (see docs/measuring.md, 'CPU threads')")
     a = g.add_mutually_exclusive_group()
     a.add_argument("--adapter", type=Path, default=None,
                    help="a LoRA adapter folder (peft format) merged into the weights (default: the adapter shipped for "

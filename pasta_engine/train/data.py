@@ -1,6 +1,6 @@
 """Training data: AlpacaEval prompts with reference answers, annotated with PASTA-LANG.
 
-The split follows the ``dataset`` field (README, "AlpacaEval data"): **every subset but ``vicuna``
+The split follows the ``dataset`` field (docs/command_line.md, "AlpacaEval data"): **every subset but ``vicuna``
 is training data; ``vicuna`` (80 prompts) is the evaluation split and is never trained on.**
 Answers are cut at a line boundary to at most ``max_response_tokens`` tokens (never inside a
 code fence), so CPU training stays affordable and the model learns answers of a length it can

@@ -18,7 +18,7 @@ plain prompt) and the **adapter** (pasta mode with its one-line prompt):
   (:mod:`pasta_engine.train.quality`);
 * AlpacaEval-format ``model_outputs`` of the base model's sequential answers and the adapter's
   pasta answers (``instruction``, ``output``: the clean text of ``RequestResult.text``,
-  ``generator``, ``dataset``), for a judge's win rate with the ``alpaca_eval`` package (README,
+  ``generator``, ``dataset``), for a judge's win rate with the ``alpaca_eval`` package (docs/learning.md,
   "Judging quality with alpaca_eval").
 
 Everything goes to ``OUT/prompts.jsonl`` (resumable), ``OUT/summary.json`` and ``OUT/learned.png``.

@@ -1,5 +1,5 @@
 """``alpaca_eval`` on ``bench learned``'s AlpacaEval exports, with an OpenAI-compatible judge
-(issue 19 item 6; README, "Judging quality with alpaca_eval").
+(issue 19 item 6; docs/learning.md, "Judging quality with alpaca_eval").
 
 A real ``pasta-engine serve`` process on a tiny random-weight model is the judge, only to prove
 the plumbing: the package's own CLI, the judge config shipped in ``bench/alpaca_eval_judge``, the
