@@ -60,6 +60,11 @@ def add_train_parser(subparsers: Any) -> None:
     s.add_argument("--adapter", type=Path, default=None,
                    help="continue training this adapter folder (e.g. an earlier sft run's OUT/adapter) instead of a "
                    "fresh LoRA; its manifest's stages are kept")
+    s.add_argument("--content-loss", choices=("nll", "distill"), default="nll",
+                   help="the content tokens' target: nll, the answer's own token (plain SFT); distill, the frozen base "
+                   "model's next-token distribution reading the clean answer after the plain prompt, so the adapter "
+                   "learns where to fork without changing what it says (tags keep their one-hot target; needs tag "
+                   "tokens)")
     s.add_argument("--tag-weight", type=float, default=1.0,
                    help="loss weight of the tokens that open a tag (the fork, chunk-end and sync decisions); 1 = plain "
                    "mean NLL")
@@ -201,7 +206,7 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                            max_steps=args.max_steps, save_every=args.save_every,
                            lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha), tag_weight=args.tag_weight,
                            init_adapter=str(args.adapter) if args.adapter is not None else None,
-                           tag_tokens=args.tag_tokens)
+                           tag_tokens=args.tag_tokens, content_loss=args.content_loss)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
                         "annotator": args.annotator, "max_response_tokens": args.max_response_tokens,

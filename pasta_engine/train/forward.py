@@ -15,7 +15,7 @@ from ..lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
 from ..lang.tokenization import encode_prompt, eos_token_ids
 from .layout import PastaLayout, pasta_layout
 
-__all__ = ["layout_for", "forward_logprobs", "pasta_logprobs"]
+__all__ = ["layout_for", "forward_log_softmax", "forward_logprobs", "pasta_logprobs"]
 
 
 def _model_config(model: Any) -> Any:
@@ -51,9 +51,10 @@ def layout_for(
                         max_positions=getattr(cfg, "max_position_embeddings", None), dialect=dialect)
 
 
-def forward_logprobs(model: Any, layout: PastaLayout) -> torch.Tensor:
-    """Log-probabilities ``[S]`` float32 (with gradient when the model has trainable
-    parameters) of the sampled tokens of ``layout``, in spliced order (``layout.sampled()``).
+def forward_log_softmax(model: Any, layout: PastaLayout) -> torch.Tensor:
+    """Log-softmax ``[S, V]`` float32 (with gradient when the model has trainable parameters)
+    of the query rows that predict the sampled tokens of ``layout``, in spliced order
+    (``layout.sampled()``): the model's whole next-token distribution there.
 
     One forward of ``model`` over ``layout.input_ids`` ``[1, T]`` int64 with a ``[1, 1, T, T]``
     additive mask (model dtype) and ``[1, T]`` int64 position ids on the model's device (no
@@ -69,10 +70,18 @@ def forward_logprobs(model: Any, layout: PastaLayout) -> torch.Tensor:
     keep = layout.mask().to(dev)[None, None]
     dtype = param.dtype if param.dtype.is_floating_point else torch.float32
     mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill(~keep, torch.finfo(dtype).min)
-    qs, toks = layout.sampled()
+    qs, _ = layout.sampled()
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-    logits = out.logits[0, torch.tensor(qs, device=dev)].float()
-    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(toks, device=dev)[:, None]).squeeze(1)
+    return torch.log_softmax(out.logits[0, torch.tensor(qs, device=dev)].float(), dim=-1)
+
+
+def forward_logprobs(model: Any, layout: PastaLayout) -> torch.Tensor:
+    """Log-probabilities ``[S]`` float32 (with gradient when the model has trainable
+    parameters) of the sampled tokens of ``layout``, in spliced order (``layout.sampled()``):
+    :func:`forward_log_softmax` at the sampled tokens."""
+    rows = forward_log_softmax(model, layout)
+    toks = torch.tensor(layout.sampled()[1], device=rows.device)
+    return rows.gather(1, toks[:, None]).squeeze(1)
 
 
 @torch.no_grad()

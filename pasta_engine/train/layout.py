@@ -43,7 +43,11 @@ class PastaLayout:
         token_ids: the response in spliced order, as ``RequestResult.token_ids``.
         target_index: per entry of ``token_ids``, the query index that predicts it, or None for a
             token the interpreter inserted (``<async>``, a dialect's branch header or join text).
-        prompt_len: tokens of the prompt (the first ``prompt_len`` of ``input_ids``)."""
+        prompt_len: tokens of the prompt (the first ``prompt_len`` of ``input_ids``).
+        thread_ids: per entry of :attr:`token_ids`, the id of the thread that owns it (the main
+            thread's is :attr:`main_tid`).
+        forks: per chunk thread id, ``(parent thread id, the parent's clean characters before
+            the chunk)``: where its clean text goes in the reading order."""
 
     input_ids: list[int]
     position_ids: list[int]
@@ -53,6 +57,9 @@ class PastaLayout:
     target_index: list[int | None]
     prompt_len: int
     diagnostics: list[str] = field(default_factory=list)
+    thread_ids: list[int] = field(default_factory=list)
+    main_tid: int = 0
+    forks: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -154,4 +161,5 @@ def pasta_layout(
             n_sampled[tid] = j + 1
             target_index.append(per_thread[tid][j])
     return PastaLayout(input_ids, position_ids, visible, targets, sp.ids, target_index, len(prompt_ids),
-                       list(it.diagnostics))
+                       list(it.diagnostics), list(sp.threads), it.main.tid,
+                       {t.tid: (t.parent.tid, t.fork_clean) for t in it.threads if t.parent is not None})

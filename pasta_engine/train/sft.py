@@ -4,7 +4,8 @@ Each example is laid out exactly as the engine's pasta-mode replay decodes it
 (:mod:`pasta_engine.train.layout`) and trained with the chat template and one short system line
 (:data:`~pasta_engine.lang.prompts.LEARNED_PASTA_PROMPT`), the form the model is used in. The
 loss is the mean negative log-likelihood of the sampled tokens (the inserted ``<async>`` tags
-are context, not targets). Progress shows on stderr; a checkpoint every ``save_every`` optimizer
+are context, not targets), or with ``content_loss="distill"`` the cross-entropy of each content
+token against the frozen base model's distribution (:mod:`pasta_engine.train.distill`). Progress shows on stderr; a checkpoint every ``save_every`` optimizer
 steps makes the run resumable; ``loss.json``/``loss.png`` hold the curve; the adapter is
 exported in float16 with a manifest.
 """
@@ -28,8 +29,10 @@ from ..lang.prompts import LEARNED_PASTA_PROMPT, PastaPrompt
 from .common import LoraSettings, LossCurve, export_adapter, git_commit, load_base, load_checkpoint, lr_lambda, \
     machine, save_checkpoint, wrap_lora
 from .data import TrainExample
-from .forward import forward_logprobs, layout_for
+from .forward import forward_log_softmax, forward_logprobs, layout_for
+from .distill import distill_loss, teacher_rows
 from .losses import sft_loss, tag_decision_ids, tag_decision_weights
+from ..lang.tokenization import eos_token_ids
 
 __all__ = ["SFTSettings", "train_sft"]
 
@@ -53,6 +56,7 @@ class SFTSettings:
     tag_weight: float = 1.0
     init_adapter: str | None = None
     tag_tokens: bool = False  # a fresh adapter adds the PASTA-LANG pieces as tokens (lang.grammar)
+    content_loss: str = "nll"  # "distill": the base model's distribution at content tokens (train.distill)
 
 
 def train_sft(
@@ -80,6 +84,8 @@ def train_sft(
     Returns the summary (also in ``out/summary.json``)."""
     from tqdm import tqdm
 
+    if settings.content_loss not in ("nll", "distill"):
+        raise ValueError(f"content_loss must be 'nll' or 'distill', got {settings.content_loss!r}")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
     model, tok, path = load_base(base)
@@ -87,6 +93,14 @@ def train_sft(
                       tag_tokens=settings.tag_tokens and settings.init_adapter is None)
     tags = tag_tokens_of(tok)  # the pieces as tokens (added now, or by the adapter continued from)
     decision_ids = tag_decision_ids(tok)
+    teacher = None
+    if settings.content_loss == "distill":
+        if tags is None:
+            raise ValueError("content_loss='distill' needs the tag pieces as tokens (--tag-tokens, or an adapter that "
+                             "added them): it tells tag tokens from content by id")
+        teacher, _, _ = load_base(base)  # the frozen base model, its own weights (LoRA never touches them)
+        teacher.eval().requires_grad_(False)
+        eos_ids = eos_token_ids(tok, teacher.config)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
@@ -117,18 +131,26 @@ def train_sft(
         while state["step"] < total:
             batch = flat[state["step"] * settings.grad_accum : (state["step"] + 1) * settings.grad_accum]
             losses, tokens = [], 0
+            extra: dict[str, float] = {}
             for i in batch:
                 ex = examples[i]
                 layout = layout_for(model, tok, ex.prompt, ex.annotated, settings.position_policy,
                                     pasta_prompt=settings.pasta_prompt, limits=limits)
-                lps = forward_logprobs(model, layout)
                 weights = None
                 if settings.tag_weight != 1.0:
                     weights = tag_decision_weights(layout.sampled()[1], decision_ids, settings.tag_weight)
-                loss = sft_loss(lps, weights)
+                if teacher is None:
+                    lps = forward_logprobs(model, layout)
+                    loss = sft_loss(lps, weights)
+                else:
+                    targets, soft, rows = teacher_rows(teacher, tok, ex.prompt, layout, tags, eos_ids)
+                    lps = forward_log_softmax(model, layout)
+                    loss, parts = distill_loss(lps, torch.tensor(targets), torch.tensor(soft), rows, weights)
+                    for k, v in parts.items():
+                        extra[k] = extra.get(k, 0.0) + v / len(batch)
                 (loss / len(batch)).backward()
                 losses.append(loss.item())
-                tokens += lps.numel()
+                tokens += lps.shape[0]
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
@@ -137,12 +159,13 @@ def train_sft(
             state["elapsed_s"] = time.perf_counter() - t0
             curve.add(step=state["step"], examples=state["step"] * settings.grad_accum,
                       loss=sum(losses) / len(losses), lr=sched.get_last_lr()[0], tokens=tokens,
-                      elapsed_s=round(state["elapsed_s"], 1))
+                      elapsed_s=round(state["elapsed_s"], 1), **{k: round(v, 4) for k, v in extra.items()})
             bar.update(1)
             bar.set_postfix(loss=f"{curve.points[-1]['loss']:.3f}")
             if state["step"] % settings.save_every == 0 or state["step"] == total:
                 save_checkpoint(out, model, opt, sched, state)
-                curve.save(out, "SFT loss (mean NLL per sampled token)")
+                curve.save(out, "SFT loss (mean NLL per sampled token)" if teacher is None else
+                           "SFT loss (content: cross-entropy against the base model; tags: NLL)")
     finally:
         bar.close()
     summary = {
