@@ -1,8 +1,10 @@
 """Compile every registered Triton kernel for a real GPU target, with no GPU.
 
-Run as ``TRITON_INTERPRET=0 python -m pasta_engine.triton_kernels.compile_check`` (the test
-suite does this in a subprocess). Prints one line per specialization and exits non-zero if any
-fails to compile to a cubin.
+Run as ``python -m pasta_engine.triton_kernels.compile_check [ARCH]`` (ARCH: 90 by default; the
+test suite does this in a subprocess). Importing ``pasta_engine`` turns Triton's interpreter on
+when there is no GPU, and interpreted kernels cannot be compiled, so when ``TRITON_INTERPRET`` is
+on the command runs itself again with it off. Prints one line per specialization and exits
+non-zero if any fails to compile to a cubin.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("compile_check: unset TRITON_INTERPRET (or set it to 0) first", file=sys.stderr)
-        return 2
+        # the kernels were defined for the interpreter: start again with it off, before any import
+        argv = list(sys.argv[1:] if argv is None else argv)
+        os.execve(sys.executable, [sys.executable, "-m", "pasta_engine.triton_kernels.compile_check", *argv],
+                  {**os.environ, "TRITON_INTERPRET": "0"})
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 

@@ -8,7 +8,9 @@ import sys
 
 
 def test_every_triton_kernel_compiles_for_sm90():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    # as docs/gpu.md writes the command: with the interpreter on (as importing pasta_engine turns
+    # it on without a GPU) the command starts itself again with it off
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pasta_engine.triton_kernels.compile_check", "90"],
         capture_output=True, text=True, env=env, timeout=900,
