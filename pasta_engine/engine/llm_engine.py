@@ -49,6 +49,7 @@ from ..lang.tokenization import decode, encode_prompt, encode_tag, encode_text, 
 from ..models.protocol import CausalLM
 from ..models.loader import load_model
 from .block_manager import BlockManager
+from .cpu_threads import check_threads, cpu_threads
 from .interpreter import MODES
 from .model_runner import ModelRunner
 from .render import OutputRenderer
@@ -135,6 +136,7 @@ class Engine:
         self.source: str | os.PathLike | None = None  # what from_pretrained loaded
         self.adapter: Any = None  # the LoRA adapter folder merged into the weights, if any
         self.adapter_manifest: dict | None = None
+        self.cpu_threads: int | None = None  # torch threads from_pretrained set (None: left alone, or a GPU)
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._kept: dict[str, RequestOutput] = {}  # outputs advanced by generate() for step() callers
@@ -149,6 +151,7 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         tokenizer: Any = None,
         adapter: str | os.PathLike | None = "auto",
+        threads: int | str | None = "auto",
         **options: Any,
     ) -> "Engine":
         """Load a checkpoint and build an engine.
@@ -165,6 +168,11 @@ class Engine:
                 PASTA-LANG, when ``model`` is None, else none; None: the base weights. An
                 adapter's manifest sets the PASTA-LANG prompt it was trained with unless
                 ``pasta_prompt`` is given.
+            threads: on a CPU, torch's thread count (process-wide, as ``torch.set_num_threads``),
+                set before the weights load: ``"auto"`` (default) the cores other work leaves free,
+                at most 4 (:func:`~pasta_engine.engine.cpu_threads.cpu_threads`; the CLI's
+                ``--threads auto``); an integer; None leaves torch's setting alone. Unused on a GPU.
+                The count used is ``engine.cpu_threads``.
             options: :class:`~pasta_engine.config.EngineConfig` fields (or ``config=``).
 
         Raises FileNotFoundError (a model path that does not exist, missing model package),
@@ -184,6 +192,7 @@ class Engine:
             tokenizer = load_tokenizer(tokenizer)  # before the weights: a bad path fails at once
         elif tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
             raise ParameterError("tokenizer", tokenizer, "a transformers tokenizer, or the path of a tokenizer folder")
+        check_threads(threads)
         config = options.pop("config", None)
         adapter_dir, manifest = resolve_adapter(model, adapter)
         if config is None:
@@ -193,6 +202,10 @@ class Engine:
         device = check_device(device)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ParameterError("dtype", dtype, "torch.float32, torch.float16 or torch.bfloat16")
+        n_threads = None
+        if device.type == "cpu" and threads is not None:  # before tensor-parallel ranks start: they copy it
+            n_threads = cpu_threads(threads)
+            torch.set_num_threads(n_threads)
         if config.tensor_parallel_size > 1:  # one process per rank, each loading its shard
             from ..distributed import start_tensor_parallel
 
@@ -213,6 +226,7 @@ class Engine:
         engine.source = model
         engine.adapter = adapter_dir
         engine.adapter_manifest = read_manifest(adapter_dir) if adapter_dir is not None else None
+        engine.cpu_threads = n_threads
         return engine
 
     def shutdown(self) -> None:

@@ -9,8 +9,6 @@ argparse itself (``--kv-cache-mb 0`` or ``--limit -1`` is a one-line usage error
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -58,45 +56,9 @@ positive_int = _int_at_least(1)
 nonneg_int = _int_at_least(0)
 
 
-#: The most threads ``--threads auto`` gives.
-AUTO_THREADS_MAX = 4
-AUTO_THREADS_POLICY = (f"the cores this process may use that other work leaves free (the larger of the 1-minute load "
-                       f"average and the processes running now), at most {AUTO_THREADS_MAX}, at least 1")
-
-
-def busy_cores() -> float:
-    """How many cores other work holds: the larger of the 1-minute load average and the
-    runnable tasks right now less this one (``/proc/loadavg``; the load average alone lags a
-    process that just started by about a minute). 0 where neither can be read."""
-    load = 0.0
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        pass
-    try:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[0])
-        load = max(load, running - 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return load
-
-
-def cpu_threads(flag: str | int = "auto") -> int:
-    """Torch's CPU thread count for ``--threads flag``: N as given, or for ``"auto"``
-    :data:`AUTO_THREADS_POLICY`: ``max(1, min(AUTO_THREADS_MAX, floor(cores - busy)))`` with
-    ``cores`` the CPUs this process may run on and ``busy`` :func:`busy_cores`, read once when
-    the engine is built. A thread count above the free cores makes every step wait at torch's
-    barriers for a thread another process holds: on a 2-core machine with other work running, 2
-    threads ran about 10x slower per step than 1 (bench/results/cpu_threads.json); one thread
-    too few costs at most the parallel part of a step."""
-    if flag != "auto":
-        return int(flag)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(AUTO_THREADS_MAX, math.floor(cores - busy_cores())))
+# The CPU thread policy lives with the engine (Engine.from_pretrained applies it); the CLI's
+# --threads flag passes through to it.
+from ..engine.cpu_threads import AUTO_THREADS_MAX, AUTO_THREADS_POLICY, busy_cores, cpu_threads  # noqa: E402,F401
 
 
 def _threads_flag(text: str) -> str | int:
@@ -296,11 +258,9 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20
     if adapter == "auto":
         adapter = adapter_choice(args)  # the flags win over the caller's default
-    threads = None
-    if device.type == "cpu":
-        threads = cpu_threads(getattr(args, "threads", "auto"))
-        torch.set_num_threads(threads)
-    engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, dtype_name), adapter=adapter, **options)
+    engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, dtype_name), adapter=adapter,
+                                    threads=getattr(args, "threads", "auto"), **options)
+    threads = engine.cpu_threads
     settings = {
         "model": label,
         "model_path": None if path is None else str(path),
