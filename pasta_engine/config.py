@@ -102,7 +102,9 @@ class SamplingParams:
             and top-p as ``transformers``' ``MinPLogitsWarper`` and vLLM's V0 sampler do).
             0 = off.
         seed: seed of the request's own ``torch.Generator`` (same seed, same tokens), an
-            integer in ``[0, 2**64 - 1]``.
+            integer in ``[0, 2**64 - 1]``; None (the default, as vLLM's): the engine draws a fresh
+            seed for each request it adds, so two calls, and two copies of a prompt in one
+            batch, sample independently (greedy decoding needs no seed and stays deterministic).
         return_logprobs: fill ``result.logprobs`` with the natural-log probability of each
             sampled token under the distribution the sampler picks from before temperature,
             top-k, top-p and min-p (after penalties and masks).
@@ -151,7 +153,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = None
     return_logprobs: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -178,7 +180,8 @@ class SamplingParams:
         check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         check_int("top_k", self.top_k, 0)
         check_float("min_p", self.min_p, 0.0, 1.0)
-        check_int("seed", self.seed, 0, MAX_SEED)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, MAX_SEED)
         check_bool("return_logprobs", self.return_logprobs)
         if logprobs is not None:
             check_int("logprobs", logprobs, 0)

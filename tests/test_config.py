@@ -32,7 +32,6 @@ from pasta_engine.config import GREEDY_TEMPERATURE, MAX_SEED
         ("seed", MAX_SEED + 1),
         ("seed", -1),
         ("seed", 1.5),
-        ("seed", None),
         ("seed", False),
         ("return_logprobs", "no"),
         ("return_logprobs", 1),

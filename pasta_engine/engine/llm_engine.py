@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -38,7 +39,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
+from ..config import MAX_SEED, EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..errors import ContextLengthError, ParameterError
 from ..lang.dialect import DIALECT_NAMES, PASTA, Dialect, dialect_prompt, get_dialect
 from ..lang.prompts import PastaPrompt
@@ -136,6 +137,7 @@ class Engine:
         self.source: str | os.PathLike | None = None  # what from_pretrained loaded
         self.adapter: Any = None  # the LoRA adapter folder merged into the weights, if any
         self.adapter_manifest: dict | None = None
+        self._seeds = random.SystemRandom()  # seeds of requests whose params give none
         self.cpu_threads: int | None = None  # torch threads from_pretrained set (None: left alone, or a GPU)
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -309,6 +311,8 @@ class Engine:
             params = SamplingParams(max_new_tokens=1) if annotated_response is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ParameterError("params", params, "a pasta_engine.SamplingParams")
+        if params.seed is None:  # vLLM's default: each request its own fresh seed
+            params = dataclasses.replace(params, seed=self._seeds.randrange(MAX_SEED + 1))
         if limits is not None and not isinstance(limits, Limits):
             raise ParameterError("limits", limits, "a pasta_engine.Limits")
         explicit = limits is not None and limits.fork_threshold != self.config.limits.fork_threshold

@@ -113,7 +113,7 @@ def test_min_p_equals_transformers_min_p_warper():
 
 
 MIN_P = [
-    SamplingParams(temperature=0.0, min_p=0.5),  # greedy: min_p changes nothing
+    SamplingParams(temperature=0.0, min_p=0.5, seed=0),  # greedy: min_p changes nothing
     SamplingParams(temperature=0.7, min_p=0.1, seed=1),
     SamplingParams(temperature=1.3, top_k=5, min_p=0.2, seed=2),
     SamplingParams(temperature=0.9, top_p=0.6, min_p=0.05, seed=3),
@@ -319,3 +319,20 @@ def test_per_thread_token_sets_and_end_masks():
     assert _masked_ends(thread(1, ignore_eos=True, stop_token_ids=[7]), 50) == [0]  # stop tokens still end
     assert _masked_ends(thread(1, min_tokens=5, stop_token_ids=[7, 30, 99]), 50) == [0, 7, 30]  # 4 < 5 sampled
     assert _masked_ends(thread(1, min_tokens=4, stop_token_ids=[30]), 50) == []  # 4 sampled: free to end
+
+
+def test_no_seed_draws_a_fresh_one_per_request_as_vllm_does(engine):
+    # issue 31 item 5: seed defaulted to 0, so temperature 1.0 gave the same sample on every call
+    # and for every copy of a prompt in a batch (a best-of-n experiment collapsed)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    assert params.seed is None
+    batch = engine.generate([PROMPT] * 4, params, mode="sequential")
+    again = _gen(engine, max_new_tokens=8, temperature=1.0)
+    samples = {tuple(r.token_ids) for r in [*batch, again]}
+    assert len(samples) >= 4  # a random-weight model's near-uniform next token: copies differ
+    # a seed given is a seed kept: same seed, same tokens, in a batch and across calls
+    seeded = engine.generate([PROMPT] * 2, SamplingParams(max_new_tokens=8, temperature=1.0, seed=9), mode="sequential")
+    assert seeded[0].token_ids == seeded[1].token_ids == _gen(engine, max_new_tokens=8, temperature=1.0,
+                                                              seed=9).token_ids
+    # greedy needs no seed
+    assert _gen(engine, max_new_tokens=8).token_ids == _gen(engine, max_new_tokens=8).token_ids
