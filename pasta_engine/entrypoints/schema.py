@@ -24,7 +24,7 @@ import dataclasses
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..config import MAX_SEED, PositionPolicy, SamplingParams
 from ..errors import ParameterError
@@ -36,6 +36,8 @@ __all__ = [
     "ChatMessage",
     "PastaOptions",
     "StreamOptions",
+    "TokenizeRequest",
+    "DetokenizeRequest",
     "parse_request",
     "check_supported",
     "engine_sampling_fields",
@@ -360,7 +362,42 @@ _NICE = {
 }
 
 
-def parse_request(model: type[_Request], body: dict[str, Any]) -> _Request:
+class TokenizeOptions(BaseModel):
+    """The ``pasta`` extension of ``/tokenize``: the chat template of which mode and dialect."""
+
+    model_config = _MODEL
+    mode: Literal["pasta", "sequential"] = Field("pasta", description="pasta: with the dialect's system prompt")
+    dialect: Literal[DIALECT_NAMES] = Field("pasta", description="whose system prompt")  # type: ignore[valid-type]
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): the token ids the completions endpoints give a prompt: a text
+    as ``/v1/completions`` tokenizes it (no template, no special tokens added), or chat
+    ``messages`` through the chat template with the generation prompt, as
+    ``/v1/chat/completions`` in ``pasta.mode``."""
+
+    model_config = _MODEL
+    model: str | None = Field(None, description="the served model's name (or leave it out)")
+    prompt: str | None = Field(None, description="a text (give prompt or messages)")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=4096, description="a chat")
+    pasta: TokenizeOptions = Field(default_factory=TokenizeOptions)
+
+    @model_validator(mode="after")
+    def _one(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model_config = _MODEL
+    model: str | None = Field(None, description="the served model's name (or leave it out)")
+    tokens: list[_TokenId] = Field(max_length=1 << 20, description="token ids")
+
+
+def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
     """Validate a request body against ``model`` (then :func:`check_supported`).
 
     A ``null`` field (at the top or in ``pasta``) is taken as left out: its default applies.
@@ -386,5 +423,6 @@ def parse_request(model: type[_Request], body: dict[str, Any]) -> _Request:
             msg = err["msg"].removeprefix("Value error, ")
             message = f"invalid {path}={_short(err.get('input'))}: {_NICE.get(kind, msg)}"
         raise ParameterError(_param(loc) or "body", err.get("input"), message=message) from None
-    check_supported(req)
+    if isinstance(req, _Request):
+        check_supported(req)
     return req

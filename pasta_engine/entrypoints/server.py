@@ -75,7 +75,7 @@ from ..config import MAX_SEED, Limits, SamplingParams
 from ..engine.async_engine import AsyncEngine, RequestStream, StreamOutput, format_chat
 from ..errors import ContextLengthError, EngineDeadError, ParameterError
 from ..lang.dialect import DIALECT_NAMES, get_dialect
-from ..lang.tokenization import encode_text
+from ..lang.tokenization import decode, encode_text
 from .schema import (
     MAX_INT_DIGITS,
     MAX_JSON_DEPTH,
@@ -83,6 +83,8 @@ from .schema import (
     MIN_TOP_P,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     engine_sampling_fields,
     max_tokens_of,
     parse_request,
@@ -837,7 +839,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (ChatCompletionRequest, CompletionRequest):
+            for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(js.pop("$defs", {}))
                 schemas[model.__name__] = js
@@ -925,6 +927,34 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize(request: Request) -> JSONResponse:
+        try:
+            req = parse_request(TokenizeRequest, await srv.read_body(request))
+            if req.messages is not None:
+                chat = [{"role": m.role, "content": m.text()} for m in req.messages]
+                [ids] = await srv.prompts.tokenize([chat], chat=True, mode=req.pasta.mode, dialect=req.pasta.dialect)
+            else:
+                [ids] = await srv.prompts.tokenize([req.prompt], chat=False, mode=req.pasta.mode,
+                                                   dialect=req.pasta.dialect)
+        except Exception as e:
+            raise _as_openai_error(e, "prompt") from None
+        return JSONResponse({"count": len(ids), "max_model_len": engine.engine.max_positions, "tokens": ids})
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize(request: Request) -> JSONResponse:
+        try:
+            req = parse_request(DetokenizeRequest, await srv.read_body(request))
+            eng = engine.engine
+            vocab = len(eng.tokenizer)
+            bad = next((t for t in req.tokens if t >= vocab), None)
+            if bad is not None:
+                raise ParameterError("tokens", bad, message=f"token id {bad} is outside the vocabulary of {vocab}")
+            text = decode(eng.tokenizer, req.tokens)
+        except Exception as e:
+            raise _as_openai_error(e, "tokens") from None
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):

@@ -360,3 +360,40 @@ def test_event_logs_are_capped_in_bytes(app_srv):
     first, newest = asgi(app, ("GET", f"/v1/pasta/events/{ids[0]}", {}), ("GET", f"/v1/pasta/events/{ids[-1]}", {}))
     assert first.status_code == 404 and newest.status_code == 200
     assert '"truncated"' in newest.text and newest.text.endswith("data: [DONE]\n\n")
+
+
+# --------------------------------------------------------------------------- /tokenize, /detokenize
+
+
+def test_tokenize_and_detokenize_as_vllm_names_them(app_srv):
+    # issue 31 item 5: vLLM's /tokenize and /detokenize, giving the ids the completions endpoints use
+    from pasta_engine.lang.tokenization import encode_text
+
+    app, srv = app_srv
+    eng = srv.engine.engine
+    msgs = [{"role": "user", "content": "Hi there"}]
+    t, chat, seq, d, both, none_, bad_id, wrong_model, extra = asgi(
+        app,
+        ("POST", "/tokenize", {"json": {"prompt": "Hello world"}}),
+        ("POST", "/tokenize", {"json": {"messages": msgs}}),
+        ("POST", "/tokenize", {"json": {"messages": msgs, "pasta": {"mode": "sequential"}}}),
+        ("POST", "/detokenize", {"json": {"tokens": encode_text(eng.tokenizer, "Hello world")}}),
+        ("POST", "/tokenize", {"json": {"prompt": "x", "messages": msgs}}),
+        ("POST", "/tokenize", {"json": {}}),
+        ("POST", "/detokenize", {"json": {"tokens": [10**8]}}),
+        ("POST", "/tokenize", {"json": {"prompt": "x", "model": "other"}}),
+        ("POST", "/tokenize", {"json": {"prompt": "x", "add_special_tokens": True}}),
+    )
+    assert t.status_code == 200, t.text
+    body = t.json()
+    assert body["tokens"] == encode_text(eng.tokenizer, "Hello world") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == eng.max_positions
+    assert chat.json()["tokens"] == eng.format_prompt(msgs[0]["content"], "pasta")  # the chat endpoint's ids
+    assert seq.json()["tokens"] == eng.format_prompt(msgs[0]["content"], "sequential")
+    assert chat.json()["tokens"] != seq.json()["tokens"]  # pasta mode's system prompt
+    assert d.status_code == 200 and d.json() == {"prompt": "Hello world"}
+    for r in (both, none_):
+        assert r.status_code == 400 and "exactly one of prompt and messages" in r.text
+    assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "tokens"
+    assert wrong_model.status_code == 404
+    assert extra.status_code == 400 and "add_special_tokens" in extra.text  # not honoured: refused, not ignored
