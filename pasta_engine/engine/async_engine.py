@@ -5,7 +5,8 @@
 >>> from pasta_engine import AsyncEngine, SamplingParams
 >>> async def main():
 ...     engine = AsyncEngine.from_pretrained(None)                  # embedded SmolLM2
-...     async for out in engine.generate("Name three fruits.", SamplingParams(max_new_tokens=64)):
+...     async for out in engine.generate("Name three fruits.", SamplingParams(max_new_tokens=64),
+...                                      output_kind="delta"):
 ...         print(out.text, end="", flush=True)                     # reading-order deltas
 ...     engine.shutdown()
 >>> asyncio.run(main())
@@ -51,7 +52,7 @@ from .render import ThreadEvent
 from .request import RequestOutput, RequestResult, RequestStats
 from .streaming import OutputKind, StopFilter
 
-__all__ = ["AsyncEngine", "StreamOutput", "RequestStream", "format_chat", "CHAT_ROLES"]
+__all__ = ["AsyncEngine", "StreamOutput", "CompletionOutput", "RequestStream", "format_chat", "CHAT_ROLES"]
 
 
 @dataclass
@@ -90,6 +91,25 @@ class StreamOutput:
     def stats(self) -> RequestStats | None:
         """The finished request's stats (None before)."""
         return self.result.stats if self.result is not None else None
+
+    @property
+    def outputs(self) -> list["CompletionOutput"]:
+        """vLLM's shape of the same output: one :class:`CompletionOutput` (``index`` 0), so code
+        written for vLLM's ``AsyncLLM`` (``out.outputs[0].text``) reads it unchanged."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason)]
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a :class:`StreamOutput` in vLLM's names (``vllm.outputs.CompletionOutput``):
+    its index, text and token ids (new or cumulative as the request's ``output_kind``), and why
+    it finished (None while it runs)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | None = None
 
 
 def _merge(old: StreamOutput, new: StreamOutput, kind: OutputKind) -> StreamOutput:
@@ -238,7 +258,7 @@ class AsyncEngine:
         mode: str = "pasta",
         request_id: str | None = None,
         *,
-        output_kind: str | OutputKind = "delta",
+        output_kind: str | OutputKind = "cumulative",
         events: bool = False,
         stop: Sequence[str] | None = None,
         chat_template: bool = True,
@@ -258,7 +278,9 @@ class AsyncEngine:
                 :class:`~pasta_engine.lang.dialect.Dialect`; default ``pasta``, PASTA-LANG).
             chat_template: False: a string prompt is tokenized as plain text, without the chat
                 template or the PASTA-LANG system prompt (a text completion).
-            output_kind: ``delta`` | ``cumulative`` | ``final`` (see :class:`StreamOutput`).
+            output_kind: ``cumulative`` (the default, as vLLM's AsyncLLM: each output holds all
+                the text so far) | ``delta`` (only what is new) | ``final`` (one output at the
+                end) (see :class:`StreamOutput`).
             events: also report thread events (fork, text, end, join, finish).
             stop: strings that end the response right before them (applied to the
                 reading-order text; the request is then aborted, its pages freed, and its

@@ -49,7 +49,8 @@ def all_pages_free(stats: dict) -> bool:
 
 def test_stream_of_a_replay_concatenates_to_the_result(aengine, reference):
     async def main():
-        outs = [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED, events=True)]
+        outs = [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED, events=True,
+                                                     output_kind="delta")]
         return outs
 
     outs = asyncio.run(main())
@@ -116,7 +117,7 @@ def test_32_concurrent_requests_some_cancelled_some_bad(aengine, reference):
         return outs
 
     async def replay():
-        return [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED)]
+        return [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED, output_kind="delta")]
 
     async def main():
         tasks = [asyncio.create_task(one(i)) for i in range(32)] + [asyncio.create_task(replay())]
@@ -171,9 +172,26 @@ def test_a_lagging_consumer_gets_merged_deltas(aengine, reference):
     assert outs[0].text == ref.text and outs[0].token_ids == ref.token_ids
 
 
+def test_the_default_output_is_cumulative_in_vllms_shape(aengine, reference):
+    # issue 31 item 5: vLLM's AsyncLLM yields cumulative text in outputs[0].text; ours yielded deltas
+    async def main():
+        return [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED)]
+
+    outs = asyncio.run(main())
+    assert len(outs) >= 2
+    texts = [o.outputs[0].text for o in outs]
+    assert all(a == o.text for a, o in zip(texts, outs))
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # each holds everything so far
+    assert texts[-1] == reference[1].text
+    assert len(outs[-1].outputs[0].token_ids) == outs[-1].stats.tokens_decoded  # every sampled token, so far
+    assert outs[-1].outputs[0].finish_reason == "stop" and outs[0].outputs[0].finish_reason is None
+    assert outs[-1].outputs[0].index == 0
+
+
 def test_stop_strings_end_the_stream_and_free_its_pages(aengine):
     async def main():
-        outs = [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED, stop=["rest", "zzz"])]
+        outs = [o async for o in aengine.generate("Give me tips.", annotated_response=ANNOTATED, stop=["rest", "zzz"],
+                                                     output_kind="delta")]
         return outs, await aengine.stats()
 
     outs, stats = asyncio.run(main())
@@ -286,7 +304,7 @@ def test_streams_through_preemptions_send_each_token_and_character_once(tiny_lla
     params = [SamplingParams(max_new_tokens=40, temperature=PARAMS[i].temperature, seed=PARAMS[i].seed) for i in idx]
 
     async def one(k):
-        return [o async for o in tight.generate(PROMPTS[idx[k]], params[k], mode="sequential")]
+        return [o async for o in tight.generate(PROMPTS[idx[k]], params[k], mode="sequential", output_kind="delta")]
 
     async def main():
         return await asyncio.gather(*(one(k) for k in range(len(idx)))), await tight.stats()
