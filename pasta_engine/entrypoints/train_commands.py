@@ -146,10 +146,8 @@ def add_learned_parser(bench_subparsers: Any) -> None:
     _add_io_args(p, "AlpacaEval JSON (the vicuna rows are used)")
     p.add_argument("--adapter", default="auto", help="adapter folder (default: the shipped one)")
     p.add_argument("--no-base-pasta", action="store_true", help="skip the base model in pasta mode (halves the run)")
-    p.add_argument("--repeats", type=positive_int, default=1, help="replays per mode; the fastest counts")
-    p.add_argument("--resume", action="store_true")
     add_sampling_args(p, max_new_tokens=512)
-    add_run_args(p)
+    add_run_args(p, timing=True, resume=True)
 
 
 def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
@@ -324,9 +322,11 @@ def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
                 "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
                 "repetition_penalty": params.repetition_penalty, "batch_size": 1,
                 "split": "vicuna (evaluation split, never trained on)", "repeats": args.repeats,
+                "warmup": args.warmup,
                 "torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg())}
     result = evaluate_learned(prompts, base, adapter, LikelihoodQuality(hf, tok), args.out, settings, params,
-                              repeats=args.repeats, base_pasta=not args.no_base_pasta, resume=args.resume)
+                              repeats=args.repeats, warmup=args.warmup, base_pasta=not args.no_base_pasta,
+                              resume=args.resume)
     s = result["summary"]
     a = s["adapter_pasta"]
     def x(v: float | None) -> str:
@@ -339,6 +339,13 @@ def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
           f"{x(s['geomean_length_ratio'])}, cut by the token budget {s['cut_fraction_base_sequential']:.0%} base / "
           f"{s['cut_fraction_adapter_pasta']:.0%} adapter; quality proxy base {s['base_sequential']['mean_quality']:.3f} "
           f"vs adapter {a['mean_quality']:.3f}", file=sys.stderr)
+    spread = (a.get("timing") or {}).get("geomean_realized_content_speedup_spread")
+    if spread:
+        print(f"bench learned: realized content speedup over {args.repeats} runs per side: {spread['min']:.2f}x / "
+              f"{spread['median']:.2f}x / {spread['max']:.2f}x (geomean of each prompt's min / median / max)",
+              file=sys.stderr)
     print(f"bench learned: {format_quality_proxies(s['quality_proxies'])}", file=sys.stderr)
+    for w in a.get("warnings", []):
+        print(f"pasta-engine: warning: {w}", file=sys.stderr)
     print(f"wrote {args.out / 'summary.json'}, {args.out / 'prompts.jsonl'}, {args.out / 'learned.png'}")
     return 0

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from ..config import SamplingParams
 from ..metrics import (cut_fraction, geomean_positive, length_ratio, realized_speedup, summarize_text_proxies,
                        tag_token_fraction, text_proxies)
-from ..tools.bench import export_row, resumed_rows
+from ..tools.bench import export_row, resumed_rows, summary_warnings, timed_runs, timing_record, timing_summary
 from ..tools.traces import PromptRow
 from .quality import LikelihoodQuality
 
@@ -45,21 +45,21 @@ __all__ = ["evaluate_learned", "learned_row", "summarize_learned", "quality_prox
 SIDES = ("base_sequential", "adapter_pasta", "base_pasta")
 
 
-def _timed_replay(engine: Any, prompt: str, annotated: str, mode: str, repeats: int) -> Any:
-    runs = [engine.replay([prompt], [annotated], mode=mode)[0] for _ in range(repeats)]
-    return min(runs, key=lambda r: r.stats.wall_s)
-
-
 def _content(engine: Any, prompt: str, res: Any, repeats: int) -> dict[str, Any]:
     """The content figures of a pasta answer ``res``: its content speedup, theoretical and
     realized (its clean text replayed sequentially / its annotated text replayed in pasta mode,
-    both on ``engine``, the fastest of ``repeats`` each), with both wall times (seconds)."""
-    pas = _timed_replay(engine, prompt, res.annotated_text, "pasta", repeats)
-    seq = _timed_replay(engine, prompt, res.text, "sequential", repeats)
+    both on ``engine``, ``repeats`` runs each, interleaved, the fastest of each side counting),
+    with both wall times (seconds) and the runs' ``timing`` record (every wall time, the spread of
+    the per-run realized speedups, and a warning when the realized speedup exceeds the theoretical
+    one by more than that spread: :func:`pasta_engine.tools.bench.timing_record`)."""
+    runs = timed_runs(repeats, lambda: engine.replay([prompt], [res.annotated_text], mode="pasta")[0],
+                      lambda _: engine.replay([prompt], [res.text], mode="sequential")[0])
+    fastest, timing = timing_record(runs, res.stats.content_speedup)
+    pas, seq = fastest["pasta"], fastest["clean_text_sequential"]
     return {"content_tokens": res.stats.content_tokens, "content_speedup": res.stats.content_speedup,
             "realized_content_speedup": realized_speedup(seq.stats.wall_s, pas.stats.wall_s),
             "clean_text_sequential_wall_s": seq.stats.wall_s, "pasta_replay_wall_s": pas.stats.wall_s,
-            "tag_tokens": res.stats.tag_tokens, "token_parallelism": res.stats.token_parallelism}
+            "tag_tokens": res.stats.tag_tokens, "token_parallelism": res.stats.token_parallelism, "timing": timing}
 
 
 def learned_row(prompt: str, base_engine: Any, adapter_engine: Any, params: SamplingParams, quality: Any,
@@ -163,6 +163,13 @@ def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             out["tag_token_fraction"] = tag_token_fraction(sum(x["tag_tokens"] for x in xs),
                                                            sum(x["tokens"] for x in xs))
             out["geomean_token_parallelism"] = geomean_positive(x["token_parallelism"] for x in xs)
+            timed = [{**x, "index": r.get("index", i)} for i, r in enumerate(rows) if key in r
+                     for x in [r[key]] if x.get("timing")]
+            forked = [x for x in xs if x.get("forks", 0) > 0]
+            out["timing"] = timing_summary(timed)
+            out["warnings"] = summary_warnings(
+                len(xs), len(forked), out["geomean_realized_content_speedup"],
+                geomean_positive(x["realized_content_speedup"] for x in forked) if forked else None, out["timing"])
         out.update({
             "forked": sum(1 for x in xs if x.get("forks", 0) > 0),
             "fork_rate": sum(1 for x in xs if x.get("forks", 0) > 0) / len(xs),
@@ -235,20 +242,24 @@ def plot_learned(rows: Sequence[dict[str, Any]], path: Path) -> Path | None:
 
 
 def evaluate_learned(prompts: Sequence[PromptRow], base_engine: Any, adapter_engine: Any, quality: LikelihoodQuality,
-                     out: Path, settings: dict[str, Any], params: SamplingParams, *, repeats: int = 1,
-                     base_pasta: bool = True, resume: bool = False) -> dict[str, Any]:
+                     out: Path, settings: dict[str, Any], params: SamplingParams, *, repeats: int = 3,
+                     warmup: int = 1, base_pasta: bool = True, resume: bool = False) -> dict[str, Any]:
     """Run :func:`learned_row` over ``prompts`` (resumable), then write the summary, the plot and
-    the AlpacaEval exports. Returns ``{"summary": ..., "settings": ...}``."""
+    the AlpacaEval exports. ``repeats``: timed replays per side (the fastest counts, the spread is
+    reported); ``warmup``: untimed short answers in each mode on each engine first (0: none).
+    Returns ``{"summary": ..., "settings": ...}``."""
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
     rows = resumed_rows(out, [p.instruction for p in prompts], resume, need="adapter_pasta.content_speedup")
-    # warm-up (untimed): one short answer in each mode on each engine
+    # warm-up (untimed): short answers in each mode on each engine
     warm = SamplingParams(max_new_tokens=8)
     for engine, modes in ((base_engine, ("sequential", "pasta")), (adapter_engine, ("pasta",))):
-        engine.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
-        for m in modes:
-            engine.generate([prompts[0].instruction], warm, mode=m)
+        if warmup:
+            engine.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
+        for _ in range(warmup):
+            for m in modes:
+                engine.generate([prompts[0].instruction], warm, mode=m)
     bar = tqdm(total=len(prompts), initial=len(rows), desc="bench learned", unit="prompt", file=sys.stderr)
     with (out / "prompts.jsonl").open("w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -301,6 +301,43 @@ def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, cap
     assert all({"distinct_2", "empty_list_items", "tag_text"} <= set(r[k]) for r in rows for k in q)
     assert "quality proxies (base_sequential / adapter_pasta / base_pasta)" in err
     assert (out / "learned.png").read_bytes().startswith(b"\x89PNG")
+    # issue 31 item 2: the hygiene of the other measuring commands: repeats (3 by default), every
+    # run's wall time, the per-run spread, and the warnings with it
+    for r in rows:
+        t = r["adapter_pasta"]["timing"]
+        assert t["runs"] == 3 and len(t["wall_s"]["pasta"]) == len(t["wall_s"]["clean_text_sequential"]) == 3
+        # the fastest run of each side counts
+        assert r["adapter_pasta"]["realized_content_speedup"] == pytest.approx(
+            min(t["wall_s"]["clean_text_sequential"]) / min(t["wall_s"]["pasta"]))
+    timing = s["adapter_pasta"]["timing"]
+    assert timing["runs_per_side"] == 3 and set(timing["geomean_realized_content_speedup_spread"]) == {"min", "median", "max"}
+    assert isinstance(s["adapter_pasta"]["warnings"], list)
+    assert "realized content speedup over 3 runs per side" in err
+    settings = json.loads((out / "summary.json").read_text())["settings"]
+    assert settings["repeats"] == 3 and settings["warmup"] == 1
+
+
+def test_bench_learned_warns_when_realized_exceeds_theoretical_beyond_the_spread():
+    from pasta_engine.train.evaluate import summarize_learned
+
+    def side(theo, real, runs, forks=2):
+        from pasta_engine.tools.bench import realized_beyond_theoretical
+
+        w = realized_beyond_theoretical(real, theo, runs)
+        return {"content_speedup": theo, "realized_content_speedup": real, "tag_tokens": 1, "tokens": 10,
+                "token_parallelism": 1.5, "forks": forks, "quality": -1.0, "text": "x", "finish_reason": "stop",
+                "timing": {"runs": len(runs), "wall_s_spread": {"pasta": {"min": 1, "median": 1, "max": 1.1}},
+                           "realized_content_speedup_spread": {"min": min(runs), "median": runs[0], "max": max(runs)},
+                           "warnings": [w] if w else []}}
+
+    base = {"text": "x", "content_tokens": 5, "tokens": 5, "wall_s": 1.0, "finish_reason": "stop", "quality": -1.0}
+    rows = [{"index": 0, "base_sequential": base, "adapter_pasta": side(1.2, 12.09, [12.09, 11.0]),
+             "end_to_end_speedup": 1.0, "length_ratio": 1.0},
+            {"index": 1, "base_sequential": base, "adapter_pasta": side(1.5, 1.4, [1.4, 1.3]),
+             "end_to_end_speedup": 1.0, "length_ratio": 1.0}]
+    a = summarize_learned(rows)["adapter_pasta"]
+    assert a["timing"]["realized_beyond_theoretical"] == [0]
+    assert any("prompts 0" in w and "disturbed" in w for w in a["warnings"])
 
 
 LISTED = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
