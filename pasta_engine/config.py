@@ -71,7 +71,10 @@ def check_float(param: str, value: Any, lo: float | None = None, hi: float | Non
     expected = "a finite number" + (" " + " and ".join(parts) if parts else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ParameterError(param, value, expected)
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int beyond float range (10**400): not a finite number
+        raise ParameterError(param, value, expected) from None
     if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
         raise ParameterError(param, value, expected)
 

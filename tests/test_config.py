@@ -22,6 +22,8 @@ from pasta_engine.config import GREEDY_TEMPERATURE, MAX_SEED
         ("temperature", math.inf),
         ("temperature", "0.5"),
         ("temperature", None),
+        ("temperature", 10**400),  # beyond float range: it raised OverflowError (issue 31 item 10)
+        ("repetition_penalty", -(10**400)),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_p", True),
@@ -63,6 +65,8 @@ def test_sampling_params_accept_the_edges():
         ({"cap_factor": math.nan}, "cap_factor"),
         ({"cap_factor": 0}, "cap_factor"),
         ({"max_promise_tokens": -3}, "max_promise_tokens"),
+        ({"cap_factor": 10**400}, "cap_factor"),
+        ({"fork_threshold": 10**400}, "fork_threshold"),
     ],
 )
 def test_limits_reject_bad_values(kwargs, field):
