@@ -67,12 +67,24 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def api_key_problem(api_key: object) -> str | None:
+    """Why no client could ever send ``api_key`` (None when one can): it is empty, or it holds
+    whitespace or control characters, which an ``Authorization`` header cannot carry intact (a
+    header value loses its surrounding whitespace)."""
+    if not isinstance(api_key, str) or not api_key.strip():
+        return "the API key is empty: give a non-empty key, or none to serve without one"
+    if any(c.isspace() or not c.isprintable() for c in api_key):
+        return ("the API key holds whitespace or control characters, which an Authorization header cannot carry "
+                "intact (no request could match it): give it without them")
+    return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted. Returns the exit status (2 when the ``serve`` extra
-    is not installed, or for an empty ``--api-key``: no client could ever call)."""
-    if args.api_key is not None and not args.api_key.strip():
-        print("pasta-engine: error: --api-key is empty: give a non-empty key, or leave the flag out to serve "
-              "without one", file=sys.stderr)
+    is not installed, or for an ``--api-key`` no client could send: :func:`api_key_problem`)."""
+    problem = None if args.api_key is None else api_key_problem(args.api_key)
+    if problem is not None:
+        print(f"pasta-engine: error: --api-key: {problem}", file=sys.stderr)
         return 2
     try:
         from .server import serve

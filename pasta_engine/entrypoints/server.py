@@ -76,6 +76,7 @@ from ..engine.async_engine import AsyncEngine, RequestStream, StreamOutput, form
 from ..errors import ContextLengthError, EngineDeadError, ParameterError
 from ..lang.dialect import DIALECT_NAMES, get_dialect
 from ..lang.tokenization import decode, encode_text
+from .serve_command import api_key_problem
 from .schema import (
     MAX_INT_DIGITS,
     MAX_JSON_DEPTH,
@@ -813,7 +814,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         engine: the async engine (the app never shuts it down).
         model_name: the name ``/v1/models`` lists and requests must use (or leave out).
         api_key: when set, every ``/v1`` route and ``/openapi.json`` need ``Authorization:
-            Bearer <api_key>``; an empty key is a ParameterError.
+            Bearer <api_key>``; an empty key, or one with whitespace or control characters (a
+            header cannot carry them intact, so it could never match), is a ParameterError.
         defaults: sampling values for requests that leave them out (max_tokens, temperature,
             top_p, top_k; default: :class:`SamplingParams`'s).
         seed: seed of the random source that picks a seed for requests that give none.
@@ -821,9 +823,9 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         allowed_hosts: ``Host`` names answered (others get 400); None: any (see
             :func:`default_allowed_hosts` for ``serve``'s default).
         event_log_bytes: memory for the thread events kept for ``/v1/pasta/events/{id}``."""
-    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
-        raise ParameterError("api_key", api_key, message="the API key is empty: give a non-empty key, or none to "
-                             "serve without one")
+    problem = None if api_key is None else api_key_problem(api_key)
+    if problem is not None:
+        raise ParameterError("api_key", "(hidden)", message=problem)
     srv = _Server(engine, model_name, api_key, defaults or SamplingParams(), seed, max_body_bytes, event_log_bytes)
     import pasta_engine
 

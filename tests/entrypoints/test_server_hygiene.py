@@ -217,6 +217,13 @@ def test_an_empty_api_key_is_refused_at_startup():
 
     with pytest.raises(ParameterError, match="empty"):
         build_app(None, "x", api_key="")  # type: ignore[arg-type]
+    # issue 31 item 10: a key with surrounding spaces could never be matched (a header value loses them)
+    for key in (" k", "k ", "a b", "k\t", "k\x00"):
+        with pytest.raises(ParameterError, match="whitespace or control characters"):
+            build_app(None, "x", api_key=key)  # type: ignore[arg-type]
+    p = subprocess.run([sys.executable, "-m", "pasta_engine.entrypoints.cli", "serve", "--api-key", " secret "],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--api-key" in p.stderr and "whitespace" in p.stderr and "secret" not in p.stderr
 
 
 @pytest.mark.parametrize("ctype, status", [
