@@ -86,13 +86,26 @@ class Scheduler:
 
     def check_fits(self, req: Request) -> str | None:
         """Why ``req`` could never run in this KV cache (None when it could): its prompt alone
-        needs more pages than the cache has."""
+        needs more pages than the cache has, or it is a replay (its tokens are known, and a
+        request keeps every page it wrote until it ends) whose KV tokens fill the cache's pages
+        and more (the failure model: it fails before it takes any resource, rather than decoding
+        until the cache runs out). The bound counts the trace's tokens as
+        :meth:`~pasta_engine.engine.interpreter.Interpreter.worst_case_kv` does, a little above
+        what is written (the end-of-sequence token, each fork's tag), so the check allows two
+        pages per fork and two more: a replay near the cache's size runs, and fails alone if it
+        does not fit after all."""
         bm = self.block_manager
         n = len(req.interp.prompt_ids)
         pages = math.ceil(n / bm.page_size) + 1
         if pages > bm.num_pages:
             return (f"the prompt's {n} tokens need {pages} KV pages but the cache has {bm.describe()}; "
                     f"raise kv_cache_bytes or shorten the prompt")
+        if req.interp.replay:
+            tokens, forks = req.interp.worst_case_kv()
+            least = math.ceil(tokens / bm.page_size)
+            if least > bm.num_pages + 2 * forks + 2:
+                return (f"the replay's {tokens} KV tokens ({forks} forks) need about {least} KV pages but the cache "
+                        f"has {bm.describe()}; raise kv_cache_bytes or replay a shorter response")
         return None
 
     def add(self, req: Request) -> None:

@@ -184,6 +184,19 @@ def test_kv_exhaustion_fails_the_request_alone_and_frees_its_pages(tiny_llama):
         engine.generate([list(range(3, 300)) * 3], SamplingParams(max_new_tokens=2))
     [ok] = engine.generate([list(range(3, 10))], SamplingParams(max_new_tokens=5))  # the engine still serves
     assert ok.stats.finish_reason == "length" and ok.error is None
+    # issue 31 item 10: a replay whose tokens can never fit is refused before it takes anything
+    # (it was admitted, decoded about a thousand tokens, then ended in error)
+    long = " ".join(f"word{i}" for i in range(400))
+    before = engine.stats()["total_steps"] if "total_steps" in engine.stats() else None
+    with pytest.raises(ContextLengthError, match="KV pages.*raise kv_cache_bytes"):
+        engine.replay([[5, 6, 7]], [long], mode="sequential")
+    with pytest.raises(ContextLengthError, match="replay's .* KV tokens .* raise kv_cache_bytes"):
+        engine.replay([[5, 6, 7]], ['<promise topic="a" tokens="10"/><async>' + long + "</async><sync/>"], mode="pasta")
+    if before is not None:
+        assert engine.stats()["total_steps"] == before  # not a step was taken for them
+    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+    [fits] = engine.replay([[5, 6, 7]], ["word0 word1 word2"], mode="sequential")  # a short one still runs
+    assert fits.error is None and fits.text == "word0 word1 word2"
 
 
 def test_preemption_keeps_outputs_unchanged(tiny_llama):
