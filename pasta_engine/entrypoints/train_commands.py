@@ -64,7 +64,8 @@ def add_train_parser(subparsers: Any) -> None:
                    help="the content tokens' target: nll, the answer's own token (plain SFT); distill, the frozen base "
                    "model's next-token distribution reading the clean answer after the plain prompt, so the adapter "
                    "learns where to fork without changing what it says (tags keep their one-hot target; needs tag "
-                   "tokens)")
+                   "tokens). Experimental: on answers cut by the token budget it teaches the model not to stop "
+                   "(bench/results/distill-smollm2-cpu)")
     s.add_argument("--tag-weight", type=float, default=1.0,
                    help="loss weight of the tokens that open a tag (the fork, chunk-end and sync decisions); 1 = plain "
                    "mean NLL")

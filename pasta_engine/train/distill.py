@@ -23,7 +23,12 @@ and keep their one-hot targets, weighted as in plain SFT. The teacher gives tag 
 at a content token the adapter also learns not to open a tag there: the annotation's decision.
 
 An answer cut by the token budget ends where the teacher gives the end-of-sequence token little
-mass, so the adapter no longer learns to stop at the cut.
+mass, so the adapter no longer learns to stop at the cut. Measured on the embedded SmolLM2
+(``bench/results/distill-smollm2-cpu``), that cut both ways: with more than half of the training
+answers cut at 256 tokens, the distilled adapters learned not to stop at all (30% and 58% of their
+answers ran out of a 512-token budget, and looped), and they read worse than the plain-SFT ones
+(19% win rate against the base model, the shipped adapter 32.5%). Train on answers that ended by
+themselves before relying on it.
 """
 
 from __future__ import annotations
