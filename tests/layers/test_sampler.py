@@ -11,7 +11,7 @@ from pasta_engine.layers.sampler import draw_noise, logprobs_of, sample, sample_
 VOCAB = 97
 
 MIXED = [
-    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, seed=0),
     SamplingParams(temperature=0.7, seed=1),
     SamplingParams(temperature=1.3, top_k=5, seed=2),
     SamplingParams(temperature=0.9, top_p=0.6, seed=3),
