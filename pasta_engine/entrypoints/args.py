@@ -285,3 +285,15 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
                         max_forks=args.max_forks, max_fork_depth=args.max_fork_depth,
                         fork_threshold=getattr(args, "fork_threshold", None))
     return engine, settings
+
+
+def api_key_problem(api_key: object) -> str | None:
+    """Why no client could ever send ``api_key`` (None when one can): it is empty, or it holds
+    whitespace or control characters, which an ``Authorization`` header cannot carry intact (a
+    header value loses its surrounding whitespace)."""
+    if not isinstance(api_key, str) or not api_key.strip():
+        return "the API key is empty: give a non-empty key, or none to serve without one"
+    if any(c.isspace() or not c.isprintable() for c in api_key):
+        return ("the API key holds whitespace or control characters, which an Authorization header cannot carry "
+                "intact (no request could match it): give it without them")
+    return None

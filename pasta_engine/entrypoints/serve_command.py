@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from .args import add_model_args, add_pasta_args, add_sampling_args, nonneg_int, positive_int
+from .args import add_model_args, add_pasta_args, add_sampling_args, api_key_problem, nonneg_int, positive_int
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -65,18 +65,6 @@ def _positive_float(text: str) -> float:
     if not 0 < v < 2**20:
         raise argparse.ArgumentTypeError(f"expected a number > 0 (and < 2**20), got {text!r}")
     return v
-
-
-def api_key_problem(api_key: object) -> str | None:
-    """Why no client could ever send ``api_key`` (None when one can): it is empty, or it holds
-    whitespace or control characters, which an ``Authorization`` header cannot carry intact (a
-    header value loses its surrounding whitespace)."""
-    if not isinstance(api_key, str) or not api_key.strip():
-        return "the API key is empty: give a non-empty key, or none to serve without one"
-    if any(c.isspace() or not c.isprintable() for c in api_key):
-        return ("the API key holds whitespace or control characters, which an Authorization header cannot carry "
-                "intact (no request could match it): give it without them")
-    return None
 
 
 def run_serve(args: argparse.Namespace) -> int:

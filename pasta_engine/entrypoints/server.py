@@ -76,7 +76,7 @@ from ..engine.async_engine import AsyncEngine, RequestStream, StreamOutput, form
 from ..errors import ContextLengthError, EngineDeadError, ParameterError
 from ..lang.dialect import DIALECT_NAMES, get_dialect
 from ..lang.tokenization import decode, encode_text
-from .serve_command import api_key_problem
+from .args import api_key_problem
 from .schema import (
     MAX_INT_DIGITS,
     MAX_JSON_DEPTH,
