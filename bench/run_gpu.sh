@@ -60,11 +60,15 @@ if [ "$what" = speedup ]; then
     --preset llama-3-8b --device cuda --dtype bfloat16 --attention-backend triton --cuda-graphs on \
     --max-threads 0 $resume --out bench/results/speedup-llama3-8b-sot-gpu
 fi
-$PY bench/plot.py bench/results/tree_attention_*.json bench/results/decode_step_*.json 2>/dev/null
+shopt -s nullglob
+plotted=(bench/results/tree_attention_*.json bench/results/decode_step_*.json)
+shopt -u nullglob
+if [ ${#plotted[@]} -gt 0 ]; then
+  stage "plots" $PY bench/plot.py "${plotted[@]}"
+fi
 [ "$out" != bench/results ] && cp bench/results/*.json bench/results/*.png "$out"/ 2>/dev/null
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'run_gpu.sh: failed stage: %s\n' "${failed[@]}" >&2
   exit 1
 fi
 echo "run_gpu.sh: every stage passed"
-exit 0
