@@ -10,6 +10,18 @@ ANNOTATED = (
     '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
 )
 
+#: The training tests' trace: several promises, a sync that waits for a chunk still running, a
+#: chunk that ends after the sync point, text after the sync, and a fork after the join.
+SLEEP_TIPS = (
+    "Tips:\n1. "
+    '<promise topic="sleep" tokens="30"/><async>Go to bed early, and get up at the same time every day.</async>\n2. '
+    '<promise topic="screens" tokens="20"/><async>Avoid screens.</async>\n'
+    "<sync/>\nAlso: "
+    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
+)
+#: The prompt the training tests pair with :data:`SLEEP_TIPS`.
+SLEEP_PROMPT = "Give me sleep tips."
+
 #: A Multiverse block whose second path holds a block of its own (nesting depth 2): 2 threads
 #: forked at depth 1, 4 with the inner block's.
 NESTED_MULTIVERSE = (

@@ -17,14 +17,9 @@ from pasta_engine.lang.tokenization import encode_prompt, eos_token_ids
 from pasta_engine.train.distill import content_mask, distill_loss, reading_order, teacher_rows
 from pasta_engine.train.forward import layout_for
 
-ANNOTATED = (
-    "Tips:\n1. "
-    '<promise topic="sleep" tokens="30"/><async>Go to bed early, and get up at the same time every day.</async>\n2. '
-    '<promise topic="screens" tokens="20"/><async>Avoid screens.</async>\n'
-    "<sync/>\nAlso: "
-    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
-)
-PROMPT = "Give me sleep tips."
+from sample_traces import SLEEP_PROMPT as PROMPT  # noqa: E402  (tests/sample_traces.py)
+from sample_traces import SLEEP_TIPS as ANNOTATED  # noqa: E402
+
 TAGS = TagTokens(promise_open=1, promise_length=2, promise_close=3, async_open=4, async_close=5, sync=6)
 
 

@@ -16,16 +16,8 @@ from pasta_engine.lang.prompts import LEARNED_PASTA_PROMPT
 from pasta_engine.train import pasta_logprobs
 from pasta_engine.train.losses import bonbon_loss, bonbon_target_margin, sft_loss
 
-# several promises, a sync that waits for a chunk still running, a chunk that ends after the
-# sync point, text after the sync, and a fork after the join
-ANNOTATED = (
-    "Tips:\n1. "
-    '<promise topic="sleep" tokens="30"/><async>Go to bed early, and get up at the same time every day.</async>\n2. '
-    '<promise topic="screens" tokens="20"/><async>Avoid screens.</async>\n'
-    "<sync/>\nAlso: "
-    '<promise topic="walk" tokens="10"/><async>Walk daily.</async> Done.'
-)
-PROMPT = "Give me sleep tips."
+from sample_traces import SLEEP_PROMPT as PROMPT  # noqa: E402  (tests/sample_traces.py)
+from sample_traces import SLEEP_TIPS as ANNOTATED  # noqa: E402
 
 
 @pytest.mark.parametrize("policy", ["predicted", "constant:7", "none"])
