@@ -344,63 +344,45 @@ def _warm_up(args: argparse.Namespace, per_mode: dict[str, Any], prompts: Sequen
 
 def _compare(args: argparse.Namespace, per_mode: dict[str, Any], row: dict[str, Any], params: Any,
              response: str | None) -> dict[str, Any]:
-    """One prompt of ``--mode both``: ``--repeats`` interleaved runs of each side.
-
-    The content speedup compares the same work on both sides: the pasta answer's annotated text
-    replayed in pasta mode against its clean text replayed sequentially (same engine, same
-    weights, same prompt; both forced, so neither side samples). In generate the pasta answer is
-    first generated, and the end-to-end speedup compares generations on both sides: the pasta
-    generation against the sequential answer (``--baseline``'s weights), both sampling with the
-    same parameters, with the length ratio and each side's finish reason. (Until issue 31 the
-    content speedup set a sampled pasta generation against a forced sequential replay, charging
-    the sampler to the pasta side only: answers that never forked read 0.77-0.83x.) Each side's
-    fastest run counts; the spread and any warning are in the row's ``timing`` (printed too)."""
+    """One prompt of ``--mode both``: ``--repeats`` interleaved runs of each side
+    (:func:`~pasta_engine.tools.bench.timed_runs`). The content speedup sets the pasta answer's
+    annotated text replayed in pasta mode against its clean text replayed sequentially (same
+    engine, same weights, same prompt, both forced: the same work on both sides; in generate the
+    answer is generated first and then replayed). In generate the end-to-end speedup sets the
+    pasta generation against the sequential answer (``--baseline``'s weights), both sampling,
+    with the length ratio and each side's finish reason. Each side's fastest run counts; the
+    spread and any warning are in the row's ``timing`` (printed too)."""
     from ..config import SamplingParams
     from ..metrics import length_ratio, realized_speedup
-    from ..tools.bench import spread, timing_record
+    from ..tools.bench import content_side, timed_runs, timing_record
 
     i, prompt = row["index"], row["prompt"]
     generated = response is None
     pas_engine = per_mode["pasta"]
     forced = SamplingParams(max_new_tokens=1)
-    runs: dict[str, list[Any]] = {"pasta": [], "clean_text_sequential": []}
-    gens: dict[str, list[Any]] = {"pasta": [], "sequential": []}
-    annotated = response
-    for _ in range(args.repeats):  # interleaved: a change in the machine's load falls on every side alike
-        if generated:
-            gens["pasta"].append(_decode(pas_engine, args, row, "pasta", params))
-            gens["sequential"].append(_decode(per_mode["sequential"], args, row, "sequential", params))
-            annotated = gens["pasta"][0].annotated_text
-        runs["pasta"].append(_decode(pas_engine, args, row, "pasta", forced, annotated))
-        runs["clean_text_sequential"].append(_decode(pas_engine, args, row, "sequential", forced, runs["pasta"][0].text))
-    fastest, timing = timing_record(runs, runs["pasta"][0].stats.content_speedup)
+    runs = timed_runs(
+        args.repeats,
+        lambda: _decode(pas_engine, args, row, "pasta", params, response),
+        lambda pas: _decode(pas_engine, args, row, "sequential", forced, pas.text),
+        (lambda: _decode(per_mode["sequential"], args, row, "sequential", params)) if generated else None,
+        (lambda pas: _decode(pas_engine, args, row, "pasta", forced, pas.annotated_text)) if generated else None,
+    )
+    side = content_side(runs)
+    fastest, timing = timing_record(runs, runs[side][0].stats.content_speedup)
     pas, clean = fastest["pasta"], fastest["clean_text_sequential"]
     out: dict[str, Any] = {
-        "content_speedup": pas.stats.content_speedup,
-        "realized_content_speedup": realized_speedup(clean.stats.wall_s, pas.stats.wall_s),
+        "content_speedup": pas.stats.content_speedup,  # of the answer the user got
+        "realized_content_speedup": realized_speedup(clean.stats.wall_s, fastest[side].stats.wall_s),
         "clean_text_sequential_wall_s": clean.stats.wall_s,
-        "pasta_replay_wall_s": pas.stats.wall_s,
+        "pasta_replay_wall_s": fastest[side].stats.wall_s,
     }
-    results = {"pasta": pas, "sequential": clean}
+    results = {"pasta": pas, "sequential": fastest["sequential"] if generated else clean}
     if generated:
-        gen, seq_res = (min(rs, key=lambda r: r.stats.wall_s) for rs in (gens["pasta"], gens["sequential"]))
-        results = {"pasta": gen, "sequential": seq_res}
-        seq = seq_res.stats
-        timing["wall_s"].update(pasta_generation=[r.stats.wall_s for r in gens["pasta"]],
-                                sequential=[r.stats.wall_s for r in gens["sequential"]])
-        timing["wall_s_spread"].update({k: spread(timing["wall_s"][k]) for k in ("pasta_generation", "sequential")})
-        timing["end_to_end_speedup_spread"] = spread([realized_speedup(q.stats.wall_s, p.stats.wall_s)
-                                                      for p, q in zip(gens["pasta"], gens["sequential"])])
-        if not all(r.token_ids == rs[0].token_ids for rs in gens.values() for r in rs):
-            timing["same_tokens"] = False
-            timing["warnings"].append("the repeated generations decoded different tokens (sampling without a fixed "
-                                      "seed?): the fastest run of a side may be a shorter answer")
-        out.update(end_to_end_speedup=realized_speedup(seq.wall_s, gen.stats.wall_s),
-                   length_ratio=length_ratio(gen.stats.content_tokens, seq.content_tokens) if seq.content_tokens else None,
-                   finish_reasons={"sequential": seq.finish_reason, "pasta": gen.stats.finish_reason},
+        seq = results["sequential"].stats
+        out.update(end_to_end_speedup=realized_speedup(seq.wall_s, pas.stats.wall_s),
+                   length_ratio=length_ratio(pas.stats.content_tokens, seq.content_tokens) if seq.content_tokens else None,
+                   finish_reasons={"sequential": seq.finish_reason, "pasta": pas.stats.finish_reason},
                    baseline=args.baseline)
-        out["content_speedup"] = gen.stats.content_speedup  # of the answer the user got (a replay adds an EOS step
-        # to an answer cut by the token budget; the realized figure's own theoretical is the replay's)
     out.update(row)
     for mode in ("sequential", "pasta"):
         out[mode] = results[mode].to_dict()

@@ -247,22 +247,43 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 def timed_runs(repeats: int, pasta: Callable[[], Any], clean: Callable[[Any], Any],
-               sequential: Callable[[], Any] | None = None) -> dict[str, list[Any]]:
+               sequential: Callable[[], Any] | None = None,
+               replay: Callable[[Any], Any] | None = None) -> dict[str, list[Any]]:
     """``repeats`` runs of each side of one prompt, interleaved (run i of every side one after
-    the other, so a change in the machine's other load falls on all sides alike): ``pasta()``,
-    then ``clean(first pasta result)`` (its clean text decoded sequentially), then
-    ``sequential()`` when given (a sequential answer of its own, for the end-to-end speedup).
-    Returns ``{"pasta": [...], "clean_text_sequential": [...], "sequential": [...]}`` (the last
-    only with ``sequential``)."""
-    runs: dict[str, list[Any]] = {"pasta": [], "clean_text_sequential": []}
+    the other, so a change in the machine's other load falls on all sides alike): ``pasta()``
+    (a replay, or a generation), then ``replay(first pasta result)`` when given (a generated
+    answer's annotated text replayed in pasta mode), then ``clean(first pasta result)`` (its
+    clean text decoded sequentially), then ``sequential()`` when given (a sequential answer of
+    its own, for the end-to-end speedup).
+
+    Give ``replay`` whenever ``pasta`` samples: the realized content speedup then sets the
+    replay against the clean text's replay, both forced, so both sides do the same work (a
+    sampled generation against a forced replay charges temperature, top-p, penalties and
+    grammar masks to the pasta side alone; answers that never forked read 0.77-0.83x).
+
+    Returns ``{"pasta": [...], "pasta_replay": [...], "clean_text_sequential": [...],
+    "sequential": [...]}`` (``pasta_replay`` only with ``replay``, ``sequential`` only with
+    ``sequential``): :class:`~pasta_engine.RequestResult` lists, one per repeat."""
+    runs: dict[str, list[Any]] = {"pasta": []}
+    if replay is not None:
+        runs["pasta_replay"] = []
+    runs["clean_text_sequential"] = []
     if sequential is not None:
         runs["sequential"] = []
     for _ in range(repeats):
         runs["pasta"].append(pasta())
+        if replay is not None:
+            runs["pasta_replay"].append(replay(runs["pasta"][0]))
         runs["clean_text_sequential"].append(clean(runs["pasta"][0]))
         if sequential is not None:
             runs["sequential"].append(sequential())
     return runs
+
+
+def content_side(runs: dict[str, list[Any]]) -> str:
+    """The side of :func:`timed_runs` the realized content speedup sets against the clean
+    text: ``pasta_replay`` when there is one, else ``pasta`` (already a replay)."""
+    return "pasta_replay" if "pasta_replay" in runs else "pasta"
 
 
 def realized_beyond_theoretical(realized: float, theoretical: float, paired: Sequence[float]) -> str | None:
@@ -284,14 +305,17 @@ def realized_beyond_theoretical(realized: float, theoretical: float, paired: Seq
 def timing_record(runs: dict[str, list[Any]], theoretical: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """The fastest result of each side of :func:`timed_runs`, and the row's ``timing`` record:
     ``statistic``, ``runs``, ``wall_s`` (every run, per side), ``wall_s_spread`` and
-    ``realized_content_speedup_spread`` (:func:`spread`; per-repeat ratios in
-    ``realized_content_speedup_runs``), ``end_to_end_speedup_spread`` with a sequential side,
+    ``realized_content_speedup_spread`` (:func:`spread`; per-repeat ratios of the clean text's
+    run over the :func:`content_side`'s in ``realized_content_speedup_runs``; ``theoretical``
+    is that side's content speedup), ``end_to_end_speedup_spread`` with a sequential side
+    (``pasta`` against ``sequential``),
     ``same_tokens`` (every repeat decoded the same tokens; False: the fastest may be another
     answer) and ``warnings`` (:func:`realized_beyond_theoretical`, differing repeats)."""
     fastest = {side: _fastest(rs) for side, rs in runs.items()}
+    side = content_side(runs)
     paired = [realized_speedup(c.stats.wall_s, p.stats.wall_s)
-              for p, c in zip(runs["pasta"], runs["clean_text_sequential"])]
-    realized = realized_speedup(fastest["clean_text_sequential"].stats.wall_s, fastest["pasta"].stats.wall_s)
+              for p, c in zip(runs[side], runs["clean_text_sequential"])]
+    realized = realized_speedup(fastest["clean_text_sequential"].stats.wall_s, fastest[side].stats.wall_s)
     record: dict[str, Any] = {
         "statistic": TIMING_STATISTIC,
         "runs": len(runs["pasta"]),
@@ -672,14 +696,15 @@ def _count(diags: Sequence[str], needle: str) -> int:
     return sum(1 for d in diags if needle in d)
 
 
-def pareto_row(seq: Any, pasta: Any, clean_seq: Any = None) -> dict[str, Any]:
+def pareto_row(seq: Any, pasta: Any, clean_seq: Any = None, pasta_replay: Any = None) -> dict[str, Any]:
     """Per-prompt numbers from generate-mode sequential and pasta responses to one prompt
     (different answers), and optionally ``clean_seq``: the pasta answer's clean text replayed
-    sequentially (:func:`clean_text_replay`), for the realized content speedup.
+    sequentially (:func:`clean_text_replay`), and ``pasta_replay``: its annotated text replayed
+    in pasta mode, for the realized content speedup (both forced: the same work on both sides).
 
     Content first (docs/DESIGN.md section 3): ``content_speedup``: the pasta answer's content tokens
-    / critical path; ``realized_content_speedup``: ``clean_seq`` / pasta wall seconds (None
-    without ``clean_seq``). End to end: ``end_to_end_speedup``: sequential / pasta wall seconds
+    / critical path; ``realized_content_speedup``: ``clean_seq`` / ``pasta_replay`` wall seconds
+    (the pasta generation's without ``pasta_replay``; None without ``clean_seq``). End to end: ``end_to_end_speedup``: sequential / pasta wall seconds
     (different answers: a latency ratio), with ``length_ratio``: pasta / sequential content
     tokens (None when the sequential answer has none) and each side's finish reason (``length``:
     cut by the token budget); ``text_length_ratio``: the same in characters;
@@ -687,11 +712,12 @@ def pareto_row(seq: Any, pasta: Any, clean_seq: Any = None) -> dict[str, Any]:
     length ratio). Then token parallelism, tag tokens, fork statistics: forks, threads, chunks
     capped or cut off by the interpreter, malformed tags."""
     s, q = pasta.stats, seq.stats
+    content_wall = (pasta_replay or pasta).stats.wall_s
     e2e = realized_speedup(q.wall_s, s.wall_s)
     ratio = length_ratio(s.content_tokens, q.content_tokens) if q.content_tokens else None
     return {
         "content_speedup": s.content_speedup,
-        "realized_content_speedup": realized_speedup(clean_seq.stats.wall_s, s.wall_s) if clean_seq else None,
+        "realized_content_speedup": realized_speedup(clean_seq.stats.wall_s, content_wall) if clean_seq else None,
         "end_to_end_speedup": e2e,
         "length_ratio": ratio,
         "content_tokens_sequential": q.content_tokens,
@@ -709,6 +735,7 @@ def pareto_row(seq: Any, pasta: Any, clean_seq: Any = None) -> dict[str, Any]:
         "wall_s_sequential": q.wall_s,
         "wall_s": s.wall_s,
         "wall_s_clean_sequential": clean_seq.stats.wall_s if clean_seq else None,
+        "wall_s_pasta_replay": pasta_replay.stats.wall_s if pasta_replay else None,
         "forks": s.forks,
         "threads": s.threads,
         "capped_chunks": _count(pasta.diagnostics, "reached its cap"),
@@ -825,13 +852,14 @@ def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams
     def measure(i: int, p: PromptRow) -> dict[str, Any]:
         runs = timed_runs(repeats, lambda: engine.generate([p.instruction], params, mode="pasta")[0],
                           lambda pas: engine.replay([p.instruction], [pas.text], mode="sequential")[0],
-                          lambda: seq_engine.generate([p.instruction], params, mode="sequential")[0])
-        fastest, timing = timing_record(runs, runs["pasta"][0].stats.content_speedup)
+                          lambda: seq_engine.generate([p.instruction], params, mode="sequential")[0],
+                          replay=lambda pas: engine.replay([p.instruction], [pas.annotated_text], mode="pasta")[0])
+        fastest, timing = timing_record(runs, runs["pasta_replay"][0].stats.content_speedup)
         seq, pas = fastest["sequential"], fastest["pasta"]
         for mode, res in (("sequential", seq), ("pasta", pas)):
             exports[mode].append(export_row(p.instruction, res.text, mode, label, p.dataset))
         return {"index": i, "instruction": p.instruction, "dataset": p.dataset,
-                **pareto_row(seq, pas, fastest["clean_text_sequential"]), "timing": timing}
+                **pareto_row(seq, pas, fastest["clean_text_sequential"], fastest["pasta_replay"]), "timing": timing}
 
     try:
         _measure_rows(out, prompts, rows, measure, "bench pareto",

@@ -44,19 +44,19 @@ def test_generate_both_warms_up_repeats_three_times_and_reports_the_spread(tiny_
     t = row["timing"]
     # issue 31 item 3: the content speedup sets a pasta replay against a sequential replay (both
     # forced: the same work); the end-to-end speedup sets generation against generation
-    assert t["runs"] == 3 and set(t["wall_s"]) == {"pasta", "clean_text_sequential", "pasta_generation", "sequential"}
+    assert t["runs"] == 3 and set(t["wall_s"]) == {"pasta", "pasta_replay", "clean_text_sequential", "sequential"}
     for side, walls in t["wall_s"].items():
         assert len(walls) == 3
         assert t["wall_s_spread"][side] == {"min": min(walls), "median": sorted(walls)[1], "max": max(walls)}
     # the fastest run of each side counts; the per-run ratios are the spread of the realized speedup
-    assert row["pasta"]["stats"]["wall_s"] == min(t["wall_s"]["pasta_generation"])
-    assert row["pasta_replay_wall_s"] == min(t["wall_s"]["pasta"])
+    assert row["pasta"]["stats"]["wall_s"] == min(t["wall_s"]["pasta"])  # the generation the user got
+    assert row["pasta_replay_wall_s"] == min(t["wall_s"]["pasta_replay"])
     assert row["sequential"]["stats"]["wall_s"] == min(t["wall_s"]["sequential"])
-    assert row["end_to_end_speedup"] == pytest.approx(min(t["wall_s"]["sequential"]) / min(t["wall_s"]["pasta_generation"]))
+    assert row["end_to_end_speedup"] == pytest.approx(min(t["wall_s"]["sequential"]) / min(t["wall_s"]["pasta"]))
     assert row["realized_content_speedup"] == pytest.approx(min(t["wall_s"]["clean_text_sequential"])
-                                                            / min(t["wall_s"]["pasta"]))
+                                                            / min(t["wall_s"]["pasta_replay"]))
     assert t["realized_content_speedup_runs"] == pytest.approx(
-        [c / p for c, p in zip(t["wall_s"]["clean_text_sequential"], t["wall_s"]["pasta"])])
+        [c / p for c, p in zip(t["wall_s"]["clean_text_sequential"], t["wall_s"]["pasta_replay"])])
     assert t["same_tokens"] and row["baseline"] == "same"
     s = summary_of(err)
     assert s["timing"]["runs_per_side"] == 3

@@ -96,8 +96,8 @@ def test_bench_pareto_same_weights_by_default_and_the_base_model_as_an_option(ti
     assert same["settings"]["baseline"] == "same" and same["settings"]["sequential_adapter"] == str(d)
     assert same["settings"]["repeats"] == 3
     row = json.loads((tmp_path / "same" / "prompts.jsonl").read_text())
-    assert row["timing"]["runs"] == 3 and set(row["timing"]["wall_s"]) == {"pasta", "clean_text_sequential",
-                                                                          "sequential"}
+    assert row["timing"]["runs"] == 3 and set(row["timing"]["wall_s"]) == {"pasta", "pasta_replay",
+                                                                          "clean_text_sequential", "sequential"}
     assert set(row["timing"]["end_to_end_speedup_spread"]) == {"min", "median", "max"}
     assert main([*common, "--baseline", "base", "--repeats", "1", "--out", str(tmp_path / "base")]) == 0
     _, err = capsys.readouterr()
