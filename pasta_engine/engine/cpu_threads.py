@@ -56,7 +56,6 @@ def cpu_threads(flag: str | int = "auto") -> int:
     return max(1, min(AUTO_THREADS_MAX, math.floor(cores - busy_cores())))
 
 
-
 def check_threads(threads: object) -> None:
     """Refuse a ``threads`` value that is not ``"auto"``, None or an integer >= 1 (ParameterError
     naming ``threads``)."""

@@ -530,6 +530,22 @@ class _Prompts:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._tokenize, list(prompts), chat, mode, dialect)
 
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens kept), decoded on a worker thread. Raises
+        ParameterError naming ``tokens`` for an id outside the vocabulary."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._detokenize, list(ids))
+
+    def _detokenize(self, ids: list[int]) -> str:
+        tok = self._copies.get()
+        try:
+            bad = next((t for t in ids if t >= len(tok)), None)
+            if bad is not None:
+                raise ParameterError("tokens", bad, message=f"token id {bad} is outside the vocabulary of {len(tok)}")
+            return decode(tok, ids)
+        finally:
+            self._copies.put(tok)
+
     def _tokenize(self, prompts: list[Any], chat: bool, mode: str, dialect: str) -> list[list[int]]:
         tok = self._copies.get()
         try:
@@ -948,12 +964,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     async def detokenize(request: Request) -> JSONResponse:
         try:
             req = parse_request(DetokenizeRequest, await srv.read_body(request))
-            eng = engine.engine
-            vocab = len(eng.tokenizer)
-            bad = next((t for t in req.tokens if t >= vocab), None)
-            if bad is not None:
-                raise ParameterError("tokens", bad, message=f"token id {bad} is outside the vocabulary of {vocab}")
-            text = decode(eng.tokenizer, req.tokens)
+            text = await srv.prompts.detokenize(req.tokens)  # off the event loop, as prompts are tokenized
         except Exception as e:
             raise _as_openai_error(e, "tokens") from None
         return JSONResponse({"prompt": text})

@@ -77,7 +77,17 @@ def reading_order(layout: PastaLayout, is_content: Sequence[bool], decode: Any,
     (left out of the text).
 
     For PASTA-LANG the text equals the annotated response less its tags (chunks stay where they
-    are written); the rebuild from threads also holds for a dialect whose chunks go elsewhere."""
+    are written); the rebuild from threads also holds for a dialect whose chunks go elsewhere.
+
+    Args:
+        layout: the response's layout (``token_ids``, ``thread_ids``, ``forks``, ``main_tid``).
+        is_content: per entry of ``layout.token_ids``, whether it is content (:func:`content_mask`).
+        decode: ``token ids -> text`` (the tokenizer's, special tokens kept). A token's start is
+            the length of its thread's decoded prefix: ``O(n^2)`` characters decoded per thread
+            of ``n`` tokens, training-time work only.
+        eos_ids: end-of-sequence ids, left out of the text.
+
+    Never raises on content."""
     eos = set(int(e) for e in eos_ids)
     by_thread: dict[int, list[int]] = {}
     for i, (tid, c) in enumerate(zip(layout.thread_ids, is_content)):

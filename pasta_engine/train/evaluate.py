@@ -163,8 +163,7 @@ def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             out["tag_token_fraction"] = tag_token_fraction(sum(x["tag_tokens"] for x in xs),
                                                            sum(x["tokens"] for x in xs))
             out["geomean_token_parallelism"] = geomean_positive(x["token_parallelism"] for x in xs)
-            timed = [{**x, "index": r.get("index", i)} for i, r in enumerate(rows) if key in r
-                     for x in [r[key]] if x.get("timing")]
+            timed = [{**r[key], "index": r.get("index", i)} for i, r in enumerate(rows) if r.get(key, {}).get("timing")]
             forked = [x for x in xs if x.get("forks", 0) > 0]
             out["timing"] = timing_summary(timed)
             out["warnings"] = summary_warnings(
