@@ -182,6 +182,36 @@ def add_baseline_arg(p: argparse.ArgumentParser) -> None:
                    "with the length ratio and the answers cut by the token budget)")
 
 
+def add_endpoint_args(p: argparse.ArgumentParser, prefix: str, role: str) -> None:
+    """``--PREFIX-url`` and ``--PREFIX-model``: a model behind an OpenAI-compatible endpoint that
+    does ``role`` (the key comes from $PASTA_ENDPOINT_API_KEY or $OPENAI_API_KEY)."""
+    p.add_argument(f"--{prefix}-url", default=None, metavar="URL",
+                   help=f"the OpenAI-compatible API root of the model that {role}, e.g. http://127.0.0.1:8000/v1 "
+                   "(OpenAI, vLLM, SGLang or pasta-engine serve; API key from $PASTA_ENDPOINT_API_KEY or $OPENAI_API_KEY)")
+    p.add_argument(f"--{prefix}-model", default=None, metavar="NAME", help=f"the model name at --{prefix}-url")
+
+
+def endpoint_from_args(args: argparse.Namespace, prefix: str) -> Any:
+    """The :class:`~pasta_engine.tools.endpoint.ChatEndpoint` of ``--PREFIX-url``/``--PREFIX-model``,
+    or None when neither is given. Raises ParameterError naming the flag that is missing or bad."""
+    from ..errors import ParameterError
+    from ..tools.endpoint import ChatEndpoint
+
+    attr = prefix.replace("-", "_")
+    url, model = getattr(args, f"{attr}_url"), getattr(args, f"{attr}_model")
+    if url is None and model is None:
+        return None
+    if url is None or model is None:
+        missing = f"--{prefix}-url" if url is None else f"--{prefix}-model"
+        raise ParameterError(missing, None, message=f"{missing} is missing: --{prefix}-url and --{prefix}-model go "
+                             "together")
+    try:
+        return ChatEndpoint(url, model)
+    except ParameterError as e:
+        flag = f"--{prefix}-url" if e.param == "base_url" else f"--{prefix}-model"
+        raise ParameterError(flag, e.value, message=f"{flag}: {e}") from None
+
+
 def command_line(argv: Sequence[str] | None) -> str:
     """The command as typed (for records)."""
     return "pasta-engine " + shlex.join(list(sys.argv[1:] if argv is None else argv))

@@ -26,12 +26,14 @@ from ..tools.annotate import ANNOTATORS
 from .args import (
     adapter_choice,
     add_baseline_arg,
+    add_endpoint_args,
     add_model_args,
     add_pasta_args,
     add_run_args,
     add_sampling_args,
     build_engine,
     command_line,
+    endpoint_from_args,
     sampling_params,
 )
 
@@ -135,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tokenizer", default=None,
                    help="sot/apar: tokenizer (HF dir) for promise lengths, or 'approx' (default: --model/--preset's, "
                    "else the embedded model's, else approx)")
+    add_endpoint_args(a, "endpoint", "annotates with --annotator endpoint (the paper's stage 1 annotates with a large "
+                      "model; the prompt is in docs/annotation_prompt.md)")
     add_sampling_args(a)  # the model annotator's
     add_model_args(a)
     add_run_args(a)
@@ -618,20 +622,31 @@ def _annotate_tokenizer(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def _bench_annotate(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from ..errors import ParameterError
     from ..tools.bench import annotate_rows, count_tokens_fn
     from ..tools.traces import read_prompts, write_traces
 
     rows = _limit(read_prompts(args.responses, need_output=args.annotator != "model"), args.limit)
+    endpoint = endpoint_from_args(args, "endpoint")
+    if (endpoint is not None) != (args.annotator == "endpoint"):
+        flag = "--annotator" if endpoint is not None else "--endpoint-url"
+        raise ParameterError(flag, args.annotator if endpoint is not None else None,
+                             message="--annotator endpoint goes with --endpoint-url and --endpoint-model, and they "
+                             "with it")
     if args.annotator == "model":
         engine, settings = build_engine(args)
         traces = annotate_rows(rows, "model", engine=engine, params=sampling_params(args))
         source = settings["model"]
+    elif endpoint is not None:
+        tok, source = _annotate_tokenizer(args)
+        traces = annotate_rows(rows, "endpoint", count_tokens_fn(tok), endpoint=endpoint)
+        source = f"{source}; tags by {endpoint.name}"
     else:
         tok, source = _annotate_tokenizer(args)
         traces = annotate_rows(rows, args.annotator, count_tokens_fn(tok))
     n = write_traces(args.out, traces)
     forked = sum(1 for t in traces if (t.promises or 0) > 0)
-    left = sum(1 for t in traces if t.note and "left unannotated" in t.note)
+    left = sum(1 for t in traces if t.note and ("left unannotated" in t.note or "annotation discarded" in t.note))
     print(f"bench annotate: {n} rows ({args.annotator}, tokens from {source}): {forked} with promises, "
           f"{sum(t.promises or 0 for t in traces)} promises, {left} left unannotated", file=sys.stderr)
     print(f"wrote {args.out}")

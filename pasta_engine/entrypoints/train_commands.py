@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ParameterError
-from .args import _int_at_least, add_run_args, command_line, nonneg_int, positive_int
+from .args import _int_at_least, add_endpoint_args, add_run_args, command_line, endpoint_from_args, nonneg_int, \
+    positive_int
 
 __all__ = ["add_train_parser", "run_train", "add_learned_parser", "run_learned"]
 
@@ -38,10 +39,13 @@ def add_train_parser(subparsers: Any) -> None:
         "adapter (float16, manifest), OUT/checkpoint (resumable), OUT/loss.json and loss.png, OUT/examples.jsonl.",
     )
     _add_io_args(s, "AlpacaEval JSON with reference answers (e.g. results/gpt4_1106_preview/model_outputs.json)")
-    s.add_argument("--annotator", choices=("mixed", "sot", "apar", "independent"), default="mixed",
+    s.add_argument("--annotator", choices=("mixed", "sot", "apar", "independent", "endpoint"), default="mixed",
                    help="how answers get their tags (mixed: sot where a list forks, apar otherwise; independent: list "
                    "items and paragraphs forked only where they do not lean on the chunks beside them, a sync where "
-                   "later text does, topics that say what a chunk covers)")
+                   "later text does, topics that say what a chunk covers; endpoint: a larger model behind "
+                   "--endpoint-url, prompted with docs/annotation_prompt.md, an annotation kept only when its "
+                   "stripped text is the answer)")
+    add_endpoint_args(s, "endpoint", "annotates with --annotator endpoint")
     s.add_argument("--independence-labels", type=Path, default=None,
                    help="with --annotator independent: a reader's labels of the answers' pieces (JSONL of "
                    "bench/reader_independence.py collect); they decide the labelled pieces, the lexical measure the rest")
@@ -77,6 +81,10 @@ def add_train_parser(subparsers: Any) -> None:
                    "tags as tokens when the model has them) is at least this: the structures the model should learn")
     s.add_argument("--forked-only", action="store_true",
                    help="the same as --min-promises 1 (kept so earlier manifests' commands run unchanged)")
+    s.add_argument("--end-target", choices=("always", "ended"), default="always",
+                   help="where an answer trains its end-of-sequence token: always (the end of every answer, also one cut "
+                   "to fit --max-response-tokens or generated up to a token budget: the shipped adapter's recipe, which "
+                   "teaches stopping early); ended (only answers that ended by themselves: a cut answer trains no end)")
     s.add_argument("--drop-repeats", action="store_true",
                    help="leave out answers that repeat a whole line (a small model's own answers loop; training on "
                    "them teaches the loop)")
@@ -122,6 +130,11 @@ def add_train_parser(subparsers: Any) -> None:
     b.add_argument("--max-new-tokens", type=positive_int, default=320)
     b.add_argument("--max-running-requests", type=positive_int, default=8, help="samples decoded together")
     b.add_argument("--quality-weight", type=float, default=1.0, help="lambda of content speedup + lambda x quality")
+    add_endpoint_args(b, "judge", "judges each sample against --judge-reference's answer to the same prompt, in both "
+                      "orders (the quality term becomes the sample's win value, 0 to 1, instead of the likelihood proxy)")
+    b.add_argument("--judge-reference", type=Path, default=None,
+                   help="with --judge-url: AlpacaEval JSON whose 'output' is the reference answer per instruction (e.g. "
+                   "the base model's, train answers' answers.json)")
     b.add_argument("--alpha", type=float, default=0.5, help="weight of the SFT term on the best sample")
     b.add_argument("--lr", type=float, default=5e-5)
     b.add_argument("--seed", type=nonneg_int, default=0)
@@ -182,8 +195,18 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             raise ParameterError("--independence-labels", str(args.independence_labels),
                                  message=f"cannot read {args.independence_labels} as labels JSONL "
                                  f"(bench/reader_independence.py collect): {e}") from None
+    endpoint = endpoint_from_args(args, "endpoint")
+    if (endpoint is not None) != (args.annotator == "endpoint"):
+        raise ParameterError("--annotator", args.annotator, message="--annotator endpoint goes with --endpoint-url and "
+                             "--endpoint-model, and they with it")
+    annotate_fn = None
+    if endpoint is not None:
+        from ..tools.annotate_endpoint import endpoint_annotator
+
+        annotate_fn = endpoint_annotator(endpoint, count)
     examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
-                                      annotator=args.annotator, seed=args.seed, independence_labels=labels)
+                                      annotator=args.annotator, seed=args.seed, independence_labels=labels,
+                                      annotate_fn=annotate_fn)
     if args.drop_repeats:
         from ..train.quality import repeated_line_fraction
 
@@ -205,10 +228,11 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                            max_steps=args.max_steps, save_every=args.save_every,
                            lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha), tag_weight=args.tag_weight,
                            init_adapter=str(args.adapter) if args.adapter is not None else None,
-                           tag_tokens=args.tag_tokens, content_loss=args.content_loss)
+                           tag_tokens=args.tag_tokens, content_loss=args.content_loss, end_target=args.end_target)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
-                        "annotator": args.annotator, "max_response_tokens": args.max_response_tokens,
+                        "annotator": args.annotator if endpoint is None else f"endpoint: {endpoint.name}",
+                        "max_response_tokens": args.max_response_tokens,
                         "independence_labels": None if labels is None else str(args.independence_labels), **counts}
     summary = train_sft(examples, args.out, settings, base=args.model, resume=args.resume, manifest=manifest)
     print(f"train sft: {summary['optimizer_steps']} steps in {summary['train_seconds']:.0f} s; loss "
@@ -253,8 +277,29 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                               repetition_penalty=args.repetition_penalty,
                               max_running_requests=args.max_running_requests, max_new_tokens=args.max_new_tokens, quality_weight=args.quality_weight, alpha=args.alpha,
                               lr=args.lr, seed=args.seed)
-    summary = train_bonbon(prompts, args.adapter, args.out, settings, base=args.model,
-                           manifest={"bonbon_command": command_line(argv)})
+    judge = endpoint_from_args(args, "judge")
+    scorer = None
+    if (judge is None) != (args.judge_reference is None):
+        flag = "--judge-reference" if judge is not None else "--judge-url"
+        raise ParameterError(flag, None, message=f"{flag} is missing: a judge needs --judge-url, --judge-model and "
+                             "--judge-reference together")
+    if judge is not None:
+        from ..tools.judge import JudgeQuality
+
+        refs = {r.instruction: r.output for r in read_prompts(args.judge_reference, need_output=True)}
+        missing = [p for p in prompts if p not in refs]
+        if missing:
+            raise ParameterError("--judge-reference", str(args.judge_reference),
+                                 message=f"--judge-reference {args.judge_reference} has no answer to {len(missing)} of "
+                                 f"the {len(prompts)} sampled prompts (first: {missing[0][:60]!r})")
+        scorer = JudgeQuality(judge, refs)
+    summary = train_bonbon(prompts, args.adapter, args.out, settings, base=args.model, scorer=scorer,
+                           manifest={"bonbon_command": command_line(argv),
+                                     **({"judge": judge.name} if judge is not None else {})})
+    if scorer is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with (args.out / "judge_verdicts.jsonl").open("a") as f:
+            f.writelines(json.dumps(v) + "\n" for v in scorer.verdicts)
     for r in summary["rounds"]:
         print(f"train bonbon round {r['round']}: {r['pairs']} pairs of {r['samples']} samples; mean content speedup "
               f"{r['mean_content_speedup']:.2f}, margin {r['first_margin']:.2f} -> {r['last_margin']:.2f}",

@@ -63,8 +63,9 @@ __all__ = [
 
 #: Annotators working on text alone.
 TEXT_ANNOTATORS = ("sot", "apar", "mixed")
-#: Every annotator name (``model`` needs an engine).
-ANNOTATORS = ("sot", "apar", "mixed", "model")
+#: Every annotator name (``model`` needs an engine; ``endpoint`` an OpenAI-compatible endpoint,
+#: :mod:`pasta_engine.tools.annotate_endpoint`).
+ANNOTATORS = ("sot", "apar", "mixed", "model", "endpoint")
 
 #: Items or paragraphs shorter than this many tokens are not forked by default.
 MIN_CHUNK_TOKENS = 10
@@ -500,7 +501,8 @@ def annotate(response: str, annotator: str, count_tokens: CountTokens | None = N
     """Annotate with a text annotator by name (``sot``, ``apar`` or ``mixed``).
 
     Raises ValueError naming the known annotators for an unknown name, and for ``model``
-    (which needs an engine: use :func:`annotate_with_model`)."""
+    (which needs an engine: use :func:`annotate_with_model`) and ``endpoint`` (use
+    :func:`pasta_engine.tools.annotate_endpoint.annotate_with_endpoint`)."""
     if annotator == "sot":
         return annotate_sot(response, count_tokens)
     if annotator == "apar":
@@ -509,6 +511,9 @@ def annotate(response: str, annotator: str, count_tokens: CountTokens | None = N
         return annotate_mixed(response, count_tokens)
     if annotator == "model":
         raise ValueError("the 'model' annotator needs an engine: use annotate_with_model(engine, prompts)")
+    if annotator == "endpoint":
+        raise ValueError("the 'endpoint' annotator needs an endpoint: use "
+                         "pasta_engine.tools.annotate_endpoint.annotate_with_endpoint(endpoint, instruction, response)")
     raise ValueError(f"unknown annotator {annotator!r}: known {list(ANNOTATORS)}")
 
 

@@ -140,11 +140,16 @@ def count_tokens_fn(tokenizer: Any) -> Callable[[str], int]:
 
 
 def annotate_rows(rows: Sequence[PromptRow], name: str, count_tokens: Callable[[str], int] | None = None,
-                  engine: Any = None, params: SamplingParams | None = None) -> list[TraceRow]:
-    """Trace rows for ``rows`` annotated with ``name`` (``sot``/``apar`` annotate each row's
-    ``output``, which must be present; ``model`` lets ``engine``'s model answer in pasta mode
-    with ``params``)."""
+                  engine: Any = None, params: SamplingParams | None = None, endpoint: Any = None) -> list[TraceRow]:
+    """Trace rows for ``rows`` annotated with ``name`` (``sot``/``apar``/``mixed`` annotate each
+    row's ``output``, which must be present; ``model`` lets ``engine``'s model answer in pasta
+    mode with ``params``; ``endpoint`` has the model behind ``endpoint``, a
+    :class:`~pasta_engine.tools.endpoint.ChatEndpoint`, annotate each ``output``, and a row whose
+    annotation fails the check keeps its answer unannotated with the reason in ``note``).
+    Raises BenchError for a missing engine, endpoint or ``output``; the endpoint's EndpointError."""
     out: list[TraceRow] = []
+    if name == "endpoint" and endpoint is None:
+        raise BenchError("the endpoint annotator needs an endpoint (--endpoint-url and --endpoint-model)")
     if name == "model":
         if engine is None:
             raise BenchError("the model annotator needs an engine")
@@ -158,7 +163,12 @@ def annotate_rows(rows: Sequence[PromptRow], name: str, count_tokens: Callable[[
         for i, r in enumerate(rows):
             if r.output is None:
                 raise BenchError(f"row {i} has no 'output' to annotate")
-            a = annotate(r.output, name, count_tokens or approx_token_count)
+            if name == "endpoint":
+                from .annotate_endpoint import annotate_with_endpoint
+
+                a = annotate_with_endpoint(endpoint, r.instruction, r.output, count_tokens or approx_token_count)
+            else:
+                a = annotate(r.output, name, count_tokens or approx_token_count)
             out.append(TraceRow(r.instruction, a.annotated, name, response=r.output, promises=a.promises,
                                 index=i, dataset=r.dataset, note=a.note))
             bar.update(1)

@@ -31,11 +31,13 @@ class TraceFileError(ValueError):
 @dataclass
 class PromptRow:
     """One prompt of a prompts file: the ``instruction``, and when the file has them the
-    reference answer ``output`` and the source ``dataset`` (AlpacaEval's subsets)."""
+    reference answer ``output``, the source ``dataset`` (AlpacaEval's subsets) and the
+    ``finish_reason`` of a generated answer (``train answers`` writes ``stop`` or ``length``)."""
 
     instruction: str
     output: str | None = None
     dataset: str | None = None
+    finish_reason: str | None = None
 
 
 def read_prompts(path: str | Path, need_output: bool = False) -> list[PromptRow]:
@@ -72,7 +74,9 @@ def read_prompts(path: str | Path, need_output: bool = False) -> list[PromptRow]
             if out is not None and not isinstance(out, str):
                 raise TraceFileError(f"{p}: row {i} has a non-string 'output'")
             ds = row.get("dataset")
-            rows.append(PromptRow(row["instruction"], out, ds if isinstance(ds, str) else None))
+            fr = row.get("finish_reason")
+            rows.append(PromptRow(row["instruction"], out, ds if isinstance(ds, str) else None,
+                                  fr if isinstance(fr, str) else None))
     else:
         rows = [PromptRow(line) for line in text.splitlines() if line.strip()]
     if not rows:

@@ -31,7 +31,9 @@ EVAL_DATASET = "vicuna"
 @dataclass
 class TrainExample:
     """One annotated training response: the instruction, the annotated (cut) answer, its
-    source subset, which annotator wrote the tags, the promises, and the answer's token count."""
+    source subset, which annotator wrote the tags, the promises, the answer's token count, and
+    whether the answer ``ended`` there by itself (False when :func:`cut_response` cut it or its
+    generation ran out of tokens, ``finish_reason`` ``length``: its end is not a place to stop)."""
 
     prompt: str
     annotated: str
@@ -39,6 +41,7 @@ class TrainExample:
     annotator: str
     promises: int
     response_tokens: int
+    ended: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,6 +90,7 @@ def build_examples(
     annotator: str = "mixed",
     seed: int = 0,
     independence_labels: Mapping[str, Mapping[str, Any]] | None = None,
+    annotate_fn: Callable[[str, str], Any] | None = None,
 ) -> tuple[list[TrainExample], dict[str, int]]:
     """Annotated training examples of ``rows`` (which must carry ``output``), shuffled with
     ``seed``.
@@ -97,11 +101,16 @@ def build_examples(
     :class:`~pasta_engine.tools.annotate_independent.LexicalDependence` measure the rest; a
     row whose ``response`` is not the answer as cut here is not used.
 
+    ``annotate_fn`` (annotator ``endpoint``): ``(instruction, cut answer) -> Annotation``
+    (:func:`pasta_engine.tools.annotate_endpoint.endpoint_annotator`); an annotation it discards
+    (its stripped text is not the answer) counts as ``filtered`` and is left out.
+
     Returns ``(examples, counts)``: counts of rows ``kept``, ``forked`` (with at least one
-    promise), ``too_long`` (no line fits), ``no_output``, ``filtered`` (annotation not
+    promise), ``ended`` (kept answers that end by themselves: not cut here, not ``finish_reason``
+    ``length``), ``too_long`` (no line fits), ``no_output``, ``filtered`` (annotation not
     stripping back to the answer) and, with labels, ``reader_labelled``."""
     out: list[TrainExample] = []
-    counts = {"rows": len(rows), "kept": 0, "forked": 0, "too_long": 0, "no_output": 0, "filtered": 0}
+    counts = {"rows": len(rows), "kept": 0, "forked": 0, "ended": 0, "too_long": 0, "no_output": 0, "filtered": 0}
     idf = None
     if annotator == "independent":
         from ..tools.annotate_independent import (
@@ -124,15 +133,24 @@ def build_examples(
                 dep = table_dependence(row["pieces"], default=dep)
                 counts["reader_labelled"] = counts.get("reader_labelled", 0) + 1
             a, _ = annotate_independent(cut, dep, count_tokens, idf=idf)
+        elif annotator == "endpoint":
+            if annotate_fn is None:
+                raise ValueError("annotator 'endpoint' needs annotate_fn (an endpoint's annotator)")
+            a = annotate_fn(r.instruction, cut)
+            if a.note and "annotation discarded" in a.note:
+                counts["filtered"] += 1
+                continue
         else:
             a = annotate(cut, annotator, count_tokens)
         if strip_tags(a.annotated) != cut:
             counts["filtered"] += 1
             continue
+        ended = cut == r.output and r.finish_reason != "length"
         out.append(TrainExample(r.instruction, a.annotated, r.dataset, a.annotator or "none", a.promises,
-                                count_tokens(cut)))
+                                count_tokens(cut), ended))
         counts["kept"] += 1
         counts["forked"] += a.promises > 0
+        counts["ended"] += ended
     random.Random(seed).shuffle(out)
     return out, counts
 

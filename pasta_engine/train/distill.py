@@ -22,13 +22,13 @@ tokens (a promise with its topic and length, ``<async>``/``</async>``, ``<sync/>
 and keep their one-hot targets, weighted as in plain SFT. The teacher gives tag tokens no mass, so
 at a content token the adapter also learns not to open a tag there: the annotation's decision.
 
-An answer cut by the token budget ends where the teacher gives the end-of-sequence token little
-mass, so the adapter no longer learns to stop at the cut. Measured on the embedded SmolLM2
-(``bench/results/distill-smollm2-cpu``), that cut both ways: with more than half of the training
-answers cut at 256 tokens, the distilled adapters learned not to stop at all (30% and 58% of their
-answers ran out of a 512-token budget, and looped), and they read worse than the plain-SFT ones
-(19% win rate against the base model, the shipped adapter 32.5%). Train on answers that ended by
-themselves before relying on it.
+The end-of-sequence token is a decision like a tag's and keeps its one-hot target. The first
+version gave it the teacher's row after the answer; where an answer had been cut by the token
+budget, that row gives the end little mass, and with more than half of the training answers cut
+at 256 tokens the distilled adapters learned not to stop at all (30% and 58% of their answers ran
+out of a 512-token budget and looped; 19% and 12% win rate against the base model, the shipped
+adapter 32.5%: ``bench/results/distill-smollm2-cpu``). Now a cut answer trains no end at all
+(``train sft --end-target ended``) and an answer that ended trains its end one-hot.
 """
 
 from __future__ import annotations
@@ -143,10 +143,11 @@ def teacher_rows(
     The teacher (the frozen base model) reads the clean answer in reading order
     (:func:`reading_order`), tokenized canonically, after the plain prompt (the chat template with
     the user turn only, as the engine formats a sequential request). A sampled content token gets
-    the teacher's row at the canonical token that starts where it starts and is the same token;
-    the end-of-sequence token gets the row after the whole answer. A token with no such
-    counterpart (a thread's text split differently at a boundary) has no teacher row and keeps
-    its one-hot target.
+    the teacher's row at the canonical token that starts where it starts and is the same token.
+    The end-of-sequence token has no teacher row: it keeps its one-hot target (the base model
+    stopped there; ``train_sft``'s ``end_target="ended"`` gives it weight 0 where the answer was
+    cut instead). A token with no counterpart (a thread's text split differently at a boundary)
+    has no teacher row either and keeps its one-hot target.
 
     Args:
         teacher: the frozen base ``transformers`` causal LM (vocabulary ``V``).
@@ -177,9 +178,7 @@ def teacher_rows(
             continue
         targets.append(tok)
         row = None
-        if c and tok in eos:
-            row = len(canon)
-        elif c and s0 >= 0 and s0 in at_start and canon[at_start[s0]] == tok:
+        if c and tok not in eos and s0 >= 0 and s0 in at_start and canon[at_start[s0]] == tok:
             row = at_start[s0]
         soft.append(row is not None)
         if row is not None:

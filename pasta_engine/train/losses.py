@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["sft_loss", "tag_decision_ids", "tag_decision_weights", "bonbon_loss", "bonbon_target_margin"]
+__all__ = ["sft_loss", "tag_decision_ids", "tag_decision_weights", "without_end_target", "bonbon_loss",
+           "bonbon_target_margin"]
 
 
 def sft_loss(logprobs: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,6 +70,26 @@ def tag_decision_weights(tokens: Sequence[int], decision_ids: set[int], weight: 
     if not weight > 0:
         raise ValueError(f"tag weight must be > 0, got {weight!r}")
     return torch.tensor([weight if t in decision_ids else 1.0 for t in tokens], dtype=torch.float32)
+
+
+def without_end_target(tokens: Sequence[int], eos_ids: Sequence[int], weights: torch.Tensor | None) -> torch.Tensor:
+    """``[S]`` float32 loss weights with 0 at every end-of-sequence token of ``tokens`` (the
+    sampled tokens of one response) and ``weights`` (None: 1) elsewhere.
+
+    For an answer that did not end where it was cut (generated up to a token budget, or cut to
+    fit ``max_response_tokens``): its last token is not a place to stop, so training an end there
+    teaches the model to stop mid-answer (one-hot target) and distillation's teacher, which gives
+    the end little mass there, teaches it never to stop (``bench/results/distill-smollm2-cpu``).
+    Without the end's term the answer still trains every other token. Raises ValueError when
+    ``weights`` has another length than ``tokens``."""
+    w = torch.ones(len(tokens), dtype=torch.float32) if weights is None else weights.to(torch.float32).clone()
+    if w.shape != (len(tokens),):
+        raise ValueError(f"weights of shape {tuple(w.shape)} for {len(tokens)} tokens")
+    eos = set(int(e) for e in eos_ids)
+    for i, t in enumerate(tokens):
+        if int(t) in eos:
+            w[i] = 0.0
+    return w
 
 
 def bonbon_target_margin(n: int) -> float:

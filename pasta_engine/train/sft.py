@@ -5,7 +5,9 @@ Each example is laid out exactly as the engine's pasta-mode replay decodes it
 (:data:`~pasta_engine.lang.prompts.LEARNED_PASTA_PROMPT`), the form the model is used in. The
 loss is the mean negative log-likelihood of the sampled tokens (the inserted ``<async>`` tags
 are context, not targets), or with ``content_loss="distill"`` the cross-entropy of each content
-token against the frozen base model's distribution (:mod:`pasta_engine.train.distill`). Progress shows on stderr; a checkpoint every ``save_every`` optimizer
+token against the frozen base model's distribution (:mod:`pasta_engine.train.distill`). With
+``end_target="ended"`` an answer that was cut (:attr:`TrainExample.ended` False) trains no
+end-of-sequence token (:func:`~pasta_engine.train.losses.without_end_target`). Progress shows on stderr; a checkpoint every ``save_every`` optimizer
 steps makes the run resumable; ``loss.json``/``loss.png`` hold the curve; the adapter is
 exported in float16 with a manifest.
 """
@@ -31,7 +33,7 @@ from .common import LoraSettings, LossCurve, export_adapter, git_commit, load_ba
 from .data import TrainExample
 from .forward import forward_log_softmax, forward_logprobs, layout_for
 from .distill import distill_loss, teacher_rows
-from .losses import sft_loss, tag_decision_ids, tag_decision_weights
+from .losses import sft_loss, tag_decision_ids, tag_decision_weights, without_end_target
 from ..lang.tokenization import eos_token_ids
 
 __all__ = ["SFTSettings", "train_sft"]
@@ -57,6 +59,7 @@ class SFTSettings:
     init_adapter: str | None = None
     tag_tokens: bool = False  # a fresh adapter adds the PASTA-LANG pieces as tokens (lang.grammar)
     content_loss: str = "nll"  # "distill": the base model's distribution at content tokens (train.distill)
+    end_target: str = "always"  # "ended": no end-of-sequence target where the answer was cut (TrainExample.ended)
 
 
 def train_sft(
@@ -86,9 +89,12 @@ def train_sft(
 
     if settings.content_loss not in ("nll", "distill"):
         raise ValueError(f"content_loss must be 'nll' or 'distill', got {settings.content_loss!r}")
+    if settings.end_target not in ("always", "ended"):
+        raise ValueError(f"end_target must be 'always' or 'ended', got {settings.end_target!r}")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
     model, tok, path = load_base(base)
+    eos_ids = eos_token_ids(tok, model.config)
     model = wrap_lora(model, settings.lora, adapter=settings.init_adapter, tokenizer=tok,
                       tag_tokens=settings.tag_tokens and settings.init_adapter is None)
     tags = tag_tokens_of(tok)  # the pieces as tokens (added now, or by the adapter continued from)
@@ -100,7 +106,6 @@ def train_sft(
                              "added them): it tells tag tokens from content by id")
         teacher, _, _ = load_base(base)  # the frozen base model, its own weights (LoRA never touches them)
         teacher.eval().requires_grad_(False)
-        eos_ids = eos_token_ids(tok, teacher.config)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
@@ -137,8 +142,11 @@ def train_sft(
                 layout = layout_for(model, tok, ex.prompt, ex.annotated, settings.position_policy,
                                     pasta_prompt=settings.pasta_prompt, limits=limits)
                 weights = None
+                sampled = layout.sampled()[1]
                 if settings.tag_weight != 1.0:
-                    weights = tag_decision_weights(layout.sampled()[1], decision_ids, settings.tag_weight)
+                    weights = tag_decision_weights(sampled, decision_ids, settings.tag_weight)
+                if settings.end_target == "ended" and not ex.ended:
+                    weights = without_end_target(sampled, eos_ids, weights)
                 if teacher is None:
                     lps = forward_logprobs(model, layout)
                     loss = sft_loss(lps, weights)
@@ -159,7 +167,8 @@ def train_sft(
             state["elapsed_s"] = time.perf_counter() - t0
             curve.add(step=state["step"], examples=state["step"] * settings.grad_accum,
                       loss=sum(losses) / len(losses), lr=sched.get_last_lr()[0], tokens=tokens,
-                      elapsed_s=round(state["elapsed_s"], 1), **{k: round(v, 4) for k, v in extra.items()})
+                      elapsed_s=round(state["elapsed_s"], 1), ended=sum(examples[i].ended for i in batch),
+                      **{k: round(v, 4) for k, v in extra.items()})
             bar.update(1)
             bar.set_postfix(loss=f"{curve.points[-1]['loss']:.3f}")
             if state["step"] % settings.save_every == 0 or state["step"] == total:

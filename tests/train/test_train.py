@@ -418,3 +418,44 @@ def test_train_sft_min_content_speedup_keeps_the_parallel_answers(tiny_llama, tm
     rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [PROMPT]  # the unforked answer (speedup < 1) is gone
     assert "min_content_speedup_1.2" in err
+
+
+def test_an_answer_that_was_cut_trains_no_end(tiny_llama, tmp_path):
+    """``end_target="ended"`` (issue 30): an answer cut to fit, or generated up to a token budget,
+    trains every token but its end-of-sequence; an answer that ended by itself trains its end."""
+    from pasta_engine.tools.traces import PromptRow
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample, build_examples
+    from pasta_engine.train.losses import without_end_target
+    from pasta_engine.train.sft import SFTSettings, train_sft
+
+    w = without_end_target([5, 2, 7, 2], [2], torch.tensor([1.0, 1.0, 20.0, 1.0]))
+    assert w.tolist() == [1.0, 0.0, 20.0, 0.0]
+    assert without_end_target([5, 6], [2], None).tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="weights"):
+        without_end_target([5, 6], [2], torch.ones(3))
+
+    count = lambda t: len(t.split())  # noqa: E731
+    answer = "first line of the answer\nsecond line of it"
+    rows = [PromptRow("q1", answer, "koala", "stop"), PromptRow("q2", answer, "koala", "length"),
+            PromptRow("q3", answer, "koala")]
+    ex, counts = build_examples(rows, count, max_response_tokens=20, annotator="sot", seed=0)
+    assert counts["ended"] == 2  # q1, and q3 (a reference answer: no finish_reason); q2 ran out of tokens
+    by = {e.prompt: e for e in ex}
+    assert by["q1"].ended and not by["q2"].ended and by["q3"].ended
+    cut, counts = build_examples(rows[:1], count, max_response_tokens=5, annotator="sot")
+    assert cut[0].annotated == "first line of the answer" and not cut[0].ended and counts["ended"] == 0
+
+    def first_loss(ended: bool, end_target: str) -> float:
+        settings = SFTSettings(epochs=1, lr=1e-3, grad_accum=1, warmup=1, max_steps=1, end_target=end_target,
+                               lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+        out = tmp_path / f"{ended}-{end_target}"
+        train_sft([TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40, ended)], out, settings,
+                  base=str(tiny_llama), progress=False)
+        return json.loads((out / "loss.json").read_text())[0]["loss"]
+
+    always = first_loss(False, "always")
+    assert first_loss(True, "ended") == pytest.approx(always)  # an answer that ended trains its end
+    assert first_loss(False, "ended") != pytest.approx(always)  # one that was cut does not
+    with pytest.raises(ValueError, match="end_target"):
+        train_sft([], tmp_path / "x", SFTSettings(end_target="sometimes"), base=str(tiny_llama), progress=False)

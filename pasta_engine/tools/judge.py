@@ -1,0 +1,136 @@
+"""A pairwise judge behind any OpenAI-compatible endpoint: which of two answers to a question is
+better, in the MT-bench / AlpacaEval pairwise style (Zheng et al. 2023, "Judging LLM-as-a-Judge
+with MT-Bench and Chatbot Arena", arXiv 2306.05685, section 3: pairwise comparison, both orders
+against position bias).
+
+The brief (:data:`JUDGE_PROMPT`) is the project's blind reading brief (docs/reader_briefs.md) for
+one pair at a time, asking for one JSON object. :class:`JudgeQuality` turns it into the quality
+term of ``train bonbon --judge-url``: a sample's preference against a reference answer to the same
+prompt (the base model's), judged in both orders.
+
+Example (a judge served by vLLM, SGLang or OpenAI)::
+
+    from pasta_engine.tools.endpoint import ChatEndpoint
+    from pasta_engine.tools.judge import judge_pair
+    v = judge_pair(ChatEndpoint("http://127.0.0.1:8000/v1", "Qwen/Qwen3-8B"), "Name a colour.", "Blue.", "Banana.")
+    v.verdict  # "A"
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .endpoint import ChatEndpoint, EndpointError
+
+__all__ = ["JUDGE_PROMPT", "Verdict", "JudgeReplyError", "parse_verdict", "judge_pair", "JudgeQuality"]
+
+JUDGE_PROMPT = """\
+You are an impartial judge, in the MT-bench / AlpacaEval pairwise style. You see a question and two
+answers, A and B. Judge which is more helpful, correct, relevant, coherent and complete for the
+user. Both answers come from small language models. Stray markup (tags, stray symbols), empty
+bullets or list items, repeated lines or repeated content, and cut-off answers are defects. Avoid
+length bias (longer is not better by itself) and position bias (the order of A and B is random).
+Reply with exactly one JSON object and nothing else:
+{"verdict": "A" or "B" or "tie", "confidence": "low" or "medium" or "high", "score_a": 1-10,
+"score_b": 1-10, "reason": "one sentence"}
+"""
+
+
+class JudgeReplyError(EndpointError):
+    """The judge replied with something that is not a verdict; the message names the endpoint
+    and quotes the start of the reply."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One pairwise verdict: ``verdict`` ``"A"``, ``"B"`` or ``"tie"``; ``confidence`` as the
+    judge gave it (None when absent); ``score_a``/``score_b`` 1-10 (None when absent); ``reason``."""
+
+    verdict: str
+    confidence: str | None = None
+    score_a: float | None = None
+    score_b: float | None = None
+    reason: str = field(default="", compare=False)
+
+
+_OBJECT = re.compile(r"\{.*\}", re.S)
+
+
+def parse_verdict(reply: str, where: str = "the judge") -> Verdict:
+    """The :class:`Verdict` in a judge's ``reply``: the first ``{...}`` span parsed as JSON (a
+    code fence or words around it are ignored), ``verdict`` case-insensitive (``"a"``, ``"Tie"``).
+
+    Raises :class:`JudgeReplyError` naming ``where`` when there is no JSON object, the verdict is
+    missing or not A/B/tie, or a score is not a number from 1 to 10."""
+    m = _OBJECT.search(reply)
+    head = " ".join(reply.split())[:200]
+    if m is None:
+        raise JudgeReplyError(f"{where}: the reply holds no JSON object: {head!r}")
+    try:
+        obj = json.loads(m.group(0))
+    except json.JSONDecodeError as e:
+        raise JudgeReplyError(f"{where}: the reply's JSON does not parse ({e.msg}): {head!r}") from None
+    if not isinstance(obj, dict):
+        raise JudgeReplyError(f"{where}: the reply's JSON is not an object: {head!r}")
+    v = obj.get("verdict")
+    v = {"a": "A", "b": "B", "tie": "tie"}.get(v.strip().lower()) if isinstance(v, str) else None
+    if v is None:
+        raise JudgeReplyError(f"{where}: 'verdict' must be \"A\", \"B\" or \"tie\", got {obj.get('verdict')!r}: {head!r}")
+    scores = []
+    for k in ("score_a", "score_b"):
+        s = obj.get(k)
+        if s is None:
+            scores.append(None)
+            continue
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 1 <= s <= 10:
+            raise JudgeReplyError(f"{where}: {k!r} must be a number from 1 to 10, got {s!r}: {head!r}")
+        scores.append(float(s))
+    conf = obj.get("confidence")
+    return Verdict(v, conf if isinstance(conf, str) else None, scores[0], scores[1], str(obj.get("reason", "")))
+
+
+def judge_pair(endpoint: ChatEndpoint, question: str, answer_a: str, answer_b: str, max_tokens: int = 256) -> Verdict:
+    """The judge's verdict on one pair, in the order given (call twice with the order swapped to
+    cancel position bias, as :class:`JudgeQuality` does).
+
+    Raises :class:`~pasta_engine.tools.endpoint.EndpointError` when the endpoint fails and
+    :class:`JudgeReplyError` when its reply is not a verdict (both name the endpoint)."""
+    user = (f"Question:\n{question}\n\n[Answer A]\n{answer_a}\n[End of answer A]\n\n"
+            f"[Answer B]\n{answer_b}\n[End of answer B]")
+    reply = endpoint.complete([{"role": "system", "content": JUDGE_PROMPT}, {"role": "user", "content": user}],
+                              max_tokens=max_tokens)
+    return parse_verdict(reply, endpoint.name)
+
+
+@dataclass
+class JudgeQuality:
+    """A BoNBoN quality term (:data:`pasta_engine.train.quality.Scorer`): a sample's win value
+    against the reference answer to its prompt, judged by ``endpoint`` in both orders (the
+    sample as A, then as B): 1 per win, 0.5 per tie, 0 per loss, averaged, so 0 to 1.
+
+    Args:
+        endpoint: the judge.
+        references: prompt -> the reference answer (e.g. the base model's own answers,
+            ``train answers``' ``answers.json``).
+
+    Calling it with a prompt that has no reference raises KeyError naming the prompt's start;
+    the endpoint's failures raise as :func:`judge_pair`'s. ``verdicts`` keeps every call's
+    verdicts, for the round's record."""
+
+    endpoint: ChatEndpoint
+    references: Mapping[str, str]
+    verdicts: list[dict] = field(default_factory=list)
+
+    def __call__(self, prompt: str, text: str) -> float:
+        if prompt not in self.references:
+            raise KeyError(f"no reference answer for the prompt {prompt[:60]!r}: give --judge-reference a file "
+                           "with an answer to every prompt sampled")
+        ref = self.references[prompt]
+        first = judge_pair(self.endpoint, prompt, text, ref)
+        second = judge_pair(self.endpoint, prompt, ref, text)
+        win = ({"A": 1.0, "tie": 0.5, "B": 0.0}[first.verdict] + {"B": 1.0, "tie": 0.5, "A": 0.0}[second.verdict]) / 2
+        self.verdicts.append({"prompt": prompt, "as_a": first.verdict, "as_b": second.verdict, "win": win})
+        return win
