@@ -285,6 +285,7 @@ class TagParser:
 
     special_tokens: Mapping[int, str] = field(default_factory=dict)
     _buf: str = ""
+    _broken: str = ""  # partial tags a '<' broke, held until what that '<' starts is decided (only with _buf)
     _count: int = 0  # characters consumed
     _junk: int = 0  # after a malformed tag: characters it may still run on (0: none)
 
@@ -327,6 +328,9 @@ class TagParser:
         else plain :class:`Text` (``<``, ``<prom``)."""
         out: list[Parsed] = []
         self._junk = 0
+        if self._broken:
+            out.append(Text(self._broken))
+            self._broken = ""
         if self._buf:
             buf, self._buf = self._buf, ""
             if buf.startswith(_KNOWN_HEADS):
@@ -337,8 +341,8 @@ class TagParser:
 
     @property
     def pending(self) -> str:
-        """Characters held back because they may still become a tag."""
-        return self._buf
+        """Characters held back because they may still become a tag (or be left out with one)."""
+        return self._broken + self._buf
 
     def _push(self, ch: str, out: list[Parsed], at: int) -> None:
         """Consume character ``ch`` found at offset ``at`` of the input."""
@@ -358,6 +362,7 @@ class TagParser:
         status, tag = _scan(buf)
         if status == "done":
             self._buf = ""
+            self._left_out(out)
             out.append(replace(tag, end=at + 1))
         elif status == "partial":
             self._buf = buf
@@ -368,12 +373,26 @@ class TagParser:
             self._buf = ""
             prefix = buf[:-1]
             if prefix.startswith(_KNOWN_HEADS):
+                self._left_out(out)
                 out.append(Malformed(raw=buf, reason="malformed tag"))
                 out.append(TagText(prefix))
                 self._junk = MAX_TAG_CHARS
+            elif ch == "<":
+                # "<pro" broken by a '<': if that '<' starts a tag (or tag-like text), the two
+                # must not meet again once it is left out ("<pro<sync/>mise ..." would read as
+                # "<promise ...") and "<pro" goes with it; else both are text ("a <<b")
+                self._broken += prefix
             else:
-                out.append(Text(prefix))
+                out.append(Text(self._broken + prefix))
+                self._broken = ""
             self._push(ch, out, at)
+
+    def _left_out(self, out: list[Parsed]) -> None:
+        """What a '<' broke goes out as tag-like text, since what that '<' started is left out."""
+        if self._broken:
+            out.append(Malformed(raw=self._broken, reason="partial tag cut short by a tag"))
+            out.append(TagText(self._broken))
+            self._broken = ""
 
 
 def _merge_text(items: list[Parsed]) -> list[Parsed]:

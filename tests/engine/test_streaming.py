@@ -244,3 +244,31 @@ def test_a_partial_tag_at_a_length_cut_never_reaches_the_text(tmp_path):
     assert res.text == clean_text(res.annotated_text) == "Intro:\n" == "".join(deltas) == texts[-1]
     assert all(_no_tag_text(t) for t in deltas + texts)
     assert any("partial tag at its end left out of the clean text" in d for d in res.diagnostics)
+
+
+@pytest.mark.parametrize("mode", ["pasta", "sequential"])
+def test_text_around_a_left_out_tag_never_joins_into_a_tag(engine, mode):
+    """Issue 31 item 10: ``<pro<sync/>mise topic="x" tokens="3"/>`` read as the promise tag once
+    the sync was left out. The partial tag a tag cut short goes with it, in the result, the
+    streamed deltas and every output, in both modes; the annotated text keeps every character."""
+    from pasta_engine.lang.tags import AsyncClose, AsyncOpen, Promise, Sync, parse, promise_tag
+
+    annotated = ('Intro. <pro<sync/>mise topic="x" tokens="3"/> and ' + promise_tag("t", 10)
+                 + '<async>a <as<sync/>ync> b</async> end.')
+    [res] = engine.replay([PROMPT], [annotated], mode=mode)
+    tags = (Promise, AsyncOpen, AsyncClose, Sync)
+    assert res.annotated_text == annotated  # nothing the model wrote is lost
+    assert not any(isinstance(e, tags) for e in parse(res.text)), res.text
+    assert res.text.startswith('Intro. mise topic="x" tokens="3"/> and ')
+    rid = engine.add_request(PROMPT, annotated_response=annotated, mode=mode)
+    stream = ReadingOrderStream(events=True)
+    req = next(r for r in engine.scheduler.waiting if r.request_id == rid)
+    deltas, texts, final = [], [], None
+    while final is None:
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas.append(stream.update(req.interp, out.finish_reason if out.finished else None)[0])
+                texts.append(out.text)
+                final = out if out.finished else None
+    assert "".join(deltas) == texts[-1] == final.result.text == res.text
+    assert not any(isinstance(e, tags) for t in deltas + texts for e in parse(t))

@@ -3,6 +3,7 @@ the clean text a reader sees (no tag text, no list item left empty by a tag)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ from pasta_engine.lang.tags import (
     TagParser,
     TagText,
     Text,
+    clean_from_items,
     clean_text,
     drop_empty_items,
     is_empty_list_item,
@@ -325,3 +327,24 @@ def test_clean_text_never_holds_tag_text(text):
     # beyond what joining plain runs can form
     if not any(type(e) is not Text and not isinstance(e, Malformed) for e in parse(text)):
         assert clean == plain  # nothing left out: nothing to tidy either
+    # and what is left never forms a tag where something was left out ("<pro<sync/>mise ...")
+    assert not any(isinstance(e, (Promise, AsyncOpen, AsyncClose, Sync)) for e in parse(clean)), clean
+
+
+@pytest.mark.parametrize("text, clean", [
+    ('<pro<sync/>mise topic="x" tokens="3"/>', 'mise topic="x" tokens="3"/>'),  # issue 31 item 10
+    ("<<sync/>sync/>", "sync/>"),
+    ("<as<sync/>ync>", "ync>"),
+    ('<prom<promise topic="y" tokens="3"/><async>z</async>ise topic="x" tokens="3"/>', 'zise topic="x" tokens="3"/>'),
+    ("x << 2 and y <<= 3", "x << 2 and y <<= 3"),  # a '<' broken by a '<' that starts no tag stays text
+    ("a<b<c", "a<b<c"),
+    ("<p<r<sync/>x", "<p<rx"),
+    ("ends <pro", "ends <pro"),
+])
+def test_a_partial_tag_cut_short_by_a_tag_goes_with_it(text, clean):
+    assert clean_text(text) == clean
+    assert strip_tags(text) == "".join(e.text for e in parse(text) if isinstance(e, Text))  # annotations still invert
+    # piece by piece, as the engine feeds tokens, the same items come out
+    p = TagParser()
+    items = [e for ch in text for e in p.feed(ch)] + p.finish()
+    assert clean_from_items(items) == clean
