@@ -114,7 +114,8 @@ class SamplingParams:
         logprobs: vLLM's count of alternatives per token (init only): None = no logprobs,
             0 = the sampled token's logprob only (sets ``return_logprobs``); more than 0 is a
             ParameterError (no alternatives are returned). Init only, like ``max_tokens``.
-        repetition_penalty: in (0, 100]; 1 = none. Before sampling, the logit of every token the
+        repetition_penalty: in [0.01, 100]; 1 = none (a smaller one multiplies logits past
+            float32's range). Before sampling, the logit of every token the
             thread has seen (the prompt, and the response tokens visible to it: a chunk sees the
             main thread up to its promise and its own tokens) is divided by it when positive and
             multiplied by it when negative (Keskar et al. 2019, "CTRL", section 4.1; the rule of
@@ -193,7 +194,7 @@ class SamplingParams:
                     f"logprobs={logprobs} is not supported: only 0 (the sampled token's logprob, no alternatives) "
                     "or None"))
             object.__setattr__(self, "return_logprobs", True)
-        check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
+        check_float("repetition_penalty", self.repetition_penalty, 0.01, 100.0)  # 1e-45 overflowed the logits
         check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         ids = self.stop_token_ids

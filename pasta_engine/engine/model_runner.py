@@ -385,8 +385,9 @@ class ModelRunner:
             if bad is not None and any(values[2]):
                 for st, b in zip(sampling, values[2]):
                     if b and st.request.request_id not in errors:
-                        errors[st.request.request_id] = ("sampling failed: RuntimeError: probability tensor contains "
-                                                         "either inf, nan or element < 0")
+                        errors[st.request.request_id] = (
+                            "sampling failed: the logits hold NaN or inf (weights that are not finite, or sampling "
+                            "values that overflow them): this request ends here, the others go on")
             return toks, values[1], errors
 
         return SampledTokens(wait=wait)

@@ -164,7 +164,7 @@ class _Request(BaseModel):
         "subtracted from the logit of each token present in the response tokens the thread sees"))
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description=(
         "x count subtracted from each token's logit, count over the response tokens the thread sees"))
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description=(
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0, description=(
         "CTRL's penalty (1 = none) on every token the thread has seen, prompt included"))
     min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description=(
         "EOS and stop_token_ids are masked until the response (all threads) has this many tokens; "

@@ -179,14 +179,16 @@ def sample_batch(
             (:func:`draw_noise`; ones on greedy rows), or None when every row is greedy.
         min_p: ``[N, 1]`` float32 in [0, 1] (0: no filter), or None when no row filters.
 
-    Returns ``(tokens [N] int64, bad [N] bool or None)``: ``bad`` marks sampled rows whose
-    distribution holds inf or nan (where :func:`torch.multinomial` raises). Per row the same
+    Returns ``(tokens [N] int64, bad [N] bool)``: ``bad`` marks rows whose logits hold NaN or
+    +inf (greedy rows too: their argmax means nothing) and sampled rows whose distribution holds
+    inf or nan (where :func:`torch.multinomial` raises); the runner fails those requests alone. Per row the same
     operations as :func:`sample` in the same order (temperature, top-k, top-p, min-p, softmax, then the
     exponential race ``argmax(probs / noise)`` that ``torch.multinomial(probs, 1)`` runs), so
     tokens are bitwise those of per-request :func:`sample` calls with the same generators."""
     argmax = logits.argmax(dim=-1)
+    nonfinite = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)  # -inf is a mask, not a fault
     if noise is None:
-        return argmax, None
+        return argmax, nonfinite
     x = logits / temperature
     if top_k is not None:
         kth = torch.sort(x, dim=-1, descending=True).values.gather(1, top_k - 1)
@@ -200,5 +202,5 @@ def sample_batch(
     if min_p is not None:
         x = _min_p_filter(x, min_p)
     probs = x.softmax(dim=-1)
-    bad = ~torch.isfinite(probs).all(dim=-1) & ~greedy
+    bad = nonfinite | (~torch.isfinite(probs).all(dim=-1) & ~greedy)
     return torch.where(greedy, argmax, (probs / noise).argmax(dim=-1)), bad

@@ -98,8 +98,39 @@ def test_repetition_penalty_follows_the_ctrl_rule():
     want = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
     got = apply_repetition_penalty(logits, [0, 1], [[0, 1, 1], [2, 3, 3]], [1.3, 1.3])
     torch.testing.assert_close(got, want)
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        SamplingParams(repetition_penalty=0.0)
+    for tiny in (0.0, 1e-45, 5e-324, 0.0099):  # issue 31 item 10: 1e-45 made the logits inf/NaN
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=tiny)
+    SamplingParams(repetition_penalty=0.01)
+
+
+def test_a_non_finite_logit_row_fails_its_request_alone(tiny_llama):
+    """A row of NaN or +inf logits (weights that are not finite) ends its request with an error,
+    greedy or sampled, and the other requests of the step go on; -inf (a mask) is no fault."""
+    from pasta_engine import Engine
+    from pasta_engine.layers.sampler import sample_batch
+
+    logits = torch.tensor([[0.0, 1.0, float("-inf")], [float("nan"), 0.0, 1.0], [0.0, float("inf"), 1.0]])
+    _, bad = sample_batch(logits, torch.tensor([True, True, True]), torch.ones(3, 1), None, None, None)
+    assert bad.tolist() == [False, True, True]
+    _, bad = sample_batch(logits, torch.tensor([False, False, True]), torch.ones(3, 1), None, None, torch.ones(3, 3))
+    assert bad.tolist() == [False, True, True]
+
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20, max_running_requests=4)
+    poisoned = {}
+
+    def hook(req, tid, row):
+        if req.index == 1:
+            row.fill_(float("nan"))
+            poisoned[req.request_id] = True
+
+    engine.logits_hook = hook
+    for temp in (0.0, 0.8):
+        res = engine.generate([[5, 6, 7], [5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=4, temperature=temp, seed=1))
+        assert [r.stats.finish_reason for r in res] == ["length", "error", "length"]
+        assert "the logits hold NaN or inf" in res[1].error
+        s = engine.stats()
+        assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == 0  # nothing leaked
 
 
 def test_engine_repetition_penalty_equals_transformers_generate(tiny_llama):
