@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -150,6 +151,7 @@ def load_model(
         raise CheckpointError("model", str(where), message=f"{where}: {e}") from None
     shard_config(cfg, tp_size)  # an indivisible head count is refused before any weight is read
     rotary = rotary_embedding(hf_cfg, cfg.head_dim, device, dtype)
+    _check_values(hf_cfg, rotary, where)
     sliced = tp_size > 1 and adapter is None and gguf is None
     weights = (_read_safetensors_shard(path, cfg, tp_rank, tp_size, dtype) if sliced else None)
     if weights is None:
@@ -157,6 +159,8 @@ def load_model(
         sliced = False
     if adapter is not None:
         merge_lora(weights, adapter)
+    _check_finite(weights, where, adapter)
+    if adapter is not None:
         rows = weights["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in weights else cfg.vocab_size
         if rows != cfg.vocab_size:  # the adapter added tokens (rows of the embedding)
             cfg = dataclasses.replace(cfg, vocab_size=rows)
@@ -193,6 +197,36 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], rotary: Any
     Raises UnsupportedModelError naming a tensor the checkpoint lacks, CheckpointError naming one
     whose shape disagrees with the config."""
     return decoder_class(config).from_checkpoint(config, state, rotary, torch.device(device), dtype)
+
+
+def _check_values(hf_cfg: Any, rotary: Any, where: Path) -> None:
+    """Raise CheckpointError naming the field when a value of the config would make the forward
+    NaN or inf from the first token: a norm epsilon that is negative or not finite, or RoPE
+    settings (``rope_theta`` <= 0 or NaN, a YaRN ``factor`` of 0, ...) whose frequencies or
+    attention scale come out non-finite or not positive."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "norm_eps"):
+        v = getattr(hf_cfg, name, None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            raise CheckpointError("model", str(where), message=f"{where}: config {name}={v!r} is not a norm epsilon "
+                                  "(expected a finite number >= 0)")
+    freqs = [rotary.inv_freq] + ([rotary.long_inv_freq] if rotary.long_inv_freq is not None else [])
+    if not all(bool(torch.isfinite(f).all()) and bool((f > 0).all()) for f in freqs) or \
+            not (math.isfinite(rotary.scale) and rotary.scale > 0):
+        rope = getattr(hf_cfg, "rope_parameters", None) or getattr(hf_cfg, "rope_scaling", None) or {}
+        theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", None)) if isinstance(rope, dict) else None
+        raise CheckpointError("model", str(where), message=f"{where}: its RoPE settings give frequencies or an "
+                              f"attention scale that are not finite and positive (rope_theta={theta!r}, "
+                              f"rope parameters {rope!r}): expected rope_theta > 0 and scaling factors > 0")
+
+
+def _check_finite(weights: dict[str, torch.Tensor], where: Path, adapter: Any) -> None:
+    """Raise CheckpointError naming the first tensor that holds NaN or inf (one pass over the
+    weights at load; a NaN weight otherwise makes greedy decoding emit one token until the
+    budget). With an adapter merged, the adapter's tensors or its ``lora_alpha`` may be why."""
+    for name, t in weights.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            why = f" after merging the adapter {adapter} (its tensors, or lora_alpha / r too large)" if adapter else ""
+            raise CheckpointError("model", str(where), message=f"{where}: weight {name} holds NaN or inf{why}")
 
 
 def _first_line(e: BaseException) -> str:

@@ -75,12 +75,48 @@ def _checkpoint(case: str, tiny: Path, tmp: Path) -> tuple[Path, str]:
         with open(src, "rb") as fh:
             f.write_bytes(fh.read(100_000))
         return f, "cannot read"
+    # issue 31 item 10: values that loaded without error and made every logit NaN
+    if case == "rope_theta 0":
+        return _copy(tiny, tmp / "ck", rope_theta=0.0, rope_parameters={"rope_type": "default", "rope_theta": 0.0}), \
+            "RoPE settings give frequencies or an attention scale that are not finite and positive"
+    if case == "rope_theta NaN":
+        return _copy(tiny, tmp / "ck", rope_theta=float("nan"),
+                     rope_parameters={"rope_type": "default", "rope_theta": float("nan")}), "RoPE settings"
+    if case == "negative rms_norm_eps":
+        return _copy(tiny, tmp / "ck", rms_norm_eps=-1.0), "config rms_norm_eps=-1.0 is not a norm epsilon"
+    if case == "a NaN weight":
+        d = _copy(tiny, tmp / "ck")
+        from safetensors.torch import load_file
+
+        w = load_file(d / "model.safetensors")
+        w["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+        save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d, "weight model.layers.1.mlp.up_proj.weight holds NaN or inf"
     raise AssertionError(case)
 
 
 CASES = ["garbage config.json", "num_attention_heads: 0", "num_key_value_heads: 0", "hidden_size not a multiple of the heads",
          "truncated safetensors", "config vocab_size disagrees with the weights", "a weight missing",
-         "garbage tokenizer.json", "tokenizer larger than the model's vocabulary", "truncated gguf"]
+         "garbage tokenizer.json", "tokenizer larger than the model's vocabulary", "truncated gguf",
+         "rope_theta 0", "rope_theta NaN", "negative rms_norm_eps", "a NaN weight"]
+
+
+@pytest.mark.parametrize("case", ["a NaN tensor", "lora_alpha 1e308"])
+def test_an_adapter_that_makes_weights_non_finite_is_refused(case, tiny_llama, tmp_path):
+    from sample_adapters import tiny_adapter
+    from safetensors.torch import load_file
+
+    d = tiny_adapter(tmp_path)
+    if case == "a NaN tensor":
+        w = load_file(d / "adapter_model.safetensors")
+        w["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"][0, 0] = float("nan")
+        save_file(w, str(d / "adapter_model.safetensors"))
+    else:
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 1e308}))
+    with pytest.raises(CheckpointError, match=r"weight model.layers.0.self_attn.q_proj.weight holds NaN or inf after "
+                       r"merging the adapter"):
+        Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20)
 
 
 @pytest.mark.parametrize("case", CASES)
