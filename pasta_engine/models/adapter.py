@@ -76,10 +76,20 @@ def read_manifest(adapter_dir: str | Path) -> dict[str, Any] | None:
     return _read_json_object(p, adapter_dir) if p.exists() else None
 
 
+#: An adapter may grow the embedding by at most this many rows (the PASTA-LANG pieces are six).
+MAX_ADDED_ROWS = 65536
+
+
 def added_tokens(manifest: dict[str, Any] | None) -> dict[str, int]:
     """The tokens an adapter added to its tokenizer (``{text: id}``, from its manifest's
-    ``added_tokens``; empty when it added none)."""
-    return {str(k): int(v) for k, v in ((manifest or {}).get("added_tokens") or {}).items()}
+    ``added_tokens``; empty when it added none). Raises ParameterError naming ``added_tokens``
+    when it is not an object of texts to token ids (integers >= 0)."""
+    spec = (manifest or {}).get("added_tokens") or {}
+    if not isinstance(spec, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                             and v >= 0 for k, v in spec.items()):
+        raise ParameterError("added_tokens", spec, "an object of token texts to token ids (integers >= 0) in the "
+                             "adapter's manifest.json")
+    return dict(spec)
 
 
 def _token_indices(cfg: dict[str, Any], module: str) -> list[int]:
@@ -110,6 +120,11 @@ def _merge_token_rows(weights: dict[str, torch.Tensor], cfg: dict[str, Any], ten
             raise ParameterError("adapter", str(adapter_dir), message=f"trainable token rows {name} "
                                  f"{tuple(values.shape)} do not fit {base!r} with indices {idx}")
         w = weights[base]
+        if any(isinstance(i, bool) or i < 0 or i >= w.shape[0] + MAX_ADDED_ROWS for i in idx):
+            raise ParameterError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: "
+                                 f"trainable_token_indices of {name} must be "
+                                 f"rows in [0, {w.shape[0] + MAX_ADDED_ROWS}) ({base} has {w.shape[0]} rows), got "
+                                 f"{min(idx)}..{max(idx)}")
         if values.shape[1] != w.shape[1]:
             raise ParameterError("adapter", str(adapter_dir),
                                  message=f"token rows of width {values.shape[1]} do not fit {base} {tuple(w.shape)}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ParameterError
+from ..errors import CheckpointError, ParameterError, UnsupportedModelError
 from ..layers.rotary import rotary_embedding
 from .adapter import added_tokens, file_sha256, merge_lora, read_manifest, shipped_adapter
 from .config import ARCHITECTURES, ModelConfig, check_sizes
@@ -150,7 +150,14 @@ def load_model(
     except CheckpointError as e:
         raise CheckpointError("model", str(where), message=f"{where}: {e}") from None
     shard_config(cfg, tp_size)  # an indivisible head count is refused before any weight is read
-    rotary = rotary_embedding(hf_cfg, cfg.head_dim, device, dtype)
+    try:
+        rotary = rotary_embedding(hf_cfg, cfg.head_dim, device, dtype)
+    except (TypeError, ValueError, ArithmeticError, KeyError) as e:  # rope_theta: "abc", a factor that is a list
+        if isinstance(e, (ParameterError, UnsupportedModelError)):
+            raise
+        raise CheckpointError("model", str(where), message=f"{where}: its RoPE settings cannot be used "
+                              f"({type(e).__name__}: {_first_line(e)}): expected rope_theta and scaling factors "
+                              "that are numbers > 0") from None
     _check_values(hf_cfg, rotary, where)
     sliced = tp_size > 1 and adapter is None and gguf is None
     weights = (_read_safetensors_shard(path, cfg, tp_rank, tp_size, dtype) if sliced else None)
@@ -237,6 +244,10 @@ def _first_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+#: A config.json larger than this is refused unread (real ones are a few KB).
+MAX_CONFIG_BYTES = 16 << 20
+
+
 def _check_config_json(file: Path) -> None:
     """Raise CheckpointError naming ``file`` when it is not a JSON object or its sizes are
     impossible (checked before ``transformers`` reads it: it would divide by a zero head count)."""
@@ -244,7 +255,14 @@ def _check_config_json(file: Path) -> None:
     import types
 
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
+        if not file.resolve().is_file():  # /dev/zero or a FIFO would be read forever
+            raise CheckpointError("model", str(file), message=f"{file} is not a regular file")
+        with open(file, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise CheckpointError("model", str(file), message=f"{file} is larger than {MAX_CONFIG_BYTES >> 20} MiB: "
+                                  "not a model's config.json")
+        raw = json.loads(data.decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError("model", str(file), message=f"{file} is not a JSON file: {_first_line(e)}") from None
     if not isinstance(raw, dict):
@@ -381,7 +399,10 @@ def add_adapter_tokens(tokenizer: Any, adapter: str | os.PathLike) -> list[int]:
     adapter was trained with another tokenizer)."""
     from tokenizers import AddedToken
 
-    want = added_tokens(read_manifest(adapter))
+    try:
+        want = added_tokens(read_manifest(adapter))
+    except ParameterError as e:
+        raise ParameterError("adapter", str(adapter), message=f"adapter {str(adapter)!r}: {e}") from None
     todo = [t for t in want if len(tokenizer.encode(t, add_special_tokens=False)) != 1]
     if todo:
         tokenizer.add_tokens([AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False) for t in todo],

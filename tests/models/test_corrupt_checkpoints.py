@@ -82,6 +82,14 @@ def _checkpoint(case: str, tiny: Path, tmp: Path) -> tuple[Path, str]:
     if case == "rope_theta NaN":
         return _copy(tiny, tmp / "ck", rope_theta=float("nan"),
                      rope_parameters={"rope_type": "default", "rope_theta": float("nan")}), "RoPE settings"
+    if case == "rope_theta a string":
+        return _copy(tiny, tmp / "ck", rope_theta="abc", rope_parameters={"rope_type": "default", "rope_theta": "abc"}), \
+            "its RoPE settings cannot be used"
+    if case == "config.json is /dev/zero":
+        d = _copy(tiny, tmp / "ck")
+        (d / "config.json").unlink()
+        (d / "config.json").symlink_to("/dev/zero")
+        return d, "config.json is not a regular file"
     if case == "negative rms_norm_eps":
         return _copy(tiny, tmp / "ck", rms_norm_eps=-1.0), "config rms_norm_eps=-1.0 is not a norm epsilon"
     if case == "a NaN weight":
@@ -98,7 +106,8 @@ def _checkpoint(case: str, tiny: Path, tmp: Path) -> tuple[Path, str]:
 CASES = ["garbage config.json", "num_attention_heads: 0", "num_key_value_heads: 0", "hidden_size not a multiple of the heads",
          "truncated safetensors", "config vocab_size disagrees with the weights", "a weight missing",
          "garbage tokenizer.json", "tokenizer larger than the model's vocabulary", "truncated gguf",
-         "rope_theta 0", "rope_theta NaN", "negative rms_norm_eps", "a NaN weight"]
+         "rope_theta 0", "rope_theta NaN", "rope_theta a string", "config.json is /dev/zero", "negative rms_norm_eps",
+         "a NaN weight"]
 
 
 @pytest.mark.parametrize("case", ["a NaN tensor", "lora_alpha 1e308"])
@@ -211,3 +220,31 @@ def test_the_manifest_hash_is_checked_for_any_base_model_file_it_names(tiny_llam
         resolve_adapter(gguf, for_gguf)
     # a folder without the named file (a converted copy) is not hashed: the merge checks shapes
     assert resolve_adapter(tiny_llama, for_gguf)[0] == for_gguf
+
+
+@pytest.mark.parametrize("case", ["added_tokens a list", "trainable_token_indices 10**12"])
+def test_an_adapter_with_impossible_token_fields_is_one_error(case, tiny_llama, tmp_path, capsys):
+    """Issue 31 item 10: these ended in a traceback (a list has no .items()) or tried to grow the
+    embedding to 10**12 rows."""
+    from sample_adapters import tiny_adapter
+
+    d = tiny_adapter(tmp_path)
+    if case == "added_tokens a list":
+        (d / "manifest.json").write_text(json.dumps({"added_tokens": ["a", "b"]}))
+        message = "an object of token texts to token ids"
+    else:
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, "trainable_token_indices": [10**12]}))
+        from safetensors.torch import load_file
+
+        w = load_file(d / "adapter_model.safetensors")
+        w["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"] = torch.zeros(1, 64)
+        save_file(w, str(d / "adapter_model.safetensors"))
+        message = "trainable_token_indices of"
+    with pytest.raises(ParameterError, match=message) as e:
+        Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20)
+    assert str(d) in str(e.value)
+    rc = main(["generate", "hi", "--model", str(tiny_llama), "--adapter", str(d), "--max-new-tokens", "2",
+               "--kv-cache-mb", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
