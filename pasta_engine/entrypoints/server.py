@@ -1044,6 +1044,9 @@ async def _collect(srv: _Server, streams: list[RequestStream], opts: _Options, c
                     finals[i] = out
                     if out.finish_reason == "error":
                         raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
+                    if out.finish_reason == "abort" and srv.engine.dead_error is not None:
+                        raise OpenAIError(503, f"the server is shutting down: choice {i} was cut before it ended; "
+                                          "send the request again to another server", type="server_error")
     except Exception as e:
         raise _as_openai_error(e) from None
     finally:
@@ -1105,6 +1108,9 @@ async def _stream(srv: _Server, streams: list[RequestStream], opts: _Options, ci
                     finals[i] = out
                     if out.finish_reason == "error":
                         raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
+                    if out.finish_reason == "abort" and srv.engine.dead_error is not None:
+                        raise OpenAIError(503, f"the server is shutting down: choice {i} was cut after the text sent "
+                                          "so far", type="server_error")
                     extra: dict[str, Any] = {"pasta": srv.choice_ext(out, opts)}
                     if out.stop_reason is not None:
                         extra["stop_reason"] = out.stop_reason
@@ -1140,6 +1146,21 @@ def served_model_name(args: Any) -> str:
     return EMBEDDED_MODEL
 
 
+def draining_server(config: Any, engine: AsyncEngine) -> Any:
+    """A ``uvicorn.Server`` for ``config`` that, on Ctrl-C or SIGTERM, shuts ``engine`` down
+    before it waits for open connections: every open stream then ends with an error event
+    (503, "the server is shutting down") and ``data: [DONE]``, and every open non-streamed
+    request with a 503, instead of being cut without either when uvicorn's graceful wait ends."""
+    import uvicorn
+
+    class _Draining(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            engine.shutdown(timeout_s=0)  # the engine thread aborts every request; no wait here
+            super().handle_exit(sig, frame)
+
+    return _Draining(config)
+
+
 def serve(args: Any) -> int:
     """Run the server the ``serve`` flags describe until interrupted (Ctrl-C, SIGTERM).
 
@@ -1171,7 +1192,7 @@ def serve(args: Any) -> int:
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = draining_server(config, aengine)
 
     async def run() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -404,3 +404,56 @@ def test_tokenize_and_detokenize_as_vllm_names_them(app_srv):
     assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "tokens"
     assert wrong_model.status_code == 404
     assert extra.status_code == 400 and "add_special_tokens" in extra.text  # not honoured: refused, not ignored
+
+
+def test_stopping_the_server_ends_open_streams_with_an_error_and_done(tiny_llama):
+    """Issue 31 item 10: Ctrl-C or SIGTERM with a stream open cut it with no error event and no
+    ``[DONE]``. The serve command's uvicorn server shuts the engine down first: the open stream
+    ends with a 503 error event and ``data: [DONE]``, and an open non-streamed request gets a 503."""
+    import signal
+    import socket
+
+    import uvicorn
+
+    from pasta_engine import AsyncEngine, Engine
+    from pasta_engine.entrypoints.server import build_app, draining_server
+
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=16 * 2**20, page_size=4)
+    engine.logits_hook = lambda req, tid, row: time.sleep(0.02)  # slow steps: the answers are still open
+    aengine = AsyncEngine(engine)
+    app = build_app(aengine, "tiny")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = draining_server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), aengine)
+    th = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.05)
+        plain: dict = {}
+        t = threading.Thread(target=lambda: plain.update(r=httpx.post(url, json=body, timeout=60)))
+        t.start()
+        lines = []
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            it = r.iter_lines()
+            for line in it:
+                if line.startswith("data: {"):
+                    lines.append(line)
+                    break
+            server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+            lines += [line for line in it if line]
+        t.join(60)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" and "error" in events[-1], lines[-3:]
+        assert "shutting down" in events[-1]["error"]["message"], events[-1]
+        assert plain["r"].status_code == 503 and "shutting down" in plain["r"].json()["error"]["message"]
+    finally:
+        server.should_exit = True
+        th.join(30)
+        aengine.shutdown()
+    assert not th.is_alive()
