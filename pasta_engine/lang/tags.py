@@ -285,7 +285,8 @@ class TagParser:
 
     special_tokens: Mapping[int, str] = field(default_factory=dict)
     _buf: str = ""
-    _broken: str = ""  # partial tags a '<' broke, held until what that '<' starts is decided (only with _buf)
+    _broken: list[str] = field(default_factory=list)  # partial tags a '<' broke, held until what that '<'
+    # starts is decided (only while _buf holds it)
     _count: int = 0  # characters consumed
     _junk: int = 0  # after a malformed tag: characters it may still run on (0: none)
 
@@ -328,21 +329,20 @@ class TagParser:
         else plain :class:`Text` (``<``, ``<prom``)."""
         out: list[Parsed] = []
         self._junk = 0
-        if self._broken:
-            out.append(Text(self._broken))
-            self._broken = ""
-        if self._buf:
-            buf, self._buf = self._buf, ""
-            if buf.startswith(_KNOWN_HEADS):
-                out += [Malformed(raw=buf, reason="unterminated tag at end of text"), TagText(buf)]
-            else:
+        buf, self._buf = self._buf, ""
+        if buf.startswith(_KNOWN_HEADS):  # tag-like: what a '<' broke before it goes too, as mid-text
+            self._left_out(out)
+            out += [Malformed(raw=buf, reason="unterminated tag at end of text"), TagText(buf)]
+        else:
+            self._flush_broken(out)
+            if buf:
                 out.append(Text(buf))
         return out
 
     @property
     def pending(self) -> str:
         """Characters held back because they may still become a tag (or be left out with one)."""
-        return self._broken + self._buf
+        return "".join(self._broken) + self._buf
 
     def _push(self, ch: str, out: list[Parsed], at: int) -> None:
         """Consume character ``ch`` found at offset ``at`` of the input."""
@@ -362,7 +362,12 @@ class TagParser:
         status, tag = _scan(buf)
         if status == "done":
             self._buf = ""
-            self._left_out(out)
+            if isinstance(tag, AsyncClose):
+                # a chunk's end: replay closes an unterminated chunk with one the text lacks, so
+                # what it broke stays text, as it does at the end of the whole string
+                self._flush_broken(out)
+            else:
+                self._left_out(out)
             out.append(replace(tag, end=at + 1))
         elif status == "partial":
             self._buf = buf
@@ -381,31 +386,49 @@ class TagParser:
                 # "<pro" broken by a '<': if that '<' starts a tag (or tag-like text), the two
                 # must not meet again once it is left out ("<pro<sync/>mise ..." would read as
                 # "<promise ...") and "<pro" goes with it; else both are text ("a <<b")
-                self._broken += prefix
+                self._broken.append(prefix)
             else:
-                out.append(Text(self._broken + prefix))
-                self._broken = ""
+                out.append(Text("".join(self._broken) + prefix))
+                self._broken = []
             self._push(ch, out, at)
+
+    def _flush_broken(self, out: list[Parsed]) -> None:
+        if self._broken:
+            out.append(Text("".join(self._broken)))
+            self._broken = []
 
     def _left_out(self, out: list[Parsed]) -> None:
         """What a '<' broke goes out as tag-like text, since what that '<' started is left out."""
         if self._broken:
-            out.append(Malformed(raw=self._broken, reason="partial tag cut short by a tag"))
-            out.append(TagText(self._broken))
-            self._broken = ""
+            broken = "".join(self._broken)
+            out.append(Malformed(raw=broken, reason="partial tag cut short by a tag"))
+            out.append(TagText(broken))
+            self._broken = []
 
 
 def _merge_text(items: list[Parsed]) -> list[Parsed]:
-    """Adjacent text of one kind (:class:`Text` or :class:`TagText`) merged, empty text dropped."""
+    """Adjacent text of one kind (:class:`Text` or :class:`TagText`) merged, empty text dropped
+    (each run joined once: linear in the text, also for a million one-character items)."""
     merged: list[Parsed] = []
+    run: list[str] = []
+    kind: type | None = None
     for e in items:
         if isinstance(e, Text):
             if not e.text:
                 continue
-            if merged and type(merged[-1]) is type(e):
-                merged[-1] = type(e)(merged[-1].text + e.text)
+            if type(e) is kind:
+                run.append(e.text)
                 continue
+            if run:
+                merged.append(kind(run[0] if len(run) == 1 else "".join(run)))
+            run, kind = [e.text], type(e)
+            continue
+        if run:
+            merged.append(kind(run[0] if len(run) == 1 else "".join(run)))
+            run, kind = [], None
         merged.append(e)
+    if run:
+        merged.append(kind(run[0] if len(run) == 1 else "".join(run)))
     return merged
 
 
