@@ -38,20 +38,11 @@ def device_info() -> dict:
 
 
 def copy_bandwidth(n_bytes: int = 2 << 30, reps: int = 20) -> float:
-    """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus written
-    (the limit every benchmark reports against, docs/DESIGN.md section 5)."""
-    a = torch.empty(n_bytes // 2, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * reps / (start.elapsed_time(end) / 1e3)
+    """Measured device-to-device copy bandwidth in bytes/s (read plus written): the package's
+    :func:`pasta_engine.tools.bench_kernels.copy_bandwidth` on the current GPU."""
+    from pasta_engine.tools.bench_kernels import copy_bandwidth as measure
+
+    return measure("cuda", n_bytes, reps)
 
 
 def bench_us(fn, warmup: int = 5, rep: int = 50) -> float:

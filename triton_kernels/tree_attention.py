@@ -528,7 +528,23 @@ def tree_decode_attention(
 
     Returns ``out``: softmax(q k^T * scale) v per row and head. Raises ValueError on shape or
     dtype mismatches, naming ``sliding_window``/``logit_softcap`` when their inputs are missing
-    or invalid."""
+    or invalid.
+
+    Example (two threads over a shared 8-token prefix of pages 0-1 and a private page each; runs
+    on a GPU, or on the CPU under ``TRITON_INTERPRET=1`` in float16/float32)::
+
+        import torch
+        from pasta_engine.triton_kernels.tree_attention import build_plan, tree_decode_attention
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        k = torch.randn(4, 4, 2, 16, dtype=torch.float16, device=dev)  # [pages, page_size, Hkv, D]
+        v = torch.randn_like(k)
+        q = torch.randn(2, 4, 16, dtype=torch.float16, device=dev)  # [rows, Hq, D]: GQA group 2
+        views = [[(0, [0, 1], [4, 4]), (1, [2], [3])],  # row 0: the prefix (segment 0), then its page 2
+                 [(0, [0, 1], [4, 4]), (2, [3], [2])]]  # row 1: the same prefix, then its page 3
+        plan = build_plan(views, group=2, num_kv_heads=2, device=dev)  # once per step
+        out = tree_decode_attention(q, k, v, plan, scale=16 ** -0.5)  # per layer: [2, 4, 16]
+    """
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     r, hq, d = q.shape

@@ -34,6 +34,8 @@ from .args import (
     build_engine,
     command_line,
     endpoint_from_args,
+    nonneg_int,
+    positive_int,
     sampling_params,
 )
 
@@ -142,6 +144,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(a)  # the model annotator's
     add_model_args(a)
     add_run_args(a)
+
+    kb = bsub.add_parser(
+        "kernels", help="check and time the tree decode attention kernel at the shapes you set",
+        description="One request: a shared --prefix, then --threads threads with --suffix private tokens each, one "
+        "query per thread, in a paged KV cache. Checks the tree kernel, the same kernel per thread (plain), SDPA per "
+        "thread and (GPU) FlashInfer's cascade against a float32 reference, then times each: median, p10, p90 "
+        "microseconds, the tree kernel's bytes and its fraction of the measured copy bandwidth (the physical limit). "
+        "On a CPU the kernels run under Triton's interpreter: a correctness check at small shapes, times not a "
+        "performance figure. Writes --out (JSON).",
+    )
+    kb.add_argument("--threads", type=positive_int, nargs="+", default=[8], help="threads (rows); several: one case each")
+    kb.add_argument("--prefix", type=nonneg_int, nargs="+", default=[4096], help="shared prefix tokens; several: one case each")
+    kb.add_argument("--suffix", type=nonneg_int, nargs="+", default=[128], help="private tokens per thread; several: one "
+                    "case each")
+    kb.add_argument("--heads", type=positive_int, default=32, help="query heads (default: Llama-3-8B's)")
+    kb.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads (GQA)")
+    kb.add_argument("--head-dim", type=positive_int, default=128)
+    kb.add_argument("--page-size", type=positive_int, default=16, help="KV page size in tokens")
+    kb.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                    help="default bfloat16 on a GPU, float16 on the CPU (the interpreter's bf16 tl.dot is wrong)")
+    kb.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    kb.add_argument("--warmup", type=nonneg_int, default=3, help="calls before timing (GPU: do_bench's warm-up in ms)")
+    kb.add_argument("--repeats", type=positive_int, default=20, help="timed calls (GPU: do_bench's repetition in ms)")
+    kb.add_argument("--no-peers", action="store_true", help="only our kernel (tree and plain plans)")
+    kb.add_argument("--out", type=Path, default=None, help="JSON file to write (default: print only)")
 
     from .train_commands import add_learned_parser, add_train_parser
 
@@ -653,6 +680,37 @@ def _bench_annotate(args: argparse.Namespace, argv: Sequence[str] | None) -> int
     return 0
 
 
+def _bench_kernels(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    import itertools
+
+    import torch
+
+    from ..tools.bench_kernels import KernelShape, bench_tree_attention
+
+    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    dtype = args.dtype or ("bfloat16" if gpu else "float16")
+    shapes = [KernelShape(t, p, s, args.heads, args.kv_heads, args.head_dim, args.page_size, dtype)
+              for t, p, s in itertools.product(args.threads, args.prefix, args.suffix)]  # a bad one fails first
+    rows = []
+    for shape in shapes:
+        r = bench_tree_attention(shape, device=args.device, warmup=args.warmup, repeats=args.repeats,
+                                 peers=not args.no_peers)
+        rows.append(r)
+        ks = r["kernels"]
+        peers = ", ".join(f"{n} {k['median_us']:.1f}" for n, k in ks.items() if n != "tree")
+        limit = (f" = {100 * r['tree_fraction_of_copy_bandwidth']:.0f}% of copy bandwidth (limit "
+                 f"{r['physical_limit_us']:.1f} us)" if r["physical_limit_us"] else " (interpreter)")
+        print(f"T={shape.threads} P={shape.prefix} S={shape.suffix} {dtype}: tree {ks['tree']['median_us']:.1f} us "
+              f"[p10 {ks['tree']['p10_us']:.1f}, p90 {ks['tree']['p90_us']:.1f}]{limit}; {peers}; max abs error "
+              f"{max(k['max_abs_error'] for k in ks.values()):.2g}", flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"command": command_line(argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                        "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -685,7 +743,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
             return run_learned(args, argv)
         if args.command == "bench":
-            commands = {"speedup": _bench_speedup, "pareto": _bench_pareto, "annotate": _bench_annotate}
+            commands = {"speedup": _bench_speedup, "pareto": _bench_pareto, "annotate": _bench_annotate,
+                        "kernels": _bench_kernels}
             return commands[args.bench_command](args, argv)
         if args.command == "generate":
             if args.prompts_file is not None:
