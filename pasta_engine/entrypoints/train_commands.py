@@ -81,6 +81,10 @@ def add_train_parser(subparsers: Any) -> None:
                    "tags as tokens when the model has them) is at least this: the structures the model should learn")
     s.add_argument("--forked-only", action="store_true",
                    help="the same as --min-promises 1 (kept so earlier manifests' commands run unchanged)")
+    s.add_argument("--distill-hard-open", type=nonneg_int, default=0, metavar="K",
+                   help="with --content-loss distill: the first K content tokens of every chunk keep their one-hot "
+                   "target, so a chunk learns to open with what its topic promised (the teacher reads it after its "
+                   "siblings, without the topic; distilled there, siblings repeat each other)")
     s.add_argument("--end-target", choices=("always", "ended"), default="always",
                    help="where an answer trains its end-of-sequence token: always (the end of every answer, also one cut "
                    "to fit --max-response-tokens or generated up to a token budget: the shipped adapter's recipe, which "
@@ -228,7 +232,8 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                            max_steps=args.max_steps, save_every=args.save_every,
                            lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha), tag_weight=args.tag_weight,
                            init_adapter=str(args.adapter) if args.adapter is not None else None,
-                           tag_tokens=args.tag_tokens, content_loss=args.content_loss, end_target=args.end_target)
+                           tag_tokens=args.tag_tokens, content_loss=args.content_loss, end_target=args.end_target,
+                           distill_hard_open=args.distill_hard_open)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
                         "annotator": args.annotator if endpoint is None else f"endpoint: {endpoint.name}",

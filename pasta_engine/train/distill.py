@@ -137,6 +137,7 @@ def teacher_rows(
     layout: PastaLayout,
     tags: TagTokens,
     eos_ids: Sequence[int],
+    hard_open: int = 0,
 ) -> tuple[list[int], list[bool], torch.Tensor]:
     """The teacher's distribution for each sampled content token of ``layout``.
 
@@ -156,6 +157,12 @@ def teacher_rows(
         layout: the student's layout (:func:`~pasta_engine.train.forward.layout_for`).
         tags: the tag pieces as tokens.
         eos_ids: the end-of-sequence ids.
+        hard_open: the first this many content tokens of every chunk keep their one-hot target.
+            The teacher reads the chunk after its siblings and without its topic; the student
+            writes it after its topic and without its siblings. Distilled there, a chunk learns to
+            open as the teacher would after the siblings, whatever its topic, and siblings repeat
+            each other (``bench/results/distill-end-smollm2-cpu``: 0% of chunks opened with their
+            topic, six chunks of one answer wrote the same "Practice mindfulness" point).
 
     Returns ``(targets, soft, rows)``: per sampled token (spliced order, inserted tokens left out,
     as :meth:`PastaLayout.sampled`) its id and whether it has a teacher row; ``rows`` ``[C, V]``
@@ -173,12 +180,17 @@ def teacher_rows(
     targets: list[int] = []
     soft: list[bool] = []
     pick: list[int] = []
-    for tok, q, c, s0 in zip(layout.token_ids, layout.target_index, mask, starts):
+    opened: dict[int, int] = {}  # chunk thread -> content tokens seen so far
+    for tok, q, c, s0, tid in zip(layout.token_ids, layout.target_index, mask, starts, layout.thread_ids):
+        opening = False
+        if c and tid != layout.main_tid:
+            opening = opened.get(tid, 0) < hard_open
+            opened[tid] = opened.get(tid, 0) + 1
         if q is None:
             continue
         targets.append(tok)
         row = None
-        if c and tok not in eos and s0 >= 0 and s0 in at_start and canon[at_start[s0]] == tok:
+        if c and not opening and tok not in eos and s0 >= 0 and s0 in at_start and canon[at_start[s0]] == tok:
             row = at_start[s0]
         soft.append(row is not None)
         if row is not None:

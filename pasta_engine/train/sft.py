@@ -60,6 +60,7 @@ class SFTSettings:
     tag_tokens: bool = False  # a fresh adapter adds the PASTA-LANG pieces as tokens (lang.grammar)
     content_loss: str = "nll"  # "distill": the base model's distribution at content tokens (train.distill)
     end_target: str = "always"  # "ended": no end-of-sequence target where the answer was cut (TrainExample.ended)
+    distill_hard_open: int = 0  # with content_loss="distill": a chunk's first this many content tokens stay one-hot
 
 
 def train_sft(
@@ -151,7 +152,8 @@ def train_sft(
                     lps = forward_logprobs(model, layout)
                     loss = sft_loss(lps, weights)
                 else:
-                    targets, soft, rows = teacher_rows(teacher, tok, ex.prompt, layout, tags, eos_ids)
+                    targets, soft, rows = teacher_rows(teacher, tok, ex.prompt, layout, tags, eos_ids,
+                                                       hard_open=settings.distill_hard_open)
                     lps = forward_log_softmax(model, layout)
                     loss, parts = distill_loss(lps, torch.tensor(targets), torch.tensor(soft), rows, weights)
                     for k, v in parts.items():

@@ -101,6 +101,24 @@ def test_reading_order_is_the_clean_text_and_the_teacher_reads_it_sequentially(t
     for r in rows:  # every row is one of the teacher's
         assert torch.isclose(want, r[None]).all(1).any()
 
+    # hard_open: each chunk's first 3 content tokens keep one-hot targets, the rest as before
+    t3, soft3, rows3 = teacher_rows(teacher, tok, PROMPT, layout, tags, eos, hard_open=3)
+    assert t3 == targets
+    seen: dict[int, int] = {}
+    k = 0
+    for tid, q, c in zip(layout.thread_ids, layout.target_index, mask):
+        n = seen.get(tid, 0)
+        if c and tid != layout.main_tid:
+            seen[tid] = n + 1
+        if q is None:
+            continue
+        if c and tid != layout.main_tid and n < 3:
+            assert not soft3[k]
+        else:
+            assert soft3[k] == soft[k]
+        k += 1
+    assert sum(soft) - sum(soft3) >= 3 * 2 and rows3.shape[0] == sum(soft3)
+
 
 def test_train_sft_content_loss_distill(tiny_llama, tmp_path, capsys):
     from pasta_engine.entrypoints.cli import main
