@@ -85,6 +85,10 @@ def add_train_parser(subparsers: Any) -> None:
                    help="with --content-loss distill: the first K content tokens of every chunk keep their one-hot "
                    "target, so a chunk learns to open with what its topic promised (the teacher reads it after its "
                    "siblings, without the topic; distilled there, siblings repeat each other)")
+    s.add_argument("--tokens-only", action="store_true",
+                   help="with --tag-tokens and no --adapter: train only the tag tokens' rows (the LoRA stays zero), so "
+                   "every weight stays the base model's: its content is the base model's wherever no tag is in "
+                   "context, and the fork decision is the tag rows read against the base model's hidden states")
     s.add_argument("--end-target", choices=("always", "ended"), default="always",
                    help="where an answer trains its end-of-sequence token: always (the end of every answer, also one cut "
                    "to fit --max-response-tokens or generated up to a token budget: the shipped adapter's recipe, which "
@@ -233,7 +237,7 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                            lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha), tag_weight=args.tag_weight,
                            init_adapter=str(args.adapter) if args.adapter is not None else None,
                            tag_tokens=args.tag_tokens, content_loss=args.content_loss, end_target=args.end_target,
-                           distill_hard_open=args.distill_hard_open)
+                           distill_hard_open=args.distill_hard_open, tokens_only=args.tokens_only)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
                         "annotator": args.annotator if endpoint is None else f"endpoint: {endpoint.name}",

@@ -61,6 +61,7 @@ class SFTSettings:
     content_loss: str = "nll"  # "distill": the base model's distribution at content tokens (train.distill)
     end_target: str = "always"  # "ended": no end-of-sequence target where the answer was cut (TrainExample.ended)
     distill_hard_open: int = 0  # with content_loss="distill": a chunk's first this many content tokens stay one-hot
+    tokens_only: bool = False  # train the tag tokens' rows only: the LoRA stays zero, so the weights stay the base's
 
 
 def train_sft(
@@ -98,6 +99,16 @@ def train_sft(
     eos_ids = eos_token_ids(tok, model.config)
     model = wrap_lora(model, settings.lora, adapter=settings.init_adapter, tokenizer=tok,
                       tag_tokens=settings.tag_tokens and settings.init_adapter is None)
+    if settings.tokens_only:
+        # the LoRA matrices stay at their start (B = 0: no change to any weight); only the added
+        # tag-token rows learn, so the model writes the base model's content wherever no tag is in
+        # its context, and its fork decisions are the tag rows read against the base model's states
+        frozen = [p for n, p in model.named_parameters() if "lora_" in n]
+        if settings.init_adapter is not None or not frozen or not settings.tag_tokens:
+            raise ValueError("tokens_only trains a fresh adapter's tag-token rows: it needs tag_tokens=True and no "
+                             "init_adapter")
+        for p in frozen:
+            p.requires_grad_(False)
     tags = tag_tokens_of(tok)  # the pieces as tokens (added now, or by the adapter continued from)
     decision_ids = tag_decision_ids(tok)
     teacher = None

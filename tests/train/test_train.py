@@ -459,3 +459,34 @@ def test_an_answer_that_was_cut_trains_no_end(tiny_llama, tmp_path):
     assert first_loss(False, "ended") != pytest.approx(always)  # one that was cut does not
     with pytest.raises(ValueError, match="end_target"):
         train_sft([], tmp_path / "x", SFTSettings(end_target="sometimes"), base=str(tiny_llama), progress=False)
+
+
+def test_tokens_only_trains_the_tag_rows_and_leaves_every_weight_the_bases(tiny_llama, tmp_path):
+    """``tokens_only``: the LoRA stays zero; only the added tag-token rows learn, so the merged
+    model equals the base model on every row but the tag tokens'."""
+    from safetensors.torch import load_file
+
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample
+    from pasta_engine.train.sft import SFTSettings, train_sft
+
+    settings = SFTSettings(epochs=1, lr=1e-2, grad_accum=1, warmup=1, max_steps=2, tag_tokens=True, tokens_only=True,
+                           lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    out = tmp_path / "run"
+    train_sft([TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 2, out, settings, base=str(tiny_llama),
+              progress=False)
+    w = load_file(out / "adapter" / "adapter_model.safetensors")
+    lora_b = [t for n, t in w.items() if "lora_B" in n]
+    assert lora_b and all(float(t.abs().max()) == 0 for t in lora_b)  # no weight changed
+    rows = [t for n, t in w.items() if "trainable_tokens_delta" in n]
+    assert rows and float(rows[0].float().abs().sum()) > 0
+    base = Engine.from_pretrained(tiny_llama, adapter=None, kv_cache_bytes=8 * 2**20)
+    tuned = Engine.from_pretrained(tiny_llama, adapter=out / "adapter", kv_cache_bytes=8 * 2**20)
+    got = {}
+    for name, eng in (("base", base), ("tuned", tuned)):
+        eng.logits_hook = lambda req, tid, row, name=name: got.setdefault(name, row.clone())
+        eng.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=1), mode="sequential")
+    vocab = got["base"].shape[0]
+    torch.testing.assert_close(got["tuned"][:vocab], got["base"])  # the base's logits for every base token
+    with pytest.raises(ValueError, match="tokens_only"):
+        train_sft([], tmp_path / "x", SFTSettings(tokens_only=True), base=str(tiny_llama), progress=False)
