@@ -44,6 +44,9 @@ MAX_SEED = 2**64 - 1
 DEFAULT_MAX_NEW_TOKENS = 256
 #: Most ``stop_token_ids`` of one request, and the largest id (the server's bounds).
 MAX_STOP_TOKEN_IDS = 1024
+#: Stop strings per request, and characters per stop string (the server's limits too).
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 
 
@@ -137,6 +140,14 @@ class SamplingParams:
             (vLLM's rule). Stored as a tuple. The PASTA-LANG grammar does not forbid them inside
             a tag (it forbids only the model's EOS there). A replay (``annotated_response``)
             ignores them: its forced tokens are the response.
+        stop: strings (a string, or at most 16, each 1 to 1024 characters) that end the
+            response right before the first of them in its reading-order clean text (vLLM's
+            ``stop``; the text left out of the result, ``finish_reason`` ``stop`` and
+            ``stop_reason`` the string; the annotated text keeps everything decoded). Honoured
+            by :meth:`Engine.generate` (the request is aborted as soon as the reading-order text
+            holds one: no further step is spent on it) and :class:`AsyncEngine` (its streams
+            hold back a tail that may still become one); :meth:`Engine.add_request` refuses them
+            (a caller of ``step()`` cuts ``RequestOutput.text`` itself). Stored as a tuple.
         ignore_eos: mask the model's end-of-sequence tokens (logit ``-inf``) in every thread, so
             the response runs until ``max_new_tokens``, a stop token or a stop string (the
             intent of vLLM's ``ignore_eos``, which keeps decoding past a sampled EOS; here EOS is
@@ -147,9 +158,9 @@ class SamplingParams:
             ``max_new_tokens`` counts them (all threads of the request together; vLLM counts a
             sequence's output tokens, which is the same count in sequential mode).
 
-    Stop strings (``stop``) and several choices (``n``) are not here: the server
-    (:mod:`pasta_engine.entrypoints.server`) and ``AsyncEngine.add_request(stop=...)`` handle
-    ``stop``, and the server runs ``n`` requests for ``n`` choices (seed, seed + 1, ...).
+    Several choices (``n``) are not here: the server runs ``n`` requests for ``n`` choices
+    (seed, seed + 1, ...), and a Python caller passes ``n`` copies of a prompt (with
+    ``seed=None`` each draws its own seed).
 
     Raises ParameterError naming the first bad field and its value."""
 
@@ -164,6 +175,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
     max_tokens: InitVar[int | None] = None
@@ -205,6 +217,12 @@ class SamplingParams:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i <= MAX_TOKEN_ID:
                 raise ParameterError("stop_token_ids", ids, expected)
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        stops = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOPS or not all(
+                isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops):
+            raise ParameterError("stop", self.stop, f"a non-empty string or a list of at most {MAX_STOPS} of them "
+                                 f"(each at most {MAX_STOP_CHARS} characters)")
+        object.__setattr__(self, "stop", tuple(stops))
         check_bool("ignore_eos", self.ignore_eos)
         check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_new_tokens:

@@ -284,7 +284,8 @@ class AsyncEngine:
             events: also report thread events (fork, text, end, join, finish).
             stop: strings that end the response right before them (applied to the
                 reading-order text; the request is then aborted, its pages freed, and its
-                finished output says ``finish_reason="stop"`` and ``stop_reason``).
+                finished output says ``finish_reason="stop"`` and ``stop_reason``); or give them
+                as ``SamplingParams.stop`` (not both).
 
         Raises ParameterError (naming the parameter; ContextLengthError for a prompt that does
         not fit; naming ``dialect`` for an unknown dialect name) before the request takes any
@@ -298,6 +299,11 @@ class AsyncEngine:
         if not isinstance(events, bool):
             raise ParameterError("events", events, "True or False")
         stops = _check_stop(stop)
+        if params is not None and getattr(params, "stop", ()):
+            if stops:
+                raise ParameterError("stop", stop, message="stop strings are given twice (the stop argument and "
+                                     "SamplingParams.stop): give them once")
+            stops, params = list(params.stop), dataclasses.replace(params, stop=())
         if not isinstance(chat_template, bool):
             raise ParameterError("chat_template", chat_template, "True or False")
         loop = asyncio.get_running_loop()

@@ -53,8 +53,8 @@ from .block_manager import BlockManager
 from .cpu_threads import check_threads, cpu_threads
 from .interpreter import MODES
 from .model_runner import ModelRunner
-from .render import OutputRenderer
-from .streaming import OutputKind
+from .render import OutputRenderer, reading_order_prefix
+from .streaming import OutputKind, StopFilter
 from .request import Request, RequestOutput, RequestResult, interpreter_factory
 from .scheduler import Scheduler
 
@@ -424,6 +424,11 @@ class Engine:
                 kind = OutputKind.parse(output_kind)
             except ValueError as e:
                 raise ParameterError("output_kind", output_kind, message=str(e)) from None
+            if params is not None and getattr(params, "stop", ()):
+                raise ParameterError("stop", params.stop, message=(
+                    "SamplingParams.stop is applied by Engine.generate() and AsyncEngine.generate(); a request added "
+                    "with add_request() and driven by step() is not cut: leave stop out and cut RequestOutput.text "
+                    "at the string yourself (pasta_engine.engine.streaming.StopFilter does it)"))
             req = self._make_request(prompt, params, mode, request_id, annotated_response, None, limits,
                                      position_policy, dialect)
             if kind is not OutputKind.FINAL:
@@ -556,6 +561,7 @@ class Engine:
         for :meth:`step`. On any exception the requests are aborted (pages freed) first."""
         results: dict[str, RequestResult] = {}
         mine = {r.request_id for r in reqs}
+        stops = {r.request_id: StopFilter(r.params.stop) for r in reqs if r.params.stop}  # SamplingParams.stop
         bar = None
         if progress and len(reqs) > 1:
             from tqdm import tqdm
@@ -569,10 +575,19 @@ class Engine:
                     if out.request_id not in mine:
                         self._keep(out)
                     elif out.finished:
-                        results[out.request_id] = out.result
+                        f = stops.get(out.request_id)
+                        results[out.request_id] = out.result if f is None else _cut_at_stop(out.result, f)
                         if bar is not None:
                             bar.update(1)
-                if not self.scheduler.has_unfinished() and len(results) < len(reqs):
+                stopped_now = False
+                for rid, f in stops.items():  # a stop string in the reading-order text ends the request now
+                    req = self._requests.get(rid)
+                    if rid not in results and not f.stopped and req is not None and req.interp is not None:
+                        f.update(reading_order_prefix(req.interp))
+                        if f.stopped and not req.finished:
+                            self.scheduler.abort(rid)  # its final output comes from the next step
+                            stopped_now = True
+                if not stopped_now and not self.scheduler.has_unfinished() and len(results) < len(reqs):
                     raise RuntimeError("the scheduler went idle before every request finished")
         except BaseException:
             for r in reqs:
@@ -780,3 +795,17 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
     if len(plist) != n:
         raise ParameterError("params", len(plist), message=f"{len(plist)} SamplingParams for {n} prompts")
     return plist
+
+
+def _cut_at_stop(res: RequestResult, f: StopFilter) -> RequestResult:
+    """``res`` cut before the first stop string of ``f`` in its text (``finish_reason`` ``stop``,
+    ``stop_reason`` the string; the annotated text and tokens keep everything decoded), or
+    ``res`` when its text holds none. An error keeps its own finish reason."""
+    if res.stats.finish_reason == "error":
+        return res
+    if not f.stopped:
+        f.update(res.text, finished=True)
+    if not f.stopped:
+        return res
+    return dataclasses.replace(res, text=f.sent, stop_reason=f.stop_reason,
+                               stats=dataclasses.replace(res.stats, finish_reason="stop"))

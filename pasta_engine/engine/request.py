@@ -100,7 +100,9 @@ class RequestResult:
     thread's EOS included, as ``transformers`` returns it); ``logprobs``: per token of
     ``token_ids`` (None for inserted tokens) when asked; ``positions``/``threads``: each
     token's logical position and thread id; ``diagnostics``: what the interpreter noted
-    (malformed tags, caps, ...); ``error``: why the request failed (finish reason ``error``)."""
+    (malformed tags, caps, ...); ``error``: why the request failed (finish reason ``error``);
+    ``stop_reason``: the stop string (``SamplingParams.stop``) that ended it, its text cut right
+    before it (finish reason ``stop``), else None."""
 
     index: int
     request_id: str
@@ -115,6 +117,7 @@ class RequestResult:
     stats: RequestStats
     diagnostics: list[str] = field(default_factory=list)
     error: str | None = None
+    stop_reason: str | None = None
 
     def to_dict(self, include_trace: bool = False) -> dict[str, Any]:
         """JSON-ready dict; per-token positions/threads and prompt ids only with ``include_trace``."""

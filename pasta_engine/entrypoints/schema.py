@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..config import MAX_SEED, PositionPolicy, SamplingParams
+from ..config import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, PositionPolicy, SamplingParams
 from ..errors import ParameterError
 from ..lang.dialect import DIALECT_NAMES
 
@@ -54,9 +54,6 @@ MAX_N = 16
 MAX_TOKENS = 2**31 - 1
 #: ``top_p`` below this is taken as this (see the module's docstring).
 MIN_TOP_P = 1e-6
-#: Most stop strings, and longest stop string (characters).
-MAX_STOPS = 16
-MAX_STOP_CHARS = 1024
 #: Integers in a request body may have at most this many digits (a seed needs 20).
 MAX_INT_DIGITS = 20
 #: JSON objects and arrays may nest at most this deep in a request body.

@@ -44,6 +44,11 @@ VOCAB = 97
     ({"logprobs": 1}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["a", ""]}, "stop"),
+    ({"stop": [1]}, "stop"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"stop": ["x" * 1025]}, "stop"),
 ])
 def test_a_bad_value_is_a_parameter_error_naming_the_field(kw, param):
     with pytest.raises(ParameterError) as e:
@@ -336,3 +341,59 @@ def test_no_seed_draws_a_fresh_one_per_request_as_vllm_does(engine):
                                                               seed=9).token_ids
     # greedy needs no seed
     assert _gen(engine, max_new_tokens=8).token_ids == _gen(engine, max_new_tokens=8).token_ids
+
+
+def test_stop_strings_cut_generate_and_end_it_early(engine):
+    """Issue 31 item 5: ``SamplingParams.stop`` as vLLM has it. ``generate`` aborts the request
+    once its reading-order text holds a stop string (no further step), cuts the text right
+    before it and says ``finish_reason="stop"`` and ``stop_reason``; ``add_request`` refuses it."""
+    from pasta_engine.engine.streaming import StopFilter
+
+    assert SamplingParams(stop="ab").stop == ("ab",) and SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    base = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    [full] = engine.generate([[5, 6, 7]], base, mode="sequential")
+    text = full.text
+    assert len(text) > 20
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    f = StopFilter([stop])
+    f.update(text, finished=True)
+    [cut] = engine.generate([[5, 6, 7]], dataclasses.replace(base, stop=(stop, "never-in-it")), mode="sequential")
+    assert cut.text == f.sent and text.startswith(cut.text) and stop not in cut.text
+    assert cut.stats.finish_reason == "stop" and cut.stop_reason == stop and full.stop_reason is None
+    assert cut.stats.tokens_decoded < full.stats.tokens_decoded  # aborted early, not cut afterwards
+    assert full.annotated_text.startswith(cut.annotated_text)  # what was decoded is kept
+    s = engine.stats()
+    assert s["kv_pages_free"] == s["kv_pages_total"]
+    # a stop string that never occurs changes nothing
+    [same] = engine.generate([[5, 6, 7]], dataclasses.replace(base, stop=("never-in-it",)), mode="sequential")
+    assert same.text == text and same.stats.finish_reason == full.stats.finish_reason
+    with pytest.raises(ParameterError, match="stop") as e:
+        engine.add_request([5, 6, 7], dataclasses.replace(base, stop=(stop,)))
+    assert e.value.param == "stop" and not engine.has_unfinished_requests()
+
+
+def test_async_engine_takes_stop_from_sampling_params(tiny_llama):
+    import asyncio
+
+    from pasta_engine import AsyncEngine, Engine
+
+    aengine = AsyncEngine(Engine.from_pretrained(tiny_llama, kv_cache_bytes=16 * 2**20))
+    base = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+    async def run(params, stop=None):
+        out = None
+        async for out in aengine.generate([5, 6, 7], params, mode="sequential", stop=stop):
+            pass
+        return out
+
+    try:
+        full = asyncio.run(run(base))
+        stop = full.text[10:13]
+        by_arg = asyncio.run(run(base, stop=[stop]))
+        by_params = asyncio.run(run(dataclasses.replace(base, stop=(stop,))))
+        assert by_params.text == by_arg.text == full.text[: full.text.index(stop)]
+        assert by_params.finish_reason == "stop" and by_params.stop_reason == stop
+        with pytest.raises(ParameterError, match="given twice"):
+            asyncio.run(run(dataclasses.replace(base, stop=(stop,)), stop=[stop]))
+    finally:
+        aengine.shutdown()
