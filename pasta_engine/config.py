@@ -378,6 +378,9 @@ class EngineConfig:
             :mod:`pasta_engine.distributed`). 1 (default): one process. Set for
             :meth:`~pasta_engine.Engine.from_pretrained`, which starts the workers; it must divide
             the model's KV heads and intermediate size. CUDA graphs are off with more than one rank.
+        tensor_parallel_step_timeout_s: seconds a rank waits in a step's collectives for the
+            others (default 120) before the engine is declared dead (``EngineDeadError``): a hung
+            or stopped worker ends the engine's calls instead of blocking them.
 
     Raises ParameterError naming the first bad field."""
 
@@ -393,6 +396,7 @@ class EngineConfig:
     prompt_special_tokens: str = "text"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    tensor_parallel_step_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if isinstance(self.attention_backend, str) and not self.attention_backend:
@@ -413,6 +417,8 @@ class EngineConfig:
             raise ParameterError("prompt_special_tokens", self.prompt_special_tokens, "'text' or 'control'")
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_float("tensor_parallel_step_timeout_s", self.tensor_parallel_step_timeout_s, 0.0, 7 * 24 * 3600.0,
+                    lo_open=True)
         if self.tensor_parallel_size > 1 and self.cuda_graphs:
             raise ParameterError("tensor_parallel_size", self.tensor_parallel_size, message=(
                 "cuda_graphs=True cannot run with tensor_parallel_size > 1 (the all-reduces are not captured)"))

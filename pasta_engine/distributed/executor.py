@@ -45,7 +45,7 @@ from ..layers.backends import get_backend
 from ..layers.kv_cache import KVCache
 from ..layers.utils import to_device
 from ..models.protocol import CausalLM
-from .parallel_state import CommError, ParallelGroup, destroy_parallel_group, init_parallel_group
+from .parallel_state import DEVICE_TIMEOUT_S, CommError, ParallelGroup, destroy_parallel_group, init_parallel_group
 
 __all__ = ["TensorParallelModel", "TensorParallelStepError", "InjectedFault", "start_tensor_parallel",
            "check_tensor_parallel"]
@@ -91,7 +91,8 @@ def check_tensor_parallel(model: Any, size: int) -> None:
 
 
 def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, adapter: Any,
-                          with_tokenizer: bool, size: int) -> tuple["TensorParallelModel", Any, Any]:
+                          with_tokenizer: bool, size: int, step_timeout_s: float = DEVICE_TIMEOUT_S
+                          ) -> tuple["TensorParallelModel", Any, Any]:
     """Start ranks ``1 .. size - 1`` and load rank 0's shard here.
 
     Args:
@@ -101,6 +102,8 @@ def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, 
         adapter: a LoRA adapter folder merged on every rank, or None.
         with_tokenizer: load the checkpoint's tokenizer (rank 0 only).
         size: ``tensor_parallel_size`` (>= 2).
+        step_timeout_s: how long a step's collectives wait for a rank (seconds): a hung worker
+            then makes the engine dead (EngineDeadError) instead of blocking ``step()``.
 
     Returns ``(model, tokenizer, hf_config)`` as :func:`~pasta_engine.models.loader.load_model`
     does, the model a :class:`TensorParallelModel`. Raises ParameterError (a size the heads or
@@ -131,7 +134,7 @@ def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, 
     for r in range(1, size):
         dev = torch.device("cuda", base + r) if device.type == "cuda" else torch.device("cpu")
         p = ctx.Process(target=_worker_main, name=f"pasta-tp-rank{r}", daemon=True,
-                        args=(r, size, init_method, str(dev), load, torch.get_num_threads(), ready[r]))
+                        args=(r, size, init_method, str(dev), load, torch.get_num_threads(), ready[r], step_timeout_s))
         p.start()
         procs.append(p)
     handle = _Handle()
@@ -139,7 +142,7 @@ def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, 
     group = None
     try:
         _wait_started(procs, ready[1:])
-        group = init_parallel_group(0, size, init_method, device)
+        group = init_parallel_group(0, size, init_method, device, step_timeout_s)
         error: BaseException | None = None
         try:
             shard, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter,
@@ -160,6 +163,7 @@ def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, 
         reaper()
         raise
     tp = TensorParallelModel(shard, group, procs, reaper)
+    tp.step_timeout_s = step_timeout_s
     tp._handle = handle  # the reaper runs when the model is collected
     return tp, tok, hf_cfg
 
@@ -180,6 +184,8 @@ class TensorParallelModel:
             shard and attention backend by it; device, dtype: rank 0's.
         size: ranks in all; group: the :class:`~pasta_engine.distributed.parallel_state.ParallelGroup`.
         dead: None, or why the model is dead (every step then raises EngineDeadError)."""
+
+    step_timeout_s: float = DEVICE_TIMEOUT_S  # how long rank 0 waits for the workers in a step (seconds)
 
     def __init__(self, shard: CausalLM, group: ParallelGroup, procs: list, reaper: weakref.finalize):
         self.shard = shard
@@ -270,7 +276,7 @@ class TensorParallelModel:
             if self.dead is None:
                 try:
                     if all(p.is_alive() for p in self.procs):
-                        self.group.broadcast(("stop",))
+                        self.group.broadcast(("stop",), timeout_s=min(self.step_timeout_s, JOIN_TIMEOUT_S))
                         stopped = True
                 except CommError:
                     pass
@@ -283,7 +289,7 @@ class TensorParallelModel:
 
     def _send(self, msg: tuple) -> None:
         try:
-            self.group.broadcast(msg)
+            self.group.broadcast(msg, timeout_s=self.step_timeout_s)
         except CommError as e:
             self._die(str(e))
             raise EngineDeadError(f"tensor-parallel engine is dead: {e}") from e
@@ -291,7 +297,7 @@ class TensorParallelModel:
     def _exchange(self, error: BaseException | None) -> BaseException | None:
         """The ranks' status after a phase: None when all succeeded, else the error to raise."""
         try:
-            failed = self.group.failed_ranks(error is not None)
+            failed = self.group.failed_ranks(error is not None, timeout_s=self.step_timeout_s)
             if not failed:
                 return None
             messages = self.group.gather_to_rank0(None if error is None else _describe(error))
@@ -416,14 +422,15 @@ def _watch_parent() -> None:
     os._exit(3)
 
 
-def _worker_main(rank: int, size: int, init_method: str, device: str, load: dict, threads: int, ready: Any) -> None:
+def _worker_main(rank: int, size: int, init_method: str, device: str, load: dict, threads: int, ready: Any,
+                 step_timeout_s: float = DEVICE_TIMEOUT_S) -> None:
     """One worker rank: join the group, load the shard, then serve steps until ``("stop",)``."""
     threading.Thread(target=_watch_parent, daemon=True, name="pasta-tp-parent-watch").start()
     torch.set_num_threads(max(1, threads))
     dev = torch.device(device)
     ready.set()
     try:
-        group = init_parallel_group(rank, size, init_method, dev)
+        group = init_parallel_group(rank, size, init_method, dev, step_timeout_s)
     except Exception:  # noqa: BLE001
         logger.exception("tensor-parallel rank %d could not join the group", rank)
         os._exit(2)

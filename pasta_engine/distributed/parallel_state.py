@@ -10,6 +10,7 @@ already has a default group, e.g. under ``torchrun``, is refused).
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,8 +21,9 @@ import torch.distributed as dist
 __all__ = ["ParallelGroup", "init_parallel_group", "destroy_parallel_group", "CommError",
            "DEVICE_TIMEOUT_S", "CONTROL_TIMEOUT_S"]
 
-#: seconds a forward's all-reduce may wait for the other ranks before the rank gives up
-DEVICE_TIMEOUT_S = 600
+#: seconds a forward's all-reduce may wait for the other ranks before the rank gives up (the
+#: default of EngineConfig.tensor_parallel_step_timeout_s)
+DEVICE_TIMEOUT_S = 120
 #: seconds a worker waits for the next step (an idle engine sends none: a long time)
 CONTROL_TIMEOUT_S = 30 * 24 * 3600
 
@@ -53,23 +55,35 @@ class ParallelGroup:
             raise CommError(f"all_reduce failed on rank {self.rank}: {type(e).__name__}: {e}") from e
         return x
 
-    def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0 sends ``obj`` (picklable) to every rank; returns it on every rank. Raises
-        :class:`CommError` when the collective fails (a worker: rank 0 is gone)."""
-        box = [obj]
+    def broadcast(self, obj: Any = None, timeout_s: float | None = None) -> Any:
+        """Rank 0 sends ``obj`` (picklable) to every rank; returns it on every rank (its pickled
+        size, then its bytes, on the control group). ``timeout_s``: how long this rank waits for
+        the others (None: the control group's timeout, for a worker that waits for the next
+        step). Raises :class:`CommError` when the collective fails or times out (rank 0: a
+        worker is gone or hung; a worker: rank 0 is gone)."""
         try:
-            dist.broadcast_object_list(box, src=0, group=self.control_group)
+            if self.rank == 0:
+                data = pickle.dumps(obj)
+                size = torch.tensor([len(data)], dtype=torch.int64)
+                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            else:
+                size = torch.zeros(1, dtype=torch.int64)
+            _wait(dist.broadcast(size, src=0, group=self.control_group, async_op=True), timeout_s)
+            if self.rank != 0:
+                payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            _wait(dist.broadcast(payload, src=0, group=self.control_group, async_op=True), timeout_s)
         except Exception as e:  # noqa: BLE001
             raise CommError(f"broadcast failed on rank {self.rank}: {type(e).__name__}: {e}") from e
-        return box[0]
+        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
 
-    def failed_ranks(self, failed: bool) -> list[int]:
+    def failed_ranks(self, failed: bool, timeout_s: float | None = None) -> list[int]:
         """Every rank says whether its part of the step failed; returns the ranks that did, on
-        every rank (one int32 ``[size]`` all-reduce on the control group). Raises CommError."""
+        every rank (one int32 ``[size]`` all-reduce on the control group, waiting at most
+        ``timeout_s`` seconds; None: the group's timeout). Raises CommError."""
         flags = torch.zeros(self.size, dtype=torch.int32)
         flags[self.rank] = int(failed)
         try:
-            dist.all_reduce(flags, group=self.control_group)
+            _wait(dist.all_reduce(flags, group=self.control_group, async_op=True), timeout_s)
         except Exception as e:  # noqa: BLE001
             raise CommError(f"status exchange failed on rank {self.rank}: {type(e).__name__}: {e}") from e
         return [r for r, f in enumerate(flags.tolist()) if f]
@@ -85,10 +99,21 @@ class ParallelGroup:
         return out
 
 
-def init_parallel_group(rank: int, size: int, init_method: str, device: torch.device) -> ParallelGroup:
+def _wait(work: Any, timeout_s: float | None) -> None:
+    """Wait for an async collective, at most ``timeout_s`` seconds (None: its group's timeout);
+    raises what the collective raises (a timeout included)."""
+    if timeout_s is None:
+        work.wait()
+    else:
+        work.wait(timedelta(seconds=timeout_s))
+
+
+def init_parallel_group(rank: int, size: int, init_method: str, device: torch.device,
+                        step_timeout_s: float = DEVICE_TIMEOUT_S) -> ParallelGroup:
     """Join the group: ``init_method`` is a ``torch.distributed`` URL every rank is given (the
     engine uses ``file://`` in a fresh temporary folder); ``device``: this rank's (CUDA: NCCL
-    for the all-reduces, else gloo).
+    for the all-reduces, else gloo); ``step_timeout_s``: how long a collective of a step waits
+    for the other ranks before it fails (seconds).
 
     Raises RuntimeError when this process already has a default process group (one
     tensor-parallel engine per process) or the rendezvous fails."""
@@ -99,7 +124,7 @@ def init_parallel_group(rank: int, size: int, init_method: str, device: torch.de
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=DEVICE_TIMEOUT_S))
+                            timeout=timedelta(seconds=step_timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
     return ParallelGroup(rank, size, dist.group.WORLD, control)
 

@@ -215,7 +215,8 @@ class Engine:
             if config.cuda_graphs is None:
                 config = dataclasses.replace(config, cuda_graphs=False)
             runner, tok, hf_cfg = start_tensor_parallel(model, device, dtype, adapter_dir, tokenizer is None,
-                                                        config.tensor_parallel_size)
+                                                        config.tensor_parallel_size,
+                                                        step_timeout_s=config.tensor_parallel_step_timeout_s)
         else:
             runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter_dir,
                                              with_tokenizer=tokenizer is None)

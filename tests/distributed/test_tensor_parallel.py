@@ -176,3 +176,25 @@ def test_sliced_safetensors_read_equals_the_whole_checkpoint_sliced(ckpt, reques
 def test_one_kv_head_is_refused_naming_the_head_counts(tiny_qwen2):
     with pytest.raises(ParameterError, match=r"tensor_parallel_size=2 does not divide the model's 1 KV heads"):
         Engine.from_pretrained(tiny_qwen2, tensor_parallel_size=2, **KV)
+
+
+def test_a_stopped_worker_makes_the_engine_dead_within_the_step_timeout(tiny_llama):
+    """Issue 31 item 10: a hung worker (SIGSTOP) blocked step() until it was killed. With
+    ``tensor_parallel_step_timeout_s`` the step's collective gives up and the engine is dead."""
+    engine = Engine.from_pretrained(tiny_llama, tensor_parallel_size=2, tensor_parallel_step_timeout_s=3, **KV)
+    procs = list(engine.model.procs)
+    try:
+        engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            engine.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - t0 < 30
+        assert all_free(engine)
+    finally:
+        if procs[0].is_alive():  # the dead engine has killed it; else let it go on to be stopped
+            os.kill(procs[0].pid, signal.SIGCONT)
+        engine.shutdown()
+    assert not _alive(procs)
+    with pytest.raises(ParameterError, match="tensor_parallel_step_timeout_s"):
+        Engine.from_pretrained(tiny_llama, tensor_parallel_size=2, tensor_parallel_step_timeout_s=0, **KV)
