@@ -186,7 +186,10 @@ def sample_batch(
     exponential race ``argmax(probs / noise)`` that ``torch.multinomial(probs, 1)`` runs), so
     tokens are bitwise those of per-request :func:`sample` calls with the same generators."""
     argmax = logits.argmax(dim=-1)
-    nonfinite = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)  # -inf is a mask, not a fault
+    # argmax takes NaN as the largest value, so a row holding NaN or +inf has it at its argmax:
+    # an [N] check, not another pass over [N, vocab] (-inf is a mask, not a fault)
+    top = logits.gather(1, argmax[:, None]).squeeze(1)
+    nonfinite = torch.isnan(top) | torch.isposinf(top)
     if noise is None:
         return argmax, nonfinite
     x = logits / temperature
