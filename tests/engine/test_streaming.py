@@ -190,15 +190,10 @@ def _no_tag_text(text: str) -> bool:
     return "<" not in text and ">" not in text and "- \n" not in text and not text.endswith("- ")
 
 
-def test_tag_text_never_reaches_the_text_step_outputs_or_deltas(engine):
-    """A nested promise in a list inside a chunk, a malformed tag and a partial tag at the end
-    of the response (the trace ends mid-tag): none of it is shown, no empty list item is left,
-    and all of it is in the annotated text and the diagnostics."""
-    from pasta_engine.lang.tags import clean_text, promise_tag
-
-    annotated = ("Tips:" + promise_tag("list", 30) + '<async>\n- <promise topic="x" tokens="10"/>\n- Sleep well.\n'
-                 '</async>\nA <promise topic="t" tokens="N"/> b.\n4. <promise topic="Premature Death" tokens="1')
-    rid = engine.add_request(PROMPT, annotated_response=annotated)
+def _replay_streamed(engine, annotated: str, mode: str = "pasta"):
+    """Replay ``annotated`` through add_request/step: the reading-order deltas of a
+    ReadingOrderStream, each step output's text, and the final output."""
+    rid = engine.add_request(PROMPT, annotated_response=annotated, mode=mode)
     stream = ReadingOrderStream(events=True)
     req = next(r for r in engine.scheduler.waiting if r.request_id == rid)
     deltas, texts, final = [], [], None
@@ -208,6 +203,18 @@ def test_tag_text_never_reaches_the_text_step_outputs_or_deltas(engine):
                 deltas.append(stream.update(req.interp, out.finish_reason if out.finished else None)[0])
                 texts.append(out.text)
                 final = out if out.finished else None
+    return deltas, texts, final
+
+
+def test_tag_text_never_reaches_the_text_step_outputs_or_deltas(engine):
+    """A nested promise in a list inside a chunk, a malformed tag and a partial tag at the end
+    of the response (the trace ends mid-tag): none of it is shown, no empty list item is left,
+    and all of it is in the annotated text and the diagnostics."""
+    from pasta_engine.lang.tags import clean_text, promise_tag
+
+    annotated = ("Tips:" + promise_tag("list", 30) + '<async>\n- <promise topic="x" tokens="10"/>\n- Sleep well.\n'
+                 '</async>\nA <promise topic="t" tokens="N"/> b.\n4. <promise topic="Premature Death" tokens="1')
+    deltas, texts, final = _replay_streamed(engine, annotated)
     want = "Tips:\n- Sleep well.\n\nA  b.\n"
     assert final.result.text == clean_text(final.result.annotated_text) == want
     assert final.result.annotated_text == annotated  # nothing the model wrote is lost
@@ -260,15 +267,6 @@ def test_text_around_a_left_out_tag_never_joins_into_a_tag(engine, mode):
     assert res.annotated_text == annotated  # nothing the model wrote is lost
     assert not any(isinstance(e, tags) for e in parse(res.text)), res.text
     assert res.text.startswith('Intro. mise topic="x" tokens="3"/> and ')
-    rid = engine.add_request(PROMPT, annotated_response=annotated, mode=mode)
-    stream = ReadingOrderStream(events=True)
-    req = next(r for r in engine.scheduler.waiting if r.request_id == rid)
-    deltas, texts, final = [], [], None
-    while final is None:
-        for out in engine.step():
-            if out.request_id == rid:
-                deltas.append(stream.update(req.interp, out.finish_reason if out.finished else None)[0])
-                texts.append(out.text)
-                final = out if out.finished else None
+    deltas, texts, final = _replay_streamed(engine, annotated, mode)
     assert "".join(deltas) == texts[-1] == final.result.text == res.text
     assert not any(isinstance(e, tags) for t in deltas + texts for e in parse(t))
