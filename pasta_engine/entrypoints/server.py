@@ -1150,7 +1150,8 @@ def draining_server(config: Any, engine: AsyncEngine) -> Any:
     """A ``uvicorn.Server`` for ``config`` that, on Ctrl-C or SIGTERM, shuts ``engine`` down
     before it waits for open connections: every open stream then ends with an error event
     (503, "the server is shutting down") and ``data: [DONE]``, and every open non-streamed
-    request with a 503, instead of being cut without either when uvicorn's graceful wait ends."""
+    request with a 503, instead of being cut without either when uvicorn's graceful wait ends.
+    ``config``: a ``uvicorn.Config``; raises ImportError without uvicorn (``[serve]``)."""
     import uvicorn
 
     class _Draining(uvicorn.Server):

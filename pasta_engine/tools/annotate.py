@@ -58,6 +58,7 @@ __all__ = [
     "annotate_mixed",
     "annotate_with_model",
     "approx_token_count",
+    "round_to_tens",
     "verify_annotation",
 ]
 
@@ -302,8 +303,9 @@ def topic_text(text: str) -> str:
     return " ".join(words).strip(" :,.;-'")
 
 
-def _round10(n: int) -> int:
-    """Length rounded to the nearest ten (halves up), at least 10 (PASTA's Pred-10x convention)."""
+def round_to_tens(n: int) -> int:
+    """A promise's ``tokens``: the chunk's length ``n`` (tokens) rounded to the nearest ten
+    (halves up), at least 10 (PASTA's Pred-10x convention, Jin et al. 2025, section 4)."""
     return max(10, (n + 5) // 10 * 10)
 
 
@@ -319,7 +321,7 @@ def _render(response: str, forks: Sequence[_Fork], syncs: Sequence[int], count: 
     for k, f in enumerate(forks, 1):
         content = response[f.start : f.end]
         topic = topics[k - 1] if topics is not None else _topic(content, k)
-        tag = promise_tag(topic, _round10(count(content)))
+        tag = promise_tag(topic, round_to_tens(count(content)))
         inserts.append((f.start, 2, tag + ASYNC_OPEN))
         inserts.append((f.end, 0, ASYNC_CLOSE))
     # at one offset: a chunk's close, then a sync, then the next promise (a sync before a fork

@@ -24,7 +24,7 @@ from typing import Callable
 
 from ..lang.grammar import MAX_TOPIC_BYTES
 from ..lang.tags import Promise, Text, parse, promise_tag, split_threads
-from .annotate import Annotation, CountTokens, _round10, approx_token_count, verify_annotation
+from .annotate import Annotation, CountTokens, approx_token_count, round_to_tens, verify_annotation
 from .endpoint import ChatEndpoint
 
 __all__ = ["ANNOTATION_PROMPT", "annotate_with_endpoint", "endpoint_annotator", "unfence"]
@@ -99,7 +99,7 @@ def _measured(annotated: str, count: CountTokens) -> str:
     for e in parse(annotated):
         if isinstance(e, Promise):
             content = chunks[k].content or "" if k < len(chunks) else ""
-            out.append(promise_tag(_topic(e.topic), _round10(count(content))))
+            out.append(promise_tag(_topic(e.topic), round_to_tens(count(content))))
             k += 1
         elif isinstance(e, Text):
             out.append(e.text)

@@ -122,7 +122,8 @@ def _summary(times: list[float]) -> dict[str, float]:
 def copy_bandwidth(device: torch.device | str = "cuda", n_bytes: int = 2 << 30, reps: int = 20) -> float:
     """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus written
     (``n_bytes`` in all, copied ``reps`` times after 3 warm-up copies, timed with CUDA events):
-    the physical limit every GPU benchmark reports against (docs/DESIGN.md section 5)."""
+    the physical limit every GPU benchmark reports against (docs/DESIGN.md section 5). Needs a
+    CUDA ``device``: raises what torch raises without one."""
     a = torch.empty(n_bytes // 2, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     for _ in range(3):
