@@ -286,6 +286,10 @@ class PositionPolicy:
         return f"constant:{self.constant}" if self.kind == "constant" else self.kind
 
 
+#: Values of :attr:`Limits.length_cut`.
+LENGTH_CUTS = ("prefix", "keep")
+
+
 @dataclass(frozen=True)
 class Limits:
     """How far one request's threads may go (counts in tokens or threads).
@@ -310,6 +314,11 @@ class Limits:
             ``(0, 1]``. Needs pasta mode, the PASTA-LANG dialect and a model whose tokenizer has
             the tag pieces as tokens (an adapter trained with ``--tag-tokens``); the engine
             refuses it otherwise. Not applied to forced (replayed) tokens.
+        length_cut: what the reader gets when ``max_new_tokens`` (all threads together) or the
+            context length runs out while chunks are unfinished: ``"prefix"`` (default, what a
+            vLLM user expects of ``length``: the clean text ends where the first unfinished
+            chunk in reading order stopped, so no later text follows a hole) or ``"keep"``
+            (every thread's text, holes and all). The annotated text keeps everything either way.
 
     The response's total length is :attr:`SamplingParams.max_new_tokens`."""
 
@@ -320,6 +329,7 @@ class Limits:
     max_promise_tokens: int = 4096
     max_fork_depth: int = 2
     fork_threshold: float | None = None
+    length_cut: str = "prefix"
 
     def __post_init__(self) -> None:
         check_int("max_threads", self.max_threads, 1, none_ok=True)
@@ -330,6 +340,8 @@ class Limits:
         check_int("max_fork_depth", self.max_fork_depth, 1)
         if self.fork_threshold is not None:
             check_float("fork_threshold", self.fork_threshold, 0.0, 1.0, lo_open=True)
+        if self.length_cut not in LENGTH_CUTS:
+            raise ParameterError("length_cut", self.length_cut, " or ".join(repr(x) for x in LENGTH_CUTS))
 
     def chunk_cap(self, predicted: int) -> int:
         """Most tokens a child forked for ``tokens="predicted"`` may sample."""

@@ -303,7 +303,9 @@ class AsyncEngine:
             if stops:
                 raise ParameterError("stop", stop, message="stop strings are given twice (the stop argument and "
                                      "SamplingParams.stop): give them once")
-            stops, params = list(params.stop), dataclasses.replace(params, stop=())
+            stops = list(params.stop)
+        elif stops:  # the interpreter ends each thread that writes one (SamplingParams.stop)
+            params = dataclasses.replace(params if params is not None else SamplingParams(), stop=stops)
         if not isinstance(chat_template, bool):
             raise ParameterError("chat_template", chat_template, "True or False")
         loop = asyncio.get_running_loop()
@@ -414,7 +416,8 @@ class AsyncEngine:
                         raise ParameterError("prompt", "", message="the prompt is empty")
                 rid = self.engine.add_request(prompt, spec["params"], spec["mode"], spec["request_id"],
                                               spec["annotated_response"], limits=spec["limits"],
-                                              position_policy=spec["position_policy"], dialect=spec["dialect"])
+                                              position_policy=spec["position_policy"], dialect=spec["dialect"],
+                                              _stop_cut_by_caller=True)
             except Exception as e:  # a bad request (ParameterError) or one the engine could not take: its own
                 _post(loop, _settle, fut, None, e)
                 return

@@ -199,6 +199,12 @@ class Interpreter:
         encode: ``text -> ids`` for the other text the dialect inserts (a branch's own header,
             a join's text: :func:`~pasta_engine.lang.tokenization.encode_tag`); None: only
             ``open_ids`` (PASTA-LANG needs no more).
+        stop_strings: strings (``SamplingParams.stop``) checked on each thread's own clean text
+            as it grows: a child that writes one ends there (``stop``, closed by the interpreter,
+            its text kept: the reading-order cut at the string is the caller's,
+            :class:`~pasta_engine.engine.streaming.StopFilter`), so a later chunk stops even while
+            an earlier one is still decoding; the main thread ends as at end of sequence (its
+            children finish first). Not in a replay.
 
     Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay.
 
@@ -225,6 +231,7 @@ class Interpreter:
         grammar: bool = False,
         dialect: Dialect | None = None,
         encode: Callable[[str], Sequence[int]] | None = None,
+        stop_strings: Sequence[str] = (),
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: expected 'pasta' or 'sequential'")
@@ -236,6 +243,8 @@ class Interpreter:
         self._insert_ids: dict[str, list[int]] = {self.dialect.open_tag: [int(t) for t in open_ids]}
         self.join_ids = self._inserted_ids(dialects.join_tag(self.dialect))
         self.max_new_tokens = int(max_new_tokens)
+        self.stop_strings = tuple(stop_strings) if forced_main is None else ()
+        self._stop_window = max((len(x) for x in self.stop_strings), default=0)
         self.limits = limits or Limits()
         self.policy = PositionPolicy.parse(policy)
         if self.policy.kind == "oracle" and forced_chunks is None and mode == "pasta":
@@ -435,10 +444,13 @@ class Interpreter:
             thread.pending, thread.pending_pos = [token], [pos]
             thread.positions.append(pos)
             thread.next_pos = pos + 1
+            before = thread.clean_len
             if thread.parser.feed_plain(piece):  # no tag can start or continue in it: all text
                 self._add_clean(thread, piece)
             else:
                 self._on_text(thread, piece)
+            if self.stop_strings and thread.clean_len > before and not thread.ended:
+                self._check_stop_strings(thread, before)
             if thread.cap is not None and not thread.ended and thread.n_sampled >= thread.cap:
                 self._note(thread, f"reached its cap of {thread.cap} tokens; closed by the interpreter")
                 self._end_thread(thread, "cap", flush=True)
@@ -483,6 +495,16 @@ class Interpreter:
         if text:
             thread.clean.append(text)
             thread.clean_len += len(text)
+
+    def _check_stop_strings(self, thread: Thread, before: int) -> None:
+        """End ``thread`` when its clean text holds a stop string that ends past ``before``
+        (the clean length before this token's text): only the tail can hold a new one."""
+        tail = render.joined(thread)[max(0, before - self._stop_window + 1):]
+        hit = next((s for s in self.stop_strings if s in tail), None)
+        if hit is None:
+            return
+        self._note(thread, f"wrote the stop string {hit!r}; ended by the interpreter")
+        self._end_thread(thread, "stop", flush=not thread.is_main)
 
     def _note_malformed(self, thread: Thread, item: Malformed) -> None:
         what = "partial tag at its end" if item.reason.startswith("unterminated") else "malformed tag"
@@ -688,12 +710,12 @@ class Interpreter:
         thread.finish = reason
         self._flush_text(thread)
         if thread.is_main:
-            if reason == "eos" or reason == "trace_end":
+            if reason in ("eos", "trace_end", "stop"):
                 # implicit sync: the request ends once every child has ended
                 thread.status = ThreadStatus.DONE
                 self._maybe_finish()
             return
-        if reason in ("cap", "eos", "length", "trace_end"):
+        if reason in ("cap", "eos", "length", "trace_end", "stop"):
             thread.closed_by_interpreter = True
             thread.drops.append(thread.clean_len)  # where its inserted </async> is left out
             if reason == "eos":
@@ -738,6 +760,12 @@ class Interpreter:
                 self._note(t, f"never ran (request ended: {reason}); its promise has no chunk")
         if reason == "length":
             self.main.finish = self.main.finish or "length"
+            cut = [t.tid for t in self.threads[1:] if t.finish in ("length", "not_run")]
+            if cut and self.limits.length_cut == "prefix":
+                self.diagnostics.append(
+                    f"length: chunk{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut))} cut off or never run; the "
+                    f"clean text ends where the first of them in reading order stopped (Limits.length_cut 'prefix'; "
+                    f"the annotated text keeps everything)")
         for t in self.threads:
             t.status = ThreadStatus.DONE
             t.pending, t.pending_pos = [], []

@@ -366,6 +366,7 @@ class Engine:
             self.tokenizer, prompt_ids, mode=mode, max_new_tokens=params.max_new_tokens, limits=limits, policy=policy,
             max_positions=self.max_positions, eos_ids=eos_ids, annotated_response=annotated_response,
             grammar=self.tag_tokens is not None, dialect=lang,
+            stop_strings=params.stop if annotated_response is None else (),
         )
         if max_new_tokens != params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=max_new_tokens,
@@ -398,6 +399,7 @@ class Engine:
         position_policy: str | PositionPolicy | None = None,
         output_kind: str | OutputKind = OutputKind.CUMULATIVE,
         dialect: str | Dialect | None = None,
+        _stop_cut_by_caller: bool = False,
     ) -> str:
         """Queue a request; it runs in the following :meth:`step` calls.
 
@@ -425,7 +427,8 @@ class Engine:
                 kind = OutputKind.parse(output_kind)
             except ValueError as e:
                 raise ParameterError("output_kind", output_kind, message=str(e)) from None
-            if params is not None and getattr(params, "stop", ()):
+            if params is not None and getattr(params, "stop", ()) and not _stop_cut_by_caller:
+                # (_stop_cut_by_caller: AsyncEngine, which cuts its outputs at the strings itself)
                 raise ParameterError("stop", params.stop, message=(
                     "SamplingParams.stop is applied by Engine.generate() and AsyncEngine.generate(); a request added "
                     "with add_request() and driven by step() is not cut: leave stop out and cut RequestOutput.text "

@@ -201,25 +201,33 @@ def clean_text(interp: "Interpreter", final: bool | None = None) -> str:
     return drop_empty_items(text, drops, final)
 
 
-def _clean_tree(t: "Thread", final: bool, prefix: bool) -> tuple[str, list[int], bool]:
+#: Thread finishes the request's end imposed: a chunk cut off mid-way, or never run.
+_CUT = ("length", "not_run")
+
+
+def _clean_tree(t: "Thread", final: bool, prefix: bool, cut: bool = False) -> tuple[str, list[int], bool]:
     """The clean text and drops of ``t`` with its children's (their own spliced in) at their
     forks, and whether a thread still decoding stopped it (``prefix``: stop after the first
-    one in reading order, as :func:`reading_order_prefix` does). A thread without children (every
+    one in reading order, as :func:`reading_order_prefix` does; ``cut``: stop after the first
+    one the request's end cut off or left unrun, as :func:`final_text` does at a ``length``
+    end). A thread without children (every
     chunk of a flat response) is its own clean text and drops, returned as they are (the caller
     copies nothing from them: this runs for every thread on every output of a step)."""
-    stopped = prefix and not t.ended and t.parent is not None
-    kids = _kids(t)
+    stopped = (prefix and not t.ended or cut and t.finish in _CUT) and t.parent is not None
+    kids = [c for c in t.children] if cut else _kids(t)
     if not kids:
         return joined(t), t.drops, stopped
     chunks: list[tuple[Thread, str, list[int], bool]] = []
     stop = None
     for c in sorted(kids, key=reading_order_key):
-        if c.children:
-            text, drops, c_stopped = _clean_tree(c, final, prefix)
+        if c.finish == "not_run":
+            text, drops, c_stopped = "", [], True
+        elif c.children:
+            text, drops, c_stopped = _clean_tree(c, final, prefix, cut)
         else:  # a leaf, inline (the common case: the walk's cost is per thread per step)
-            text, drops, c_stopped = joined(c), c.drops, prefix and not c.ended
+            text, drops, c_stopped = joined(c), c.drops, prefix and not c.ended or cut and c.finish in _CUT
         chunks.append((c, text, drops, c.ended and not c_stopped))
-        if prefix and (c_stopped or not c.ended):
+        if c_stopped or prefix and not c.ended:
             stop = c
             break
     text, drops, stopped_inside = _splice(joined(t), t.drops, chunks, final, stop)
@@ -230,7 +238,16 @@ def final_text(interp: "Interpreter", annotated: str | None = None) -> str:
     """The finished response a reader sees: the dialect's ``clean_text`` of
     :func:`annotated_text` (PASTA's: :func:`pasta_engine.lang.tags.clean_text`: no tag, no
     malformed or partial tag, no list item a left-out tag emptied; ``annotated``: that text when
-    the caller has it). What ``RequestResult.text`` holds and every output's text ends as."""
+    the caller has it). What ``RequestResult.text`` holds and every output's text ends as.
+
+    At a ``length`` end with ``Limits.length_cut`` ``"prefix"`` (the default) and a chunk cut
+    off or never run, the text ends where the first such chunk in reading order stopped (the
+    same walk, :func:`clean_text`'s, stopped there): no later text follows a hole. It still
+    extends every :func:`reading_order_prefix` of the run."""
+    if interp.finish == "length" and interp.limits.length_cut == "prefix" and \
+            any(c.finish in _CUT for c in interp.threads[1:]):
+        text, drops, _ = _clean_tree(interp.main, True, False, cut=True)
+        return drop_empty_items(text, drops, True)
     return interp.dialect.clean_text(annotated_text(interp) if annotated is None else annotated)
 
 

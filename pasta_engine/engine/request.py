@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .. import metrics
 from ..config import Limits, PositionPolicy, SamplingParams
@@ -230,6 +230,7 @@ def interpreter_factory(
     annotated_response: str | None = None,
     grammar: bool = False,
     dialect: Dialect = PASTA,
+    stop_strings: Sequence[str] = (),
 ) -> tuple[Callable[[], Interpreter], int]:
     """How a request's interpreter is built (again after a preemption), the one recipe the
     engine and the training forward share.
@@ -248,6 +249,8 @@ def interpreter_factory(
             for PASTA-LANG: another dialect gets no mask.
         dialect: the language the model writes (:class:`~pasta_engine.lang.dialect.Dialect`,
             default PASTA-LANG): the replay's tokenization, the inserted tokens and the parser.
+        stop_strings: ``SamplingParams.stop``: a thread whose clean text holds one ends there
+            (see ``Interpreter(stop_strings=)``); none in a replay.
 
     Returns ``(make, max_new_tokens)``; ``make()`` raises ValueError for settings the
     interpreter refuses (the oracle policy outside replay)."""
@@ -270,6 +273,7 @@ def interpreter_factory(
             close_len=close_len, mode=mode, max_new_tokens=max_new_tokens, limits=limits, policy=policy,
             max_positions=max_positions, forced_main=forced_main, forced_chunks=forced_chunks, token_bytes=table,
             grammar=grammar, dialect=dialect, encode=lambda text: encode_tag(tokenizer, text),
+            stop_strings=stop_strings,
         )
 
     return make, max_new_tokens

@@ -125,6 +125,9 @@ def add_pasta_args(p: argparse.ArgumentParser) -> None:
                         "exactly where the promise token's probability is at least this (lower forks more, faster; "
                         "default: the model decides as it samples); applies to pasta-mode generation with a model "
                         "that has the tag tokens")
+    g.add_argument("--length-cut", choices=("prefix", "keep"), default="prefix",
+                   help="when --max-tokens runs out with chunks unfinished: prefix ends the text where the first "
+                        "unfinished chunk stopped (no hole mid-answer); keep gives every thread's text")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, temperature: float = 0.0,
@@ -285,7 +288,8 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
     if hasattr(args, "max_threads"):
         options["limits"] = Limits(max_threads=args.max_threads or None, max_forks=args.max_forks,
                                    max_fork_depth=args.max_fork_depth,
-                                   fork_threshold=getattr(args, "fork_threshold", None))
+                                   fork_threshold=getattr(args, "fork_threshold", None),
+                                   length_cut=getattr(args, "length_cut", "prefix"))
         options["position_policy"] = args.position_policy
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20

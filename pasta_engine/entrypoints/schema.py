@@ -121,6 +121,9 @@ class PastaOptions(BaseModel):
         None, gt=0, le=1, description="the fork knob: the main thread opens a promise exactly where the promise "
         "token's probability is at least this (lower forks more; unset: the model decides as it samples); pasta mode, "
         "PASTA-LANG dialect and a model with the tag tokens only")
+    length_cut: Literal["prefix", "keep"] | None = Field(
+        None, description="when max_tokens runs out with chunks unfinished: prefix (default) ends the text where the "
+        "first unfinished chunk stopped; keep gives every thread's text, holes and all")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
     annotated_response: str | None = Field(None, description="replay this annotated response (forced decoding)")
 

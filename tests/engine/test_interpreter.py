@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pasta_engine.config import Limits, PositionPolicy, SamplingParams
 from pasta_engine.engine.block_manager import BlockManager
+from pasta_engine.engine import render
 from pasta_engine.engine.interpreter import Interpreter
 from pasta_engine.engine.request import Request
 from pasta_engine.engine.scheduler import SampledTokens, ScheduledBatch, Scheduler
@@ -332,7 +333,11 @@ def test_clean_text_streams_and_ends_as_the_whole_string_rule(seed, max_new, wid
     for r in reqs:
         it = r.interp
         final = clean_text(it.annotated_text())
-        assert it.clean_text() == final == r.result().text
+        assert it.clean_text() == final
+        if r.finish_reason == "length" and any(c.finish in ("length", "not_run") for c in it.threads[1:]):
+            final = r.result().text  # Limits.length_cut "prefix": it ends at the first chunk cut off
+            assert final == render.final_text(it) and len(final) <= len(it.clean_text()) + 1
+        assert final == r.result().text
         stream, deltas = streams[r.request_id]
         if not r.preemptions:
             assert "".join(deltas) == final  # nothing taken back, nothing missing
@@ -389,3 +394,48 @@ def test_a_promise_inside_a_chunk_leaves_no_empty_list_item():
     # the chunk's last item, emptied by its </async>, goes too; the line before it was held, not sent
     assert clean_text(ann) == it.clean_text() == "a\n- a\nb" == "".join(deltas)
     assert any("inside a chunk not acted on (no nesting)" in d for d in it.diagnostics)
+
+
+T, U = '<promise topic="t" tokens="20"/>', '<promise topic="u" tokens="0"/>'
+
+
+@pytest.mark.parametrize("length_cut, want", [("prefix", "b\n- a"), ("keep", "b\n- a\n- bb\na")])
+def test_a_length_cut_ends_the_clean_text_where_the_first_unfinished_chunk_stopped(length_cut, want):
+    from pasta_engine.lang.tags import clean_text
+
+    it = make_interp(max_new_tokens=13, limits=Limits(max_threads=None, length_cut=length_cut))
+    drive(it, [(0, "b"), (0, "\n"), (0, "- "), (0, T), (0, "\n"), (0, "- "), (0, U),
+               (1, "a"), (2, "b"), (2, "b"), (2, "</async>"), (0, "\n"), (0, "a")])
+    assert it.done and it.finish == "length" and it.threads[1].finish == "length"
+    # chunk 1 was cut mid-way: with "prefix" nothing after it reaches the reader (no hole mid-answer)
+    from pasta_engine.engine.render import final_text
+
+    assert final_text(it) == want
+    assert clean_text(it.annotated_text()) == "b\n- a\n- bb\na"  # nothing the model wrote is lost
+    assert any("chunk 1 cut off" in d for d in it.diagnostics) == (length_cut == "prefix")
+
+
+def test_a_chunk_never_run_at_a_length_cut_ends_the_clean_text_at_its_promise():
+    from pasta_engine.engine.render import final_text
+
+    it = make_interp(max_new_tokens=7, limits=Limits(max_threads=2))  # the second chunk waits for a free row
+    drive(it, [(0, "b"), (0, T), (0, "\n"), (0, U), (1, "a"), (0, "a"), (1, "</async>")])
+    assert it.finish == "length" and it.threads[2].finish == "not_run"
+    assert final_text(it) == "ba\n"
+
+
+def test_stop_strings_end_the_thread_that_writes_one_while_an_earlier_chunk_decodes():
+    it = make_interp(limits=Limits(max_threads=None), stop_strings=["bb"])
+    drive(it, [(0, "b"), (0, T), (0, U), (2, "b"), (2, "b")])
+    t2 = it.threads[2]
+    assert t2.finish == "stop" and t2.closed_by_interpreter and t2.ended  # ended at its stop string
+    assert any("thread 2 (topic 'u'): wrote the stop string 'bb'" in d for d in it.diagnostics)
+    assert it.threads[1].finish is None and not it.done  # the earlier chunk goes on
+    drive(it, [(1, "a"), (1, "</async>"), (0, "a")])
+    assert it.annotated_text() == f"b{T}<async>a</async>{U}<async>bb</async>a"  # nothing lost; the cut is the caller's
+    # the main thread ends at its own stop string as at end of sequence
+    it = make_interp(limits=Limits(max_threads=None), stop_strings=["ab"])
+    drive(it, [(0, "a"), (0, "b")])
+    assert it.done and it.finish == "stop" and it.main.finish == "stop"
+    # a replay's forced tokens are the response: no stop strings there
+    assert make_interp(stop_strings=["a"], forced_main=[PIECES.index("a"), EOS]).stop_strings == ()

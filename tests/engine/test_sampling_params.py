@@ -362,6 +362,10 @@ def test_stop_strings_cut_generate_and_end_it_early(engine):
     assert cut.stats.finish_reason == "stop" and cut.stop_reason == stop and full.stop_reason is None
     assert cut.stats.tokens_decoded < full.stats.tokens_decoded  # aborted early, not cut afterwards
     assert full.annotated_text.startswith(cut.annotated_text)  # what was decoded is kept
+    # the interpreter ends the thread that wrote it (issue 31 item 9: every thread's text is checked)
+    assert any("main thread: wrote the stop string" in d for d in cut.diagnostics)
+    req = engine._make_request([5, 6, 7], dataclasses.replace(base, stop=(stop,)), "pasta", None, None, None)
+    assert req.make_interpreter().stop_strings == (stop,)
     s = engine.stats()
     assert s["kv_pages_free"] == s["kv_pages_total"]
     # a stop string that never occurs changes nothing
@@ -393,6 +397,7 @@ def test_async_engine_takes_stop_from_sampling_params(tiny_llama):
         by_params = asyncio.run(run(dataclasses.replace(base, stop=(stop,))))
         assert by_params.text == by_arg.text == full.text[: full.text.index(stop)]
         assert by_params.finish_reason == "stop" and by_params.stop_reason == stop
+        assert any("wrote the stop string" in d for d in by_arg.result.diagnostics)  # it reached the interpreter
         with pytest.raises(ParameterError, match="given twice"):
             asyncio.run(run(dataclasses.replace(base, stop=(stop,)), stop=[stop]))
     finally:
