@@ -46,6 +46,9 @@ def add_train_parser(subparsers: Any) -> None:
                    "--endpoint-url, prompted with docs/annotation_prompt.md, an annotation kept only when its "
                    "stripped text is the answer)")
     add_endpoint_args(s, "endpoint", "annotates with --annotator endpoint")
+    s.add_argument("--examples", type=Path, default=None,
+                   help="train on these annotated answers (JSONL of TrainExample rows: `train chunks`' or an earlier "
+                   "run's OUT/examples.jsonl) instead of annotating --prompts; the filters below still apply")
     s.add_argument("--independence-labels", type=Path, default=None,
                    help="with --annotator independent: a reader's labels of the answers' pieces (JSONL of "
                    "bench/reader_independence.py collect); they decide the labelled pieces, the lexical measure the rest")
@@ -119,6 +122,25 @@ def add_train_parser(subparsers: Any) -> None:
     a.add_argument("--max-running-requests", type=positive_int, default=16, help="requests decoded together")
     a.add_argument("--seed", type=nonneg_int, default=0)
     add_run_args(a)
+
+    c = sub.add_parser(
+        "chunks", help="every chunk of the annotated answers rewritten by the base model as its thread sees the answer",
+        description="Annotate the base model's answers (train answers), then have the base model write every chunk "
+        "again from what its thread will see: the answer before its promise, earlier siblings as their topics, and "
+        "the chunk's own opening; it continues to the end of the chunk's line or paragraph (greedy, repetition "
+        "penalty). The chunks are then independent of their siblings by construction and in the base model's own "
+        "words. Topics become descriptive. Resumable (OUT/examples.jsonl grows per batch); `train sft --examples "
+        "OUT/examples.jsonl` trains on it.",
+    )
+    _add_io_args(c, "the base model's answers (train answers' answers.json; the training split is used)")
+    c.add_argument("--annotator", choices=("mixed", "sot", "apar"), default="mixed",
+                   help="where the forks go before the rewrite (mixed: sot where a list forks, apar otherwise)")
+    c.add_argument("--max-response-tokens", type=positive_int, default=448, help="answers are cut to this many tokens")
+    c.add_argument("--max-chunk-tokens", type=positive_int, default=256, help="the most tokens a rewritten chunk takes")
+    c.add_argument("--repetition-penalty", type=float, default=1.1, help="CTRL's penalty, as the answers were made")
+    c.add_argument("--batch", type=positive_int, default=32, help="answers per engine call (the unit of resumption)")
+    c.add_argument("--max-running-requests", type=positive_int, default=64, help="chunks decoded together")
+    add_run_args(c)
 
     b = sub.add_parser(
         "bonbon", help="rounds of BoNBoN preference optimization from an SFT adapter",
@@ -212,9 +234,12 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         from ..tools.annotate_endpoint import endpoint_annotator
 
         annotate_fn = endpoint_annotator(endpoint, count)
-    examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
-                                      annotator=args.annotator, seed=args.seed, independence_labels=labels,
-                                      annotate_fn=annotate_fn)
+    if args.examples is not None:
+        examples, counts = _read_examples(args, {r.instruction for r in rows})
+    else:
+        examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
+                                          annotator=args.annotator, seed=args.seed, independence_labels=labels,
+                                          annotate_fn=annotate_fn)
     if args.drop_repeats:
         from ..train.quality import repeated_line_fraction
 
@@ -240,7 +265,8 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                            distill_hard_open=args.distill_hard_open, tokens_only=args.tokens_only)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
-                        "annotator": args.annotator if endpoint is None else f"endpoint: {endpoint.name}",
+                        "annotator": (sorted({e.annotator for e in examples}) if args.examples is not None else
+                                      args.annotator if endpoint is None else f"endpoint: {endpoint.name}"),
                         "max_response_tokens": args.max_response_tokens,
                         "independence_labels": None if labels is None else str(args.independence_labels), **counts}
     summary = train_sft(examples, args.out, settings, base=args.model, resume=args.resume, manifest=manifest)
@@ -248,6 +274,31 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
           f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}", file=sys.stderr)
     print(f"wrote {args.out / 'adapter'}, {args.out / 'loss.json'}, {args.out / 'loss.png'}")
     return 0
+
+
+def _read_examples(args: argparse.Namespace, training: set[str]) -> tuple[list[Any], dict[str, int]]:
+    """``--examples``: the TrainExample rows of a JSONL file, shuffled with ``--seed``. Raises
+    ParameterError naming the flag for an unreadable file, a malformed row, or a prompt that is
+    not a training row of ``--prompts`` (the evaluation split is never trained on)."""
+    import random
+
+    from ..train.data import EVAL_DATASET, TrainExample
+
+    fields = set(TrainExample.__dataclass_fields__)
+    try:
+        rows = [json.loads(x) for x in args.examples.read_text(encoding="utf-8").splitlines() if x.strip()]
+        examples = [TrainExample(**{k: v for k, v in r.items() if k in fields}) for r in rows]
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ParameterError("--examples", str(args.examples), message=f"--examples: cannot read {args.examples} as TrainExample "
+                             f"JSONL (prompt, annotated, dataset, annotator, promises, response_tokens, ended): {e}") from None
+    for e in examples:
+        if e.dataset == EVAL_DATASET or e.prompt not in training:
+            raise ParameterError("--examples", str(args.examples), message=f"--examples {args.examples} holds a prompt that is not "
+                                 f"a training row of {args.prompts} ({e.prompt[:60]!r}, dataset {e.dataset!r}); "
+                                 f"{EVAL_DATASET!r} is never trained on")
+    random.Random(args.seed).shuffle(examples)
+    return examples, {"rows": len(examples), "kept": len(examples), "forked": sum(e.promises > 0 for e in examples),
+                      "ended": sum(e.ended for e in examples), "examples_file": str(args.examples)}
 
 
 def _fast_examples(examples: Sequence[Any], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
@@ -342,9 +393,39 @@ def _answers(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     return 0
 
 
+def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from ..config import SamplingParams
+    from ..engine.llm_engine import Engine
+    from ..tools.annotate_independent import document_frequencies
+    from ..tools.bench import count_tokens_fn
+    from ..tools.traces import read_prompts
+    from ..train.data import EVAL_DATASET, build_examples, split_rows
+    from ..train.thread_chunks import rewrite_chunks
+
+    SamplingParams(repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
+    rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    engine = Engine.from_pretrained(args.model, adapter=None, max_running_requests=args.max_running_requests)
+    count = count_tokens_fn(engine.tokenizer)
+    examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
+                                      annotator=args.annotator)
+    idf = document_frequencies(r.output for r in rows if r.output)
+    _, chunk_counts = rewrite_chunks(engine, examples, args.out, count_tokens=count, idf=idf,
+                                     repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_chunk_tokens,
+                                     batch=args.batch)
+    summary = {**chunk_counts, "annotation": counts, "command": command_line(argv)}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"train chunks: {chunk_counts['answers']} answers (never {EVAL_DATASET!r}); chunks rewritten "
+          f"{chunk_counts['stop']} to their end, {chunk_counts['cut']} cut at a sentence end, "
+          f"{chunk_counts['original']} kept", file=sys.stderr)
+    print(f"wrote {args.out / 'examples.jsonl'}")
+    return 0
+
+
 def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the ``train`` subcommand in ``args``. Returns the exit status."""
-    commands = {"sft": _sft, "bonbon": _bonbon, "answers": _answers}
+    commands = {"sft": _sft, "bonbon": _bonbon, "answers": _answers, "chunks": _chunks}
     return commands[args.train_command](args, argv)
 
 

@@ -1,0 +1,140 @@
+"""Chunks rewritten in their own thread's context (pasta_engine.train.thread_chunks): what each
+chunk's thread sees, how a rewrite ends, the reassembled annotation, resumption, and the two
+commands (`train chunks`, `train sft --examples`) on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from pasta_engine.lang.tags import split_threads, strip_tags
+from pasta_engine.train.data import TrainExample
+from pasta_engine.train.thread_chunks import ChunkJob, _finish, assemble, chunk_jobs, chunk_opening, rewrite_chunks
+
+from sample_traces import SLEEP_PROMPT, SLEEP_TIPS  # noqa: E402  (tests/sample_traces.py)
+
+
+def _words(s: str) -> int:
+    return len(s.split())
+
+
+def test_each_chunk_sees_its_siblings_as_topics_and_a_synced_group_in_full():
+    jobs = chunk_jobs(SLEEP_TIPS, ["bedtime", "screens", "walking"], _words)
+    assert [j.prefix for j in jobs] == [
+        "Tips:\n1. Go to bed",  # its own opening: the first three words
+        "Tips:\n1. bedtime\n2. Avoid screens.",  # the sibling before it as its topic only
+        # after the <sync/> the earlier chunks are seen in full
+        "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens.\n\nAlso: Walk daily.",
+    ]
+    assert [j.stop for j in jobs] == [("\n",), ("\n",), ("\n\n",)]  # list items end at their line
+    assert [j.max_new_tokens for j in jobs] == [48, 48, 48]
+    assert chunk_jobs(SLEEP_TIPS, ["a", "b", "c"], _words, max_new_tokens=10)[0].max_new_tokens == 10
+    with pytest.raises(ValueError, match="3 promises but 2 topics"):
+        chunk_jobs(SLEEP_TIPS, ["a", "b"], _words)
+
+
+def test_the_opening_is_the_bold_title_or_the_first_words():
+    assert chunk_opening("**Exercise daily**: it helps sleep.") == "**Exercise daily**:"
+    assert chunk_opening("  Keep the room cool and dark at night.") == "  Keep the room"
+    assert chunk_opening("Walk daily.") == "Walk daily."
+
+
+def test_a_rewrite_ends_at_its_unit_or_a_sentence_or_keeps_the_original():
+    job = ChunkJob(prefix="x Go to", opening="Go to", stop=("\n",), max_new_tokens=48, content="Go to bed early.")
+    assert _finish(job, " sleep at ten.  ", "stop") == ("Go to sleep at ten.", "stop")
+    assert _finish(job, " sleep at ten. Then read a", "length") == ("Go to sleep at ten.", "cut")
+    assert _finish(job, " sleep and then", "length") == ("Go to bed early.", "original")
+    assert _finish(job, "", "stop") == ("Go to bed early.", "original")  # nothing written after the opening
+    assert _finish(job, " <promise", "stop") == ("Go to bed early.", "original")  # tag-like text is never kept
+    para = ChunkJob(prefix="p", opening="Also", stop=("\n\n",), max_new_tokens=48, content="Also this.\n")
+    assert _finish(para, " that.", "stop") == ("Also that.\n", "stop")  # the original's trailing whitespace stays
+
+
+def test_assemble_puts_new_topics_lengths_and_chunks_in_place():
+    new = ["Sleep at ten, every single night of the week.", "No phones.", "Walk after dinner."]
+    out = assemble(SLEEP_TIPS, ["bedtime", "screens", "walking"], new, _words)
+    t = split_threads(out)
+    assert [c.content for c in t.chunks] == new
+    assert [(c.topic, c.tokens) for c in t.chunks] == [("bedtime", 10), ("screens", 10), ("walking", 10)]
+    assert strip_tags(out) == f"Tips:\n1. {new[0]}\n2. {new[1]}\n\nAlso: {new[2]} Done."
+    with pytest.raises(ValueError, match="3 promises"):
+        assemble(SLEEP_TIPS, ["a"], ["b"], _words)
+
+
+@dataclass
+class _Stats:
+    finish_reason: str
+
+
+@dataclass
+class _Result:
+    text: str
+    stats: _Stats
+
+
+@dataclass
+class _FakeEngine:
+    """format_prompt/encode/generate of an Engine, writing a fixed continuation per chunk."""
+
+    calls: list = field(default_factory=list)
+
+    def format_prompt(self, prompt, mode="pasta"):
+        assert mode == "sequential"  # the base model's own chat template, no PASTA-LANG prompt
+        return [1, 2]
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def generate(self, prompts, params, mode="pasta"):
+        assert mode == "sequential"
+        self.calls.append((prompts, params))
+        return [_Result(" rewritten.", _Stats("stop")) for _ in prompts]
+
+
+def test_rewrite_chunks_prompts_the_base_model_as_each_thread_sees_the_answer_and_resumes(tmp_path):
+    ex = TrainExample(SLEEP_PROMPT, SLEEP_TIPS, "koala", "mixed", 3, 30, ended=False)
+    plain = TrainExample("plain", "No forks here.", "koala", "mixed", 0, 3)
+    eng = _FakeEngine()
+    got, counts = rewrite_chunks(eng, [ex, plain], tmp_path, count_tokens=_words, repetition_penalty=1.1, progress=False)
+    [(prompts, params)] = eng.calls
+    jobs = chunk_jobs(SLEEP_TIPS, [c.topic for c in split_threads(got[0].annotated).chunks], _words)
+    assert prompts == [[1, 2] + eng.encode(j.prefix) for j in jobs]
+    assert [tuple(p.stop) for p in params] == [("\n",), ("\n",), ("\n\n",)]
+    assert all(p.temperature == 0 and p.repetition_penalty == 1.1 for p in params)
+    assert [c.content for c in split_threads(got[0].annotated).chunks] == [
+        "Go to bed rewritten.", "Avoid screens. rewritten.", "Walk daily. rewritten."]
+    assert got[0].ended is False and got[0].annotator == "mixed+thread-rewrite"
+    assert got[1].annotated == "No forks here."  # nothing to rewrite
+    assert counts == {"answers": 2, "stop": 3, "cut": 0, "original": 0}
+    again, _ = rewrite_chunks(eng, [ex, plain], tmp_path, count_tokens=_words, progress=False)
+    assert len(eng.calls) == 1 and again == got  # read back from examples.jsonl: no second generation
+
+
+def test_train_chunks_then_sft_on_its_examples(tiny_llama, tmp_path, capsys):
+    from pasta_engine.entrypoints.cli import main
+
+    listed = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
+    prompts = tmp_path / "answers.json"
+    prompts.write_text(json.dumps([{"instruction": SLEEP_PROMPT, "dataset": "koala", "output": listed},
+                                   {"instruction": "eval", "dataset": "vicuna", "output": listed}]))
+    assert main(["train", "chunks", "--prompts", str(prompts), "--model", str(tiny_llama), "--out",
+                 str(tmp_path / "chunks"), "--max-chunk-tokens", "8"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "chunks" / "examples.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [SLEEP_PROMPT]  # never the vicuna row
+    assert rows[0]["promises"] == 2 and sum(len(rows[0]["chunks"]) for _ in rows) == 2
+    assert strip_tags(rows[0]["annotated"]).startswith("Tips:\n1. Go to bed")
+    assert main(["train", "sft", "--prompts", str(prompts), "--examples", str(tmp_path / "chunks" / "examples.jsonl"),
+                 "--model", str(tiny_llama), "--out", str(tmp_path / "sft"), "--grad-accum", "1", "--max-steps", "1",
+                 "--lora-r", "4", "--lora-alpha", "8", "--tag-tokens"]) == 0
+    [ex] = [json.loads(x) for x in (tmp_path / "sft" / "examples.jsonl").read_text().splitlines()]
+    assert ex["annotated"] == rows[0]["annotated"]
+    # an examples file holding an evaluation prompt is refused, naming the flag
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**rows[0], "prompt": "eval", "dataset": "vicuna"}) + "\n")
+    capsys.readouterr()
+    assert main(["train", "sft", "--prompts", str(prompts), "--examples", str(bad), "--model", str(tiny_llama),
+                 "--out", str(tmp_path / "sft2")]) != 0
+    assert "--examples" in capsys.readouterr().err
