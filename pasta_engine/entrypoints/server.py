@@ -94,6 +94,10 @@ from .schema import (
 __all__ = ["build_app", "OpenAIError", "STATIC_DIR", "LOCAL_HOSTS", "default_allowed_hosts"]
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+#: The page's icon: three bars of different lengths side by side (threads decoding together).
+_FAVICON = (b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" '
+            b'fill="#1d1d1f"/><rect x="3" y="3" width="10" height="2.5" fill="#f2c14e"/><rect x="3" y="6.75" width="6" '
+            b'height="2.5" fill="#7ec4cf"/><rect x="3" y="10.5" width="8" height="2.5" fill="#e58f65"/></svg>')
 #: Most prompts x choices of a completions request.
 MAX_PROMPTS = 64
 #: Default request-body limit (bytes).
@@ -899,6 +903,10 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     @get("/", include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    @get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return Response(_FAVICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
     @get("/health")
     async def health() -> JSONResponse:

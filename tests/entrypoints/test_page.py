@@ -52,6 +52,18 @@ def test_page_shows_threads_side_by_side(server, tmp_path):
             steps, decoded = int(page.inner_text("#steps")), int(page.inner_text("#seq-steps"))
             assert 0 < steps < decoded  # fewer decode steps than tokens decoded: threads ran side by side
             assert "content speedup" in page.inner_text("#final-stats")
+            # the step timeline (issue 31 item 8): a bar per thread over decode steps, then sequential's
+            rows = page.query_selector_all("#timeline .row")
+            assert [r.get_attribute("data-kind") for r in rows] == ["thread"] * 3 + ["sequential"]
+            bars = [r.query_selector(".bar") for r in rows]
+            span = [(int(b.get_attribute("data-start")), int(b.get_attribute("data-end"))) for b in bars]
+            assert span[0][0] == 0 and span[-1] == (0, decoded)
+            assert all(0 < a <= b <= steps for a, b in span[1:3])  # each chunk lives inside the run
+            assert max(b for _, b in span[:3]) == steps  # the last thread to end ends the run
+            critical = ["critical" in b.get_attribute("class") for b in bars]
+            assert critical[0] and sum(critical[1:3]) >= 1 and not critical[-1]
+            w_main, w_seq = bars[0].bounding_box()["width"], bars[-1].bounding_box()["width"]
+            assert w_main / w_seq == pytest.approx(span[0][1] / decoded, abs=0.02)  # drawn to one scale
             shot = tmp_path / "page.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -109,5 +121,40 @@ def test_page_dialect_selector_sends_the_field_and_shows_any_dialects_threads(se
             steps, decoded = int(page.inner_text("#steps")), int(page.inner_text("#seq-steps"))
             assert 0 < steps < decoded
             assert errors == []
+        finally:
+            browser.close()
+
+
+SEVEN = "Tips:" + "".join(f'\n- <promise topic="tip {i}" tokens="10"/><async>Tip number {i} is a short one.</async>'
+                          for i in range(1, 7)) + "\n<sync/>Done."
+
+
+def test_seven_threads_all_stay_in_view_and_the_page_has_an_icon(server):
+    """At seven threads in a 1280 px window every column is inside the window (they wrap onto a
+    new row, where they used to run off the side with no hint that the row scrolls), and
+    ``/favicon.ico`` is an icon, not a 404."""
+    import httpx
+
+    r = httpx.get(server.url + "/favicon.ico")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("image/svg+xml") and b"<svg" in r.content
+    exe = chromium()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(server.url + "/")
+            page.click("summary")
+            page.fill("#api-key", server.api_key)
+            page.fill("#annotated", SEVEN)
+            page.fill("#prompt", "Six tips.")
+            page.click("#run")
+            page.wait_for_selector("body[data-state=done], body[data-state=error]", timeout=120_000)
+            assert page.get_attribute("body", "data-state") == "done", page.inner_text("#error")
+            cols = page.query_selector_all(".thread")
+            assert len(cols) == 7
+            for c in cols:
+                box = c.bounding_box()
+                assert box["x"] >= 0 and box["x"] + box["width"] <= 1280, box
+            assert len(page.query_selector_all("#timeline .row")) == 8
         finally:
             browser.close()
