@@ -319,6 +319,11 @@ class Limits:
             vLLM user expects of ``length``: the clean text ends where the first unfinished
             chunk in reading order stopped, so no later text follows a hole) or ``"keep"``
             (every thread's text, holes and all). The annotated text keeps everything either way.
+        distinct_topics: where the sampler enforces the PASTA-LANG grammar (a model with the tag
+            pieces as tokens), a promise's topic may not end while it equals a topic already
+            promised in the response (case, spacing and punctuation ignored): siblings are never
+            promised the same topic (docs/DESIGN.md section 2). False: the model's topics as
+            it samples them.
 
     The response's total length is :attr:`SamplingParams.max_new_tokens`."""
 
@@ -330,6 +335,7 @@ class Limits:
     max_fork_depth: int = 2
     fork_threshold: float | None = None
     length_cut: str = "prefix"
+    distinct_topics: bool = True
 
     def __post_init__(self) -> None:
         check_int("max_threads", self.max_threads, 1, none_ok=True)
@@ -340,6 +346,8 @@ class Limits:
         check_int("max_fork_depth", self.max_fork_depth, 1)
         if self.fork_threshold is not None:
             check_float("fork_threshold", self.fork_threshold, 0.0, 1.0, lo_open=True)
+        if not isinstance(self.distinct_topics, bool):
+            raise ParameterError("distinct_topics", self.distinct_topics, "True or False")
         if self.length_cut not in LENGTH_CUTS:
             raise ParameterError("length_cut", self.length_cut, " or ".join(repr(x) for x in LENGTH_CUTS))
 

@@ -59,6 +59,7 @@ from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
 from ..lang import dialect as dialects
 from ..lang.dialect import PASTA, Dialect, Markup, TextParser
+from ..lang.grammar import topic_key
 from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagText, Text
 from ..lang.tokenization import ForcedChunk
 from ..metrics import ResponseStructure
@@ -266,6 +267,7 @@ class Interpreter:
         self.total_sampled = 0
         self.n_promises = 0  # fork markers completed (by any thread)
         self.n_forks = 0
+        self.topics_taken: set[str] = set()  # topic_key of every promise so far (Limits.distinct_topics)
         self.finish: str | None = None
         main = self._new_thread(next_pos=0, forced=forced_main)
         main.forced_chunks = self._forced_chunks
@@ -366,7 +368,8 @@ class Interpreter:
 
     def _grammar_state(self, t: Thread) -> int:
         """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample."""
-        return self.dialect.grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks)
+        return self.dialect.grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks,
+                                          self.topics_taken if self.limits.distinct_topics else ())
 
     def _inserted_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` the interpreter inserts (the dialect's opening tag: ``open_ids``;
@@ -565,6 +568,7 @@ class Interpreter:
         may fork several, each with its own inserted text, and may join them at once). Returns
         whether a thread was forked."""
         branches = dialects.fork_branches(self.dialect, fork)
+        self.topics_taken.update(topic_key(bp.topic) for bp, _ in branches if getattr(bp, "topic", None))
         base = parent.n_branches
         parent.n_branches += len(branches)
         chunks: list = [None] * len(branches)

@@ -128,6 +128,9 @@ def add_pasta_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--length-cut", choices=("prefix", "keep"), default="prefix",
                    help="when --max-tokens runs out with chunks unfinished: prefix ends the text where the first "
                         "unfinished chunk stopped (no hole mid-answer); keep gives every thread's text")
+    g.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=True,
+                   help="a promise's topic may not repeat one already promised in the response (a model with the tag "
+                        "tokens; default on)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, temperature: float = 0.0,
@@ -289,7 +292,8 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         options["limits"] = Limits(max_threads=args.max_threads or None, max_forks=args.max_forks,
                                    max_fork_depth=args.max_fork_depth,
                                    fork_threshold=getattr(args, "fork_threshold", None),
-                                   length_cut=getattr(args, "length_cut", "prefix"))
+                                   length_cut=getattr(args, "length_cut", "prefix"),
+                                   distinct_topics=getattr(args, "distinct_topics", True))
         options["position_policy"] = args.position_policy
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20

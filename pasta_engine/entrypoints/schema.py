@@ -124,6 +124,9 @@ class PastaOptions(BaseModel):
     length_cut: Literal["prefix", "keep"] | None = Field(
         None, description="when max_tokens runs out with chunks unfinished: prefix (default) ends the text where the "
         "first unfinished chunk stopped; keep gives every thread's text, holes and all")
+    distinct_topics: bool | None = Field(
+        None, description="a promise's topic may not repeat one already promised in the response (default true; "
+        "where the sampler enforces the PASTA-LANG grammar)")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
     annotated_response: str | None = Field(None, description="replay this annotated response (forced decoding)")
 

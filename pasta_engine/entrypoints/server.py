@@ -118,6 +118,7 @@ _PARAM_NAMES = {
     "max_fork_depth": "pasta.max_fork_depth",
     "fork_threshold": "pasta.fork_threshold",
     "length_cut": "pasta.length_cut",
+    "distinct_topics": "pasta.distinct_topics",
     "annotated_response": "pasta.annotated_response",
     "mode": "pasta.mode",
     "dialect": "pasta.dialect",
@@ -374,14 +375,17 @@ class _Server:
         _check_dialect(pasta.dialect)
         limits = None
         if (pasta.max_threads is not None or pasta.max_forks is not None or pasta.max_fork_depth is not None
-                or pasta.fork_threshold is not None or pasta.length_cut is not None):
+                or pasta.fork_threshold is not None or pasta.length_cut is not None
+                or pasta.distinct_topics is not None):
             base = self.engine.engine.config.limits
             mt = (base.max_threads or 0) if pasta.max_threads is None else pasta.max_threads
             mf = base.max_forks if pasta.max_forks is None else pasta.max_forks
             md = base.max_fork_depth if pasta.max_fork_depth is None else pasta.max_fork_depth
             ft = base.fork_threshold if pasta.fork_threshold is None else pasta.fork_threshold
             limits = dataclasses.replace(base, max_threads=mt or None, max_forks=mf, max_fork_depth=md,
-                                         fork_threshold=ft, length_cut=pasta.length_cut or base.length_cut)
+                                         fork_threshold=ft, length_cut=pasta.length_cut or base.length_cut,
+                                         distinct_topics=base.distinct_topics if pasta.distinct_topics is None
+                                         else pasta.distinct_topics)
         more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
         params = [SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                  top_k=top_k, seed=(seed + i) % (MAX_SEED + 1), return_logprobs=logprobs, **more)

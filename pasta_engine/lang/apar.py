@@ -47,7 +47,7 @@ for each child; ``constant:K``, ``none`` and ``oracle`` mean what they mean for 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from .dialect import policy_reserve
 from .grammar import GrammarState
@@ -235,7 +235,7 @@ class AparDialect:
         p = AparParser()
         return _merge(p.feed(text) + p.finish())
 
-    def grammar_state(self, is_main: bool, pending: str, can_fork: bool) -> int:
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = ()) -> int:
         """Always ``FREE``: the sampler's grammar masks are PASTA-LANG's; APAR gets none."""
         return GrammarState.FREE
 

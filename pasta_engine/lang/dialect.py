@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Collection, Protocol, Sequence, Union, runtime_checkable
 
 from . import grammar, tags
 from .prompts import NO_PROMPT, PastaPrompt
@@ -223,9 +223,11 @@ class Dialect(Protocol):
         """A whole text's items, text runs merged."""
         ...
 
-    def grammar_state(self, is_main: bool, pending: str, can_fork: bool) -> int:
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = ()) -> int:
         """The sampler's grammar state for a thread's next token (0, ``FREE``: no mask), when
-        the tokenizer has the dialect's tag pieces as added tokens."""
+        the tokenizer has the dialect's tag pieces as added tokens; ``taken``: the topics
+        already promised in the response (:func:`~pasta_engine.lang.grammar.topic_key`), for a
+        dialect whose grammar keeps sibling topics distinct."""
         ...
 
     # ---- forks and positions
@@ -301,8 +303,8 @@ class PastaDialect:
     def parse(self, text: str) -> list[Parsed]:
         return tags.parse(text)
 
-    def grammar_state(self, is_main: bool, pending: str, can_fork: bool) -> int:
-        return grammar.grammar_state(is_main, pending, can_fork)
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = ()) -> int:
+        return grammar.grammar_state(is_main, pending, can_fork, taken)
 
     def child_cap(self, limits: Any, fork: Promise) -> int:
         return limits.chunk_cap(fork.tokens)

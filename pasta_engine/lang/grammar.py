@@ -33,7 +33,9 @@ applied to a whole step's logits in one tensor operation by the model runner):
   ``<async>``, no ``" tokens="``;
 * inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one;
   the first holds a letter, so a topic is never a bare number), then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
-  :data:`MAX_TOPIC_BYTES` bytes (UTF-8) must end;
+  :data:`MAX_TOPIC_BYTES` bytes (UTF-8) must end; a topic equal to one already promised in the
+  same response (:func:`topic_key`: case, spacing and punctuation ignored) may not end there
+  (``TOPIC_TAKEN``: it must say something more), so siblings are never promised the same topic;
 * inside the length: digits only (at least one, the first not ``0``; at most
   :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
 """
@@ -43,7 +45,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 __all__ = [
     "PROMISE_OPEN",
@@ -57,6 +59,7 @@ __all__ = [
     "tag_tokens_of",
     "GrammarState",
     "grammar_state",
+    "topic_key",
     "state_masks",
 ]
 
@@ -148,15 +151,25 @@ class GrammarState(enum.IntEnum):
     LENGTH_EMPTY = 7
     LENGTH = 8
     LENGTH_FULL = 9
+    TOPIC_TAKEN = 10
 
 
-def grammar_state(is_main: bool, pending: str, can_fork: bool = True) -> GrammarState:
+def topic_key(topic: str) -> str:
+    """A topic as :func:`grammar_state` compares it with the topics already promised: its words
+    lower-cased, joined by one space (``"Dining Drawers:"`` and ``"dining  drawers"`` are one)."""
+    return " ".join(re.findall(r"\w+", topic.lower()))
+
+
+def grammar_state(is_main: bool, pending: str, can_fork: bool = True,
+                  taken: Collection[str] = ()) -> GrammarState:
     """The state of a pasta-mode thread from the tag parser's held-back text.
 
     Args:
         is_main: the main thread (else an async thread).
         pending: :attr:`~pasta_engine.lang.tags.TagParser.pending` (a partial tag, or ``""``).
         can_fork: the request may still fork (below its fork cap).
+        taken: :func:`topic_key` of each topic already promised in the response: a topic equal
+            to one of them is ``TOPIC_TAKEN`` (it may not end yet), unless it is full.
 
     A partial promise written as text tokens (``<prom``) is not constrained: only what follows a
     ``<promise topic="`` prefix is (the piece token writes exactly that prefix)."""
@@ -169,7 +182,9 @@ def grammar_state(is_main: bool, pending: str, can_fork: bool = True) -> Grammar
     if not sep:
         if not topic:
             return GrammarState.TOPIC_EMPTY
-        return GrammarState.TOPIC_FULL if len(topic.encode("utf-8")) >= MAX_TOPIC_BYTES else GrammarState.TOPIC
+        if len(topic.encode("utf-8")) >= MAX_TOPIC_BYTES:
+            return GrammarState.TOPIC_FULL
+        return GrammarState.TOPIC_TAKEN if taken and topic_key(topic) in taken else GrammarState.TOPIC
     if not digits:
         return GrammarState.LENGTH_EMPTY
     return GrammarState.LENGTH_FULL if len(digits) >= MAX_LENGTH_DIGITS else GrammarState.LENGTH
@@ -213,6 +228,7 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
         (True, digits_first),  # LENGTH_EMPTY
         (True, digits + [tags.promise_close]),  # LENGTH
         (True, [tags.promise_close]),  # LENGTH_FULL
+        (True, topic_ok),  # TOPIC_TAKEN
     ]
     assert len(out) == len(GrammarState)
     return out

@@ -59,7 +59,7 @@ Multiverse's engine places them; no range is reserved at the fork, whatever the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from . import tags
 from .dialect import Markup, TraceFork, TraceThread
@@ -329,7 +329,7 @@ class MultiverseDialect:
         p = MultiverseParser(all_forks)
         return _merge(p.feed(text) + p.finish())
 
-    def grammar_state(self, is_main: bool, pending: str, can_fork: bool) -> int:
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = ()) -> int:
         """0 (``FREE``): the sampler masks nothing for Multiverse (its tags are text)."""
         return 0
 

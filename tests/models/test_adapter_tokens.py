@@ -165,6 +165,49 @@ def test_grammar_states_follow_the_parsers_pending_text():
     assert grammar_state(True, '<promise topic="a" tokens="3000') is GrammarState.LENGTH_FULL
 
 
+def test_a_topic_already_promised_may_not_end_there():
+    """Issue 30: siblings promised the same topic wrote the same chunk ("Dining Drawers" four
+    times). A topic equal to one already promised (case, spacing, punctuation ignored) is
+    ``TOPIC_TAKEN``: topic text only, no ``" tokens="``; a full topic must still end."""
+    from pasta_engine.lang.grammar import topic_key
+
+    taken = {topic_key("Dining Drawers")}
+    assert topic_key("  dining   Drawers:") == "dining drawers"
+    assert grammar_state(True, '<promise topic="Dining Drawers', taken=taken) is GrammarState.TOPIC_TAKEN
+    assert grammar_state(True, '<promise topic="dining drawers:', taken=taken) is GrammarState.TOPIC_TAKEN
+    assert grammar_state(True, '<promise topic="Dining Drawers for', taken=taken) is GrammarState.TOPIC
+    assert grammar_state(True, '<promise topic="Dining Drawers', taken=()) is GrammarState.TOPIC
+    full = "Dining Drawers" + " " * 18
+    assert grammar_state(True, '<promise topic="' + full, taken={topic_key(full)}) is GrammarState.TOPIC_FULL
+    table = [b"Sleep", b" more", b"x", b"3"]
+    pieces = TagTokens(*range(len(table), len(table) + len(TAG_PIECES)))
+    table += [p.encode() for p in TAG_PIECES]
+    allow, ids = dict(zip(GrammarState, state_masks(pieces, table, len(table), eos_ids=[2])))[GrammarState.TOPIC_TAKEN]
+    assert allow and set(ids) == {0, 1, 3}  # topic text, never the piece that would end it (nor EOS)
+
+
+def test_the_interpreter_keeps_sibling_topics_distinct_unless_told_not_to():
+    from pasta_engine.config import Limits
+    from pasta_engine.engine.interpreter import Interpreter
+
+    pieces = ["<EOS>", "a", '<promise topic="', "Sleep", '" tokens="', "1", '"/>']
+    decode = lambda ids: "".join(pieces[i] for i in ids if i != 0)  # noqa: E731
+
+    def state_after(distinct: bool) -> GrammarState:
+        it = Interpreter([1], decode=decode, eos_ids=[0], open_ids=[1], close_len=1, grammar=True,
+                         limits=Limits(max_threads=None, distinct_topics=distinct))
+        for tok in [2, 3, 4, 5, 6, 1, 2, 3]:  # a promise "Sleep", text, then "Sleep" again
+            steps = [s for s in it.runnable_threads()]
+            it.step_done(steps)
+            it.take_kv_ops()
+            it.on_token(0, tok)
+        [main] = [s for s in it.runnable_threads() if s.tid == 0]
+        return GrammarState(main.grammar)
+
+    assert state_after(True) is GrammarState.TOPIC_TAKEN
+    assert state_after(False) is GrammarState.TOPIC
+
+
 def test_a_topic_starts_with_a_letter_and_a_length_with_a_nonzero_digit():
     """Stage-2 training once wrote ``<promise topic="10" tokens="00"/>``: the masks forbid a topic
     that starts with a number and a length that starts with 0."""
