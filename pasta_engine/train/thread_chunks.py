@@ -18,9 +18,11 @@ one-line list item, a paragraph otherwise. The result is a chunk that is indepen
 siblings by construction and written in the base model's own words, so SFT on it teaches where to
 fork and what a thread writes without teaching the model to lean on text it cannot see.
 
-Each promise gets a descriptive topic
-(:func:`~pasta_engine.tools.annotate_independent.descriptive_topic`) and the rewritten chunk's
-length (Pred-10x, :func:`~pasta_engine.tools.annotate.round_to_tens`). Text after a ``<sync/>``
+Each promise gets a descriptive topic of the rewritten chunk
+(:func:`~pasta_engine.tools.annotate_independent.descriptive_topic`: its bold title, else its
+most specific words, never a sibling's topic), so a topic says what its chunk covers, and the
+rewritten chunk's length (Pred-10x, :func:`~pasta_engine.tools.annotate.round_to_tens`). (While
+the chunks are written, each earlier sibling shows as the topic of its original text.) Text after a ``<sync/>``
 (a conclusion) is kept as the base model wrote it. A continuation that runs out of tokens is cut
 at its last sentence end; one with no sentence end keeps the original chunk.
 """
@@ -39,7 +41,7 @@ from ..lang.tags import AsyncClose, AsyncOpen, Promise, Sync, Text, parse, promi
 from ..tools.annotate import round_to_tens
 from .data import TrainExample
 
-__all__ = ["OPENING_WORDS", "ChunkJob", "chunk_jobs", "chunk_opening", "assemble", "rewrite_chunks"]
+__all__ = ["OPENING_WORDS", "ChunkJob", "chunk_jobs", "chunk_opening", "assemble", "chunk_topics", "rewrite_chunks"]
 
 #: Words of a chunk's original opening given to the base model when the chunk has no bold title.
 OPENING_WORDS = 3
@@ -190,6 +192,17 @@ def assemble(annotated: str, topics: Sequence[str], chunks: Sequence[str], count
     return "".join(out)
 
 
+def chunk_topics(chunks: Sequence[str], idf: Mapping[str, float] | None = None) -> list[str]:
+    """A descriptive topic per chunk, in order, each different from the ones before it
+    (:func:`~pasta_engine.tools.annotate_independent.descriptive_topic` with ``idf``)."""
+    from ..tools.annotate_independent import descriptive_topic
+
+    topics: list[str] = []
+    for c in chunks:
+        topics.append(descriptive_topic(c, topics, idf))
+    return topics
+
+
 def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, count_tokens: Callable[[str], int],
                    idf: Mapping[str, float] | None = None, repetition_penalty: float = 1.1,
                    max_new_tokens: int = 256, batch: int = 16, progress: bool = True) -> tuple[list[TrainExample],
@@ -210,7 +223,6 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
 
     Returns ``(examples, counts)``; counts of chunks ``stop``, ``cut``, ``original`` and answers."""
     from ..config import SamplingParams
-    from ..tools.annotate_independent import descriptive_topic
 
     out.mkdir(parents=True, exist_ok=True)
     log = out / "examples.jsonl"
@@ -227,10 +239,7 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
         part = todo[at: at + batch]
         plan = []
         for e in part:
-            originals = [x[2] or "" for x in _events(e.annotated) if x[0] == "promise"]
-            topics: list[str] = []
-            for c in originals:
-                topics.append(descriptive_topic(c, topics, idf))
+            topics = chunk_topics([x[2] or "" for x in _events(e.annotated) if x[0] == "promise"], idf)
             plan.append((e, topics, chunk_jobs(e.annotated, topics, count_tokens, max_new_tokens)))
         prompts, params, where = [], [], []
         for j, (e, _, jobs) in enumerate(plan):
@@ -247,7 +256,8 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
             texts[j][i], how[j][i] = _finish(plan[j][2][i], res.text, res.stats.finish_reason)
         with log.open("a", encoding="utf-8") as f:
             for (e, topics, _), chunks, h in zip(plan, texts, how):
-                annotated = assemble(e.annotated, topics, chunks, count_tokens) if topics else e.annotated
+                annotated = assemble(e.annotated, chunk_topics(chunks, idf), chunks, count_tokens) if topics \
+                    else e.annotated
                 row = {**e.to_dict(), "annotated": annotated, "annotator": f"{e.annotator}+thread-rewrite",
                        "response_tokens": count_tokens(strip_tags(annotated)), "source": e.annotated, "chunks": h}
                 done[(e.prompt, e.annotated)] = row

@@ -12,7 +12,9 @@ import pytest
 
 from pasta_engine.lang.tags import split_threads, strip_tags
 from pasta_engine.train.data import TrainExample
-from pasta_engine.train.thread_chunks import ChunkJob, _finish, assemble, chunk_jobs, chunk_opening, rewrite_chunks
+from pasta_engine.train.thread_chunks import (
+    ChunkJob, _finish, assemble, chunk_jobs, chunk_opening, chunk_topics, rewrite_chunks,
+)
 
 from sample_traces import SLEEP_PROMPT, SLEEP_TIPS  # noqa: E402  (tests/sample_traces.py)
 
@@ -100,8 +102,11 @@ def test_rewrite_chunks_prompts_the_base_model_as_each_thread_sees_the_answer_an
     eng = _FakeEngine()
     got, counts = rewrite_chunks(eng, [ex, plain], tmp_path, count_tokens=_words, repetition_penalty=1.1, progress=False)
     [(prompts, params)] = eng.calls
-    jobs = chunk_jobs(SLEEP_TIPS, [c.topic for c in split_threads(got[0].annotated).chunks], _words)
+    # while writing, an earlier sibling shows as the topic of its original text
+    jobs = chunk_jobs(SLEEP_TIPS, chunk_topics([c.content for c in split_threads(SLEEP_TIPS).chunks]), _words)
     assert prompts == [[1, 2] + eng.encode(j.prefix) for j in jobs]
+    new = split_threads(got[0].annotated).chunks  # the topics then say what the rewritten chunks cover
+    assert [c.topic for c in new] == chunk_topics([c.content for c in new])
     assert [tuple(p.stop) for p in params] == [("\n",), ("\n",), ("\n\n",)]
     assert all(p.temperature == 0 and p.repetition_penalty == 1.1 for p in params)
     assert [c.content for c in split_threads(got[0].annotated).chunks] == [
