@@ -28,6 +28,71 @@ def _add_io_args(p: argparse.ArgumentParser, prompts_help: str) -> None:
     p.add_argument("--model", default=None, help="base checkpoint (default: the embedded SmolLM2-135M-Instruct)")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def _add_scale_args(p: argparse.ArgumentParser, checkpointing: bool = False) -> None:
+    """``--device``, ``--dtype``, ``--max-memory-gib`` (and ``--gradient-checkpointing``): where the
+    weights live and in what precision (pasta_engine.train.scale)."""
+    from .args import DTYPES
+
+    g = p.add_argument_group("device and precision")
+    g.add_argument("--device", default="cpu",
+                   help="cpu (default, as the shipped adapter was trained), cuda, cuda:N or auto (cuda when torch sees "
+                   "a GPU); under torchrun each rank takes cuda:LOCAL_RANK")
+    g.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the base weights' dtype (default: float32 on CPU, bfloat16 on CUDA); LoRA and tag rows "
+                   "train in float32")
+    if checkpointing:
+        g.add_argument("--gradient-checkpointing", action="store_true",
+                       help="keep one tensor per layer and recompute the layer's activations in the backward (about "
+                       "a third more compute, a fraction of the activation memory)")
+    g.add_argument("--max-memory-gib", type=_positive_float, default=None, metavar="GIB",
+                   help="the memory the estimate printed before the run must fit in (default: the GPU's free memory, "
+                   "or the CPU's available memory)")
+
+
+def _device_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(torch device, torch dtype)`` of ``--device``/``--dtype``; ParameterError naming the flag."""
+    from ..train.scale import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    return device, resolve_dtype(args.dtype, device)
+
+
+def _no_torchrun(command: str) -> None:
+    """Refuse ``train COMMAND`` under torchrun (WORLD_SIZE > 1): only ``train sft`` is data parallel."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world not in ("", "1"):
+        raise ParameterError("--nproc-per-node", world, message=f"train {command} runs in one process (WORLD_SIZE is "
+                             f"{world}): only train sft is data parallel under torchrun")
+
+
+def _check_engine_memory(args: argparse.Namespace, device: Any, dtype: Any, what: str) -> None:
+    """Print (and check) the memory estimate of sampling with the engine: the weights and the
+    engine's default KV budget (512 MiB on a CPU, 40% of what the weights leave free on a GPU)."""
+    from ..engine.model_runner import default_kv_cache_bytes
+    from ..train.common import load_config
+    from ..train.scale import ModelShape, check_memory, device_memory, estimate_inference_memory
+
+    shape = ModelShape.from_config(load_config(args.model))
+    weights = estimate_inference_memory(shape, dtype, 0).total
+    if device.type == "cuda":
+        kv = int(0.4 * max(0, device_memory(device)[0] - weights))
+    else:
+        kv = default_kv_cache_bytes(device)
+    flags = ["--dtype bfloat16"] if dtype.itemsize == 4 else []
+    print(check_memory(estimate_inference_memory(shape, dtype, kv), device, what, max_memory_gib=args.max_memory_gib,
+                       flags=flags + ["--model (a smaller one)"]), file=sys.stderr, flush=True)
+
+
 def add_train_parser(subparsers: Any) -> None:
     """Add ``train sft | bonbon`` to the ``pasta-engine`` subcommands."""
     t = subparsers.add_parser("train", help="teach a model PASTA-LANG: sft (LoRA on annotated answers), bonbon")
@@ -36,7 +101,10 @@ def add_train_parser(subparsers: Any) -> None:
         "sft", help="LoRA finetuning on AlpacaEval reference answers annotated with PASTA-LANG",
         description="Annotate the training split's reference answers (every subset but vicuna), then finetune a LoRA "
         "adapter with the training forward that sees every token as the engine's pasta-mode replay does. Writes OUT/"
-        "adapter (float16, manifest), OUT/checkpoint (resumable), OUT/loss.json and loss.png, OUT/examples.jsonl.",
+        "adapter (float16, manifest), OUT/checkpoint (resumable), OUT/loss.json and loss.png, OUT/examples.jsonl. "
+        "Data parallel: `torchrun --nproc-per-node N -m pasta_engine.entrypoints.cli train sft ...` gives each rank a "
+        "share of every optimizer step's --grad-accum examples (the global batch) and sums the gradients (gloo on "
+        "CPU, NCCL on CUDA); rank 0 logs, checkpoints and exports; --resume works on any number of ranks.",
     )
     _add_io_args(s, "AlpacaEval JSON with reference answers (e.g. results/gpt4_1106_preview/model_outputs.json)")
     s.add_argument("--annotator", choices=("mixed", "sot", "apar", "independent", "endpoint"), default="mixed",
@@ -103,6 +171,12 @@ def add_train_parser(subparsers: Any) -> None:
                    help="a fresh adapter adds the PASTA-LANG pieces to the tokenizer as tokens and trains their "
                    "embedding rows (a promise costs ~7 tokens instead of ~17; the engine then masks what the grammar "
                    "forbids); the manifest records the added tokens")
+    s.add_argument("--example-seeds", action="store_true",
+                   help="seed torch's RNG per example (from --seed, the step and its place in the global batch), so "
+                   "LoRA dropout draws the same masks however many ranks share a step: one process then gives the "
+                   "loss curve of a torchrun run (on by itself with more than one rank; off by default, as the shipped "
+                   "adapter was trained)")
+    _add_scale_args(s, checkpointing=True)
     add_run_args(s)
 
     a = sub.add_parser(
@@ -121,6 +195,7 @@ def add_train_parser(subparsers: Any) -> None:
     a.add_argument("--batch", type=positive_int, default=32, help="prompts per engine call (the unit of resumption)")
     a.add_argument("--max-running-requests", type=positive_int, default=16, help="requests decoded together")
     a.add_argument("--seed", type=nonneg_int, default=0)
+    _add_scale_args(a)
     add_run_args(a)
 
     c = sub.add_parser(
@@ -140,6 +215,7 @@ def add_train_parser(subparsers: Any) -> None:
     c.add_argument("--repetition-penalty", type=float, default=1.1, help="CTRL's penalty, as the answers were made")
     c.add_argument("--batch", type=positive_int, default=32, help="answers per engine call (the unit of resumption)")
     c.add_argument("--max-running-requests", type=positive_int, default=64, help="chunks decoded together")
+    _add_scale_args(c)
     add_run_args(c)
 
     b = sub.add_parser(
@@ -170,6 +246,7 @@ def add_train_parser(subparsers: Any) -> None:
     b.add_argument("--seed", type=nonneg_int, default=0)
     b.add_argument("--sample-prompts", type=positive_int, default=48,
                    help="training prompts sampled per round (drawn with --seed)")
+    _add_scale_args(b, checkpointing=True)
     add_run_args(b)
 
 
@@ -195,6 +272,25 @@ def add_learned_parser(bench_subparsers: Any) -> None:
 
 
 def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``train sft``: flags checked before any work, then one rank's run (torchrun: every rank's)."""
+    if not args.tag_weight > 0:
+        raise ParameterError("--tag-weight", args.tag_weight, "a weight > 0 (1 = plain mean NLL)")
+    if args.adapter is not None and not (args.adapter / "adapter_config.json").exists():
+        raise ParameterError("--adapter", str(args.adapter), "a folder with adapter_config.json (a peft LoRA adapter)")
+    if not args.min_content_speedup >= 0:
+        raise ParameterError("--min-content-speedup", args.min_content_speedup, "a speedup >= 0 (0 keeps every answer)")
+    device, dtype = _device_dtype(args)
+    from ..train.scale import init_data_parallel
+
+    dp = init_data_parallel(device)
+    try:
+        return _sft_rank(args, argv, dp, dtype)
+    finally:
+        dp.close()
+
+
+def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dtype: Any) -> int:
+    """``train sft`` on rank ``dp`` (every rank builds the same examples; rank 0 writes and prints)."""
     from ..lang.tags import strip_tags
     from ..tools.bench import count_tokens_fn
     from ..tools.traces import read_prompts
@@ -202,12 +298,6 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..train.data import EVAL_DATASET, build_examples, split_rows
     from ..train.sft import SFTSettings, train_sft
 
-    if not args.tag_weight > 0:
-        raise ParameterError("--tag-weight", args.tag_weight, "a weight > 0 (1 = plain mean NLL)")
-    if args.adapter is not None and not (args.adapter / "adapter_config.json").exists():
-        raise ParameterError("--adapter", str(args.adapter), "a folder with adapter_config.json (a peft LoRA adapter)")
-    if not args.min_content_speedup >= 0:
-        raise ParameterError("--min-content-speedup", args.min_content_speedup, "a speedup >= 0 (0 keeps every answer)")
     rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
@@ -252,27 +342,33 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if args.min_content_speedup > 0:
         examples = _fast_examples(examples, args, tokenizer)
         counts[f"min_content_speedup_{args.min_content_speedup:g}"] = len(examples)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with (args.out / "examples.jsonl").open("w") as f:
-        f.writelines(json.dumps(e.to_dict()) + "\n" for e in examples)
-    print(f"train sft: {counts['kept']} examples from {len(rows)} training rows ({counts['forked']} forked; never "
-          f"{EVAL_DATASET!r}); {counts}", file=sys.stderr)
+    if dp.is_main:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with (args.out / "examples.jsonl").open("w") as f:
+            f.writelines(json.dumps(e.to_dict()) + "\n" for e in examples)
+        print(f"train sft: {counts['kept']} examples from {len(rows)} training rows ({counts['forked']} forked; never "
+              f"{EVAL_DATASET!r}); {counts}" + (f"; {dp.world_size} ranks ({dp.backend})" if dp.world_size > 1 else ""),
+              file=sys.stderr)
     settings = SFTSettings(epochs=args.epochs, lr=args.lr, grad_accum=args.grad_accum, seed=args.seed, warmup=args.warmup,
                            max_steps=args.max_steps, save_every=args.save_every,
                            lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha), tag_weight=args.tag_weight,
                            init_adapter=str(args.adapter) if args.adapter is not None else None,
                            tag_tokens=args.tag_tokens, content_loss=args.content_loss, end_target=args.end_target,
-                           distill_hard_open=args.distill_hard_open, tokens_only=args.tokens_only)
+                           distill_hard_open=args.distill_hard_open, tokens_only=args.tokens_only,
+                           device=args.device, dtype=str(dtype).replace("torch.", ""),
+                           gradient_checkpointing=args.gradient_checkpointing, example_seeds=args.example_seeds)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
                         "annotator": (sorted({e.annotator for e in examples}) if args.examples is not None else
                                       args.annotator if endpoint is None else f"endpoint: {endpoint.name}"),
                         "max_response_tokens": args.max_response_tokens,
                         "independence_labels": None if labels is None else str(args.independence_labels), **counts}
-    summary = train_sft(examples, args.out, settings, base=args.model, resume=args.resume, manifest=manifest)
-    print(f"train sft: {summary['optimizer_steps']} steps in {summary['train_seconds']:.0f} s; loss "
-          f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}", file=sys.stderr)
-    print(f"wrote {args.out / 'adapter'}, {args.out / 'loss.json'}, {args.out / 'loss.png'}")
+    summary = train_sft(examples, args.out, settings, base=args.model, resume=args.resume, manifest=manifest,
+                        data_parallel=dp, max_memory_gib=args.max_memory_gib)
+    if dp.is_main:
+        print(f"train sft: {summary['optimizer_steps']} steps in {summary['train_seconds']:.0f} s; loss "
+              f"{summary['first_loss']:.3f} -> {summary['last_loss']:.3f}", file=sys.stderr)
+        print(f"wrote {args.out / 'adapter'}, {args.out / 'loss.json'}, {args.out / 'loss.png'}")
     return 0
 
 
@@ -329,6 +425,8 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
     SamplingParams(temperature=args.temperature, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
+    _no_torchrun("bonbon")
+    device, dtype = _device_dtype(args)
     rows = split_rows(read_prompts(args.prompts), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
@@ -336,7 +434,9 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     settings = BonbonSettings(n=args.n, rounds=args.rounds, temperature=args.temperature, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty,
                               max_running_requests=args.max_running_requests, max_new_tokens=args.max_new_tokens, quality_weight=args.quality_weight, alpha=args.alpha,
-                              lr=args.lr, seed=args.seed)
+                              lr=args.lr, seed=args.seed, device=args.device,
+                              dtype=str(dtype).replace("torch.", ""),
+                              gradient_checkpointing=args.gradient_checkpointing)
     judge = endpoint_from_args(args, "judge")
     scorer = None
     if (judge is None) != (args.judge_reference is None):
@@ -355,7 +455,8 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         scorer = JudgeQuality(judge, refs)
     summary = train_bonbon(prompts, args.adapter, args.out, settings, base=args.model, scorer=scorer,
                            manifest={"bonbon_command": command_line(argv),
-                                     **({"judge": judge.name} if judge is not None else {})})
+                                     **({"judge": judge.name} if judge is not None else {})},
+                           max_memory_gib=args.max_memory_gib)
     if scorer is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "judge_verdicts.jsonl").open("a") as f:
@@ -377,15 +478,20 @@ def _answers(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
     SamplingParams(temperature=args.temperature, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
+    _no_torchrun("answers")
+    device, dtype = _device_dtype(args)
     rows = split_rows(read_prompts(args.prompts), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
-    engine = Engine.from_pretrained(args.model, adapter=None, max_running_requests=args.max_running_requests)
+    _check_engine_memory(args, device, dtype, "train answers")
+    engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, adapter=None,
+                                    max_running_requests=args.max_running_requests)
     summary = generate_answers(engine, rows, args.out, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_p=args.top_p,
                                repetition_penalty=args.repetition_penalty, batch=args.batch, seed=args.seed,
                                generator=str(args.model or "SmolLM2-135M-Instruct"))
     summary["command"] = command_line(argv)
+    summary["device"], summary["dtype"] = str(device), str(dtype).replace("torch.", "")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"train answers: {summary['answers']} answers to {summary['rows']} training prompts (never "
           f"{EVAL_DATASET!r}); {summary['length_cut']} cut at {args.max_new_tokens} tokens", file=sys.stderr)
@@ -403,10 +509,14 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..train.thread_chunks import rewrite_chunks
 
     SamplingParams(repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
+    _no_torchrun("chunks")
+    device, dtype = _device_dtype(args)
     rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
     if args.limit is not None:
         rows = rows[: args.limit]
-    engine = Engine.from_pretrained(args.model, adapter=None, max_running_requests=args.max_running_requests)
+    _check_engine_memory(args, device, dtype, "train chunks")
+    engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, adapter=None,
+                                    max_running_requests=args.max_running_requests)
     count = count_tokens_fn(engine.tokenizer)
     examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
                                       annotator=args.annotator)

@@ -8,6 +8,12 @@ a prompt form a pair (only a sample that ended by itself can be the best: one cu
 limit would teach stopping there); the adapter is trained on the pairs with the BoNBoN loss
 (:func:`~pasta_engine.train.losses.bonbon_loss`, arXiv 2406.00832) against the round's starting
 adapter as the reference model. Samples, scores, pairs and the loss curve are written out.
+
+``device``/``dtype`` put the engine that samples, the scorer's base model and the policy on a
+GPU in bfloat16 (LoRA in float32), ``gradient_checkpointing`` recomputes activations in the
+backward, and a memory estimate (the larger of sampling and training,
+:mod:`pasta_engine.train.scale`) is printed and checked before anything loads. BoNBoN runs in one
+process.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ import torch
 from ..config import Limits, SamplingParams
 from ..lang.prompts import LEARNED_PASTA_PROMPT, PastaPrompt
 from ..models.adapter import read_manifest
-from .common import LossCurve, export_adapter, git_commit, load_base, lr_lambda, machine, wrap_lora
+from .common import LossCurve, export_adapter, git_commit, load_base, load_config, load_tokenizer, lr_lambda, machine, \
+    wrap_lora
 from .forward import forward_logprobs, layout_for
 from .losses import bonbon_loss
 from .quality import LikelihoodQuality, Scorer, speedup_plus_quality
 
-__all__ = ["BonbonSettings", "sample_and_rank", "best_and_worst", "train_bonbon"]
+__all__ = ["BonbonSettings", "sample_and_rank", "best_and_worst", "bonbon_memory_estimate", "train_bonbon"]
 
 
 @dataclass
@@ -41,7 +48,9 @@ class BonbonSettings:
     ``quality_weight`` is the lambda of the score; ``alpha`` weighs the SFT
     term of the loss; ``lr`` and ``grad_accum`` (pairs per optimizer step) train the adapter for
     ``epochs`` over the pairs; ``rounds`` repeats sample-and-train; ``best_must_finish``: only a
-    sample that ended by itself (not at the token limit) can be a pair's best."""
+    sample that ended by itself (not at the token limit) can be a pair's best. ``device``,
+    ``dtype`` (None: float32 on a CPU, bfloat16 on CUDA) and ``gradient_checkpointing`` as
+    :class:`~pasta_engine.train.sft.SFTSettings`'s."""
 
     n: int = 4
     rounds: int = 1
@@ -60,6 +69,48 @@ class BonbonSettings:
     kv_cache_mb: int = 1024
     best_must_finish: bool = True
     pasta_prompt: PastaPrompt = LEARNED_PASTA_PROMPT
+    device: str = "cpu"
+    dtype: str | None = None
+    gradient_checkpointing: bool = False
+
+
+def bonbon_memory_estimate(prompts: Sequence[str], adapter: Path, settings: BonbonSettings,
+                           base: str | None = None) -> tuple[Any, Any]:
+    """``(sampling, training)`` memory estimates (:class:`~pasta_engine.train.scale.MemoryEstimate`,
+    bytes) of a round: the engine's weights and KV cache (``kv_cache_mb``) beside the scorer's base
+    model; then the scorer's and the policy's weights, the adapter (its LoRA rank and added rows
+    from ``adapter``'s ``adapter_config.json`` and manifest) and the activations of a best and a
+    worst sample alive together, each at most the longest prompt (chat template and system line)
+    plus ``max_new_tokens``. Raises FileNotFoundError for a bad ``base``."""
+    from types import SimpleNamespace
+
+    from ..lang.dialect import PASTA, dialect_prompt
+    from ..lang.tokenization import encode_prompt
+    from ..models.adapter import added_tokens
+    from .scale import ModelShape, estimate_inference_memory, estimate_training_memory, resolve_device, \
+        resolve_dtype
+
+    shape = ModelShape.from_config(load_config(base))
+    tok = load_tokenizer(base)
+    dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
+    longest = max((len(encode_prompt(tok, dialect_prompt(PASTA, settings.pasta_prompt).messages(p), "text"))
+                   for p in prompts), default=0) + settings.max_new_tokens
+    cfg = {}
+    try:
+        cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        pass
+    added = len(added_tokens(read_manifest(adapter)) or {})
+    targets = cfg.get("target_modules")  # a list of names (a regex string: every projection, as the default)
+    lora = SimpleNamespace(r=int(cfg.get("r", 16)), targets=tuple(targets) if isinstance(targets, list) and targets else None,
+                           dropout=float(cfg.get("lora_dropout", 0.05)))
+    sampling = estimate_inference_memory(shape, dtype, settings.kv_cache_mb * 2**20, frozen_copies=1)
+    kwargs = {} if lora.targets is None else {"lora_targets": lora.targets}
+    training = estimate_training_memory(shape, dtype, tokens=longest, lora_r=lora.r, lora_dropout=lora.dropout,
+                                        trainable_rows=added * (1 if shape.tied else 2), added_rows=added,
+                                        gradient_checkpointing=settings.gradient_checkpointing, sequences=2,
+                                        frozen_copies=1, **kwargs)
+    return sampling, training
 
 
 def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSettings,
@@ -126,6 +177,7 @@ def train_bonbon(
     scorer: Scorer | None = None,
     manifest: dict[str, Any] | None = None,
     progress: bool = True,
+    max_memory_gib: float | None = None,
 ) -> dict[str, Any]:
     """Run ``settings.rounds`` BoNBoN rounds from ``adapter`` (the SFT result) on ``prompts``;
     write ``out/round{k}/`` (samples.jsonl, pairs.jsonl, loss.json/png, adapter/, round.json) and
@@ -135,13 +187,29 @@ def train_bonbon(
     round), and a round whose ``samples.jsonl`` holds every sample reuses them instead of sampling.
 
     ``scorer``: quality of ``(prompt, clean text)``; default :class:`LikelihoodQuality` with the
-    base model. Raises ValueError when a round yields no pair."""
+    base model. ``max_memory_gib``: the memory the estimate (:func:`bonbon_memory_estimate`, the
+    larger of sampling and training) must fit in (None: the device's). Raises ValueError when a
+    round yields no pair; ParameterError (naming the flag to change) when the estimate does not
+    fit, before anything loads."""
     from tqdm import tqdm
 
     from ..engine.llm_engine import Engine
+    from .scale import check_memory, resolve_device, resolve_dtype
 
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    sampling, training = bonbon_memory_estimate(prompts, adapter, settings, base)
+    flags = (["--dtype bfloat16"] if dtype == torch.float32 else [])
+    for what, est, more in (("train bonbon (sampling)", sampling, ["--max-running-requests"]),
+                            ("train bonbon (training)", training,
+                             ([] if settings.gradient_checkpointing else ["--gradient-checkpointing"])
+                             + ["--max-new-tokens"])):
+        line = check_memory(est, device, what, max_memory_gib=max_memory_gib, flags=flags + more)
+        if progress:
+            print(line, file=sys.stderr, flush=True)
+    on_gpu = device if device.type == "cuda" else None
     out.mkdir(parents=True, exist_ok=True)
-    base_model, tok, path = load_base(base)
+    base_model, tok, path = load_base(base, dtype, device=on_gpu)
     base_model.eval()
     scorer = scorer or LikelihoodQuality(base_model, tok)
     current = Path(adapter)
@@ -158,7 +226,8 @@ def train_bonbon(
         rows = _read_samples(rdir / "samples.jsonl", len(prompts) * settings.n)
         sample_s = 0.0
         if rows is None:
-            engine = Engine.from_pretrained(base, adapter=current, max_running_requests=settings.max_running_requests,
+            engine = Engine.from_pretrained(base, device=device, dtype=dtype, adapter=current,
+                                            max_running_requests=settings.max_running_requests,
                                             kv_cache_bytes=settings.kv_cache_mb * 2**20,
                                             pasta_prompt=settings.pasta_prompt)
             t0 = time.perf_counter()
@@ -176,8 +245,12 @@ def train_bonbon(
         if not pairs:
             raise ValueError(f"round {k + 1}: no best/worst pair among {len(rows)} samples (all equal or none ended)")
         # the reference model is this round's starting adapter: its log-probabilities first
-        policy_base, _, _ = load_base(base)
+        policy_base, _, _ = load_base(base, dtype, device=on_gpu)
         policy = wrap_lora(policy_base, adapter=current, tokenizer=tok)
+        if on_gpu is not None:
+            policy.to(device)
+        if settings.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         limits = Limits(max_threads=None)
 
         def lay(text: str, prompt: str):
@@ -241,7 +314,7 @@ def train_bonbon(
         del policy, policy_base
     summary = {"stage": "bonbon", "rounds": rounds, "settings": {**asdict(settings),
                                                                   "pasta_prompt": settings.pasta_prompt.to_dict()},
-               "train_seconds": round(time.perf_counter() - t_start, 1), "machine": machine(), "commit": git_commit(),
+               "train_seconds": round(time.perf_counter() - t_start, 1), "machine": machine(device), "commit": git_commit(),
                "quality_proxy": "base model mean log-likelihood per token of the clean text, minus 2.0 x the fraction "
                                 "of repeated lines (a proxy, not a judge)"}
     final = out / "adapter"

@@ -19,6 +19,7 @@ __all__ = [
     "LoraSettings",
     "load_base",
     "load_tokenizer",
+    "load_config",
     "wrap_lora",
     "init_token_rows",
     "export_adapter",
@@ -46,16 +47,38 @@ class LoraSettings:
     targets: tuple[str, ...] = LORA_TARGETS
 
 
-def load_base(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32) -> tuple[Any, Any, Path]:
+def load_base(model: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
+              device: str | torch.device | None = None) -> tuple[Any, Any, Path]:
     """``(transformers model, tokenizer, checkpoint folder)`` of a Llama-family checkpoint (None:
-    the embedded SmolLM2-135M-Instruct's cached safetensors copy)."""
+    the embedded SmolLM2-135M-Instruct's cached safetensors copy), its weights in ``dtype``.
+
+    ``device``: None or a CPU keeps the weights in host memory (today's path); a CUDA device
+    loads them straight onto that GPU (transformers' ``device_map``, through accelerate), so an
+    8B model never needs a host copy. Raises FileNotFoundError for a bad path."""
     from transformers import AutoModelForCausalLM
 
     from ..models.loader import resolve_model_path
 
     path, gguf = resolve_model_path(model)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **({"gguf_file": gguf} if gguf else {}))
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    if device is not None and torch.device(device).type == "cuda":
+        dev = torch.device(device)
+        kwargs["device_map"] = {"": f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     return hf, load_tokenizer(model), path
+
+
+def load_config(model: str | os.PathLike | None) -> Any:
+    """The ``transformers`` config of checkpoint ``model`` (None: the embedded
+    SmolLM2-135M-Instruct), without its weights: what the memory estimate reads
+    (:meth:`pasta_engine.train.scale.ModelShape.from_config`). Raises FileNotFoundError for a bad
+    path."""
+    from transformers import AutoConfig
+
+    from ..models.loader import resolve_model_path
+
+    path, gguf = resolve_model_path(model)
+    return AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
 
 
 def load_tokenizer(model: str | os.PathLike | None) -> Any:
@@ -249,11 +272,12 @@ def git_commit() -> str | None:
         return None
 
 
-def machine() -> dict[str, Any]:
-    """Where training ran: device, CPU model and threads, torch version."""
+def machine(device: str | torch.device | None = None) -> dict[str, Any]:
+    """Where training ran: ``device`` (default: cuda when torch sees a GPU, else cpu), its name
+    (GPU, or CPU model and threads), torch version, platform, time."""
     from ..tools.bench import device_name
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = str(device) if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     return {"device": dev, "device_name": device_name(dev), "torch_version": torch.__version__,
             "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
