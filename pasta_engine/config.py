@@ -27,6 +27,7 @@ __all__ = [
     "Limits",
     "PositionPolicy",
     "EngineConfig",
+    "THREAD_POLICIES",
     "GREEDY_TEMPERATURE",
     "MAX_SEED",
     "DEFAULT_MAX_NEW_TOKENS",
@@ -357,6 +358,8 @@ class Limits:
 
 
 PROMPT_SPECIAL_TOKENS = ("text", "control")
+#: Values of :attr:`EngineConfig.thread_policy` (the first is the default).
+THREAD_POLICIES = ("critical_first", "fcfs")
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,19 @@ class EngineConfig:
             decoding (chunked prefill). None (default): no limit, every pending token runs in
             the next step; outputs do not depend on it (greedy tokens equal). A fork or join
             writes its few tokens together even past the budget.
+        thread_policy: which threads run when the token budget binds (the step's demand, all
+            requests' threads together, exceeds ``max_num_batched_tokens``):
+            ``"critical_first"`` (default): every running request's critical thread (its main
+            thread; while the main thread waits at a sync, the child with the longest remaining
+            promised length) gets a token before any extra child thread, least recently served
+            request first, and the extra threads share what is left round-robin across
+            requests, so a request's width shrinks as the batch fills and grows back as it
+            drains, and no running request waits more than ``max_running_requests - 1`` steps
+            in a row; ``"fcfs"``: requests in admission order, each taking the budget for all
+            its threads before the next one is served (the policy before issue 33, kept for
+            comparison). Without a budget, or when it does not bind, both run every thread.
+            Outputs do not depend on it (greedy tokens equal): it changes when threads run,
+            never what they sample. See :mod:`pasta_engine.engine.scheduler`.
         limits: default :class:`Limits` of a request.
         position_policy: default :class:`PositionPolicy` (or its string).
         pasta_prompt: system prompt and examples put before a string prompt in pasta mode
@@ -409,6 +425,7 @@ class EngineConfig:
     page_size: int = 16
     max_running_requests: int = 8
     max_num_batched_tokens: int | None = None
+    thread_policy: str = "critical_first"
     limits: Limits = field(default_factory=Limits)
     position_policy: PositionPolicy | str = "predicted"
     pasta_prompt: PastaPrompt = DEFAULT_PASTA_PROMPT
@@ -426,6 +443,8 @@ class EngineConfig:
         check_int("page_size", self.page_size, 1, 1024)
         check_int("max_running_requests", self.max_running_requests, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, none_ok=True)
+        if not isinstance(self.thread_policy, str) or self.thread_policy not in THREAD_POLICIES:
+            raise ParameterError("thread_policy", self.thread_policy, " or ".join(repr(p) for p in THREAD_POLICIES))
         if not isinstance(self.limits, Limits):
             raise ParameterError("limits", self.limits, "a pasta_engine.Limits")
         object.__setattr__(self, "position_policy", PositionPolicy.parse(self.position_policy))

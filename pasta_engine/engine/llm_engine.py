@@ -75,9 +75,9 @@ class Engine:
         model, tokenizer, hf_config: as returned by :func:`pasta_engine.models.loader.load_model`.
         config: an :class:`~pasta_engine.config.EngineConfig`; or its fields as keyword
             arguments (``attention_backend``, ``kv_cache_bytes``, ``page_size``,
-            ``max_running_requests``, ``max_num_batched_tokens``, ``limits``, ``position_policy``,
-            ``pasta_prompt``, ``cuda_graphs``, ``prompt_special_tokens``, ``enable_prefix_caching``),
-            not both.
+            ``max_running_requests``, ``max_num_batched_tokens``, ``thread_policy``, ``limits``,
+            ``position_policy``, ``pasta_prompt``, ``cuda_graphs``, ``prompt_special_tokens``,
+            ``enable_prefix_caching``), not both.
 
     Raises ParameterError for a bad setting (naming it)."""
 
@@ -116,7 +116,8 @@ class Engine:
                                           self.model_runner.kv_cache_bytes,
                                           prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_running_requests,
-                                   max_num_batched_tokens=self.config.max_num_batched_tokens)
+                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                   thread_policy=self.config.thread_policy)
         try:
             self.eos_ids = eos_token_ids(tokenizer, hf_config)
         except ValueError as e:

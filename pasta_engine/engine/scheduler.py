@@ -22,6 +22,34 @@ or join must write in the same step as its child or parent (the promise's last t
 child's last token) run together even past the budget. With no budget (None) every pending
 token runs, one step per sampled token.
 
+Threads under load (``thread_policy``, issue 33): when the budget binds (the step's demand, all
+running requests' threads together, exceeds it), ``"critical_first"`` (the default) serves the
+critical path first. A request's critical thread is its main thread, or, while the main thread
+waits at a sync (or has ended and waits for its children), the sampling child whose remaining
+promised length (its promise's ``tokens`` less what it has sampled) is longest. Each step:
+
+1. every running request gets one token for its critical thread, least recently served request
+   first (ties: running order), together with the threads a pending fork or join needs (all
+   their tokens, even past the budget, as above);
+2. the critical threads take the rest of their pending tokens (a prefill's next piece, a
+   child's inserted tag), in the same order;
+3. extra threads (flushes, then the other sampling children, longest remaining promise first)
+   fill what is left, one thread per request per round, round-robin across requests (least
+   recently given an extra thread first).
+
+A request alone gets its full width (up to the budget), a request's width shrinks as the batch
+fills and grows back as it drains, and no request starves: the request served least recently
+is served first and the budget is at least one token, so a running request with work waits at
+most ``R - 1`` steps in a row (R: running requests, at most ``max_running_requests``), and with
+a budget of at least one token per running request (plus the tokens of its pending fork or join)
+every critical thread advances every step. ``"fcfs"`` keeps the policy before it: requests in
+running order, each request's threads in the interpreter's order, each taking ``min(pending,
+budget left)``. Without a budget, or when it does not bind, both run every thread the same way;
+outputs never depend on the policy (it changes when a thread runs, not what it samples). The
+per-request width (``Limits.max_threads``) is applied first in both, in the interpreter's order
+(main thread, then children in fork order), as :func:`~pasta_engine.metrics.simulate_steps`
+models it; in a decode step a thread forwards one token, so the budget is also the step's rows.
+
 KV memory: before a step the scheduler checks that the free pages cover the worst case the
 step can allocate; if not, it preempts the most recently admitted request (its pages are freed
 and it restarts from its prompt later, with the same seed, so its output is unchanged). A
@@ -45,6 +73,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..config import THREAD_POLICIES
 from ..errors import KVCacheExhausted
 from .batch import KVFork, KVJoin, KVRelease, SampledTokens, ScheduledBatch, ScheduledThread, ThreadStep
 from .block_manager import BlockManager, KVView
@@ -63,17 +92,29 @@ class Scheduler:
             requests when admitting another.
         max_num_batched_tokens: the token budget, tokens forwarded in one step (>= 1; None:
             no limit, every pending token runs).
+        thread_policy: which threads run when the budget binds: ``"critical_first"`` (every
+            running request's critical thread first, extra threads round-robin across requests)
+            or ``"fcfs"`` (requests in admission order); see the module's docstring.
 
-    Raises ValueError for a budget below 1."""
+    Raises ValueError for a budget below 1 or an unknown thread policy."""
 
     def __init__(self, block_manager: BlockManager, max_running_requests: int = 8, lookahead_steps: int = 8,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, thread_policy: str = "critical_first"):
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r}: at least 1 token per step, "
                              f"or None for no limit")
+        if thread_policy not in THREAD_POLICIES:
+            raise ValueError(f"thread_policy={thread_policy!r}: expected one of {', '.join(THREAD_POLICIES)}")
         self.block_manager = block_manager
         self.max_running = max_running_requests
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.thread_policy = thread_policy
+        # critical_first's fairness (see _stamp): request id -> the step at which its critical
+        # thread last ran (the step before its first one, when it has not run yet), and the same
+        # for its extra threads
+        self._served: dict[str, int] = {}
+        self._served_extra: dict[str, int] = {}
+        self._stamps: tuple[list[str], list[str]] = ([], [])  # the last plan's (served, given an extra)
         self.lookahead_steps = lookahead_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -270,21 +311,10 @@ class Scheduler:
         (each ``> 0``), from its interpreter's demand: every flush and at most ``max_width``
         sampling threads, each taking ``min(pending, budget left)`` tokens; a thread a pending
         fork or join needs in this step (the fork's parent, the join's children) takes all its
-        pending tokens whatever the budget."""
-        it = req.interp
-        need_all: set[int] = set()
-        for op in it.peek_kv_ops():
-            if type(op) is KVFork:
-                need_all.add(op.parent)
-            elif type(op) is KVJoin:
-                need_all.update(op.children)
-        width = it.max_width
+        pending tokens whatever the budget (the ``"fcfs"`` rule, for one request)."""
+        cands, need_all = self._candidates(req)
         picks: list[tuple[ThreadStep, int]] = []
-        for s in it.runnable_threads():
-            if s.sample:
-                if width is not None and width <= 0:
-                    continue
-                width = None if width is None else width - 1
+        for s in cands:
             n = len(s.tokens) if s.tid in need_all else min(len(s.tokens), budget)
             if n > 0:
                 picks.append((s, int(n)))
@@ -293,19 +323,167 @@ class Scheduler:
 
     def _plan(self) -> list[tuple[Request, list[tuple[ThreadStep, int]], int]]:
         """Per running request: its picks this step (none when it has no work or the token
-        budget was spent before its turn) and the new KV pages they take. Requests are served
-        in running order."""
+        budget was spent before its turn) and the new KV pages they take, under the thread
+        policy (``"fcfs"``: requests served in running order; ``"critical_first"``:
+        :meth:`_plan_critical_first`). Changes nothing."""
+        if self.thread_policy == "critical_first" and self.max_num_batched_tokens is not None:
+            picks = self._plan_critical_first(self.max_num_batched_tokens)
+        else:
+            self._stamps = ([], [])
+            budget: float = math.inf if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+            picks = []
+            for req in self.running:
+                p = self._pick(req, budget) if budget > 0 else []
+                budget -= sum(n for _, n in p)
+                picks.append(p)
         bm = self.block_manager
-        budget: float = math.inf if self.max_num_batched_tokens is None else self.max_num_batched_tokens
         work = []
         empty = KVView()
-        for req in self.running:
-            picks = self._pick(req, budget) if budget > 0 else []
-            budget -= sum(n for _, n in picks)
+        for req, p in zip(self.running, picks):
             views = req.views
-            pages = sum(bm.pages_needed(views.get(s.tid, empty), n) for s, n in picks)
-            work.append((req, picks, pages))
+            pages = sum(bm.pages_needed(views.get(s.tid, empty), n) for s, n in p)
+            work.append((req, p, pages))
         return work
+
+    # ------------------------------------------------------------------ critical_first
+
+    def _candidates(self, req: Request) -> tuple[list[ThreadStep], set[int]]:
+        """What ``req`` may run this step whatever the budget: its interpreter's demand with
+        the width applied (every flush, at most ``max_width`` sampling threads, in the demand's
+        order), and the ids of the threads a pending fork or join needs in this step."""
+        it = req.interp
+        need_all: set[int] = set()
+        for op in it.peek_kv_ops():
+            if type(op) is KVFork:
+                need_all.add(op.parent)
+            elif type(op) is KVJoin:
+                need_all.update(op.children)
+        width = it.max_width
+        out: list[ThreadStep] = []
+        for s in it.runnable_threads():
+            if s.sample:
+                if width is not None and width <= 0:
+                    continue
+                width = None if width is None else width - 1
+            if s.tokens:
+                out.append(s)
+        return out, need_all
+
+    @staticmethod
+    def remaining_promised(req: Request, tid: int) -> int:
+        """Tokens thread ``tid`` of ``req`` has still to sample by its promise: the promise's
+        predicted length (``tokens``; without one, the thread's cap) less the tokens it has
+        sampled, at least 0. The main thread has no promise: 0."""
+        t = req.interp.threads[tid]
+        promised = getattr(getattr(t, "promise", None), "tokens", None)
+        if promised is None:
+            promised = getattr(t, "cap", None) or 0
+        return max(0, int(promised) - t.n_sampled)
+
+    def _critical(self, req: Request, cands: list[ThreadStep]) -> ThreadStep | None:
+        """The critical thread among ``cands`` (the request's candidates): its main thread when
+        it samples; else (the main thread waits at a sync, or has ended and waits for its
+        children) the sampling thread whose remaining promised length is longest (ties: the one
+        forked first); a request with only flushes, its first flush; None without candidates."""
+        main = req.interp.main.tid
+        sampling = [s for s in cands if s.sample]
+        for s in sampling:
+            if s.tid == main:
+                return s
+        if sampling:
+            rem = self.remaining_promised
+            return max(sampling, key=lambda s: (rem(req, s.tid), -s.tid))
+        return cands[0] if cands else None
+
+    def _plan_critical_first(self, budget: int) -> list[list[tuple[ThreadStep, int]]]:
+        """Per running request (running order), its picks under ``budget`` tokens: everything
+        its candidates hold when that fits (the same picks as ``fcfs``), else the three phases
+        of the module's docstring (critical threads' first tokens with the threads a fork or
+        join needs, the critical threads' remaining tokens, extra threads round-robin). Each
+        request's picks keep its interpreter's order. Records which requests were served (for
+        :meth:`schedule` to stamp once the plan is final)."""
+        now = self.total_steps
+        reqs = self.running
+        cands = [self._candidates(r) for r in reqs]
+        counts: list[dict[int, int]] = [{} for _ in reqs]
+        served: list[int] = []
+        extra: set[int] = set()
+        if sum(len(s.tokens) for c, _ in cands for s in c) <= budget:  # the budget does not bind
+            for i, (c, _) in enumerate(cands):
+                counts[i] = {s.tid: len(s.tokens) for s in c}
+                if c:
+                    served.append(i)
+                    if len(c) > 1:
+                        extra.add(i)
+        else:
+            crit = [self._critical(r, c) for r, (c, _) in zip(reqs, cands)]
+            ids = [r.request_id for r in reqs]
+            order = sorted((i for i in range(len(reqs)) if crit[i] is not None),
+                           key=lambda i: (self._served.get(ids[i], now - 1), i))
+            left = budget
+            for i in order:  # 1: one token of each critical thread, with what a fork or join needs
+                if left <= 0:
+                    break
+                c, need_all = cands[i]
+                for s in c:
+                    if s.tid in need_all:
+                        counts[i][s.tid] = len(s.tokens)
+                        left -= len(s.tokens)
+                if crit[i].tid not in counts[i]:
+                    counts[i][crit[i].tid] = 1
+                    left -= 1
+                served.append(i)
+            for i in served:  # 2: the rest of the critical threads' tokens
+                if left <= 0:
+                    break
+                s = crit[i]
+                n = min(len(s.tokens) - counts[i][s.tid], left)
+                if n > 0:
+                    counts[i][s.tid] += n
+                    left -= n
+            queues: dict[int, deque[ThreadStep]] = {}
+            for i in served:  # 3: extra threads, round-robin across requests
+                rest = [s for s in cands[i][0] if s.tid not in counts[i]]
+                flushes = [s for s in rest if not s.sample]
+                children = sorted((s for s in rest if s.sample),
+                                  key=lambda s: -self.remaining_promised(reqs[i], s.tid))  # stable: fork order
+                if flushes or children:
+                    queues[i] = deque(flushes + children)
+            rr = sorted(queues, key=lambda i: (self._served_extra.get(ids[i], now - 1), i))
+            while left > 0 and rr:
+                for i in rr:
+                    if left <= 0:
+                        break
+                    s = queues[i].popleft()
+                    n = min(len(s.tokens), left)
+                    counts[i][s.tid] = n
+                    left -= n
+                    extra.add(i)
+                rr = [i for i in rr if queues[i]]
+        self._stamps = ([reqs[i].request_id for i in served], [reqs[i].request_id for i in extra])
+        return [[(s, counts[i][s.tid]) for s in c if counts[i].get(s.tid)] for i, (c, _) in enumerate(cands)]
+
+    def _stamp(self) -> None:
+        """Record this step's service (the final plan's): a request whose critical thread ran
+        moves behind those that waited; the same for extra threads. A request seen for the first
+        time counts as served the step before (behind every request that waited longer, ahead of
+        none served now), which is what bounds a wait by the requests ahead of it. Requests no
+        longer running are forgotten (one admitted again starts as new)."""
+        now = self.total_steps
+        running = {r.request_id for r in self.running}
+        served, extra = self._stamps
+        self._served = {rid: s for rid, s in self._served.items() if rid in running}
+        self._served_extra = {rid: s for rid, s in self._served_extra.items() if rid in running}
+        for rid in running:
+            self._served.setdefault(rid, now - 1)
+            self._served_extra.setdefault(rid, now - 1)
+        for rid in served:
+            if rid in running:
+                self._served[rid] = now
+        for rid in extra:
+            if rid in running:
+                self._served_extra[rid] = now
+        self._stamps = ([], [])
 
     def _allocate(self, req: Request, picks: list[tuple[ThreadStep, int]], out: list[ScheduledThread]) -> None:
         """Apply the interpreter's KV operations and allocate the KV slots of ``picks``, in the
@@ -371,6 +549,7 @@ class Scheduler:
                                f"max_new_tokens / max_threads")
                 return ScheduledBatch()
             self._preempt(work[self._victim(work)][0])
+        self._stamp()
         batch = ScheduledBatch()
         for req, picks, _ in work:
             if not picks:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..config import THREAD_POLICIES
 from ..layers.backends import backend_info, backend_names
 from ..tools.presets import PRESETS
 
@@ -96,6 +97,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="token budget: tokens forwarded in one step; a longer prompt is prefilled in pieces while "
                    "other requests keep decoding (chunked prefill; default: no limit)")
+    g.add_argument("--thread-policy", choices=THREAD_POLICIES, default=THREAD_POLICIES[0],
+                   help="which threads run when --max-num-batched-tokens binds: critical_first (default: every running "
+                   "request's main thread, or the child with the longest promise left while the main thread waits at a "
+                   "sync, before any extra child thread; extra threads round-robin across requests, so no request "
+                   "starves) or fcfs (requests in admission order, each taking the budget for all its threads; the "
+                   "policy before it). Outputs are the same")
     g.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
                    help="shard the model over N ranks, one process each (torch.distributed: gloo on CPU, NCCL on "
                    "CUDA; N must divide the KV heads; default: 1)")
@@ -287,6 +294,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         enable_prefix_caching=getattr(args, "prefix_caching", True),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+        thread_policy=getattr(args, "thread_policy", THREAD_POLICIES[0]),
     )
     if hasattr(args, "max_threads"):
         options["limits"] = Limits(max_threads=args.max_threads or None, max_forks=args.max_forks,
@@ -316,6 +324,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         "cpu_threads_flag": getattr(args, "threads", "auto") if threads is not None else None,
         "prefix_caching": engine.config.enable_prefix_caching,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "thread_policy": engine.config.thread_policy,
         **engine.model_runner.describe(),
     }
     if hasattr(args, "max_threads"):
