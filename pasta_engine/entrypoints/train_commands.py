@@ -114,6 +114,11 @@ def add_train_parser(subparsers: Any) -> None:
                    "--endpoint-url, prompted with docs/annotation_prompt.md, an annotation kept only when its "
                    "stripped text is the answer)")
     add_endpoint_args(s, "endpoint", "annotates with --annotator endpoint")
+    s.add_argument("--system-prompt", default=None, metavar="TEXT",
+                   help="the system line the adapter is trained with and the engine runs it with (its manifest records "
+                   "it); default: the adapter continued from's, else 'Write independent parts of your answer as "
+                   "PASTA-LANG promises.'; '' for none, the chat template's own (the context the base model wrote its "
+                   "answers in)")
     s.add_argument("--examples", type=Path, default=None,
                    help="train on these annotated answers (JSONL of TrainExample rows: `train chunks`' or an earlier "
                    "run's OUT/examples.jsonl) instead of annotating --prompts; the filters below still apply")
@@ -349,6 +354,19 @@ def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dty
         print(f"train sft: {counts['kept']} examples from {len(rows)} training rows ({counts['forked']} forked; never "
               f"{EVAL_DATASET!r}); {counts}" + (f"; {dp.world_size} ranks ({dp.backend})" if dp.world_size > 1 else ""),
               file=sys.stderr)
+    prompt_kw = {}
+    if args.system_prompt is not None:
+        from ..lang.prompts import PastaPrompt
+
+        prompt_kw["pasta_prompt"] = PastaPrompt(system=args.system_prompt, examples=())
+    elif args.adapter is not None:
+        from ..lang.prompts import PastaPrompt
+
+        from ..models.adapter import read_manifest
+
+        earlier = (read_manifest(args.adapter) or {}).get("pasta_prompt")
+        if earlier is not None:
+            prompt_kw["pasta_prompt"] = PastaPrompt.from_dict(earlier)
     settings = SFTSettings(epochs=args.epochs, lr=args.lr, grad_accum=args.grad_accum, seed=args.seed, warmup=args.warmup,
                            max_steps=args.max_steps, save_every=args.save_every,
                            lora=LoraSettings(r=args.lora_r, alpha=args.lora_alpha), tag_weight=args.tag_weight,
@@ -356,7 +374,8 @@ def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dty
                            tag_tokens=args.tag_tokens, content_loss=args.content_loss, end_target=args.end_target,
                            distill_hard_open=args.distill_hard_open, tokens_only=args.tokens_only,
                            device=args.device, dtype=str(dtype).replace("torch.", ""),
-                           gradient_checkpointing=args.gradient_checkpointing, example_seeds=args.example_seeds)
+                           gradient_checkpointing=args.gradient_checkpointing, example_seeds=args.example_seeds,
+                           **prompt_kw)
     manifest = base_manifest(args.model, command_line(argv))
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
                         "annotator": (sorted({e.annotator for e in examples}) if args.examples is not None else

@@ -143,3 +143,26 @@ def test_train_chunks_then_sft_on_its_examples(tiny_llama, tmp_path, capsys):
     assert main(["train", "sft", "--prompts", str(prompts), "--examples", str(bad), "--model", str(tiny_llama),
                  "--out", str(tmp_path / "sft2")]) != 0
     assert "--examples" in capsys.readouterr().err
+
+
+def test_train_sft_system_prompt_is_trained_and_recorded(tiny_llama, tmp_path):
+    """``--system-prompt ''`` trains without the one-line PASTA-LANG system message (the chat
+    template's own, the context the base model wrote its answers in); the manifest records it, so
+    the engine runs the adapter the same way; a continued adapter keeps its prompt."""
+    from pasta_engine import Engine
+    from pasta_engine.entrypoints.cli import main
+
+    listed = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
+    prompts = tmp_path / "answers.json"
+    prompts.write_text(json.dumps([{"instruction": SLEEP_PROMPT, "dataset": "koala", "output": listed}]))
+    args = ["--model", str(tiny_llama), "--grad-accum", "1", "--max-steps", "1", "--lora-r", "4", "--lora-alpha", "8"]
+    assert main(["train", "sft", "--prompts", str(prompts), "--out", str(tmp_path / "a"), "--tag-tokens",
+                 "--system-prompt", "", *args]) == 0
+    manifest = json.loads((tmp_path / "a" / "adapter" / "manifest.json").read_text())
+    assert manifest["pasta_prompt"]["system"] == ""
+    engine = Engine.from_pretrained(tiny_llama, adapter=tmp_path / "a" / "adapter", kv_cache_bytes=8 * 2**20)
+    assert engine.config.pasta_prompt.system == "" and engine.config.pasta_prompt.messages("hi") == [
+        {"role": "user", "content": "hi"}]
+    assert main(["train", "sft", "--prompts", str(prompts), "--out", str(tmp_path / "b"),
+                 "--adapter", str(tmp_path / "a" / "adapter"), *args]) == 0
+    assert json.loads((tmp_path / "b" / "adapter" / "manifest.json").read_text())["pasta_prompt"]["system"] == ""
