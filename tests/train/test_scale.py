@@ -303,3 +303,28 @@ def test_sft_on_cuda_in_bfloat16_stays_under_its_estimate(tiny_llama, tmp_path):
     assert torch.isfinite(torch.tensor(summary["first_loss"]))
     # + 64 MiB: cuBLAS workspaces (allocated through the caching allocator) are not in the estimate
     assert torch.cuda.max_memory_allocated() <= summary["scale"]["memory_estimate_bytes"] + 64 * 2**20
+
+
+def test_train_answers_through_the_engine_equals_greedy_generation(tiny_llama, tmp_path):
+    """Issue 34: ``train answers`` samples through the engine, batched (here 2 prompts per call,
+    decoded together), and its greedy answers are the engine's own sequential answers to the
+    same prompts one at a time: batching and the device flag change nothing."""
+    import json as _json
+
+    from pasta_engine import Engine, SamplingParams
+    from pasta_engine.entrypoints.cli import main
+
+    rows = [{"instruction": f"Name {k} things.", "dataset": "koala"} for k in ("two", "three", "four")]
+    rows.append({"instruction": "never", "dataset": "vicuna"})
+    prompts = tmp_path / "p.json"
+    prompts.write_text(_json.dumps(rows))
+    assert main(["train", "answers", "--prompts", str(prompts), "--model", str(tiny_llama), "--out", str(tmp_path / "a"),
+                 "--temperature", "0", "--repetition-penalty", "1.1", "--max-new-tokens", "12", "--batch", "2",
+                 "--device", "cpu"]) == 0
+    got = _json.loads((tmp_path / "a" / "answers.json").read_text())
+    assert [r["instruction"] for r in got] == [r["instruction"] for r in rows[:3]]  # never the vicuna row
+    engine = Engine.from_pretrained(tiny_llama, adapter=None, max_running_requests=1)
+    for r in got:
+        [one] = engine.generate([r["instruction"]], SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                                    repetition_penalty=1.1), mode="sequential")
+        assert r["output"] == one.text and r["tokens"] == one.stats.tokens_decoded
