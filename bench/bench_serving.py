@@ -63,6 +63,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from pasta_engine.entrypoints.args import nonneg_int, positive_int  # the CLI's argparse types
+
 ROOT = Path(__file__).resolve().parents[1]
 #: The example prompts: AlpacaEval's instructions in the shared data (``$PASTA_SHARED_DATA``).
 DEFAULT_PROMPTS = Path(os.environ.get("PASTA_SHARED_DATA", ROOT.parent / "shared" / "data")) / "alpaca_eval" / \
@@ -542,26 +544,6 @@ def plot_curves(results: Sequence[Mapping[str, Any]], path: Path) -> Path:
 # --------------------------------------------------------------------------- command line
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
 def _rate(text: str) -> float:
     try:
         v = float(text)
@@ -605,21 +587,21 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
                    help="AlpacaEval-style JSON: a list of objects with 'instruction' (default, the example: "
                    f"{DEFAULT_PROMPTS})")
-    w.add_argument("--num-prompts", type=_positive_int, default=32,
+    w.add_argument("--num-prompts", type=positive_int, default=32,
                    help="requests per load point: the file's first N instructions, the same at every point "
                    "(default 32)")
-    w.add_argument("--concurrency", type=_positive_int, nargs="+", default=None, metavar="C",
+    w.add_argument("--concurrency", type=positive_int, nargs="+", default=None, metavar="C",
                    help="closed-loop load points: at most C requests in flight (default, without --request-rate: "
                    "1 2 4 8 16)")
     w.add_argument("--request-rate", type=_rate, nargs="+", default=None, metavar="R",
                    help="open-loop load points: Poisson arrivals at R requests/s (inf: all at once)")
-    w.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the Poisson arrivals (default 0)")
+    w.add_argument("--seed", type=nonneg_int, default=0, help="seed of the Poisson arrivals (default 0)")
     w.add_argument("--mode", choices=MODES, default="pasta", help="the requests' pasta.mode (default pasta)")
     w.add_argument("--pasta-json", default=None, metavar="JSON",
                    help="more fields of the requests' pasta object, e.g. '{\"max_threads\": 4}' (not mode)")
-    w.add_argument("--max-tokens", type=_positive_int, default=256, help="max_tokens of each request (default 256)")
+    w.add_argument("--max-tokens", type=positive_int, default=256, help="max_tokens of each request (default 256)")
     w.add_argument("--temperature", type=_temperature, default=0.0, help="0 (default) is greedy")
-    w.add_argument("--warmup", type=_nonneg_int, default=1, help="untimed requests before the first point (default 1)")
+    w.add_argument("--warmup", type=nonneg_int, default=1, help="untimed requests before the first point (default 1)")
     o = ap.add_argument_group("objective")
     o.add_argument("--slo-ttft-s", type=_seconds, default=None, help="goodput's bound on TTFT (seconds)")
     o.add_argument("--slo-tpot-s", type=_seconds, default=None, help="goodput's bound on TPOT (seconds per token)")
