@@ -3,7 +3,6 @@ told to overwrite, and bench/plot.py draws the CPU results as well as the GPU on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,16 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from bench_loader import load_bench  # noqa: E402  (tests/bench_loader.py)
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 RESULTS = BENCH / "results"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def load_common():
-    spec = importlib.util.spec_from_file_location("bench_common", BENCH / "common.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("common.py")
 
 
 def test_new_path_keeps_an_existing_file(tmp_path):

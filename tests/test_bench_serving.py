@@ -9,7 +9,6 @@ file are skipped) and draws its plot."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import sys
@@ -17,16 +16,13 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_serving.py"
+from bench_loader import load_bench  # noqa: E402  (tests/bench_loader.py)
+
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_serving.py")
 
 
 #: A recorded load point: three completed requests and one that failed (times in seconds).

@@ -7,13 +7,13 @@ stream's text equals its non-streamed text. The driver is bench/bench_server_loa
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_server_load.py"
+from bench_loader import load_bench  # noqa: E402  (tests/bench_loader.py)
+
 REPLAYS = [
     'Plan: <promise topic="pack" tokens="10"/><async>Pack light.</async> then '
     '<promise topic="route" tokens="10"/><async>Check the route twice.</async><sync/> Go.',
@@ -25,11 +25,7 @@ LONG = {"extra_body": {"pasta": {"mode": "sequential", "annotated_response": "Ke
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_server_load", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_server_load.py")
 
 
 def test_64_concurrent_streams_8_cancelled_8_invalid(server):
