@@ -7,8 +7,6 @@ stream's text equals its non-streamed text. The driver is bench/bench_server_loa
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
