@@ -23,6 +23,19 @@ def chromium() -> str:
     return exe
 
 
+def replay_on_page(page, server, annotated: str, prompt: str) -> None:
+    """Open the page, replay ``annotated`` for ``prompt`` through its form and wait for the end
+    (asserting it ended done, not in an error)."""
+    page.goto(server.url + "/")
+    page.click("summary")
+    page.fill("#api-key", server.api_key)
+    page.fill("#annotated", annotated)
+    page.fill("#prompt", prompt)
+    page.click("#run")
+    page.wait_for_selector("body[data-state=done], body[data-state=error]", timeout=120_000)
+    assert page.get_attribute("body", "data-state") == "done", page.inner_text("#error")
+
+
 def test_page_shows_threads_side_by_side(server, tmp_path):
     exe = chromium()
     with sync_api.sync_playwright() as p:
@@ -31,14 +44,7 @@ def test_page_shows_threads_side_by_side(server, tmp_path):
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(server.url + "/")
-            page.click("summary")
-            page.fill("#api-key", server.api_key)
-            page.fill("#annotated", ANNOTATED)
-            page.fill("#prompt", "Give me two tips.")
-            page.click("#run")
-            page.wait_for_selector("body[data-state=done], body[data-state=error]", timeout=120_000)
-            assert page.get_attribute("body", "data-state") == "done", page.inner_text("#error")
+            replay_on_page(page, server, ANNOTATED, "Give me two tips.")
             cols = page.query_selector_all(".thread")
             assert len(cols) == 3  # the main thread and one column per forked thread
             texts = [c.query_selector(".text").inner_text() for c in cols]
@@ -142,14 +148,7 @@ def test_seven_threads_all_stay_in_view_and_the_page_has_an_icon(server):
         browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(server.url + "/")
-            page.click("summary")
-            page.fill("#api-key", server.api_key)
-            page.fill("#annotated", SEVEN)
-            page.fill("#prompt", "Six tips.")
-            page.click("#run")
-            page.wait_for_selector("body[data-state=done], body[data-state=error]", timeout=120_000)
-            assert page.get_attribute("body", "data-state") == "done", page.inner_text("#error")
+            replay_on_page(page, server, SEVEN, "Six tips.")
             cols = page.query_selector_all(".thread")
             assert len(cols) == 7
             for c in cols:
