@@ -549,7 +549,8 @@ class Scheduler:
                                f"max_new_tokens / max_threads")
                 return ScheduledBatch()
             self._preempt(work[self._victim(work)][0])
-        self._stamp()
+        if self.thread_policy == "critical_first" and self.max_num_batched_tokens is not None:
+            self._stamp()  # fairness state only this policy under a budget reads (no per-step work otherwise)
         batch = ScheduledBatch()
         for req, picks, _ in work:
             if not picks:
