@@ -38,7 +38,7 @@ from .forward import forward_logprobs, layout_for
 from .losses import bonbon_loss
 from .quality import LikelihoodQuality, Scorer, speedup_plus_quality
 
-__all__ = ["BonbonSettings", "sample_and_rank", "best_and_worst", "bonbon_memory_estimate", "train_bonbon"]
+__all__ = ["BonbonSettings", "adapter_pasta_prompt", "sample_and_rank", "best_and_worst", "bonbon_memory_estimate", "train_bonbon"]
 
 
 @dataclass
@@ -50,7 +50,9 @@ class BonbonSettings:
     ``epochs`` over the pairs; ``rounds`` repeats sample-and-train; ``best_must_finish``: only a
     sample that ended by itself (not at the token limit) can be a pair's best. ``device``,
     ``dtype`` (None: float32 on a CPU, bfloat16 on CUDA) and ``gradient_checkpointing`` as
-    :class:`~pasta_engine.train.sft.SFTSettings`'s."""
+    :class:`~pasta_engine.train.sft.SFTSettings`'s. ``pasta_prompt``: the context samples are drawn
+    and trained in (None: the starting adapter's own, from its manifest; an adapter without one,
+    the learned system line), as ``train sft`` keeps a continued adapter's."""
 
     n: int = 4
     rounds: int = 1
@@ -68,10 +70,20 @@ class BonbonSettings:
     max_running_requests: int = 8
     kv_cache_mb: int = 1024
     best_must_finish: bool = True
-    pasta_prompt: PastaPrompt = LEARNED_PASTA_PROMPT
+    pasta_prompt: PastaPrompt | None = None
     device: str = "cpu"
     dtype: str | None = None
     gradient_checkpointing: bool = False
+
+
+def adapter_pasta_prompt(adapter: Path, given: PastaPrompt | None = None) -> PastaPrompt:
+    """The context an adapter samples and trains in: ``given`` when set, else the ``pasta_prompt`` its
+    manifest records (``train sft --system-prompt``), else :data:`LEARNED_PASTA_PROMPT` (adapters
+    trained before the manifest kept one)."""
+    if given is not None:
+        return given
+    recorded = (read_manifest(adapter) or {}).get("pasta_prompt")
+    return PastaPrompt.from_dict(recorded) if recorded is not None else LEARNED_PASTA_PROMPT
 
 
 def bonbon_memory_estimate(prompts: Sequence[str], adapter: Path, settings: BonbonSettings,
@@ -93,8 +105,9 @@ def bonbon_memory_estimate(prompts: Sequence[str], adapter: Path, settings: Bonb
     shape = ModelShape.from_config(load_config(base))
     tok = load_tokenizer(base)
     dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
-    longest = max((len(encode_prompt(tok, dialect_prompt(PASTA, settings.pasta_prompt).messages(p), "text"))
-                   for p in prompts), default=0) + settings.max_new_tokens
+    context = dialect_prompt(PASTA, adapter_pasta_prompt(adapter, settings.pasta_prompt))
+    longest = max((len(encode_prompt(tok, context.messages(p), "text")) for p in prompts),
+                  default=0) + settings.max_new_tokens
     cfg = {}
     try:
         cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
@@ -208,6 +221,7 @@ def train_bonbon(
         if progress:
             print(line, file=sys.stderr, flush=True)
     on_gpu = device if device.type == "cuda" else None
+    pasta_prompt = adapter_pasta_prompt(adapter, settings.pasta_prompt)
     out.mkdir(parents=True, exist_ok=True)
     base_model, tok, path = load_base(base, dtype, device=on_gpu)
     base_model.eval()
@@ -229,7 +243,7 @@ def train_bonbon(
             engine = Engine.from_pretrained(base, device=device, dtype=dtype, adapter=current,
                                             max_running_requests=settings.max_running_requests,
                                             kv_cache_bytes=settings.kv_cache_mb * 2**20,
-                                            pasta_prompt=settings.pasta_prompt)
+                                            pasta_prompt=pasta_prompt)
             t0 = time.perf_counter()
             rows = sample_and_rank(engine, prompts, settings, scorer, seed=settings.seed + 10_000 * k)
             sample_s = time.perf_counter() - t0
@@ -254,7 +268,7 @@ def train_bonbon(
         limits = Limits(max_threads=None)
 
         def lay(text: str, prompt: str):
-            return layout_for(policy, tok, prompt, text, pasta_prompt=settings.pasta_prompt, limits=limits)
+            return layout_for(policy, tok, prompt, text, pasta_prompt=pasta_prompt, limits=limits)
 
         layouts = [(lay(b["annotated"], b["prompt"]), lay(w["annotated"], w["prompt"])) for b, w in pairs]
         policy.eval()
@@ -307,13 +321,13 @@ def train_bonbon(
         rounds.append(summary_k)
         prior = read_manifest(current) or {}
         current = export_adapter(policy, rdir / "adapter", {
-            **prior, **(manifest or {}), "pasta_prompt": settings.pasta_prompt.to_dict(),
+            **prior, **(manifest or {}), "pasta_prompt": pasta_prompt.to_dict(),
             "stages": [*prior.get("stages", []), {"stage": "bonbon", **summary_k}],
         })
         (rdir / "round.json").write_text(json.dumps(summary_k, indent=2) + "\n")
         del policy, policy_base
     summary = {"stage": "bonbon", "rounds": rounds, "settings": {**asdict(settings),
-                                                                  "pasta_prompt": settings.pasta_prompt.to_dict()},
+                                                                  "pasta_prompt": pasta_prompt.to_dict()},
                "train_seconds": round(time.perf_counter() - t_start, 1), "machine": machine(device), "commit": git_commit(),
                "quality_proxy": "base model mean log-likelihood per token of the clean text, minus 2.0 x the fraction "
                                 "of repeated lines (a proxy, not a judge)"}
