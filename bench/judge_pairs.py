@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
+
+from pasta_engine.tools.judge import read_blind_sides, write_blind_pairs
 
 
 def make(candidate: Path, baseline: Path, out: Path, seed: int, label: str) -> None:
@@ -29,49 +30,13 @@ def make(candidate: Path, baseline: Path, out: Path, seed: int, label: str) -> N
     if sorted(r["instruction"] for r in cand) != sorted(by_instruction):
         raise SystemExit("the two outputs files must hold the same instructions")
     base = [by_instruction[r["instruction"]] for r in cand]  # paired by instruction, in the candidate's order
-    rng = random.Random(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    key, fwd, rev = [], [], []
-    for i, (c, b) in enumerate(zip(cand, base)):
-        cand_is_a = rng.random() < 0.5
-        a, bb = (c["output"], b["output"]) if cand_is_a else (b["output"], c["output"])
-        fwd.append({"id": i, "question": c["instruction"], "answer_a": a, "answer_b": bb})
-        rev.append({"id": i, "question": c["instruction"], "answer_a": bb, "answer_b": a})
-        key.append({"id": i, "candidate_in_pairs": "A" if cand_is_a else "B",
-                    "candidate_in_pairs_reversed": "B" if cand_is_a else "A"})
-    (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fwd))
-    (out / "pairs_reversed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rev))
-    (out / "key.json").write_text(json.dumps({"candidate": str(candidate), "baseline": str(baseline), "label": label,
-                                              "seed": seed, "rows": key}, indent=1) + "\n")
-
-
-def _verdicts(path: Path) -> dict[int, dict]:
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            v = json.loads(line)
-            out[int(v["id"])] = v
-    return out
-
-
-def _side(verdict: str, cand_letter: str) -> str:
-    v = verdict.strip().upper()
-    if v == "TIE":
-        return "tie"
-    return "win" if v == cand_letter else "loss"
+    write_blind_pairs([r["instruction"] for r in cand], [r["output"] for r in cand], [b["output"] for b in base], out,
+                      seed, {"candidate": str(candidate), "baseline": str(baseline), "label": label})
 
 
 def join(out: Path) -> dict:
     key = json.loads((out / "key.json").read_text())
-    fwd, rev = _verdicts(out / "verdicts.jsonl"), _verdicts(out / "verdicts_reversed.jsonl")
-    rows, tallies = [], {"pairs": [], "pairs_reversed": []}
-    for k in key["rows"]:
-        i = k["id"]
-        a = _side(fwd[i]["verdict"], k["candidate_in_pairs"]) if i in fwd else None
-        b = _side(rev[i]["verdict"], k["candidate_in_pairs_reversed"]) if i in rev else None
-        tallies["pairs"].append(a)
-        tallies["pairs_reversed"].append(b)
-        rows.append({"id": i, "first_order": a, "reversed_order": b})
+    rows = read_blind_sides(out)
 
     def rate(xs: list) -> dict:
         xs = [x for x in xs if x is not None]
@@ -79,7 +44,7 @@ def join(out: Path) -> dict:
         return {"judged": len(xs), "wins": w, "losses": l, "ties": t,
                 "win_rate": (w + 0.5 * t) / len(xs) if xs else None}
 
-    first, second = rate(tallies["pairs"]), rate(tallies["pairs_reversed"])
+    first, second = rate([r["first_order"] for r in rows]), rate([r["reversed_order"] for r in rows])
     both = [r for r in rows if r["first_order"] and r["reversed_order"]]
     agree = sum(r["first_order"] == r["reversed_order"] for r in both)
     summary = {"label": key["label"], "candidate": key["candidate"], "baseline": key["baseline"],

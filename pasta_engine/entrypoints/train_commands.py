@@ -244,8 +244,14 @@ def add_train_parser(subparsers: Any) -> None:
     add_endpoint_args(b, "judge", "judges each sample against --judge-reference's answer to the same prompt, in both "
                       "orders (the quality term becomes the sample's win value, 0 to 1, instead of the likelihood proxy)")
     b.add_argument("--judge-reference", type=Path, default=None,
-                   help="with --judge-url: AlpacaEval JSON whose 'output' is the reference answer per instruction (e.g. "
-                   "the base model's, train answers' answers.json)")
+                   help="with --judge-url or --reader: AlpacaEval JSON whose 'output' is the reference answer per "
+                   "instruction (e.g. the base model's, train answers' answers.json)")
+    b.add_argument("--reader", action="store_true",
+                   help="a blind reader judges each sample against --judge-reference's answer (the quality term becomes "
+                   "its win value): each round stops after sampling, writing OUT/round{k}/reader/pairs.jsonl and "
+                   "pairs_reversed.jsonl for the reader (brief: docs/reader_briefs.md; the key stays in key.json), and "
+                   "the same command run again once verdicts.jsonl (and verdicts_reversed.jsonl) are beside them goes "
+                   "on from the kept samples; exit status 3 while verdicts are missing")
     b.add_argument("--alpha", type=float, default=0.5, help="weight of the SFT term on the best sample")
     b.add_argument("--lr", type=float, default=5e-5)
     b.add_argument("--seed", type=nonneg_int, default=0)
@@ -458,7 +464,20 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                               gradient_checkpointing=args.gradient_checkpointing)
     judge = endpoint_from_args(args, "judge")
     scorer = None
-    if (judge is None) != (args.judge_reference is None):
+    reader_refs = None
+    if args.reader:
+        if judge is not None:
+            raise ParameterError("--reader", True, message="--reader and --judge-url are two judges: give one")
+        if args.judge_reference is None:
+            raise ParameterError("--judge-reference", None,
+                                 message="--judge-reference is missing: --reader judges each sample against it")
+        reader_refs = {r.instruction: r.output for r in read_prompts(args.judge_reference, need_output=True)}
+        missing = [p for p in prompts if p not in reader_refs]
+        if missing:
+            raise ParameterError("--judge-reference", str(args.judge_reference),
+                                 message=f"--judge-reference {args.judge_reference} has no answer to {len(missing)} of "
+                                 f"the {len(prompts)} sampled prompts (first: {missing[0][:60]!r})")
+    elif (judge is None) != (args.judge_reference is None):
         flag = "--judge-reference" if judge is not None else "--judge-url"
         raise ParameterError(flag, None, message=f"{flag} is missing: a judge needs --judge-url, --judge-model and "
                              "--judge-reference together")
@@ -472,10 +491,18 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                                  message=f"--judge-reference {args.judge_reference} has no answer to {len(missing)} of "
                                  f"the {len(prompts)} sampled prompts (first: {missing[0][:60]!r})")
         scorer = JudgeQuality(judge, refs)
-    summary = train_bonbon(prompts, args.adapter, args.out, settings, base=args.model, scorer=scorer,
-                           manifest={"bonbon_command": command_line(argv),
-                                     **({"judge": judge.name} if judge is not None else {})},
-                           max_memory_gib=args.max_memory_gib)
+    from ..train.bonbon import ReaderVerdictsPending
+
+    try:
+        summary = train_bonbon(prompts, args.adapter, args.out, settings, base=args.model, scorer=scorer,
+                               reader_references=reader_refs,
+                               manifest={"bonbon_command": command_line(argv),
+                                         **({"judge": judge.name} if judge is not None else {}),
+                                         **({"judge": "a blind reader"} if reader_refs is not None else {})},
+                               max_memory_gib=args.max_memory_gib)
+    except ReaderVerdictsPending as e:
+        print(f"train bonbon: {e}", file=sys.stderr)
+        return 3
     if scorer is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "judge_verdicts.jsonl").open("a") as f:

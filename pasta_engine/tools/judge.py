@@ -19,13 +19,16 @@ Example (a judge served by vLLM, SGLang or OpenAI)::
 from __future__ import annotations
 
 import json
+import random
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from .endpoint import ChatEndpoint, EndpointError
 
-__all__ = ["JUDGE_PROMPT", "Verdict", "JudgeReplyError", "parse_verdict", "judge_pair", "JudgeQuality"]
+__all__ = ["JUDGE_PROMPT", "Verdict", "JudgeReplyError", "parse_verdict", "judge_pair", "JudgeQuality",
+           "write_blind_pairs", "read_blind_sides", "win_value"]
 
 JUDGE_PROMPT = """\
 You are an impartial judge, in the MT-bench / AlpacaEval pairwise style. You see a question and two
@@ -134,3 +137,68 @@ class JudgeQuality:
         win = ({"A": 1.0, "tie": 0.5, "B": 0.0}[first.verdict] + {"B": 1.0, "tie": 0.5, "A": 0.0}[second.verdict]) / 2
         self.verdicts.append({"prompt": prompt, "as_a": first.verdict, "as_b": second.verdict, "win": win})
         return win
+
+
+def write_blind_pairs(questions: Sequence[str], candidates: Sequence[str], baselines: Sequence[str], out: Path,
+                      seed: int, meta: Mapping[str, Any] | None = None) -> None:
+    """The files of a blind pairwise reading by a reader who sees nothing else (docs/reader_briefs.md):
+    ``out/pairs.jsonl`` (``id``, ``question``, ``answer_a``, ``answer_b``: row ``id``'s candidate and
+    baseline in a seeded random order), ``out/pairs_reversed.jsonl`` (every order swapped) and
+    ``out/key.json`` (``meta``'s fields, ``seed``, and per row which side the candidate is in each
+    file), which stays away from the reader. Raises ValueError when the three lists differ in length."""
+    if not len(questions) == len(candidates) == len(baselines):
+        raise ValueError(f"{len(questions)} questions, {len(candidates)} candidates and {len(baselines)} baselines: "
+                         "one of each per row")
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    key, fwd, rev = [], [], []
+    for i, (q, c, b) in enumerate(zip(questions, candidates, baselines)):
+        cand_is_a = rng.random() < 0.5
+        a, bb = (c, b) if cand_is_a else (b, c)
+        fwd.append({"id": i, "question": q, "answer_a": a, "answer_b": bb})
+        rev.append({"id": i, "question": q, "answer_a": bb, "answer_b": a})
+        key.append({"id": i, "candidate_in_pairs": "A" if cand_is_a else "B",
+                    "candidate_in_pairs_reversed": "B" if cand_is_a else "A"})
+    (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fwd))
+    (out / "pairs_reversed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rev))
+    (out / "key.json").write_text(json.dumps({**(meta or {}), "seed": seed, "rows": key}, indent=1) + "\n")
+
+
+def _verdict_file(path: Path) -> dict[int, str]:
+    out = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            v = json.loads(line)
+            verdict = str(v["verdict"]).strip()
+            out[int(v["id"])] = {"A": "A", "B": "B", "TIE": "tie"}[verdict.upper()]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} line {n} is not a verdict (a JSON object with an int 'id' and a 'verdict' of "
+                             f"A, B or tie): {line[:80]!r}") from e
+    return out
+
+
+def read_blind_sides(out: Path) -> list[dict[str, Any]]:
+    """The readers' verdicts of :func:`write_blind_pairs`' files joined with its key, from the
+    candidate's side: per row ``{"id", "first_order", "reversed_order"}``, each ``"win"``,
+    ``"loss"``, ``"tie"`` or None (not judged), from ``out/verdicts.jsonl`` (the reader of
+    ``pairs.jsonl``) and ``out/verdicts_reversed.jsonl`` (a second reader, every order reversed);
+    a missing verdict file counts as nothing judged. Raises ValueError naming the file and line
+    of a line that is not a verdict."""
+    key = json.loads((out / "key.json").read_text())
+    files = [out / "verdicts.jsonl", out / "verdicts_reversed.jsonl"]
+    fwd, rev = (_verdict_file(f) if f.exists() else {} for f in files)
+
+    def side(verdict: str | None, cand: str) -> str | None:
+        return None if verdict is None else "tie" if verdict == "tie" else "win" if verdict == cand else "loss"
+
+    return [{"id": k["id"], "first_order": side(fwd.get(k["id"]), k["candidate_in_pairs"]),
+             "reversed_order": side(rev.get(k["id"]), k["candidate_in_pairs_reversed"])} for k in key["rows"]]
+
+
+def win_value(row: Mapping[str, Any]) -> float | None:
+    """A row of :func:`read_blind_sides` as the candidate's win value: 1 per win, 0.5 per tie, 0 per
+    loss, averaged over the orders judged (0 to 1; None when neither was judged)."""
+    sides = [row[k] for k in ("first_order", "reversed_order") if row.get(k) is not None]
+    return sum({"win": 1.0, "tie": 0.5, "loss": 0.0}[s] for s in sides) / len(sides) if sides else None

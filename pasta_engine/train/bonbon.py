@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -38,7 +38,8 @@ from .forward import forward_logprobs, layout_for
 from .losses import bonbon_loss
 from .quality import LikelihoodQuality, Scorer, speedup_plus_quality
 
-__all__ = ["BonbonSettings", "adapter_pasta_prompt", "sample_and_rank", "best_and_worst", "bonbon_memory_estimate", "train_bonbon"]
+__all__ = ["BonbonSettings", "ReaderVerdictsPending", "adapter_pasta_prompt", "reader_scores",
+           "proxy_pair_agreement", "sample_and_rank", "best_and_worst", "bonbon_memory_estimate", "train_bonbon"]
 
 
 @dataclass
@@ -74,6 +75,70 @@ class BonbonSettings:
     device: str = "cpu"
     dtype: str | None = None
     gradient_checkpointing: bool = False
+
+
+class ReaderVerdictsPending(RuntimeError):
+    """A round's samples wait for a reader's verdicts (``train bonbon --reader``): ``folder`` holds
+    the pair files to give a reader; the message says which files to write and that the same
+    command run again goes on from there."""
+
+    def __init__(self, folder: Path, samples: int, missing: int):
+        self.folder = folder
+        super().__init__(
+            f"{missing} of {samples} samples wait for a reader: give {folder / 'pairs.jsonl'} (and, for the second "
+            f"order, {folder / 'pairs_reversed.jsonl'}) to a blind reader with the brief in docs/reader_briefs.md, "
+            f"write the verdicts to {folder / 'verdicts.jsonl'} (and {folder / 'verdicts_reversed.jsonl'}), then run "
+            "the same command again: the samples are kept and the round goes on from them")
+
+
+def reader_scores(rows: list[dict[str, Any]], references: Mapping[str, str], folder: Path, seed: int,
+                  quality_weight: float) -> list[dict[str, Any]]:
+    """Score a round's samples (:func:`sample_and_rank`'s rows) by a blind reader's pairwise
+    preference against the reference answer to the same prompt (``references``: prompt -> answer,
+    e.g. the base model's own): the first call writes the pair files to ``folder``
+    (:func:`~pasta_engine.tools.judge.write_blind_pairs`, one row per sample, its clean text
+    against the reference) and raises :class:`ReaderVerdictsPending`; once the reader's
+    verdicts are there, every row's ``quality`` becomes its win value (1 win, 0.5 tie, 0 loss,
+    averaged over the orders judged) and its ``score`` content speedup + ``quality_weight`` x
+    that; the proxy's quality stays as ``proxy_quality``. Raises KeyError naming a prompt with
+    no reference, ReaderVerdictsPending while a sample has no verdict in either order, and
+    ValueError for a verdict line that is not one."""
+    from ..tools.judge import read_blind_sides, win_value, write_blind_pairs
+
+    if not (folder / "key.json").exists():
+        missing = [r["prompt"] for r in rows if r["prompt"] not in references]
+        if missing:
+            raise KeyError(f"no reference answer for {len(missing)} sampled prompts (first: {missing[0][:60]!r}): give "
+                           "--judge-reference a file with an answer to every prompt sampled")
+        write_blind_pairs([r["prompt"] for r in rows], [r["text"] for r in rows],
+                          [references[r["prompt"]] for r in rows], folder, seed,
+                          {"candidate": "this round's samples (samples.jsonl, in order)",
+                           "baseline": "the reference answer (--judge-reference)"})
+    wins = [win_value(side) for side in read_blind_sides(folder)]
+    missing = sum(1 for w in wins if w is None)
+    if missing:
+        raise ReaderVerdictsPending(folder, len(rows), missing)
+    return [{**r, "proxy_quality": r.get("proxy_quality", r["quality"]), "quality": w,
+             "score": speedup_plus_quality(r["content_speedup"], w, quality_weight)} for r, w in zip(rows, wins)]
+
+
+def proxy_pair_agreement(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """How often the proxy orders two samples of one prompt as the reader does: over every pair of
+    samples of the same prompt whose reader win values (``quality``) differ, the fraction where
+    ``proxy_quality`` is higher for the one the reader preferred (0.5 = chance). Returns
+    ``{"pairs": n, "agreement": fraction or None}``."""
+    by: dict[int, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["prompt_index"], []).append(r)
+    agree = total = 0
+    for group in by.values():
+        for i, a in enumerate(group):
+            for b in group[i + 1:]:
+                if a["quality"] == b["quality"] or a["proxy_quality"] == b["proxy_quality"]:
+                    continue
+                total += 1
+                agree += (a["quality"] > b["quality"]) == (a["proxy_quality"] > b["proxy_quality"])
+    return {"pairs": total, "agreement": agree / total if total else None}
 
 
 def adapter_pasta_prompt(adapter: Path, given: PastaPrompt | None = None) -> PastaPrompt:
@@ -188,6 +253,7 @@ def train_bonbon(
     *,
     base: str | None = None,
     scorer: Scorer | None = None,
+    reader_references: Mapping[str, str] | None = None,
     manifest: dict[str, Any] | None = None,
     progress: bool = True,
     max_memory_gib: float | None = None,
@@ -200,7 +266,10 @@ def train_bonbon(
     round), and a round whose ``samples.jsonl`` holds every sample reuses them instead of sampling.
 
     ``scorer``: quality of ``(prompt, clean text)``; default :class:`LikelihoodQuality` with the
-    base model. ``max_memory_gib``: the memory the estimate (:func:`bonbon_memory_estimate`, the
+    base model. ``reader_references`` (prompt -> reference answer): a blind reader's preference
+    replaces the scorer's quality (:func:`reader_scores`; the scorer's stays as ``proxy_quality``):
+    a round stops after sampling with :class:`ReaderVerdictsPending` until the verdicts are in
+    ``out/round{k}/reader/``, and a run again goes on from the kept samples. ``max_memory_gib``: the memory the estimate (:func:`bonbon_memory_estimate`, the
     larger of sampling and training) must fit in (None: the device's). Raises ValueError when a
     round yields no pair; ParameterError (naming the flag to change) when the estimate does not
     fit, before anything loads."""
@@ -252,6 +321,8 @@ def train_bonbon(
                 f.writelines(json.dumps({**r, "sample_seconds": round(sample_s, 1)}) + "\n" for r in rows)
         else:
             sample_s = rows[0].get("sample_seconds", 0.0)
+        if reader_references is not None:
+            rows = reader_scores(rows, reader_references, rdir / "reader", settings.seed + k, settings.quality_weight)
         pairs = best_and_worst(rows, settings.best_must_finish)
         with (rdir / "pairs.jsonl").open("w") as f:
             f.writelines(json.dumps({"prompt": b["prompt"], "best": b["sample"], "worst": w["sample"],
@@ -318,6 +389,8 @@ def train_bonbon(
             "first_margin": curve.points[0]["margin"], "last_margin": curve.points[-1]["margin"],
             "train_seconds": round(curve_seconds, 1),
         }
+        if reader_references is not None:
+            summary_k["proxy_pair_agreement"] = proxy_pair_agreement(rows)
         rounds.append(summary_k)
         prior = read_manifest(current) or {}
         current = export_adapter(policy, rdir / "adapter", {
@@ -331,6 +404,9 @@ def train_bonbon(
                "train_seconds": round(time.perf_counter() - t_start, 1), "machine": machine(device), "commit": git_commit(),
                "quality_proxy": "base model mean log-likelihood per token of the clean text, minus 2.0 x the fraction "
                                 "of repeated lines (a proxy, not a judge)"}
+    if reader_references is not None:
+        summary["quality"] = ("a blind pairwise reading against the reference answer (win 1, tie 0.5, loss 0, "
+                              "averaged over the orders judged); the proxy's value kept as proxy_quality")
     final = out / "adapter"
     if final.exists():
         shutil.rmtree(final)

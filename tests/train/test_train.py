@@ -490,3 +490,118 @@ def test_tokens_only_trains_the_tag_rows_and_leaves_every_weight_the_bases(tiny_
     torch.testing.assert_close(got["tuned"][:vocab], got["base"])  # the base's logits for every base token
     with pytest.raises(ValueError, match="tokens_only"):
         train_sft([], tmp_path / "x", SFTSettings(tokens_only=True), base=str(tiny_llama), progress=False)
+
+
+def test_blind_pair_files_round_trip_and_bad_verdicts_name_the_line(tmp_path):
+    """write_blind_pairs hides the candidate's side in the key; read_blind_sides turns each order's
+    verdict back into the candidate's win, loss or tie; win_value averages the orders judged."""
+    from pasta_engine.tools.judge import read_blind_sides, win_value, write_blind_pairs
+
+    write_blind_pairs(["q0", "q1", "q2"], ["c0", "c1", "c2"], ["b0", "b1", "b2"], tmp_path, seed=3)
+    pairs = [json.loads(x) for x in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    rev = [json.loads(x) for x in (tmp_path / "pairs_reversed.jsonl").read_text().splitlines()]
+    assert "c0" not in (tmp_path / "key.json").read_text()  # the key holds sides, never the answers
+    for p, r in zip(pairs, rev):
+        assert {p["answer_a"], p["answer_b"]} == {f"c{p['id']}", f"b{p['id']}"}
+        assert (r["answer_a"], r["answer_b"]) == (p["answer_b"], p["answer_a"])
+    # the reader prefers the candidate in row 0 both times, the baseline in row 1, ties row 2 once
+    cand = {p["id"]: "A" if p["answer_a"].startswith("c") else "B" for p in pairs}
+    other = {"A": "B", "B": "A"}
+    (tmp_path / "verdicts.jsonl").write_text("".join(json.dumps({"id": i, "verdict": v}) + "\n" for i, v in
+                                                     [(0, cand[0]), (1, other[cand[1]]), (2, "tie")]))
+    (tmp_path / "verdicts_reversed.jsonl").write_text("".join(json.dumps({"id": i, "verdict": v}) + "\n" for i, v in
+                                                              [(0, other[cand[0]]), (1, cand[1])]))
+    sides = read_blind_sides(tmp_path)
+    assert [(s["first_order"], s["reversed_order"]) for s in sides] == [("win", "win"), ("loss", "loss"),
+                                                                         ("tie", None)]
+    assert [win_value(s) for s in sides] == [1.0, 0.0, 0.5]
+    assert win_value({"first_order": None, "reversed_order": None}) is None
+    (tmp_path / "verdicts.jsonl").write_text('{"id": 0, "verdict": "C"}\n')
+    with pytest.raises(ValueError, match="verdicts.jsonl line 1"):
+        read_blind_sides(tmp_path)
+
+
+def test_proxy_pair_agreement_counts_pairs_the_reader_separates():
+    from pasta_engine.train.bonbon import proxy_pair_agreement
+
+    rows = [{"prompt_index": 0, "quality": 1.0, "proxy_quality": -1.0},
+            {"prompt_index": 0, "quality": 0.0, "proxy_quality": -2.0},  # agrees with the reader
+            {"prompt_index": 0, "quality": 0.0, "proxy_quality": -0.5},  # vs row 0: disagrees; vs row 1: reader tie
+            {"prompt_index": 1, "quality": 0.5, "proxy_quality": -3.0}]  # alone: no pair
+    assert proxy_pair_agreement(rows) == {"pairs": 2, "agreement": 0.5}
+    assert proxy_pair_agreement(rows[3:]) == {"pairs": 0, "agreement": None}
+
+
+def test_a_bonbon_round_scored_by_a_reader_stops_for_verdicts_and_goes_on(tiny_llama, tmp_path, capsys):
+    """train bonbon --reader: the round samples, writes the blind pair files and exits 3 naming
+    them; with the reader's verdicts beside them the round trains from the kept samples, and the
+    best sample of each prompt is the one the reader preferred."""
+    from pasta_engine.entrypoints.cli import main
+    from pasta_engine.train.bonbon import BonbonSettings, train_bonbon
+
+    prompts, out, _ = _sft_command(tiny_llama, tmp_path, capsys,
+                                   [{"instruction": "tips", "dataset": "koala", "output": LISTED},
+                                    {"instruction": "sleep", "dataset": "koala", "output": LISTED}])
+    refs = tmp_path / "refs.json"
+    refs.write_text(json.dumps([{"instruction": "tips", "output": "Sleep well."},
+                                {"instruction": "sleep", "output": "Go to bed early."}]))
+    cmd = ["train", "bonbon", "--prompts", str(prompts), "--adapter", str(out / "adapter"), "--out", str(tmp_path / "bb"),
+           "--n", "2", "--max-new-tokens", "8", "--temperature", "1.0", "--reader", "--judge-reference", str(refs),
+           "--quality-weight", "100", "--model", str(tiny_llama)]
+    assert main(cmd) == 3
+    err = capsys.readouterr().err
+    folder = tmp_path / "bb" / "round1" / "reader"
+    assert "4 of 4 samples wait for a reader" in err and str(folder / "pairs.jsonl") in err
+    samples = [json.loads(x) for x in (tmp_path / "bb" / "round1" / "samples.jsonl").read_text().splitlines()]
+    pairs = [json.loads(x) for x in (folder / "pairs.jsonl").read_text().splitlines()]
+    assert [p["question"] for p in pairs] == [s["prompt"] for s in samples]
+    # the reader prefers sample 1 of every prompt (as A or B) and the reference over sample 0
+    key = json.loads((folder / "key.json").read_text())["rows"]
+    verdict = {0: lambda side: "A" if side == "B" else "B", 1: lambda side: side}
+    assert main(cmd) == 3  # run again with no verdicts yet: the same answer, nothing sampled again
+    assert "4 of 4 samples wait" in capsys.readouterr().err
+    (folder / "verdicts.jsonl").write_text("".join(
+        json.dumps({"id": k["id"], "verdict": verdict[s["sample"]](k["candidate_in_pairs"])}) + "\n"
+        for k, s in zip(key, samples)))
+    # the tiny model never ends an answer in 8 tokens, so the API run lets a cut sample be the best
+    settings = BonbonSettings(n=2, max_new_tokens=8, temperature=1.0, best_must_finish=False, grad_accum=1,
+                              quality_weight=100, kv_cache_mb=16)
+    train_bonbon([s["prompt"] for s in samples[::2]], out / "adapter", tmp_path / "bb", settings,
+                 base=str(tiny_llama), reader_references={"tips": "Sleep well.", "sleep": "Go to bed early."},
+                 progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "bb" / "round1" / "samples.jsonl").read_text().splitlines()]
+    assert rows == samples  # the kept samples, not sampled again
+    written = [json.loads(x) for x in (tmp_path / "bb" / "round1" / "pairs.jsonl").read_text().splitlines()]
+    assert len(written) == 2 and all(p["best"] == 1 and p["worst"] == 0 for p in written)
+    assert all(p["best_score"] - p["worst_score"] > 90 for p in written)  # the reader's win outweighs the speedup
+    round_ = json.loads((tmp_path / "bb" / "round1" / "round.json").read_text())
+    assert round_["mean_quality"] == pytest.approx(0.5) and round_["proxy_pair_agreement"]["pairs"] <= 2
+
+
+def test_bonbon_reader_flags_are_checked_before_any_work(tiny_llama, tmp_path, capsys):
+    from pasta_engine.entrypoints.cli import main
+
+    prompts, out, _ = _sft_command(tiny_llama, tmp_path, capsys,
+                                   [{"instruction": "tips", "dataset": "koala", "output": LISTED}])
+    base = ["train", "bonbon", "--prompts", str(prompts), "--adapter", str(out / "adapter"), "--out",
+            str(tmp_path / "bb"), "--reader", "--model", str(tiny_llama)]
+    assert main(base) == 2
+    assert "--judge-reference is missing" in capsys.readouterr().err
+    refs = tmp_path / "refs.json"
+    refs.write_text(json.dumps([{"instruction": "other", "output": "x"}]))
+    assert main([*base, "--judge-reference", str(refs)]) == 2
+    assert "no answer to 1 of the 1 sampled prompts" in capsys.readouterr().err
+    assert main([*base, "--judge-reference", str(refs), "--judge-url", "http://127.0.0.1:9/v1", "--judge-model",
+                 "j"]) == 2
+    assert "two judges" in capsys.readouterr().err
+    assert not (tmp_path / "bb").exists()
+
+
+def test_bonbon_runs_a_continued_adapter_in_its_own_context(tmp_path):
+    from pasta_engine.lang.prompts import LEARNED_PASTA_PROMPT, PastaPrompt
+    from pasta_engine.train.bonbon import adapter_pasta_prompt
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"pasta_prompt": {"system": "", "examples": []}}))
+    assert adapter_pasta_prompt(tmp_path) == PastaPrompt(system="", examples=())
+    assert adapter_pasta_prompt(tmp_path, LEARNED_PASTA_PROMPT) == LEARNED_PASTA_PROMPT
+    assert adapter_pasta_prompt(tmp_path / "none") == LEARNED_PASTA_PROMPT  # an adapter from before the manifest kept it
