@@ -1,19 +1,21 @@
-"""Tensor parallelism: rank 0's model proxy and the workers' loop.
+"""Tensor parallelism: every rank runs the engine's model runner (nano-vllm's shape).
 
 :func:`start_tensor_parallel` starts ``tensor_parallel_size - 1`` worker processes
 (``torch.multiprocessing``, spawn), each loading its own shard of the checkpoint
 (:func:`pasta_engine.models.loader.load_model` with ``tp_rank``/``tp_size``), and returns
-:class:`TensorParallelModel`, rank 0's shard behind the :class:`~pasta_engine.models.protocol.CausalLM`
-protocol, which the engine's model runner drives as any model. Rank 0 keeps the scheduler, the
-interpreters, the block manager and the sampler; each step the model runner calls
-:meth:`TensorParallelModel.begin_step` with the step's host-side inputs (token ids, logical
-positions, KV slots and the :class:`~pasta_engine.layers.attention.AttentionMetadata` the
-backend plans from), which broadcasts them on the control group; every rank then plans its own
-backend, records the positions in its KV-cache shard and runs its shard of the forward, the
-ranks summing each row-parallel projection with one all-reduce (two per layer). Page ids are
-rank 0's block manager's, identical on every rank (every rank's cache shard has the same pages,
-each with its own KV heads). The LM head is replicated: rank 0 computes the full logits and
-samples from them; the workers skip it.
+:class:`TensorParallelModel`: rank 0's shard (a :class:`~pasta_engine.models.protocol.CausalLM`,
+its forward the shard's own) and its handle on the other ranks. When the engine builds its model
+runner it attaches it (:meth:`TensorParallelModel.attach_runner`): every worker builds the same
+runner class with the same settings over its own shard (its KV-cache shard, its attention
+backend) and every rank captures its CUDA graphs at the same time (the all-reduces are inside
+them). Rank 0 keeps the scheduler, the interpreters, the block manager and the sampler; each
+step its runner prepares the step's :class:`~pasta_engine.engine.forward.StepInputs` and hands
+``execute`` to :meth:`TensorParallelModel.execute`, which broadcasts the inputs on the control
+group; every rank then runs the same ``ModelRunner.execute`` (graph replay or plan, upload,
+record positions, forward), the ranks summing each row-parallel projection with one all-reduce
+(two per layer). Page ids are rank 0's block manager's, identical on every rank. The LM head is
+replicated; rank 0 samples from its logits. (This package imports no engine module: the runner
+class comes to the workers as an argument.)
 
 Failure model: a rank whose part of a step raises (before or inside its forward) completes the
 step's remaining all-reduces with zeros, so no rank waits forever; the ranks then exchange
@@ -23,31 +25,36 @@ the next step runs normally). A collective that fails (a peer died or timed out)
 found dead before a step makes the model dead: that step and every later one raise
 :class:`~pasta_engine.errors.EngineDeadError`. :meth:`TensorParallelModel.shutdown` (the
 engine's ``shutdown``; also at garbage collection and interpreter exit) stops the workers and
-leaves no process behind; a worker whose parent dies exits by itself.
+leaves no process behind; a worker whose parent dies exits by itself. Spawn runs the main
+script again in each worker: a script that starts the engine without the
+``if __name__ == "__main__":`` guard (or one read from standard input) gets one error that says
+so (:class:`MainGuardError`), not a worker's exit code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..errors import EngineDeadError, ParameterError
-from ..layers.attention import AttentionBackend, AttentionMetadata
-from ..layers.backends import get_backend
+from ..layers.attention import AttentionBackend
 from ..layers.kv_cache import KVCache
-from ..layers.utils import to_device
 from ..models.protocol import CausalLM
 from .parallel_state import DEVICE_TIMEOUT_S, CommError, ParallelGroup, destroy_parallel_group, init_parallel_group
 
-__all__ = ["TensorParallelModel", "TensorParallelStepError", "InjectedFault", "start_tensor_parallel",
+__all__ = ["TensorParallelModel", "TensorParallelStepError", "InjectedFault", "MainGuardError", "start_tensor_parallel",
            "check_tensor_parallel"]
 
 logger = logging.getLogger(__name__)
@@ -68,6 +75,39 @@ class TensorParallelStepError(RuntimeError):
         self.failures = failures
         super().__init__("the tensor-parallel step failed on " + "; ".join(
             f"rank {r}: {m}" for r, m in sorted(failures.items())))
+
+
+class MainGuardError(RuntimeError):
+    """Spawned workers cannot start: the main script starts the engine when it is imported (no
+    ``if __name__ == "__main__":`` guard), or it was read from standard input."""
+
+
+#: environment variable naming the file a spawned worker writes why it could not start
+_REPORT_ENV = "PASTA_TP_START_REPORT"
+
+_GUARD = 'if __name__ == "__main__":'
+
+
+def _check_main_guard() -> None:
+    """Refuse, before any process starts, what spawn cannot run (raises :class:`MainGuardError`):
+    in a spawned worker that is running the main script again (no guard), write the reason for
+    rank 0 and exit quietly; in rank 0, a main script read from standard input (``python -``),
+    which a worker cannot run again."""
+    main = sys.modules.get("__main__")
+    if multiprocessing.parent_process() is not None and getattr(main, "__name__", None) == "__mp_main__":
+        report = os.environ.get(_REPORT_ENV)
+        if report:
+            with open(report, "w") as f:
+                f.write(f"tensor parallelism starts its worker processes with spawn, which runs the main script "
+                        f"({getattr(main, '__file__', '?')}) again in each of them; this script starts the engine "
+                        f"as it runs, so every worker would start another: put the code that starts the engine "
+                        f"under `{_GUARD}`")
+        raise SystemExit(1)  # rank 0 reports it, once
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is None and path is not None and not os.path.isfile(path):
+        raise MainGuardError(f"tensor parallelism starts its worker processes with spawn, which runs the main script "
+                             f"again in each of them, but this one was read from {os.path.basename(path)} (python -): "
+                             f"save it as a .py file and put the code that starts the engine under `{_GUARD}`")
 
 
 class InjectedFault(RuntimeError):
@@ -106,11 +146,14 @@ def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, 
             then makes the engine dead (EngineDeadError) instead of blocking ``step()``.
 
     Returns ``(model, tokenizer, hf_config)`` as :func:`~pasta_engine.models.loader.load_model`
-    does, the model a :class:`TensorParallelModel`. Raises ParameterError (a size the heads or
-    the CUDA devices do not allow), EngineDeadError (a worker that died while starting), and any
-    rank's load error (the first, with every worker stopped)."""
+    does, the model a :class:`TensorParallelModel`. Raises MainGuardError (a main script that
+    spawn cannot run again: no ``if __name__ == "__main__":`` guard, or read from standard
+    input), ParameterError (a size the heads or the CUDA devices do not allow), EngineDeadError
+    (a worker that died while starting), and any rank's load error (the first, with every worker
+    stopped)."""
     from ..models.loader import load_model, resolve_model_path
 
+    _check_main_guard()
     check_tensor_parallel(model, size)
     import torch.distributed as dist
 
@@ -131,17 +174,27 @@ def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, 
     load = dict(model=source if model is not None else None, dtype=dtype,
                 adapter=str(adapter) if adapter is not None else None)
     procs = []
-    for r in range(1, size):
-        dev = torch.device("cuda", base + r) if device.type == "cuda" else torch.device("cpu")
-        p = ctx.Process(target=_worker_main, name=f"pasta-tp-rank{r}", daemon=True,
-                        args=(r, size, init_method, str(dev), load, torch.get_num_threads(), ready[r], step_timeout_s))
-        p.start()
-        procs.append(p)
+    report = os.path.join(rendezvous, "start-report")
+    before = os.environ.get(_REPORT_ENV)
+    os.environ[_REPORT_ENV] = report  # a worker that cannot start says why there (see _check_main_guard)
+    try:
+        for r in range(1, size):
+            dev = torch.device("cuda", base + r) if device.type == "cuda" else torch.device("cpu")
+            p = ctx.Process(target=_worker_main, name=f"pasta-tp-rank{r}", daemon=True,
+                            args=(r, size, init_method, str(dev), load, torch.get_num_threads(), ready[r],
+                                  step_timeout_s))
+            p.start()
+            procs.append(p)
+    finally:
+        if before is None:
+            os.environ.pop(_REPORT_ENV, None)
+        else:
+            os.environ[_REPORT_ENV] = before
     handle = _Handle()
     reaper = weakref.finalize(handle, _reap, procs, rendezvous)  # also at exit, whatever happens below
     group = None
     try:
-        _wait_started(procs, ready[1:])
+        _wait_started(procs, ready[1:], report)
         group = init_parallel_group(0, size, init_method, device, step_timeout_s)
         error: BaseException | None = None
         try:
@@ -173,8 +226,10 @@ class _Handle:
 
 
 class TensorParallelModel:
-    """Rank 0's shard of a tensor-parallel model, driving the other ranks; a
-    :class:`~pasta_engine.models.protocol.CausalLM` (see the module docstring).
+    """Rank 0's shard, and its handle on the other ranks (see the module docstring). A
+    :class:`~pasta_engine.models.protocol.CausalLM` whose forward is the shard's: the engine's
+    model runner drives it as any model, and :meth:`attach_runner` makes every rank run that
+    runner.
 
     Attributes:
         shard: rank 0's decoder (a ``LlamaModel`` over the rank's slices).
@@ -183,6 +238,7 @@ class TensorParallelModel:
             divided by the size; ``vocab_size`` whole), so the model runner sizes its KV-cache
             shard and attention backend by it; device, dtype: rank 0's.
         size: ranks in all; group: the :class:`~pasta_engine.distributed.parallel_state.ParallelGroup`.
+        runner: rank 0's model runner, once attached.
         dead: None, or why the model is dead (every step then raises EngineDeadError)."""
 
     step_timeout_s: float = DEVICE_TIMEOUT_S  # how long rank 0 waits for the workers in a step (seconds)
@@ -195,10 +251,10 @@ class TensorParallelModel:
         self.group = group
         self.size = group.size
         self.procs = procs
+        self.runner: Any = None
         self.dead: str | None = None
         self._reaper = reaper
         self._fault: dict[int, int] = {}
-        self._step_tokens = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -209,50 +265,54 @@ class TensorParallelModel:
         """Rank 0's ``[out, in]`` projection slices (for the CPU GEMM chooser)."""
         return self.shard.projection_weights()
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0's shard's forward (:meth:`pasta_engine.models.protocol.CausalLM.forward`: float32
+        logits ``[S, vocab]``, full since the LM head is replicated). Only inside
+        :meth:`execute` (or graph capture) are its all-reduces in step with the other ranks."""
+        return self.shard.forward(input_ids, positions, slot_mapping, kv_cache, backend, logits_indices)
+
     # ------------------------------------------------------------------ the engine's hooks
 
     def attach_runner(self, runner: Any) -> None:
-        """Called once by the engine with its model runner: the runner calls
-        :meth:`begin_step` before every forward, and the workers allocate their KV-cache
-        shards with the runner's page count and page size and configure the runner's attention
-        backend (by name). Raises ParameterError for a backend given as an instance, and the
-        first error of a rank that could not allocate (the engine is then dead)."""
+        """Called once by the engine with its model runner: every worker builds ``type(runner)``
+        with the same settings (the KV budget as rank 0 resolved it, so every rank has the same
+        pages) over its own shard, then every rank captures its CUDA graphs (when the runner
+        wants them) at the same time; the runner's steps then run through :meth:`execute`.
+        Raises ParameterError for a backend given as an instance, and the first error of a
+        rank that could not build its runner or capture (the engine is then dead)."""
         backend = runner.backend.name
-        if not isinstance(backend, str):
+        if not isinstance(backend, str) or not isinstance(runner.config.attention_backend, str):
             raise ParameterError("attention_backend", backend, "a registered backend name with tensor_parallel_size > 1")
-        windows = any(w is not None for w in self.config.sliding_windows)
-        self._send(("init", runner.num_pages, runner.page_size, backend, windows))
-        failed = self._exchange(None)
+        config = dataclasses.replace(runner.config, kv_cache_bytes=runner.kv_cache_bytes)
+        self._send(("init", type(runner), config))
+        error: BaseException | None = None
+        try:
+            with _reducing(self.shard, self.group):
+                runner.capture_graphs()
+        except Exception as e:  # noqa: BLE001  (reported with the workers' status)
+            error = e
+        failed = self._exchange(error)
         if failed:
             self._die(str(failed))
             raise failed
-        runner.step_hook = self.begin_step
+        self.runner = runner
+        runner.executor = self.execute
 
-    def begin_step(self, meta: AttentionMetadata, ids: list[int], positions: list[int], slots: list[int]) -> None:
-        """Send a step's inputs to the workers (one broadcast on the control group), right
-        before rank 0's :meth:`forward`: ``ids``, ``positions``, ``slots``: the ``T`` token ids,
-        logical positions and KV slots (ints); ``meta``: the attention plan's inputs. Raises
-        EngineDeadError when a worker has died or the broadcast fails."""
-        self._check_alive()
-        fault, self._fault = self._fault, {}
-        self._step_tokens = len(ids)
-        self._send(("step", meta.page_size, meta.q_lens, meta.runs, meta.step, ids, positions, slots, fault))
-        self._armed = fault.get(0)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                kv_cache: KVCache, backend: AttentionBackend, logits_indices: torch.Tensor | None) -> torch.Tensor:
-        """Rank 0's shard of the forward, in step with the workers (the arguments and result
-        of :meth:`pasta_engine.models.protocol.CausalLM.forward`: float32 logits ``[S, vocab]``,
-        full since the LM head is replicated).
+    def execute(self, execute: Callable[[Any], torch.Tensor], inputs: Any) -> torch.Tensor:
+        """Run one step on every rank: broadcast ``inputs`` (the runner's ``StepInputs``; one
+        broadcast on the control group), run ``execute(inputs)`` here as every worker runs its
+        runner's, with the all-reduces guarded, then exchange the ranks' status. Returns rank
+        0's logits (float32 ``[S, vocab]``).
 
         Raises TensorParallelStepError when any rank's part failed (every rank has ended the
-        step), EngineDeadError when the group is broken."""
+        step), EngineDeadError when a worker has died or the group is broken."""
         self._check_alive()
-        armed, self._armed = getattr(self, "_armed", None), None
+        fault, self._fault = self._fault, {}
+        self._send(("step", inputs, fault))
         try:
-            out, failures = _guarded_forward(
-                self.shard, self.group, armed, input_ids.shape[0],
-                lambda: self.shard.forward(input_ids, positions, slot_mapping, kv_cache, backend, logits_indices))
+            out, failures = _guarded_forward(self.shard, self.group, fault.get(0),
+                                             lambda: self.runner.forward_rows(inputs), lambda: execute(inputs))
         except CommError as e:
             self._die(str(e))
             raise EngineDeadError(f"tensor-parallel engine is dead: {e}") from e
@@ -323,15 +383,27 @@ class TensorParallelModel:
         _stop(self.procs, 0)
 
 
+@contextmanager
+def _reducing(model: Any, group: ParallelGroup) -> Iterator[None]:
+    """The model's row-parallel all-reduces go to ``group`` while inside (graph capture: the
+    captured all-reduces replay with the graphs)."""
+    model.row_parallel_reduce = group.all_reduce
+    try:
+        yield
+    finally:
+        model.row_parallel_reduce = None
+
+
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _guarded_forward(model: Any, group: ParallelGroup, fault_after: int | None, tokens: int,
+def _guarded_forward(model: Any, group: ParallelGroup, fault_after: int | None, rows: Callable[[], int],
                      run: Callable[[], torch.Tensor | None]) -> tuple[Any, TensorParallelStepError | None]:
     """Run one rank's forward with the row-parallel all-reduces on ``group``; if it raises,
     complete the all-reduces the other ranks will still make (``2 * num_layers`` per forward)
-    with zeros ``[tokens, hidden]``, then exchange the ranks' status.
+    with zeros ``[rows(), hidden]`` (the step's rows: its graph bucket when graphed), then
+    exchange the ranks' status.
 
     Returns ``(result, None)`` or ``(None, error)`` on rank 0 (the error naming every failed
     rank), ``(result, None)`` / ``(None, None)`` on the workers. Raises CommError when a
@@ -355,7 +427,7 @@ def _guarded_forward(model: Any, group: ParallelGroup, fault_after: int | None, 
         raise
     except Exception as e:  # noqa: BLE001  (reported by the status exchange below)
         error = e
-        pad = torch.zeros(tokens, model.config.hidden_size, dtype=model.dtype, device=model.device)
+        pad = torch.zeros(rows(), model.config.hidden_size, dtype=model.dtype, device=model.device)
         for _ in range(expected - done[0]):
             group.all_reduce(pad.zero_())
     finally:
@@ -372,13 +444,18 @@ def _guarded_forward(model: Any, group: ParallelGroup, fault_after: int | None, 
     return None, err
 
 
-def _wait_started(procs: list, ready: list) -> None:
+def _wait_started(procs: list, ready: list, report: str) -> None:
     """Wait until every worker has started (imported torch, about to join the group); raise
-    EngineDeadError for one that exited first, RuntimeError after :data:`START_TIMEOUT_S`."""
+    MainGuardError for one that exited saying why in the ``report`` file (the main script has
+    no guard), EngineDeadError for another that exited first, RuntimeError after
+    :data:`START_TIMEOUT_S`."""
     deadline = time.monotonic() + START_TIMEOUT_S
     for r, (p, ev) in enumerate(zip(procs, ready), start=1):
         while not ev.wait(0.1):
             if not p.is_alive():
+                if os.path.exists(report):
+                    with open(report) as f:
+                        raise MainGuardError(f.read()) from None
                 raise EngineDeadError(f"tensor-parallel worker rank {r} exited while starting (exit code {p.exitcode})")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel worker rank {r} did not start within {START_TIMEOUT_S} s")
@@ -455,40 +532,26 @@ def _serve(group: ParallelGroup, device: torch.device, load: dict) -> None:
     if group.failed_ranks(error is not None):
         group.gather_to_rank0(None if error is None else _describe(error))
         return
-    kv: KVCache | None = None
-    backend: AttentionBackend | None = None
-    no_rows = torch.empty(0, dtype=torch.long, device=device)
+    runner = None
     while True:
         msg = group.broadcast()
         kind = msg[0]
         if kind == "stop":
             return
-        if kind == "init":
-            _, num_pages, page_size, backend_name, windows = msg
+        if kind == "init":  # the same runner as rank 0's, over this rank's shard; graphs captured together
+            _, runner_cls, config = msg
             error = None
             try:
-                c = model.config
-                kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, model.dtype, device,
-                             track_positions=windows)
-                backend = get_backend(backend_name)
-                backend.configure(c.num_heads, c.num_kv_heads, device, c.head_dim)
+                runner = runner_cls(model, config)
+                with _reducing(model, group):
+                    runner.capture_graphs()
             except Exception as e:  # noqa: BLE001
                 error = e
             if group.failed_ranks(error is not None):
                 group.gather_to_rank0(None if error is None else _describe(error))
             continue
-        _, page_size, q_lens, runs, step, ids, positions, slots, fault = msg
-        prepared: BaseException | None = None
-        try:
-            backend.plan(AttentionMetadata(page_size=page_size, q_lens=q_lens, runs=runs, slots=slots, step=step))
-            ids_t, pos_t, slots_t = to_device(ids + positions + slots, torch.long, device).view(3, -1).unbind(0)
-            kv.record_positions(slots_t, pos_t)
-        except Exception as e:  # noqa: BLE001  (reported by the status exchange)
-            prepared = e
-
-        def run() -> torch.Tensor:
-            if prepared is not None:
-                raise prepared
-            return model.forward(ids_t, pos_t, slots_t, kv, backend, no_rows)  # no LM head here
-
-        _guarded_forward(model, group, fault.get(group.rank), len(ids), run)
+        _, inputs, fault = msg
+        if runner is None:
+            raise RuntimeError("a step before the runner was attached")
+        _guarded_forward(model, group, fault.get(group.rank), lambda: runner.forward_rows(inputs),
+                         lambda: runner.execute(inputs))

@@ -6,14 +6,15 @@ and the KV operations (:class:`KVFork`, :class:`KVJoin`, :class:`KVRelease`) its
 need; the scheduler (:mod:`~pasta_engine.engine.scheduler`) picks the threads and how many of
 their pending tokens run this step under the token budget (``max_num_batched_tokens``; a prompt
 longer than the budget is prefilled in pieces: chunked prefill), allocates their KV slots and
-returns a :class:`ScheduledBatch`; the model runner forwards it and returns
-:class:`SampledTokens`; the scheduler hands the tokens back.
+returns a :class:`ScheduledBatch`, with a :class:`SamplingRow` for every thread that samples
+(everything sampling needs, so the model runner reads no request); the model runner forwards
+it and returns :class:`SampledTokens`; the scheduler hands the tokens back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Protocol, Sequence
 
 if TYPE_CHECKING:
     from .block_manager import Run
@@ -25,6 +26,10 @@ __all__ = [
     "KVRelease",
     "KVOp",
     "KVBound",
+    "SamplingOptions",
+    "SeenTokens",
+    "RandomStream",
+    "SamplingRow",
     "ScheduledThread",
     "ScheduledBatch",
     "SampledTokens",
@@ -100,17 +105,103 @@ class KVBound(NamedTuple):
 # --------------------------------------------------------------------------- the batch
 
 
+class SamplingOptions(Protocol):
+    """What sampling reads of a request's :class:`~pasta_engine.config.SamplingParams` (which is
+    one; named here as a protocol because this module may not import ``config``, which imports
+    ``lang``)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    return_logprobs: bool
+    seed: int | None
+
+    @property
+    def greedy(self) -> bool: ...
+
+    @property
+    def penalised(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class SeenTokens:
+    """The tokens one thread sees, counted (for the penalties): ``counts`` every token id (its
+    prompt, its ancestors' tokens up to its fork, its own tokens; the repetition penalty's set)
+    and ``response`` the same without the prompt (the presence and frequency penalties' counts,
+    vLLM's output tokens). Kept incrementally by the scheduler: counted once from the thread's
+    tokens at its first penalised sample (:meth:`recount`), then each step's forwarded tokens
+    are added (:meth:`add`), so a step costs its new tokens, not the thread's length."""
+
+    counts: dict[int, int]
+    response: dict[int, int]
+
+    @classmethod
+    def recount(cls, seen: Sequence[int], prompt_len: int) -> "SeenTokens":
+        """Counts of ``seen`` (a thread's tokens, the prompt's ``prompt_len`` first)."""
+        counts: dict[int, int] = {}
+        response: dict[int, int] = {}
+        for i, t in enumerate(seen):
+            counts[t] = counts.get(t, 0) + 1
+            if i >= prompt_len:
+                response[t] = response.get(t, 0) + 1
+        return cls(counts, response)
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Count ``tokens`` (response tokens the thread now sees)."""
+        counts, response = self.counts, self.response
+        for t in tokens:
+            counts[t] = counts.get(t, 0) + 1
+            response[t] = response.get(t, 0) + 1
+
+
+@dataclass(slots=True, eq=False)
+class RandomStream:
+    """One request's random numbers: ``seed`` (its ``SamplingParams.seed``) and the generator
+    the model runner makes from it at the request's first random draw (a ``torch.Generator``;
+    opaque here, this module imports no torch). Every sampling row of the request holds the
+    same stream; a preempted request restarts with a new one, so its tokens repeat."""
+
+    seed: int | None
+    generator: object | None = None
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """Everything sampling needs for one sampling thread in one step, filled by the scheduler
+    (SGLang's per-request sampling info, per thread): the request's ``request_id`` (errors
+    name it) and ``params``, the thread ``tid``, the token replay forces (None: sample), the
+    thread's grammar state (0: no mask), the tokens it sees (None when no penalty applies), the
+    end-token ids it may not sample now (``min_tokens``, ``ignore_eos``; may hold ids past the
+    vocabulary, which the sampler leaves out), the request's ``Limits.fork_threshold`` (None:
+    off) and its :class:`RandomStream`. Rows of one request are consecutive in a batch."""
+
+    request_id: str
+    tid: int
+    params: SamplingOptions
+    forced: int | None
+    grammar: int
+    seen: SeenTokens | None
+    masked_ends: tuple[int, ...]
+    fork_threshold: float | None
+    rng: RandomStream
+
+
 @dataclass(slots=True)
 class ScheduledThread:
-    """One thread's work this step: its step (all or part of its pending tokens), the KV slots
-    those tokens are written to (one per token), and its KV view as attention metadata runs (the
-    view ends with those slots). ``request`` is the engine's
-    :class:`~pasta_engine.engine.request.Request`."""
+    """One thread's work this step: the request it belongs to (``request_id``), its step (all
+    or part of its pending tokens), the KV slots those tokens are written to (one per token),
+    its KV view as attention metadata runs (the view ends with those slots), and, when it
+    samples, its :class:`SamplingRow`."""
 
-    request: Any
+    request_id: str
     step: ThreadStep
     slots: list[int]
     runs: list["Run"]
+    row: SamplingRow | None = None
 
 
 @dataclass
@@ -123,6 +214,11 @@ class ScheduledBatch:
     def sampling(self) -> list[ScheduledThread]:
         """The threads that sample a token after their forward, in batch order."""
         return [t for t in self.threads if t.step.sample]
+
+    @property
+    def rows(self) -> list[SamplingRow]:
+        """The sampling threads' rows, in batch order (the sampler's input)."""
+        return [t.row for t in self.threads if t.row is not None]
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,10 @@ Nothing inside capture syncs with the host, autotunes, JIT-compiles (two warm-up
 compile each bucket's kernels first) or reads a Python value that changes between steps.
 (After nano-vllm's ``capture_cudagraph``, vLLM's and SGLang's CUDA-graph runners, and gpt-fast's
 ``torch.compile`` decode.) Owned by the :class:`~pasta_engine.engine.model_runner.ModelRunner`.
+The captured forward is :func:`~pasta_engine.engine.forward.forward_step`, the eager steps'
+own; with tensor parallelism every rank's runner captures its graphs together (their
+all-reduces are in the graphs) and replays the same bucket for the same
+:class:`~pasta_engine.engine.forward.StepInputs`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.backends import graph_backend_names
 from ..layers.kv_cache import KVCache
 from ..models.protocol import CausalLM
+from .forward import StepInputs, forward_step
 
 __all__ = ["CudaGraphs", "DEFAULT_BUCKETS"]
 
@@ -86,9 +91,8 @@ class CudaGraphs:
             raise RuntimeError(f"the graph-mode attention backend cannot plan a {b}-row warm-up step")
 
         def forward() -> torch.Tensor:
-            self.kv_cache.record_positions(self.slots[:b], self.positions[:b])
-            return self.model.forward(self.input_ids[:b], self.positions[:b], self.slots[:b], self.kv_cache, gb,
-                                      self.logits_idx[:b])
+            return forward_step(self.model, self.kv_cache, gb, self.input_ids[:b], self.positions[:b],
+                                self.slots[:b], self.logits_idx[:b])
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -101,28 +105,33 @@ class CudaGraphs:
             logits = forward()
         return _Entry(graph, logits, gb)
 
-    def run(self, meta: AttentionMetadata, input_ids: list[int], positions: list[int], slots: list[int]
-            ) -> torch.Tensor | None:
-        """Replay the decode step for ``meta`` (host lists of the sequences' token ids, logical
-        positions and KV slots); returns float32 logits ``[n, vocab]`` of every sequence, or
-        None when the step must run eagerly (multi-token sequences, too many, plan over capacity)."""
+    def rows(self, inputs: StepInputs) -> int | None:
+        """The rows a replay of ``inputs`` forwards (its bucket), or None when the step runs
+        eagerly for its shape (not pure decode, more sequences than the largest bucket); a
+        step whose plan is over the bucket's capacity also runs eagerly (:meth:`replay`)."""
+        meta = inputs.meta
+        return self.bucket(len(meta.q_lens)) if meta.is_decode else None
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The forward recipe inside a graph: plan into the bucket's static buffers, copy the
+        token ids, positions and KV slots in (padding rows: id 0, position 0, slot -1), replay.
+        Returns float32 logits ``[n, vocab]`` of every sequence, or None when the step must run
+        eagerly (see :meth:`rows`, or the plan is over capacity)."""
+        b = self.rows(inputs)
+        meta = inputs.meta
+        if b is None or not self.entries[b].backend.plan(meta):
+            self.fallbacks += 1
+            return None
         n = len(meta.q_lens)
-        b = self.bucket(n)
-        if b is None or not meta.is_decode:
-            self.fallbacks += 1
-            return None
-        entry = self.entries[b]
-        if not entry.backend.plan(meta):
-            self.fallbacks += 1
-            return None
         host = self._host
-        host[:, :n] = torch.tensor([input_ids, positions, slots], dtype=torch.long)
+        host[:, :n] = torch.tensor([inputs.input_ids, inputs.positions, meta.slots], dtype=torch.long)
         host[0, n:b] = 0
         host[1, n:b] = 0
         host[2, n:b] = -1
         self.input_ids[:b].copy_(host[0, :b], non_blocking=True)
         self.positions[:b].copy_(host[1, :b], non_blocking=True)
         self.slots[:b].copy_(host[2, :b], non_blocking=True)
+        entry = self.entries[b]
         entry.graph.replay()
         self.replays += 1
         return entry.logits[:n]

@@ -1,19 +1,25 @@
 """Model runner: the one place where scheduled threads become tensors.
 
 After nano-vllm's ``ModelRunner``: it owns the KV tensor, the attention backend (and its
-per-step plan), the CUDA graphs (captured once, at start) and the sampler call. Each step
-:meth:`ModelRunner.run` takes the scheduler's :class:`~pasta_engine.engine.batch.ScheduledBatch`,
-lays the threads' tokens, logical positions, KV slots and views out as one mixed batch, runs
-the model once (a captured graph when the step is pure decode and fits a bucket), picks every
-sampling thread's token (the forced token in replay), and brings all tokens back in one
-device-to-host transfer.
+per-step plan), the CUDA graphs (captured once, at start) and the sampler call. A step is three
+verbs, :meth:`ModelRunner.run` calling them in turn:
+
+* :meth:`~ModelRunner.prepare`: the scheduler's :class:`~pasta_engine.engine.batch.ScheduledBatch`
+  laid out as one mixed batch, host-side (:class:`~pasta_engine.engine.forward.StepInputs`:
+  token ids, logical positions, KV slots, views, the rows to sample);
+* :meth:`~ModelRunner.execute`: the one forward recipe (a captured graph when the step is pure
+  decode and fits a bucket, else plan, upload, record positions, forward); with tensor
+  parallelism rank 0 broadcasts the inputs and every rank's runner executes them
+  (:mod:`pasta_engine.distributed`);
+* :meth:`~ModelRunner.sample`: every sampling thread's token from the logits and the step's
+  :class:`~pasta_engine.layers.sampler.SamplingBatch` (packed from the scheduler's sampling
+  rows), brought back in one device-to-host transfer.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from itertools import groupby
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,14 +30,17 @@ from ..layers.attention import AttentionMetadata
 from ..layers.backends import get_backend, graph_backend_names
 from ..layers.kv_cache import KVCache, kv_bytes_per_token
 from ..lang.grammar import GrammarState
-from ..layers.sampler import (MIN_TOP_P, apply_fork_threshold, apply_output_penalties, apply_repetition_penalty,
-                              draw_noise, logprobs_of, mask_tokens, sample_batch)
-from ..layers.utils import to_device
+from ..layers.sampler import SamplingBatch
 from ..models.protocol import CausalLM
-from .batch import SampledTokens, ScheduledBatch, ScheduledThread
-from .request import Request
+from .batch import SampledTokens, SamplingRow, ScheduledBatch
+from .forward import StepInputs, forward_step
 
-__all__ = ["ModelRunner", "StepProfile", "kv_bytes_per_token", "default_kv_cache_bytes"]
+__all__ = ["ModelRunner", "StepProfile", "StepInputs", "kv_bytes_per_token", "default_kv_cache_bytes"]
+
+#: How tensor parallelism runs a step on every rank: called as ``executor(execute, inputs)`` on
+#: rank 0 (broadcast ``inputs``, run ``execute(inputs)`` here as every rank does, exchange the
+#: ranks' status), returning rank 0's logits.
+Executor = Callable[[Callable[[StepInputs], torch.Tensor], StepInputs], torch.Tensor]
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
@@ -81,21 +90,28 @@ class ModelRunner:
         kv_cache: the :class:`~pasta_engine.layers.kv_cache.KVCache` (``[num_layers, 2,
             num_pages, page_size, Hkv, D]`` in the model's dtype, with the per-slot key
             positions when a layer has a sliding window).
-        logits_hook: testing aid, called as ``hook(request, thread_id, logits_row)`` for every
-            sampled row (float32 ``[vocab]``) before sampling; the hook may change the row in
-            place (bias the model: the grammar mask still applies after it).
+        logits_hook: testing aid, called as ``hook(row, thread_id, logits_row)`` for every
+            sampled row (``row``: the thread's :class:`~pasta_engine.engine.batch.SamplingRow`,
+            with its ``request_id`` and ``params``; ``logits_row``: float32 ``[vocab]``) before
+            sampling; the hook may change the logits in place (bias the model: the grammar mask
+            still applies after it).
         profile: a list to append one :class:`StepProfile` per step to (benchmarks; it adds
             one device synchronization per step to split host time from GPU time).
-        step_hook: tensor parallelism (:mod:`pasta_engine.distributed`): None, or called as
-            ``hook(meta, ids, positions, slots)`` right before every eager forward with the
-            step's :class:`~pasta_engine.layers.attention.AttentionMetadata` and its ``T`` token
-            ids, logical positions and KV slots (host ints), so the other ranks run the same step.
+        executor: tensor parallelism (:mod:`pasta_engine.distributed`): None (one process), or
+            how rank 0 runs :meth:`execute` on every rank (see :data:`Executor`); set when the
+            ranks attach.
+        config: the :class:`~pasta_engine.config.EngineConfig` it was built with.
+
+    With ``config.tensor_parallel_size > 1`` the CUDA graphs are captured by
+    :meth:`capture_graphs` when the ranks attach (every rank at once: the graphs hold the
+    all-reduces), not here.
 
     Raises ParameterError when the KV budget holds no page or CUDA graphs are asked for where
     they cannot run."""
 
     def __init__(self, model: CausalLM, config: EngineConfig):
         c = model.config
+        self.config = config
         self.model = model
         self.device = model.device
         self.backend = get_backend(config.attention_backend)
@@ -121,16 +137,26 @@ class ModelRunner:
                  f"not {self.backend.name!r})"])
             raise ParameterError("cuda_graphs", True, message=f"cuda_graphs=True needs {' and '.join(needs)}")
         self.cuda_graphs = None
-        if want_graphs or (want_graphs is None and can_graph):
-            from .cuda_graphs import CudaGraphs
-
-            self.cuda_graphs = CudaGraphs(model, self.kv_cache, self.backend)
-        self.logits_hook: Callable[[Request, int, torch.Tensor], None] | None = None
+        self.wants_graphs = bool(want_graphs or (want_graphs is None and can_graph))
+        if self.wants_graphs and config.tensor_parallel_size == 1:
+            self.capture_graphs()
+        self.logits_hook: Callable[[SamplingRow, int, torch.Tensor], None] | None = None
         self.grammar_masks: torch.Tensor | None = None  # [states, vocab] bool: True = masked (set_grammar)
         self.fork_token: int | None = None  # the promise piece's id, for Limits.fork_threshold (set_grammar)
         self.profile: list[StepProfile] | None = None
         self.steps = 0  # steps run (the attention plan is updated, not rebuilt, from one step to the next)
-        self.step_hook: Callable[[AttentionMetadata, list[int], list[int], list[int]], None] | None = None
+        self.executor: Executor | None = None
+        self._graphed = False  # whether the last execute replayed a graph (the step profile)
+        self._t_executed = self._t_planned = 0.0  # when the last execute began / had planned (perf_counter s)
+
+    def capture_graphs(self) -> None:
+        """Capture the CUDA graphs (:class:`~pasta_engine.engine.cuda_graphs.CudaGraphs`, one per
+        bucket) when this runner wants them, once. Called by the constructor, or, with tensor
+        parallelism, on every rank at once when the ranks attach. Raises what capture raises."""
+        if self.wants_graphs and self.cuda_graphs is None:
+            from .cuda_graphs import CudaGraphs
+
+            self.cuda_graphs = CudaGraphs(self.model, self.kv_cache, self.backend)
 
     def warm_up(self) -> int:
         """On a CPU, make :func:`~pasta_engine.layers.linear.linear`'s per-shape GEMM choice for
@@ -175,16 +201,22 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     def run(self, batch: ScheduledBatch) -> SampledTokens:
-        """Forward every thread of ``batch`` once and pick each sampling thread's token.
-
-        Returns :class:`~pasta_engine.engine.batch.SampledTokens` in the batch's sampling
-        order; a request whose sampling raised is named in its ``errors`` (its tokens are
-        placeholders). On CUDA the step is only launched: the tokens come back by one
-        asynchronous copy into pinned memory, waited for on the first read of the result (so
-        the caller does its token-independent host work while the device runs); on a CPU the
-        same code runs synchronously. Exceptions from the forward itself propagate (they
-        belong to no single request)."""
+        """One step: :meth:`prepare`, :meth:`execute` (on every rank, with tensor parallelism),
+        :meth:`sample`. Returns :class:`~pasta_engine.engine.batch.SampledTokens` in the batch's
+        sampling order, read lazily (see :meth:`sample`). Exceptions from the forward propagate
+        (they belong to no single request)."""
         t_start = time.perf_counter()
+        inputs = self.prepare(batch)
+        logits = self.execute(inputs) if self.executor is None else self.executor(self.execute, inputs)
+        t_sample, gpu_wait = self._forward_done()
+        sampled = self.sample(logits, self.sampling_batch(batch.rows, logits.shape[-1]))
+        if self.profile is not None:
+            self._record(inputs, t_start, t_sample, gpu_wait, sampled)
+        return sampled
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Lay ``batch`` out as one mixed batch (one sequence per thread, its tokens consecutive)
+        and number the step. Host lists only: no tensor is made here."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -200,197 +232,91 @@ class ModelRunner:
             runs.append(st.runs)
             if step.sample:
                 logits_indices.append(len(ids) - 1)
-        dev = self.device
         self.steps += 1
         meta = AttentionMetadata(page_size=self.page_size, q_lens=q_lens, runs=runs, slots=slots, step=self.steps)
-        logits = None
-        graphed = False
-        t_plan = t_fwd = time.perf_counter()
-        if self.cuda_graphs is not None:
-            every_seq = self.cuda_graphs.run(meta, ids, positions, slots)
-            if every_seq is not None:
-                graphed = True
-                all_sample = len(logits_indices) == len(q_lens)
-                logits = every_seq if all_sample else every_seq.index_select(0, to_device(logits_indices, torch.long, dev))
-        if logits is None:
-            self.backend.plan(meta)
-            t_fwd = time.perf_counter()
-            all_sample = len(logits_indices) == len(ids)
-            # the three int64 inputs in one transfer, as rows of one [3, T] tensor
-            ids_t, positions_t, slots_t = to_device(ids + positions + slots, torch.long, dev).view(3, -1).unbind(0)
-            self.kv_cache.record_positions(slots_t, positions_t)
-            if self.step_hook is not None:
-                self.step_hook(meta, ids, positions, slots)
-            logits = self.model.forward(
-                ids_t, positions_t, slots_t, self.kv_cache, self.backend,
-                None if all_sample else to_device(logits_indices, torch.long, dev),
-            )
-        t_sample = time.perf_counter()
-        gpu_wait = 0.0
-        if self.profile is not None and dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            gpu_wait = time.perf_counter() - t_sample
-            t_sample = time.perf_counter()
-        sampled = self._sample(batch.sampling, logits)
-        if self.profile is not None:
-            sampled.errors  # noqa: B018  (waits: the profile splits host time from device time)
-            t_end = time.perf_counter()
-            total = t_end - t_start
-            self.profile.append(StepProfile(
-                len(q_lens), len(logits_indices), graphed, total - gpu_wait, gpu_wait, total,
-                _distinct_kv_tokens(runs), len(ids), plan_s=t_fwd - t_plan,
-                forward_s=t_sample - t_fwd - gpu_wait,  # graphed: t_fwd == t_plan (the graph plans inside)
-                sample_s=t_end - t_sample))
-        return sampled
+        return StepInputs(meta, ids, positions, logits_indices)
 
-    def _sample(self, sampling: list[ScheduledThread], logits: torch.Tensor) -> SampledTokens:
-        """Every sampling thread's token in one batched call (:func:`~pasta_engine.layers.sampler.sample_batch`),
-        then one transfer back, waited for on the first read of the result.
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward recipe, on every tensor-parallel rank: replay a captured graph when the step
+        fits one, else plan, upload ids/positions/slots, record positions, forward (:func:`forward_step`).
+        Returns float32 logits ``[S, vocab]`` of the ``S`` sampled rows (launched, not waited
+        for, on CUDA). Raises what the forward raises."""
+        self._t_executed = time.perf_counter()
+        graphed = self.cuda_graphs.replay(inputs) if self.cuda_graphs is not None else None
+        self._graphed = graphed is not None
+        if graphed is not None:
+            return graphed if inputs.all_sample else graphed.index_select(0, inputs.logits_rows(self.device))
+        self.backend.plan(inputs.meta)
+        self._t_planned = time.perf_counter()
+        ids, positions, slots = inputs.upload(self.device)
+        return forward_step(self.model, self.kv_cache, self.backend, ids, positions, slots,
+                            inputs.logits_rows(self.device))
 
-        Per request (rows of one request are consecutive): the logits hook, forced tokens (a
-        request whose rows are all forced samples nothing), and its random numbers, drawn from
-        its own seeded generator for all its rows (:func:`~pasta_engine.layers.sampler.draw_noise`)
-        as the per-request :func:`~pasta_engine.layers.sampler.sample` does, so a request's
-        tokens do not depend on the others in the batch. A failure in one request's part names
-        that request in ``errors``.
+    def forward_rows(self, inputs: StepInputs) -> int:
+        """Rows the forward of ``inputs`` runs: its graph bucket when a graph replays it, else
+        its ``T`` tokens (the rows of each all-reduce, for a tensor-parallel rank whose part
+        failed and completes the others' all-reduces)."""
+        rows = self.cuda_graphs.rows(inputs) if self.cuda_graphs is not None else None
+        return rows if rows is not None else len(inputs.input_ids)
 
-        Per thread, before sampling (one batched tensor operation each, for the rows that need
-        it; forced rows untouched): the repetition penalty over the tokens the thread sees, the
-        presence and frequency penalties over the response tokens it sees, ``-inf`` on the end
-        tokens ``ignore_eos``/``min_tokens`` forbid now, then the grammar's mask; min-p is a
-        per-row parameter of :func:`~pasta_engine.layers.sampler.sample_batch`."""
-        n = len(sampling)
+    def sampling_batch(self, rows: Sequence[SamplingRow], vocab: int) -> SamplingBatch:
+        """The step's :class:`~pasta_engine.layers.sampler.SamplingBatch`, packed from the
+        scheduler's sampling rows with this runner's grammar masks and fork token."""
+        return SamplingBatch.from_rows(rows, vocab, self.device, self.grammar_masks, self.fork_token, GrammarState.MAIN)
+
+    def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
+        """Each sampling row's token from ``logits`` (float32 ``[N, vocab]``, row ``i`` for
+        ``sb.rows[i]``): the logits hook, penalties and masks (:meth:`SamplingBatch.process`),
+        forced or sampled tokens (each request's noise from its own stream, so its tokens do not
+        depend on the batch), logprobs, then one transfer back. Returns
+        :class:`~pasta_engine.engine.batch.SampledTokens` whose first read waits for it (the
+        step's one host-device sync); a request whose part failed is named in its ``errors``."""
+        n = len(sb.rows)
         if n == 0:
             return SampledTokens([], [], {})
-        dev = logits.device
-        if self.logits_hook is None and dev.type != "cuda":
-            # a CPU replay step without logprobs: nothing to sample and nothing to bring back (on
-            # CUDA the copy back stays: it is the step's one sync, which keeps the host from
-            # refilling pinned inputs still being copied; with a hook the general path runs it)
-            forced_fast = [st.step.forced for st in sampling]
-            if None not in forced_fast and not any(st.request.params.return_logprobs for st in sampling):
-                return SampledTokens(forced_fast, [0.0] * n, {})
-        if self.logits_hook is not None:
-            logits = logits.clone()  # a normal tensor: a hook may change its row in place (bias the model)
+        if sb.all_forced and not any(sb.logprobs) and self.logits_hook is None and logits.device.type != "cuda":
+            return SampledTokens(list(sb.forced), [0.0] * n, {})  # a CPU replay step: nothing to sample or bring back
+        logits, errors = self._hooked(logits, sb)
+        logits = sb.process(logits)
+        tokens, bad = sb.pick(logits, errors)
+        return _copy_back(tokens, sb.logprobs_of(logits, tokens), bad, errors, sb.request_ids)
+
+    def _hooked(self, logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, dict[str, str]]:
+        """The logits after the logits hook (a copy, changed in place by the hook; the logits
+        themselves when there is no hook), and the requests whose hook raised."""
         errors: dict[str, str] = {}
-        forced: list[int] = []
-        want_lp: list[bool] = []
-        groups: list[tuple[int, int, Request, bool]] = []  # (first row, rows, request, samples)
-        at = 0
-        for _, group_iter in groupby(sampling, key=lambda st: id(st.request)):
-            group = list(group_iter)
-            req = group[0].request
-            m = len(group)
-            prm = req.params
-            if self.logits_hook is not None:
-                try:
-                    for st, row in zip(group, logits[at : at + m]):
-                        self.logits_hook(req, st.step.tid, row)
-                except Exception as e:  # noqa: BLE001  (the failure belongs to this request only)
-                    errors[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-            fr = [st.step.forced for st in group]
-            forced += [-1 if f is None else f for f in fr]
-            want_lp += [prm.return_logprobs] * m
-            groups.append((at, m, req, not prm.greedy and any(f is None for f in fr)))
-            at += m
-        pen = [(k, st) for k, st in enumerate(sampling)
-               if st.request.params.repetition_penalty != 1.0 and st.step.forced is None]
-        if pen:  # the tokens each thread sees, penalised (before the grammar: a masked token stays masked)
-            logits = apply_repetition_penalty(
-                logits, [k for k, _ in pen], [st.request.interp.seen_tokens(st.step.tid) for _, st in pen],
-                [st.request.params.repetition_penalty for _, st in pen])
-        pf = [(k, st) for k, st in enumerate(sampling) if st.request.params.penalised and st.step.forced is None]
-        if pf:  # presence and frequency: over the response tokens the thread sees (vLLM: output tokens)
-            logits = apply_output_penalties(
-                logits, [k for k, _ in pf], [_response_seen(st) for _, st in pf],
-                [st.request.params.presence_penalty for _, st in pf],
-                [st.request.params.frequency_penalty for _, st in pf])
-        ends = [(k, ids) for k, st in enumerate(sampling) if st.step.forced is None
-                for ids in [_masked_ends(st, logits.shape[-1])] if ids]
-        if ends:  # ignore_eos, min_tokens: end tokens the thread may not sample now
-            logits = mask_tokens(logits, [k for k, _ in ends], [ids for _, ids in ends])
-        if self.grammar_masks is not None:
-            states = [st.step.grammar for st in sampling]
-            if any(states):  # the PASTA-LANG grammar: forbidden tokens get -inf (logprobs see the mask too)
-                logits = logits.masked_fill(self.grammar_masks[to_device(states, torch.long, dev)], float("-inf"))
-        knobs = [(a, m, t) for a, m, req, _ in groups
-                 for t in [req.interp.limits.fork_threshold] if t is not None] if self.fork_token is not None else []
-        if knobs:  # Limits.fork_threshold (requests that set it only): the promise piece's probability decides
-            fk = [(k, t) for a, m, t in knobs for k in range(a, a + m)
-                  if sampling[k].step.forced is None and sampling[k].step.grammar == GrammarState.MAIN]
-            if fk:
-                logits = apply_fork_threshold(logits, [k for k, _ in fk], [t for _, t in fk], self.fork_token)
-        if all(f >= 0 for f in forced):  # replay: nothing to sample
-            tokens, bad = to_device(forced, torch.long, dev), None
-        else:
-            vocab = logits.shape[-1]
-            greedy: list[bool] = []
-            temps: list[float] = []
-            top_k: list[int] = []
-            top_p: list[float] = []
-            min_p: list[float] = []
-            for _, m, req, samples in groups:
-                prm = req.params
-                greedy += [not samples] * m
-                temps += [prm.temperature if samples else 1.0] * m
-                top_k += [prm.top_k if samples and 0 < prm.top_k < vocab else vocab] * m
-                top_p += [max(prm.top_p, MIN_TOP_P) if samples and prm.top_p < 1.0 else float("inf")] * m
-                min_p += [prm.min_p if samples else 0.0] * m
-            noise = None
-            if any(g[3] for g in groups):
-                noise = torch.ones_like(logits)
-                for a, m, req, samples in groups:
-                    if not samples:
-                        continue
-                    try:
-                        if req.sampler_state is None:
-                            gen = torch.Generator(device=dev)
-                            gen.manual_seed(req.params.seed)
-                            req.sampler_state = gen
-                        draw_noise(noise[a : a + m], req.sampler_state)
-                    except Exception as e:  # noqa: BLE001  (the failure belongs to this request only)
-                        errors[req.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-            kmask = any(k < vocab for k in top_k)
-            pmask = any(p < 1.0 for p in top_p)
-            mpmask = any(p > 0.0 for p in min_p)
-            params = to_device(temps + top_p + (min_p if mpmask else []), torch.float32, dev).view(-1, n, 1)
-            tokens, bad = sample_batch(
-                logits, to_device(greedy, torch.bool, dev), params[0],
-                to_device(top_k, torch.long, dev).view(n, 1) if kmask else None, params[1] if pmask else None, noise,
-                params[2] if mpmask else None)
-            if any(f >= 0 for f in forced):
-                f = to_device(forced, torch.long, dev)
-                tokens = torch.where(f >= 0, f, tokens)
-        if any(want_lp):
-            lps = logprobs_of(logits, tokens)
-            if not all(want_lp):
-                lps = torch.where(to_device(want_lp, torch.bool, dev), lps, 0.0)
-        else:
-            lps = torch.zeros(n, device=dev)
-        rows = [tokens.double(), lps.double()] + ([bad.double()] if bad is not None else [])
-        out = torch.stack(rows)
-        if dev.type == "cuda":
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host, done = out, None
+        if self.logits_hook is None:
+            return logits, errors
+        logits = logits.clone()  # a normal tensor: a hook may change its row in place (bias the model)
+        for a, m, _, _ in sb.groups:
+            try:
+                for row, x in zip(sb.rows[a : a + m], logits[a : a + m]):
+                    self.logits_hook(row, row.tid, x)
+            except Exception as e:  # noqa: BLE001  (the failure belongs to this request only)
+                errors[sb.request_ids[a]] = f"sampling failed: {type(e).__name__}: {e}"
+        return logits, errors
 
-        def wait() -> tuple[list[int], list[float], dict[str, str]]:
-            if done is not None:
-                done.synchronize()
-            values = host.tolist()
-            toks = [int(t) for t in values[0]]
-            if bad is not None and any(values[2]):
-                for st, b in zip(sampling, values[2]):
-                    if b and st.request.request_id not in errors:
-                        errors[st.request.request_id] = (
-                            "sampling failed: the logits hold NaN or inf (weights that are not finite, or sampling "
-                            "values that overflow them): this request ends here, the others go on")
-            return toks, values[1], errors
+    def _forward_done(self) -> tuple[float, float]:
+        """``(now, seconds waited for the device)``: with a profile on CUDA, waits for the
+        forward so the profile splits host from device time (else 0.0 waited)."""
+        t = time.perf_counter()
+        if self.profile is None or self.device.type != "cuda":
+            return t, 0.0
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter(), time.perf_counter() - t
 
-        return SampledTokens(wait=wait)
+    def _record(self, inputs: StepInputs, t_start: float, t_sample: float, gpu_wait: float,
+                sampled: SampledTokens) -> None:
+        """Append the step's :class:`StepProfile` (waits for the sampled tokens)."""
+        sampled.errors  # noqa: B018  (waits: the profile splits host time from device time)
+        t_end = time.perf_counter()
+        total = t_end - t_start
+        meta = inputs.meta
+        t_fwd = self._t_executed if self._graphed else self._t_planned  # graphed: planned inside the replay
+        self.profile.append(StepProfile(
+            len(meta.q_lens), len(inputs.logits_indices), self._graphed, total - gpu_wait, gpu_wait, total,
+            _distinct_kv_tokens(meta.runs), len(inputs.input_ids), plan_s=t_fwd - self._t_executed,
+            forward_s=t_sample - gpu_wait - t_fwd, sample_s=t_end - t_sample))
 
     @property
     def weight_bytes(self) -> int:
@@ -403,29 +329,32 @@ class ModelRunner:
                 "attention_backend": self.backend.name, "cuda_graphs": self.cuda_graphs is not None}
 
 
-def _response_seen(st: ScheduledThread) -> list[int]:
-    """The response tokens thread ``st`` sees: the repetition penalty's tokens without the
-    prompt (the tokens vLLM's presence and frequency penalties count)."""
-    it = st.request.interp
-    return it.seen_tokens(st.step.tid)[len(it.prompt_ids):]
-
-
-def _masked_ends(st: ScheduledThread, vocab: int) -> list[int]:
-    """The end tokens thread ``st`` may not sample in this step: the end-of-sequence and stop
-    tokens while its request has sampled fewer than ``min_tokens`` (all threads together), and
-    the end-of-sequence tokens that are not stop tokens under ``ignore_eos``. Ids at or past
-    ``vocab`` (the logits' width) are left out: they are never sampled."""
-    prm = st.request.params
-    if not prm.ignore_eos and not prm.min_tokens:
-        return []
-    it = st.request.interp
-    if prm.min_tokens and it.total_sampled < prm.min_tokens:
-        ids = set(it.eos_ids) | set(prm.stop_token_ids)
-    elif prm.ignore_eos:
-        ids = set(it.eos_ids) - set(prm.stop_token_ids)
+def _copy_back(tokens: torch.Tensor, logprobs: torch.Tensor, bad: torch.Tensor | None, errors: dict[str, str],
+               request_ids: list[str]) -> SampledTokens:
+    """``tokens`` and ``logprobs`` (``[N]``) brought back in one transfer (asynchronous into
+    pinned memory on CUDA), waited for on the first read of the result; rows flagged ``bad``
+    (non-finite logits) fail their request (``errors``, keyed by ``request_ids[i]``)."""
+    out = torch.stack([tokens.double(), logprobs.double()] + ([bad.double()] if bad is not None else []))
+    if out.device.type == "cuda":
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
     else:
-        return []
-    return sorted(i for i in ids if 0 <= i < vocab)
+        host, done = out, None
+
+    def wait() -> tuple[list[int], list[float], dict[str, str]]:
+        if done is not None:
+            done.synchronize()
+        values = host.tolist()
+        if bad is not None and any(values[2]):
+            for rid, b in zip(request_ids, values[2]):
+                if b and rid not in errors:
+                    errors[rid] = ("sampling failed: the logits hold NaN or inf (weights that are not finite, or "
+                                   "sampling values that overflow them): this request ends here, the others go on")
+        return [int(t) for t in values[0]], values[1], errors
+
+    return SampledTokens(wait=wait)
 
 
 def _distinct_kv_tokens(runs: list[list]) -> int:

@@ -75,11 +75,22 @@ from typing import Callable
 
 from ..config import THREAD_POLICIES
 from ..errors import KVCacheExhausted
-from .batch import KVFork, KVJoin, KVRelease, SampledTokens, ScheduledBatch, ScheduledThread, ThreadStep
+from .batch import (KVFork, KVJoin, KVRelease, RandomStream, SampledTokens, SamplingRow, ScheduledBatch, ScheduledThread,
+                    SeenTokens, ThreadStep)
 from .block_manager import BlockManager, KVView
 from .request import Request, RequestStatus
 
 __all__ = ["Scheduler", "ScheduledThread", "ScheduledBatch", "SampledTokens"]  # the batch types: re-exported
+
+
+@dataclass(slots=True)
+class _RequestSampling:
+    """What the scheduler keeps per running request to fill its sampling rows: its random
+    stream, and per thread the tokens it sees, counted (only when a penalty applies)."""
+
+    rng: RandomStream
+    penalised: bool
+    seen: dict[int, SeenTokens] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -122,6 +133,7 @@ class Scheduler:
         self.total_steps = 0
         self.preemptions = 0
         self._last_victim: Request | None = None
+        self._sampling: dict[str, _RequestSampling] = {}  # request id -> its sampling state (running requests)
 
     # ------------------------------------------------------------------ requests
 
@@ -212,6 +224,7 @@ class Scheduler:
 
     def _end(self, req: Request, reason: str, error: str | None = None) -> None:
         self._free(req)
+        self._sampling.pop(req.request_id, None)
         if not req.interp.done:
             req.interp.cancel(reason)
             req.interp.take_kv_ops()  # the pages are freed above
@@ -286,6 +299,7 @@ class Scheduler:
         """Free every page of ``req`` and queue it to restart from its prompt (first in line;
         it is admitted again once its whole worst case fits)."""
         self._free(req)
+        self._sampling.pop(req.request_id, None)  # it restarts from its prompt: a new stream, seen tokens recounted
         self.running.remove(req)
         req.preemptions += 1
         self.preemptions += 1
@@ -522,12 +536,34 @@ class Scheduler:
                 if view is not None:
                     bm.release(view)
         runs = BlockManager.runs
-        threads = req.interp.threads
+        it = req.interp
+        threads = it.threads
+        rid = req.request_id
+        state = self._sampling.get(rid)
+        if state is None:
+            prm = req.params
+            state = self._sampling[rid] = _RequestSampling(RandomStream(prm.seed),
+                                                           prm.repetition_penalty != 1.0 or prm.penalised)
+        ends: tuple[int, ...] | None = None
         for s, n in picks:
             allocate(s.tid)
             if s.sample and not threads[s.tid].n_sampled:  # the prompt or a child's inserted tag, in pieces or not
                 req.prefill_tokens += n
-            out.append(ScheduledThread(req, s.first(n), slots[s.tid], runs(views[s.tid])))
+            step = s.first(n)
+            seen = None
+            if state.penalised:
+                seen = state.seen.get(s.tid)
+                if seen is not None:  # counted since its first penalised sample: add what it forwards now
+                    seen.add(step.tokens)
+                elif step.sample:  # counted once from its tokens (this step's included), then kept
+                    seen = state.seen[s.tid] = SeenTokens.recount(it.seen_tokens(s.tid), len(it.prompt_ids))
+            row = None
+            if step.sample:
+                if ends is None:
+                    ends = _masked_ends(req)
+                row = SamplingRow(rid, s.tid, req.params, step.forced, step.grammar, seen, ends,
+                                  it.limits.fork_threshold, state.rng)
+            out.append(ScheduledThread(rid, step, slots[s.tid], runs(views[s.tid]), row))
 
     # ------------------------------------------------------------------ stepping
 
@@ -558,7 +594,7 @@ class Scheduler:
             try:
                 self._allocate(req, picks, batch.threads)
             except KVCacheExhausted as e:
-                batch.threads = [t for t in batch.threads if t.request is not req]
+                batch.threads = [t for t in batch.threads if t.request_id != req.request_id]
                 self.fail(req, str(e))
         return batch
 
@@ -572,13 +608,17 @@ class Scheduler:
         request ended within the step, e.g. at ``max_new_tokens``, is not taken; a request that
         failed here comes back too, finished with an error)."""
         self.total_steps += 1
-        by_req: dict[int, tuple[Request, list[ScheduledThread]]] = {}
+        running = {r.request_id: r for r in self.running}
+        by_req: dict[str, tuple[Request | None, list[ScheduledThread]]] = {}
         for st in batch.threads:
-            by_req.setdefault(id(st.request), (st.request, []))[1].append(st)
+            entry = by_req.get(st.request_id)
+            if entry is None:
+                entry = by_req[st.request_id] = (running.get(st.request_id), [])
+            entry[1].append(st)
         # first what needs no sampled token (the device may still be running the step)
         bm = self.block_manager
         for req, threads in by_req.values():
-            if req.finished:
+            if req is None or req.finished:
                 continue
             steps = [st.step for st in threads]
             it = req.interp
@@ -600,7 +640,7 @@ class Scheduler:
             toks = all_toks[at : at + n_sample]
             lps = all_lps[at : at + n_sample]
             at += n_sample
-            if req.finished:
+            if req is None or req.finished:
                 continue
             if req.request_id in errors:
                 self.fail(req, errors[req.request_id])
@@ -623,3 +663,19 @@ class Scheduler:
                 self._end(req, it.finish)
             out.append((req, taken))
         return out
+
+
+def _masked_ends(req: Request) -> tuple[int, ...]:
+    """The end tokens ``req``'s threads may not sample in this step: the end-of-sequence and
+    stop tokens while it has sampled fewer than ``min_tokens`` (all threads together), and the
+    end-of-sequence tokens that are not stop tokens under ``ignore_eos``; sorted (the sampler
+    leaves out ids past the vocabulary)."""
+    prm = req.params
+    if not prm.ignore_eos and not prm.min_tokens:
+        return ()
+    it = req.interp
+    if prm.min_tokens and it.total_sampled < prm.min_tokens:
+        return tuple(sorted(set(it.eos_ids) | set(prm.stop_token_ids)))
+    if prm.ignore_eos:
+        return tuple(sorted(set(it.eos_ids) - set(prm.stop_token_ids)))
+    return ()

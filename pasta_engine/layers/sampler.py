@@ -3,23 +3,31 @@
 
 :func:`sample` picks the tokens of one request's rows; :func:`sample_batch` does the same for
 every row of a step in one call (per-row parameters as tensors, each request's random numbers
-drawn from its own generator by :func:`draw_noise`) and picks the same tokens."""
+drawn from its own generator by :func:`draw_noise`) and picks the same tokens.
+:class:`SamplingBatch` is one step's sampling, packed once from the scheduler's per-thread
+sampling rows (SGLang's ``SamplingBatchInfo.from_schedule_batch``): what the model runner's
+``sample`` applies to the logits and samples from."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
 from ..config import SamplingParams
+from .utils import to_device
 
 __all__ = ["sample", "sample_batch", "draw_noise", "logprobs_of", "apply_repetition_penalty", "apply_output_penalties",
-           "mask_tokens", "apply_fork_threshold", "MIN_TOP_P"]
+           "mask_tokens", "apply_fork_threshold", "MIN_TOP_P", "SamplingBatch", "SamplingRowLike"]
 
 #: A smaller top_p is taken as this one (keeps the most likely token, as any tiny top_p does): a
 #: top_p such as 1e-300 rounds to 0 in float32, and a zero top_p dropped every token (nan).
 MIN_TOP_P = 1e-6
 
 
-def apply_repetition_penalty(logits: torch.Tensor, rows: list[int], seen: list[list[int]],
+def apply_repetition_penalty(logits: torch.Tensor, rows: list[int], seen: Sequence[Sequence[int] | Mapping[int, int]],
                              penalties: list[float]) -> torch.Tensor:
     """The logits with the repetition penalty applied (a new tensor): for each ``rows[i]``, the
     logit of every id in ``seen[i]`` is divided by ``penalties[i]`` when positive and multiplied
@@ -29,7 +37,8 @@ def apply_repetition_penalty(logits: torch.Tensor, rows: list[int], seen: list[l
     Args:
         logits: ``[N, vocab]`` float32.
         rows: row indices into ``logits`` that get a penalty.
-        seen: per such row, the token ids the thread has seen (repeats allowed).
+        seen: per such row, the token ids the thread has seen (repeats allowed; a mapping's
+            keys: its ids).
         penalties: per such row, the penalty (> 0)."""
     r = torch.tensor([row for row, ids in zip(rows, seen) for _ in ids], dtype=torch.long)
     c = torch.tensor([i for ids in seen for i in ids], dtype=torch.long)
@@ -42,7 +51,7 @@ def apply_repetition_penalty(logits: torch.Tensor, rows: list[int], seen: list[l
     return torch.where(mask, torch.where(logits > 0, logits / p, logits * p), logits)
 
 
-def apply_output_penalties(logits: torch.Tensor, rows: list[int], output: list[list[int]],
+def apply_output_penalties(logits: torch.Tensor, rows: list[int], output: Sequence[Sequence[int] | Mapping[int, int]],
                            presence: list[float], frequency: list[float]) -> torch.Tensor:
     """The logits with OpenAI's presence and frequency penalties applied (a new tensor): for
     each ``rows[i]``, ``frequency[i] * count[t] + presence[i] * (count[t] > 0)`` is subtracted
@@ -53,17 +62,20 @@ def apply_output_penalties(logits: torch.Tensor, rows: list[int], output: list[l
     Args:
         logits: ``[N, vocab]`` float32.
         rows: row indices into ``logits`` that get the penalties.
-        output: per such row, the response token ids the thread sees (repeats counted).
+        output: per such row, the response token ids the thread sees (repeats counted), or a
+            mapping of each id to its count (the same counts).
         presence, frequency: per such row, the penalties (any finite number; 0 = none)."""
     dev, n = logits.device, logits.shape[0]
     r = torch.tensor([row for row, ids in zip(rows, output) for _ in ids], dtype=torch.long)
     c = torch.tensor([i for ids in output for i in ids], dtype=torch.long)
+    w = torch.tensor([k for ids in output for k in (ids.values() if isinstance(ids, Mapping) else [1] * len(ids))],
+                     dtype=logits.dtype)
     pf = torch.zeros(2, n, 1, dtype=logits.dtype)
     pf[0, rows, 0] = torch.tensor(presence, dtype=logits.dtype)
     pf[1, rows, 0] = torch.tensor(frequency, dtype=logits.dtype)
     r, c, pf = r.to(dev, non_blocking=True), c.to(dev, non_blocking=True), pf.to(dev, non_blocking=True)
     counts = torch.zeros(logits.shape, dtype=logits.dtype, device=dev)
-    counts.index_put_((r, c), torch.ones(len(c), dtype=logits.dtype, device=dev), accumulate=True)
+    counts.index_put_((r, c), w.to(dev, non_blocking=True), accumulate=True)
     return logits - pf[1] * counts - pf[0] * (counts > 0).to(logits.dtype)
 
 
@@ -207,3 +219,187 @@ def sample_batch(
     probs = x.softmax(dim=-1)
     bad = nonfinite | (~torch.isfinite(probs).all(dim=-1) & ~greedy)
     return torch.where(greedy, argmax, (probs / noise).argmax(dim=-1)), bad
+
+
+# --------------------------------------------------------------------------- the sampling batch
+
+
+class SamplingRowLike(Protocol):
+    """What :meth:`SamplingBatch.from_rows` reads of a row (the engine's
+    ``engine.batch.SamplingRow``; this layer imports no engine): ``seen`` has ``counts`` and
+    ``response`` (token id -> count), ``rng`` has ``seed`` and ``generator`` (None until the
+    first draw, then the ``torch.Generator`` made here)."""
+
+    request_id: str
+    tid: int
+    params: SamplingParams
+    forced: int | None
+    grammar: int
+    seen: object | None
+    masked_ends: tuple[int, ...]
+    fork_threshold: float | None
+    rng: object
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling, packed from its sampling rows by :meth:`from_rows` (host lists;
+    each tensor is made where it is used, one transfer per kind).
+
+    Attributes:
+        rows: the rows, in batch order (``N``); request_ids: each row's request.
+        forced: per row the token replay forces, -1 where it samples; all_forced: no row samples.
+        logprobs: per row, whether its request wants logprobs.
+        groups: per request (its rows are consecutive): ``(first row, rows, stream, draws)``,
+            ``draws`` when it samples randomly (its rows get noise from its stream).
+        repetition: ``(rows, seen counts, penalties)`` of the rows a repetition penalty applies
+            to, or None; output: ``(rows, response counts, presence, frequency)``, or None.
+        ends: ``(rows, ids)`` of the end tokens masked per row (ids below the vocabulary), or None.
+        grammar: ``[N]`` int64 grammar states on the device and the ``[states, vocab]`` bool mask
+            table (True: masked), or None when no row is constrained.
+        fork: ``(rows, thresholds, token)`` for ``Limits.fork_threshold``, or None.
+        greedy, temperature, top_k, top_p, min_p: per-row parameters of :func:`sample_batch`
+            (None when every row is forced)."""
+
+    rows: Sequence[SamplingRowLike]
+    request_ids: list[str]
+    forced: list[int]
+    all_forced: bool
+    logprobs: list[bool]
+    groups: list[tuple[int, int, object, bool]]
+    repetition: tuple[list[int], list, list[float]] | None = None
+    output: tuple[list[int], list, list[float], list[float]] | None = None
+    ends: tuple[list[int], list[list[int]]] | None = None
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    fork: tuple[list[int], list[float], int] | None = None
+    greedy: list[bool] | None = None
+    temperature: list[float] | None = None
+    top_k: list[int] | None = None
+    top_p: list[float] | None = None
+    min_p: list[float] | None = None
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRowLike], vocab: int, device: torch.device,
+                  grammar_masks: torch.Tensor | None = None, fork_token: int | None = None,
+                  fork_state: int | None = None) -> "SamplingBatch":
+        """Pack one step's rows.
+
+        Args:
+            rows: the step's sampling rows in batch order (a request's rows consecutive).
+            vocab: the logits' width (end ids at or past it are left out; top-k at or past it
+                filters nothing).
+            device: the logits' device.
+            grammar_masks: ``[states, vocab]`` bool on ``device`` (True: masked), or None (no
+                grammar; rows' grammar states are then ignored).
+            fork_token, fork_state: the promise piece's id and the grammar state in which a
+                row's ``fork_threshold`` decides on it (None: no row may fork by threshold)."""
+        forced = [-1 if r.forced is None else r.forced for r in rows]
+        groups: list[tuple[int, int, object, bool]] = []
+        at = 0
+        for rng, grp in groupby(rows, key=lambda r: r.rng):
+            grp = list(grp)
+            groups.append((at, len(grp), rng, not grp[0].params.greedy and any(r.forced is None for r in grp)))
+            at += len(grp)
+        sb = cls(rows, [r.request_id for r in rows], forced, -1 not in forced,
+                 [r.params.return_logprobs for r in rows], groups)
+        free = [(k, r) for k, r in enumerate(rows) if r.forced is None]
+        rep = [(k, r) for k, r in free if r.params.repetition_penalty != 1.0]
+        if rep:
+            sb.repetition = ([k for k, _ in rep], [r.seen.counts for _, r in rep],
+                             [r.params.repetition_penalty for _, r in rep])
+        pf = [(k, r) for k, r in free if r.params.penalised]
+        if pf:
+            sb.output = ([k for k, _ in pf], [r.seen.response for _, r in pf],
+                         [r.params.presence_penalty for _, r in pf], [r.params.frequency_penalty for _, r in pf])
+        ends = [(k, ids) for k, r in free if r.masked_ends for ids in [[i for i in r.masked_ends if 0 <= i < vocab]]
+                if ids]
+        if ends:
+            sb.ends = ([k for k, _ in ends], [ids for _, ids in ends])
+        if grammar_masks is not None:
+            states = [r.grammar for r in rows]
+            if any(states):
+                sb.grammar = (to_device(states, torch.long, device), grammar_masks)
+        if fork_token is not None:
+            fk = [(k, r.fork_threshold) for k, r in free if r.fork_threshold is not None and r.grammar == fork_state]
+            if fk:
+                sb.fork = ([k for k, _ in fk], [t for _, t in fk], fork_token)
+        if not sb.all_forced:
+            sb._pack_params(vocab)
+        return sb
+
+    def _pack_params(self, vocab: int) -> None:
+        """The per-row parameters of :func:`sample_batch` (a request that draws no noise is greedy)."""
+        self.greedy, self.temperature, self.top_k, self.top_p, self.min_p = [], [], [], [], []
+        for a, m, _, draws in self.groups:
+            prm = self.rows[a].params
+            self.greedy += [not draws] * m
+            self.temperature += [prm.temperature if draws else 1.0] * m
+            self.top_k += [prm.top_k if draws and 0 < prm.top_k < vocab else vocab] * m
+            self.top_p += [max(prm.top_p, MIN_TOP_P) if draws and prm.top_p < 1.0 else float("inf")] * m
+            self.min_p += [prm.min_p if draws else 0.0] * m
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits sampling picks from (a new tensor; forced rows untouched): the repetition
+        penalty, the presence and frequency penalties, ``-inf`` on the masked end tokens and on
+        what the grammar forbids (logprobs see the masks too), then the fork threshold's
+        decision. ``logits``: ``[N, vocab]`` float32."""
+        if self.repetition is not None:  # before the masks: a masked token stays masked
+            logits = apply_repetition_penalty(logits, *self.repetition)
+        if self.output is not None:
+            logits = apply_output_penalties(logits, *self.output)
+        if self.ends is not None:
+            logits = mask_tokens(logits, *self.ends)
+        if self.grammar is not None:
+            states, table = self.grammar
+            logits = logits.masked_fill(table[states], float("-inf"))
+        if self.fork is not None:
+            logits = apply_fork_threshold(logits, *self.fork)
+        return logits
+
+    def pick(self, logits: torch.Tensor, errors: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's token: forced, or sampled by :func:`sample_batch` with each drawing
+        request's noise from its own stream (its generator made from its seed at its first
+        draw). A request whose draw raised is named in ``errors``. Returns ``(tokens [N] int64,
+        bad [N] bool or None)`` (``bad``: see :func:`sample_batch`; None when all are forced)."""
+        dev = logits.device
+        if self.all_forced:
+            return to_device(self.forced, torch.long, dev), None
+        n = len(self.rows)
+        noise = None
+        if any(g[3] for g in self.groups):
+            noise = torch.ones_like(logits)
+            for a, m, rng, draws in self.groups:
+                if not draws:
+                    continue
+                try:
+                    if rng.generator is None:
+                        gen = torch.Generator(device=dev)
+                        gen.manual_seed(rng.seed)
+                        rng.generator = gen
+                    draw_noise(noise[a : a + m], rng.generator)
+                except Exception as e:  # noqa: BLE001  (the failure belongs to this request only)
+                    errors[self.request_ids[a]] = f"sampling failed: {type(e).__name__}: {e}"
+        vocab = logits.shape[-1]
+        kmask = any(k < vocab for k in self.top_k)
+        pmask = any(p < 1.0 for p in self.top_p)
+        mpmask = any(p > 0.0 for p in self.min_p)
+        params = to_device(self.temperature + self.top_p + (self.min_p if mpmask else []), torch.float32,
+                           dev).view(-1, n, 1)
+        tokens, bad = sample_batch(
+            logits, to_device(self.greedy, torch.bool, dev), params[0],
+            to_device(self.top_k, torch.long, dev).view(n, 1) if kmask else None, params[1] if pmask else None, noise,
+            params[2] if mpmask else None)
+        if any(f >= 0 for f in self.forced):
+            f = to_device(self.forced, torch.long, dev)
+            tokens = torch.where(f >= 0, f, tokens)
+        return tokens, bad
+
+    def logprobs_of(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """``[N]`` float32: each token's logprob under ``logits`` where its request wants
+        logprobs, 0.0 elsewhere."""
+        if not any(self.logprobs):
+            return torch.zeros(len(self.rows), device=logits.device)
+        lps = logprobs_of(logits, tokens)
+        if all(self.logprobs):
+            return lps
+        return torch.where(to_device(self.logprobs, torch.bool, logits.device), lps, 0.0)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pasta_engine import Engine, ParameterError, SamplingParams
 from pasta_engine.config import EngineConfig
-from pasta_engine.engine import model_runner as model_runner_module
+from pasta_engine.layers import sampler as sampler_module
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=24, return_logprobs=True)
@@ -262,14 +262,14 @@ def test_an_injected_error_or_ctrl_c_leaves_every_page_accounted_for(tiny_llama,
 def test_a_failed_sampling_ends_its_request_alone_and_frees_its_pages(tiny_llama, monkeypatch):
     params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=7)
     want = make(tiny_llama, False).generate(ID_PROMPTS, params, mode="sequential")
-    real = model_runner_module.draw_noise
+    real = sampler_module.draw_noise
 
     def draw_noise(out, generator):
         if generator.initial_seed() == 666:
             raise Boom("bad logits")
         return real(out, generator)
 
-    monkeypatch.setattr(model_runner_module, "draw_noise", draw_noise)
+    monkeypatch.setattr(sampler_module, "draw_noise", draw_noise)  # SamplingBatch.pick draws through it
     warm = make(tiny_llama, True)
     instrument(warm)
     warm.generate(ID_PROMPTS[:2], params, mode="sequential")

@@ -304,26 +304,27 @@ def test_logprobs_count_zero_returns_the_sampled_tokens_logprobs(engine):
 
 
 def test_per_thread_token_sets_and_end_masks():
-    """What the model runner gives the sampler per thread: the presence/frequency tokens are the
+    """What the scheduler gives the sampler per thread: the presence/frequency counts are the
     repetition penalty's (the thread's view) without the prompt, and min_tokens counts the
     request's samples in all threads together."""
     from types import SimpleNamespace
 
-    from pasta_engine.engine.model_runner import _masked_ends, _response_seen
+    from pasta_engine.engine.batch import SeenTokens
+    from pasta_engine.engine.scheduler import _masked_ends
 
-    views = {0: [1, 2, 3, 10, 11, 12], 1: [1, 2, 3, 10, 40, 41]}  # chunk 1 forked after main's token 10
-    interp = SimpleNamespace(prompt_ids=[1, 2, 3], seen_tokens=lambda tid: list(views[tid]), eos_ids=frozenset({0, 7}),
-                             total_sampled=4)
+    views = {0: [1, 2, 3, 10, 11, 12], 1: [1, 2, 3, 10, 40, 41, 40]}  # chunk 1 forked after main's token 10
+    seen = {tid: SeenTokens.recount(v, 3) for tid, v in views.items()}
+    assert seen[0].response == {10: 1, 11: 1, 12: 1} and seen[1].response == {10: 1, 40: 2, 41: 1}
+    assert seen[1].counts == {1: 1, 2: 1, 3: 1, 10: 1, 40: 2, 41: 1}
+    interp = SimpleNamespace(eos_ids=frozenset({0, 7}), total_sampled=4)
 
-    def thread(tid, **kw):
-        return SimpleNamespace(request=SimpleNamespace(interp=interp, params=SamplingParams(**kw)),
-                               step=SimpleNamespace(tid=tid))
+    def req(**kw):
+        return SimpleNamespace(interp=interp, params=SamplingParams(**kw))
 
-    assert _response_seen(thread(0)) == [10, 11, 12] and _response_seen(thread(1)) == [10, 40, 41]
-    assert _masked_ends(thread(0), 50) == []
-    assert _masked_ends(thread(1, ignore_eos=True, stop_token_ids=[7]), 50) == [0]  # stop tokens still end
-    assert _masked_ends(thread(1, min_tokens=5, stop_token_ids=[7, 30, 99]), 50) == [0, 7, 30]  # 4 < 5 sampled
-    assert _masked_ends(thread(1, min_tokens=4, stop_token_ids=[30]), 50) == []  # 4 sampled: free to end
+    assert _masked_ends(req()) == ()
+    assert _masked_ends(req(ignore_eos=True, stop_token_ids=[7])) == (0,)  # stop tokens still end
+    assert _masked_ends(req(min_tokens=5, stop_token_ids=[7, 30, 99])) == (0, 7, 30, 99)  # 4 < 5 sampled
+    assert _masked_ends(req(min_tokens=4, stop_token_ids=[30])) == ()  # 4 sampled: free to end
 
 
 def test_no_seed_draws_a_fresh_one_per_request_as_vllm_does(engine):

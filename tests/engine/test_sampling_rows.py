@@ -13,12 +13,20 @@ import json
 import pytest
 import torch
 
-from sampling_cases import GOLDEN, make_tagged_adapter, run_cases
+from pasta_engine import Engine, SamplingParams
+from pasta_engine.engine.batch import SamplingRow, SeenTokens
+from pasta_engine.lang.grammar import GrammarState, tag_tokens_of
+from pasta_engine.layers.sampler import SamplingBatch
+from sampling_cases import GOLDEN, PROMPTS, _promise_first, make_tagged_adapter, run_cases
 
 
 @pytest.fixture(scope="module")
-def results(tiny_llama, tmp_path_factory):
-    adapter = make_tagged_adapter(tiny_llama, tmp_path_factory.mktemp("tagged") / "adapter")
+def adapter(tiny_llama, tmp_path_factory):
+    return make_tagged_adapter(tiny_llama, tmp_path_factory.mktemp("tagged") / "adapter")
+
+
+@pytest.fixture(scope="module")
+def results(tiny_llama, adapter):
     return run_cases(tiny_llama, adapter)
 
 
@@ -45,3 +53,74 @@ def test_the_cases_fork_and_mix_options(results):
     assert all(len(set(r["threads"])) > 1 for r in results["grammar_forks"])
     assert len(set(results["replay"][0]["threads"])) == 4
     assert {r["finish"] for r in results["end_masks"]} == {"stop", "length"}
+
+
+def _forking_engine(ckpt, adapter, **kw):
+    engine = Engine.from_pretrained(ckpt, adapter=adapter, position_policy="constant:8", page_size=4,
+                                    max_running_requests=4, **kw)
+    engine.logits_hook = _promise_first(tag_tokens_of(engine.tokenizer))
+    return engine
+
+
+def test_seen_counts_equal_a_recount_every_step_and_after_preemption(tiny_llama, adapter):
+    """The scheduler keeps each thread's seen-token counts incrementally (a thread's tokens are
+    counted once, at its first penalised sample, then each step adds what it forwards); at every
+    step of forking requests, in a cache so tight that requests are preempted and restart (under
+    a token budget that prefills in pieces, with prefix caching), they equal a recount of the
+    tokens the thread sees, and the tokens equal those of a roomy engine."""
+    params = [SamplingParams(max_new_tokens=40, temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3),
+              SamplingParams(max_new_tokens=40, temperature=0.8, seed=3, frequency_penalty=0.5)] * 2
+    want = _forking_engine(tiny_llama, adapter, kv_cache_bytes=8 * 2**20).generate(PROMPTS, params, mode="pasta")
+    tight = _forking_engine(tiny_llama, adapter, kv_cache_bytes=48 * 1024, max_num_batched_tokens=6,
+                            enable_prefix_caching=True)
+    run, checked = tight.model_runner.run, []
+
+    def checking_run(batch):
+        for row in batch.rows:
+            if row.seen is not None:
+                it = tight.scheduler.get(row.request_id).interp
+                assert row.seen == SeenTokens.recount(it.seen_tokens(row.tid), len(it.prompt_ids))
+                checked.append(row.tid)
+        return run(batch)
+
+    tight.model_runner.run = checking_run
+    got = tight.generate(PROMPTS, params, mode="pasta")
+    assert tight.stats()["preemptions"] > 0 and any(checked) and len(checked) > 100
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert all(r.stats.forks >= 1 for r in got)
+
+
+def _row(rid, tid=0, forced=None, grammar=0, seen=None, ends=(), threshold=None, rng=None, **params):
+    from pasta_engine.engine.batch import RandomStream
+
+    prm = SamplingParams(**params)
+    return SamplingRow(rid, tid, prm, forced, grammar, seen, tuple(ends), threshold, rng or RandomStream(prm.seed))
+
+
+def test_the_packed_batch_applies_what_transformers_processors_do():
+    """One SamplingBatch over rows of several requests: the repetition penalty is transformers'
+    RepetitionPenaltyLogitsProcessor on the thread's tokens, the end masks its
+    SuppressTokensLogitsProcessor, the grammar mask the table's row, a forced row is left as it
+    is, and greedy rows pick the argmax."""
+    from transformers import RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor
+
+    vocab = 50
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=g) * 3
+    seen = [3, 7, 7, 11, 40]
+    table = torch.zeros(2, vocab, dtype=torch.bool)
+    table[1, 20:] = True
+    rows = [_row("a", seen=SeenTokens.recount(seen, 2), repetition_penalty=1.7, temperature=0.0),
+            _row("b", ends=(0, 7, 99), temperature=0.0),
+            _row("c", grammar=1, temperature=0.0),
+            _row("d", forced=5, temperature=0.0, repetition_penalty=1.3, seen=SeenTokens.recount(seen, 2))]
+    sb = SamplingBatch.from_rows(rows, vocab, torch.device("cpu"), table, None, GrammarState.MAIN)
+    out = sb.process(logits)
+    want0 = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([seen]), logits[:1].clone())
+    torch.testing.assert_close(out[0], want0[0])
+    want1 = SuppressTokensLogitsProcessor([0, 7], device="cpu")(torch.tensor([[1]]), logits[1:2].clone())
+    torch.testing.assert_close(out[1], want1[0])
+    assert torch.isinf(out[2, 20:]).all() and torch.equal(out[2, :20], logits[2, :20])
+    assert torch.equal(out[3], logits[3])  # forced: untouched
+    tokens, _ = sb.pick(out, {})
+    assert tokens.tolist() == [int(out[0].argmax()), int(out[1].argmax()), int(out[2].argmax()), 5]

@@ -102,9 +102,9 @@ class Trace:
             batch = sched.schedule()
             ran: dict[str, dict[int, int]] = {}
             for st in batch.threads:
-                ran.setdefault(st.request.request_id, {})[st.step.tid] = len(st.step.tokens)
+                ran.setdefault(st.request_id, {})[st.step.tid] = len(st.step.tokens)
             self.steps.append({"before": before, "demand": demand, "ran": ran, "tokens": batch.num_tokens,
-                               "sampling": {rid: sum(1 for st in batch.sampling if st.request.request_id == rid)
+                               "sampling": {rid: sum(1 for st in batch.sampling if st.request_id == rid)
                                             for rid in ran}})
             forced = [st.step.forced for st in batch.sampling]
             sched.postprocess(batch, SampledTokens(forced, [0.0] * len(forced)))
@@ -259,7 +259,7 @@ def test_fcfs_picks_exactly_what_the_old_rule_picks(budget):
         ops = {r.request_id: must_tids(r) for r in sched.running}
         batch = sched.schedule()
         # the demand is unchanged by scheduling (only the KV operations were taken)
-        assert [(st.request.request_id, st.step.tid, len(st.step.tokens)) for st in batch.threads] == \
+        assert [(st.request_id, st.step.tid, len(st.step.tokens)) for st in batch.threads] == \
             fcfs_rule(sched, ops)
         forced = [st.step.forced for st in batch.sampling]
         sched.postprocess(batch, SampledTokens(forced, [0.0] * len(forced)))

@@ -118,14 +118,18 @@ def test_a_non_finite_logit_row_fails_its_request_alone(tiny_llama):
 
     engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20, max_running_requests=4)
     poisoned = {}
+    order: list[str] = []  # request ids in batch order: admission order, the prompts' order
 
-    def hook(req, tid, row):
-        if req.index == 1:
-            row.fill_(float("nan"))
-            poisoned[req.request_id] = True
+    def hook(row, tid, logits):
+        if row.request_id not in order:
+            order.append(row.request_id)
+        if order.index(row.request_id) == 1:
+            logits.fill_(float("nan"))
+            poisoned[row.request_id] = True
 
     engine.logits_hook = hook
     for temp in (0.0, 0.8):
+        order.clear()
         res = engine.generate([[5, 6, 7], [5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=4, temperature=temp, seed=1))
         assert [r.stats.finish_reason for r in res] == ["length", "error", "length"]
         assert "the logits hold NaN or inf" in res[1].error
