@@ -200,17 +200,22 @@ class Interpreter:
         encode: ``text -> ids`` for the other text the dialect inserts (a branch's own header,
             a join's text: :func:`~pasta_engine.lang.tokenization.encode_tag`); None: only
             ``open_ids`` (PASTA-LANG needs no more).
-        stop_strings: strings (``SamplingParams.stop``) checked on each thread's own clean text
-            as it grows: a child that writes one ends there (``stop``, closed by the interpreter,
-            its text kept: the reading-order cut at the string is the caller's,
-            :class:`~pasta_engine.engine.streaming.StopFilter`), so a later chunk stops even while
-            an earlier one is still decoding; the main thread ends as at end of sequence (its
-            children finish first). Not in a replay.
+        stop_strings: ``SamplingParams.stop``, the request's stop rule (docs/DESIGN.md section 2,
+            item 9). Each thread's own clean text is checked as it grows: a child that writes one
+            ends there (``stop``, closed by the interpreter), the main thread ends as at end of
+            sequence (its children finish first). When a thread wrote one or a child ended, the
+            reading-order prefix is checked (:func:`~pasta_engine.engine.render.stop_in_prefix`):
+            once it holds a stop string the request ends at once with ``stop`` (threads still
+            decoding are cut off) and ``stop_reason`` names the string. At any end (``stop`` or
+            ``length``) a stop string in the finished text makes the finish ``stop`` as well
+            (one that spans two threads' texts is found there at the latest). The text is cut
+            right before it by :func:`~pasta_engine.engine.render.final_text`.
 
     Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay.
 
-    The request's ``finish`` is ``"stop"`` (end of sequence, or the end of a replayed trace)
-    or ``"length"`` (``max_new_tokens`` or the context length reached).
+    The request's ``finish`` is ``"stop"`` (end of sequence, the end of a replayed trace, or a
+    stop string: ``stop_reason``) or ``"length"`` (``max_new_tokens`` or the context length
+    reached; ``length_end`` stays True when a stop string then makes it ``stop``).
     """
 
     def __init__(
@@ -244,8 +249,13 @@ class Interpreter:
         self._insert_ids: dict[str, list[int]] = {self.dialect.open_tag: [int(t) for t in open_ids]}
         self.join_ids = self._inserted_ids(dialects.join_tag(self.dialect))
         self.max_new_tokens = int(max_new_tokens)
-        self.stop_strings = tuple(stop_strings) if forced_main is None else ()
+        self.stop_strings = tuple(stop_strings)
+        self.stop_matcher = render.StopMatcher(self.stop_strings) if self.stop_strings else None
         self._stop_window = max((len(x) for x in self.stop_strings), default=0)
+        self._stop_check = False  # a thread wrote a stop string or a child ended: check the reading order
+        self.stop_reason: str | None = None  # the stop string that ended the request
+        self._prefix_stop: str | None = None
+        self.length_end = False  # the request ended at max_new_tokens or the context length
         self.limits = limits or Limits()
         self.policy = PositionPolicy.parse(policy)
         if self.policy.kind == "oracle" and forced_chunks is None and mode == "pasta":
@@ -465,6 +475,8 @@ class Interpreter:
                 # the thread's next token has no position left: end now, not after a forward whose token is dropped
                 self._note(thread, f"reached the model's context length of {self.max_positions} positions")
                 self._finish_request("length")
+        if self._stop_check and self.finish is None:
+            self._check_request_stop()
         if self.total_sampled >= self.max_new_tokens and self.finish is None:
             self._finish_request("length")
 
@@ -507,7 +519,19 @@ class Interpreter:
         if hit is None:
             return
         self._note(thread, f"wrote the stop string {hit!r}; ended by the interpreter")
+        self._stop_check = True
         self._end_thread(thread, "stop", flush=not thread.is_main)
+
+    def _check_request_stop(self) -> None:
+        """End the request with ``stop`` when its reading-order prefix holds a stop string (the
+        text before it can no longer change, so nothing after it is needed)."""
+        self._stop_check = False
+        hit = render.stop_in_prefix(self)
+        if hit is not None:
+            self.diagnostics.append(f"the reading-order text holds the stop string {hit[1]!r}: the request ends "
+                                    "right before it")
+            self._prefix_stop = hit[1]
+            self._finish_request("stop")
 
     def _note_malformed(self, thread: Thread, item: Malformed) -> None:
         what = "partial tag at its end" if item.reason.startswith("unterminated") else "malformed tag"
@@ -735,6 +759,8 @@ class Interpreter:
     def _finish_thread(self, thread: Thread) -> None:
         """A child's end, once its own children have ended: it flushes its last token (when
         ``end_flush``), and its parent may resume."""
+        if self.stop_matcher is not None:
+            self._stop_check = True  # the reading-order prefix may now reach past a stop string
         if thread.end_flush and thread.pending:
             thread.status = ThreadStatus.FLUSH
         else:
@@ -778,6 +804,13 @@ class Interpreter:
                 t.drops.append(t.clean_len)  # where its inserted </async> is left out
             self._release(t)
         self.finish = reason
+        self.length_end = reason == "length"
+        if self.stop_matcher is not None and reason in ("stop", "length"):
+            hit = render.stop_in_final(self)  # the first in the finished text: what final_text cuts at
+            if hit is not None:
+                self.stop_reason, self.finish = hit[1], "stop"
+            elif reason == "stop" and self._prefix_stop is not None:
+                self.stop_reason = self._prefix_stop
 
     # ------------------------------------------------------------------ results
 

@@ -13,6 +13,10 @@ sections 2 and 7):
   its clean text at their forks (the rule of :func:`splice_clean`), for flat and nested forks alike;
 * reading order: :func:`reading_order_prefix`, the prefix of the response in reading order that
   can no longer change (main text up to a promise, its chunk, the main text after it, ...);
+* the cuts: at a ``length`` end (``Limits.length_cut``) and right before the first stop string
+  (``SamplingParams.stop``, the interpreter's ``stop_strings``) in reading order, applied once
+  here (:func:`final_text`, :func:`stop_in_prefix`, :func:`stop_in_final`; :class:`StopMatcher`,
+  :class:`StopFilter`), so every API's text ends the same;
 * :class:`OutputRenderer`: per request, across steps and preemptions, what is new since the
   previous output (vLLM's DELTA/CUMULATIVE semantics): the reading-order text delta and the
   cumulative text, the sampled tokens and each thread's tokens and clean text with its thread id
@@ -50,6 +54,10 @@ __all__ = [
     "clean_text",
     "final_text",
     "reading_order_prefix",
+    "StopMatcher",
+    "StopFilter",
+    "stop_in_prefix",
+    "stop_in_final",
 ]
 
 
@@ -240,15 +248,44 @@ def final_text(interp: "Interpreter", annotated: str | None = None) -> str:
     malformed or partial tag, no list item a left-out tag emptied; ``annotated``: that text when
     the caller has it). What ``RequestResult.text`` holds and every output's text ends as.
 
-    At a ``length`` end with ``Limits.length_cut`` ``"prefix"`` (the default) and a chunk cut
-    off or never run, the text ends where the first such chunk in reading order stopped (the
-    same walk, :func:`clean_text`'s, stopped there): no later text follows a hole. It still
-    extends every :func:`reading_order_prefix` of the run."""
-    if interp.finish == "length" and interp.limits.length_cut == "prefix" and \
+    At a ``length`` end (``interp.length_end``) with ``Limits.length_cut`` ``"prefix"`` (the
+    default) and a chunk cut off or never run, the text ends where the first such chunk in
+    reading order stopped (the same walk, :func:`clean_text`'s, stopped there): no later text
+    follows a hole. Then, when the request has stop strings (``interp.stop_matcher``), the text
+    ends right before the first of them (:func:`stop_in_final`). It still extends every
+    :func:`reading_order_prefix` of the run, cut the same way."""
+    text = _uncut_final_text(interp, annotated)
+    hit = _find_stop(interp, text)
+    return text if hit is None else text[: hit[0]]
+
+
+def _uncut_final_text(interp: "Interpreter", annotated: str | None = None) -> str:
+    """:func:`final_text` before the stop-string cut."""
+    if interp.length_end and interp.limits.length_cut == "prefix" and \
             any(c.finish in _CUT for c in interp.threads[1:]):
         text, drops, _ = _clean_tree(interp.main, True, False, cut=True)
         return drop_empty_items(text, drops, True)
     return interp.dialect.clean_text(annotated_text(interp) if annotated is None else annotated)
+
+
+def _find_stop(interp: "Interpreter", text: str) -> tuple[int, str] | None:
+    matcher = interp.stop_matcher
+    return None if matcher is None else matcher.find(text)
+
+
+def stop_in_final(interp: "Interpreter") -> tuple[int, str] | None:
+    """``(index, stop string)`` of the first stop string in the finished response's text
+    (:func:`final_text` before its stop cut), None when there is none or the request has no
+    stop strings. The interpreter reads it once, when the request ends."""
+    return _find_stop(interp, _uncut_final_text(interp)) if interp.stop_matcher is not None else None
+
+
+def stop_in_prefix(interp: "Interpreter") -> tuple[int, str] | None:
+    """``(index, stop string)`` of the first stop string in :func:`reading_order_prefix` (the
+    text that can no longer change), None when there is none or the request has no stop
+    strings. The interpreter asks only when a thread wrote one or a chunk ended (the prefix is
+    not rebuilt every step for this)."""
+    return _find_stop(interp, reading_order_prefix(interp)) if interp.stop_matcher is not None else None
 
 
 def reading_order_prefix(interp: "Interpreter") -> str:
@@ -258,6 +295,86 @@ def reading_order_prefix(interp: "Interpreter") -> str:
     Every later prefix of the same run extends it, and :func:`final_text` at the end does."""
     text, drops, _ = _clean_tree(interp.main, False, True)
     return drop_empty_items(text, drops, False)
+
+
+# --------------------------------------------------------------------------- stop strings
+
+
+class StopMatcher:
+    """Stop strings over a growing text.
+
+    Args:
+        stop: strings; the text ends right before the first occurrence of any of them (the
+            stop string itself is not part of the text). Empty strings are not allowed.
+
+    Raises ValueError for an empty stop string."""
+
+    def __init__(self, stop: Sequence[str]):
+        if any(not s for s in stop):
+            raise ValueError("a stop string must not be empty")
+        self.stop = list(stop)
+        self.longest = max((len(s) for s in self.stop), default=0)
+
+    def find(self, text: str, start: int = 0) -> tuple[int, str] | None:
+        """``(index, stop string)`` of the earliest stop string in ``text`` that ends after
+        ``start`` (None when there is none)."""
+        lo = max(0, start - self.longest + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = text.find(s, lo)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def held(self, text: str) -> int:
+        """Characters at the end of ``text`` that could be the start of a stop string (held
+        back until the next text shows whether they are)."""
+        for k in range(min(self.longest - 1, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+
+class StopFilter:
+    """Stop strings over a prefix-stable text (each text extends the previous one).
+
+    Args:
+        stop: the stop strings (see :class:`StopMatcher`); none: the text passes unchanged.
+
+    After :meth:`update`, ``sent`` is the text let through so far and ``stop_reason`` the stop
+    string that ended it (None while none has). Raises ValueError for an empty stop string."""
+
+    __slots__ = ("sent", "stop_reason", "_matcher")
+
+    def __init__(self, stop: Sequence[str] = ()):
+        self.sent = ""
+        self.stop_reason: str | None = None
+        self._matcher = StopMatcher(stop) if stop else None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string ended the text."""
+        return self.stop_reason is not None
+
+    def update(self, text: str, finished: bool = False) -> str:
+        """The part of ``text`` (the cumulative text now) to let through now: up to the first
+        stop string (which is left out), less a tail that may still become one unless
+        ``finished``. Empty once a stop string was seen."""
+        if self.stopped or len(text) <= len(self.sent):
+            return ""
+        end = len(text)
+        if self._matcher is not None:
+            hit = self._matcher.find(text, len(self.sent))
+            if hit is not None:
+                end, self.stop_reason = hit[0], hit[1]
+            elif not finished:
+                end -= self._matcher.held(text)
+        if end <= len(self.sent):
+            return ""
+        delta = text[len(self.sent) : end]
+        self.sent += delta
+        return delta
 
 
 # --------------------------------------------------------------------------- outputs
@@ -337,9 +454,11 @@ class OutputRenderer:
 
     ``text`` is the reading-order text output so far (:func:`reading_order_prefix`, then
     :func:`final_text` at the end): each output's text extends the previous one's (prefix-stable).
+    With stop strings (the interpreter's ``stop_strings``) it ends right before the first one,
+    and a tail that may still become one is held back (:class:`StopFilter`, vLLM's rule).
     """
 
-    __slots__ = ("text", "_tokens_sent", "_text_sent", "_forked", "_ended", "_joined", "_finished")
+    __slots__ = ("text", "_tokens_sent", "_text_sent", "_forked", "_ended", "_joined", "_finished", "_stop")
 
     def __init__(self) -> None:
         self.text = ""
@@ -349,6 +468,7 @@ class OutputRenderer:
         self._ended: set[int] = set()
         self._joined: set[int] = set()
         self._finished = False
+        self._stop: StopFilter | None = None
 
     def update(self, interp: "Interpreter", sampled: Iterable[tuple[int, int]] = (),
                finish_reason: str | None = None, final: str | None = None) -> RenderedStep:
@@ -396,6 +516,11 @@ class OutputRenderer:
             text = final if final is not None else final_text(interp)
         else:
             text = reading_order_prefix(interp)
+        if interp.stop_strings:  # the cut is final_text's at the end; a possible stop string's start is held
+            if self._stop is None:
+                self._stop = StopFilter(interp.stop_strings)
+            self._stop.update(text, finish_reason is not None)
+            text = self._stop.sent
         delta = ""
         if len(text) > len(self.text):  # a restarted run gives nothing new until it gets past the output
             delta = text[len(self.text):]

@@ -20,22 +20,25 @@ prefix of that order that can no longer change:
 That prefix, the deltas that never take anything back and the thread events are rendered once,
 in :mod:`pasta_engine.engine.render` (:class:`~pasta_engine.engine.render.OutputRenderer`), and
 every :class:`~pasta_engine.engine.request.RequestOutput` of the step API carries them. This
-module adds what a stream's consumer chooses: :class:`OutputKind` (delta, cumulative, final) and
-stop strings, applied to the reading-order text (what the reader sees) and held back like a
-partial tag while a suffix could still become one (vLLM's rule), by :class:`StopMatcher` and
-:class:`StopFilter`. :class:`ReadingOrderStream` renders straight from an interpreter (tests,
-tools that drive an interpreter themselves).
+module adds what a stream's consumer chooses: :class:`OutputKind` (delta, cumulative, final).
+Stop strings are the request's (``SamplingParams.stop``): the engine applies them itself (the
+interpreter ends the request, the renderer cuts the text and holds back a tail that may still
+become one, vLLM's rule); :class:`StopMatcher` and :class:`StopFilter` live in
+:mod:`~pasta_engine.engine.render` and are re-exported here. :class:`ReadingOrderStream`
+renders straight from an interpreter (tests, tools that drive an interpreter themselves).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
-from .render import EVENT_KINDS, OutputRenderer, ThreadEvent, reading_order_prefix
+from .render import EVENT_KINDS, OutputRenderer, StopFilter, StopMatcher, ThreadEvent, reading_order_prefix
 
-if TYPE_CHECKING:
-    from .interpreter import Interpreter
+# Stands for pasta_engine.engine.interpreter's Interpreter, read by attribute (as render.py does):
+# no import of the interpreter, not even for type checking, so the input processor, which needs
+# OutputKind, stays apart from the core (import-linter).
+Interpreter = Any
 
 __all__ = [
     "OutputKind",
@@ -67,87 +70,11 @@ class OutputKind(str, enum.Enum):
             raise ValueError(f"output_kind must be 'delta', 'cumulative' or 'final', got {value!r}") from None
 
 
-class StopMatcher:
-    """Stop strings over a growing text.
-
-    Args:
-        stop: strings; the text ends right before the first occurrence of any of them (the
-            stop string itself is not part of the text). Empty strings are not allowed.
-
-    Raises ValueError for an empty stop string."""
-
-    def __init__(self, stop: Sequence[str]):
-        if any(not s for s in stop):
-            raise ValueError("a stop string must not be empty")
-        self.stop = list(stop)
-        self.longest = max((len(s) for s in self.stop), default=0)
-
-    def find(self, text: str, start: int = 0) -> tuple[int, str] | None:
-        """``(index, stop string)`` of the earliest stop string in ``text`` that ends after
-        ``start`` (None when there is none)."""
-        lo = max(0, start - self.longest + 1)
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = text.find(s, lo)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        return best
-
-    def held(self, text: str) -> int:
-        """Characters at the end of ``text`` that could be the start of a stop string (held
-        back until the next text shows whether they are)."""
-        for k in range(min(self.longest - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
-
-
-class StopFilter:
-    """Stop strings over a prefix-stable text (each text extends the previous one).
-
-    Args:
-        stop: the stop strings (see :class:`StopMatcher`); none: the text passes unchanged.
-
-    After :meth:`update`, ``sent`` is the text let through so far and ``stop_reason`` the stop
-    string that ended it (None while none has). Raises ValueError for an empty stop string."""
-
-    __slots__ = ("sent", "stop_reason", "_matcher")
-
-    def __init__(self, stop: Sequence[str] = ()):
-        self.sent = ""
-        self.stop_reason: str | None = None
-        self._matcher = StopMatcher(stop) if stop else None
-
-    @property
-    def stopped(self) -> bool:
-        """Whether a stop string ended the text (the request should be aborted)."""
-        return self.stop_reason is not None
-
-    def update(self, text: str, finished: bool = False) -> str:
-        """The part of ``text`` (the cumulative text now) to let through now: up to the first
-        stop string (which is left out), less a tail that may still become one unless
-        ``finished``. Empty once a stop string was seen."""
-        if self.stopped or len(text) <= len(self.sent):
-            return ""
-        end = len(text)
-        if self._matcher is not None:
-            hit = self._matcher.find(text, len(self.sent))
-            if hit is not None:
-                end, self.stop_reason = hit[0], hit[1]
-            elif not finished:
-                end -= self._matcher.held(text)
-        if end <= len(self.sent):
-            return ""
-        delta = text[len(self.sent) : end]
-        self.sent += delta
-        return delta
-
-
 class ReadingOrderStream:
     """The reading-order deltas and thread events of one request, rendered straight from its
-    interpreter (an :class:`~pasta_engine.engine.render.OutputRenderer` and a
-    :class:`StopFilter`; the engine's step outputs carry the same without stop strings).
+    interpreter (an :class:`~pasta_engine.engine.render.OutputRenderer`, which applies the
+    interpreter's own stop strings, and a :class:`StopFilter` for ``stop``; the engine's step
+    outputs carry the same).
 
     Args:
         events: also report :class:`ThreadEvent`\\ s.

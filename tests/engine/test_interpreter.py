@@ -431,11 +431,26 @@ def test_stop_strings_end_the_thread_that_writes_one_while_an_earlier_chunk_deco
     assert t2.finish == "stop" and t2.closed_by_interpreter and t2.ended  # ended at its stop string
     assert any("thread 2 (topic 'u'): wrote the stop string 'bb'" in d for d in it.diagnostics)
     assert it.threads[1].finish is None and not it.done  # the earlier chunk goes on
-    drive(it, [(1, "a"), (1, "</async>"), (0, "a")])
-    assert it.annotated_text() == f"b{T}<async>a</async>{U}<async>bb</async>a"  # nothing lost; the cut is the caller's
+    drive(it, [(1, "a"), (1, "</async>")])
+    # chunk 1 ended: the reading-order text "b" "a" "bb" now holds the stop string, so the request
+    # ends at once (the stop rule is the engine's: no caller has to abort it), cut right before it
+    assert it.done and it.finish == "stop" and it.stop_reason == "bb" and not it.length_end
+    assert render.final_text(it) == "ba" and it.annotated_text() == f"b{T}<async>a</async>{U}<async>bb</async>"
+    assert any("reading-order text holds the stop string 'bb'" in d for d in it.diagnostics)
     # the main thread ends at its own stop string as at end of sequence
     it = make_interp(limits=Limits(max_threads=None), stop_strings=["ab"])
     drive(it, [(0, "a"), (0, "b")])
-    assert it.done and it.finish == "stop" and it.main.finish == "stop"
-    # a replay's forced tokens are the response: no stop strings there
-    assert make_interp(stop_strings=["a"], forced_main=[PIECES.index("a"), EOS]).stop_strings == ()
+    assert it.done and it.finish == "stop" and it.main.finish == "stop" and it.stop_reason == "ab"
+    assert render.final_text(it) == ""
+    # a replay applies them too (the text a reader gets is cut the same in every API)
+    assert make_interp(stop_strings=["a"], forced_main=[PIECES.index("a"), EOS]).stop_strings == ("a",)
+
+
+def test_a_length_end_whose_text_holds_a_stop_string_is_a_stop():
+    """vLLM's rule: a stop string in the output makes the finish ``stop`` even when the budget
+    ran out in the same step (the text is cut before it, and ``length_end`` remembers the cut)."""
+    # "a b" spans the chunk's text and the main text after it: no thread's own text holds it
+    it = make_interp(limits=Limits(max_threads=None, length_cut="keep"), stop_strings=["a b"], max_new_tokens=5)
+    drive(it, [(0, "b"), (0, T), (1, "a"), (0, " "), (0, "b")])
+    assert it.done and it.finish == "stop" and it.stop_reason == "a b" and it.length_end
+    assert render.final_text(it) == "b"
