@@ -31,6 +31,7 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "MAX_SEED",
     "DEFAULT_MAX_NEW_TOKENS",
+    "MAX_N",
     "check_int",
     "check_float",
     "check_bool",
@@ -49,6 +50,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_TOKEN_ID = 2**31 - 1
+#: Most completions per prompt (``SamplingParams.n``).
+MAX_N = 1024
 
 
 def check_int(param: str, value: Any, lo: int | None = None, hi: int | None = None, *, none_ok: bool = False) -> None:
@@ -144,11 +147,13 @@ class SamplingParams:
         stop: strings (a string, or at most 16, each 1 to 1024 characters) that end the
             response right before the first of them in its reading-order clean text (vLLM's
             ``stop``; the text left out of the result, ``finish_reason`` ``stop`` and
-            ``stop_reason`` the string; the annotated text keeps everything decoded). Honoured
-            by :meth:`Engine.generate` (the request is aborted as soon as the reading-order text
-            holds one: no further step is spent on it) and :class:`AsyncEngine` (its streams
-            hold back a tail that may still become one); :meth:`Engine.add_request` refuses them
-            (a caller of ``step()`` cuts ``RequestOutput.text`` itself). Stored as a tuple.
+            ``stop_reason`` the string; the annotated text keeps everything decoded). Applied by
+            the engine itself (:mod:`pasta_engine.engine.interpreter`, :func:`pasta_engine.engine.render.final_text`),
+            so every API (the step API, ``generate``, :class:`AsyncEngine`, the server) ends
+            such a request as ``stop`` in the step that made its reading-order text hold the
+            string, with the same text; a stream holds back a tail that may still become one.
+            Each thread's own text is checked as it grows (a chunk that writes one ends there).
+            Stored as a tuple.
         ignore_eos: mask the model's end-of-sequence tokens (logit ``-inf``) in every thread, so
             the response runs until ``max_new_tokens``, a stop token or a stop string (the
             intent of vLLM's ``ignore_eos``, which keeps decoding past a sampled EOS; here EOS is
@@ -159,9 +164,14 @@ class SamplingParams:
             ``max_new_tokens`` counts them (all threads of the request together; vLLM counts a
             sequence's output tokens, which is the same count in sequential mode).
 
-    Several choices (``n``) are not here: the server runs ``n`` requests for ``n`` choices
-    (seed, seed + 1, ...), and a Python caller passes ``n`` copies of a prompt (with
-    ``seed=None`` each draws its own seed).
+        n: completions per prompt (vLLM's ``n``; 1 to :data:`MAX_N`). :meth:`Engine.generate`
+            decodes ``n`` requests for each prompt and returns them in the prompt's
+            ``RequestResult.outputs`` (vLLM's ``RequestOutput.outputs[i]``); each gets its own
+            fresh seed when ``seed`` is None, or ``seed + i`` (mod ``2**64``) when it is set, so
+            sampled completions differ (greedy ones are equal, as in vLLM). A request of the step
+            API or :class:`AsyncEngine` is one completion: they refuse ``n > 1`` (add ``n``
+            requests, :func:`pasta_engine.engine.input_processor.choice_params` gives their
+            params); the server honours its ``n`` field.
 
     Raises ParameterError naming the first bad field and its value."""
 
@@ -179,6 +189,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    n: int = 1
     max_tokens: InitVar[int | None] = None
     logprobs: InitVar[int | None] = None
 
@@ -229,6 +240,7 @@ class SamplingParams:
         if self.min_tokens > self.max_new_tokens:
             raise ParameterError("min_tokens", self.min_tokens, message=(
                 f"min_tokens={self.min_tokens} is more than max_new_tokens={self.max_new_tokens}"))
+        check_int("n", self.n, 1, MAX_N)
 
     @property
     def greedy(self) -> bool:

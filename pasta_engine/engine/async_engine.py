@@ -14,9 +14,10 @@
 One thread (``pasta-engine-core``) owns the :class:`~pasta_engine.engine.llm_engine.Engine`: it
 takes commands (add, abort, call) from a queue between steps, runs :meth:`Engine.step` while any
 request is unfinished, turns each step's :class:`~pasta_engine.engine.request.RequestOutput`\\ s
-(reading-order text and tokens, rendered by :mod:`pasta_engine.engine.render`; it reads nothing
-else of the engine's requests) into :class:`StreamOutput`\\ s (the request's output kind, its stop
-strings, see :mod:`pasta_engine.engine.streaming`) and hands them to each request's event loop
+(reading-order text and tokens, rendered by :mod:`pasta_engine.engine.render`, cut at a stop
+string by the engine itself; it reads nothing else of the engine's requests) into
+:class:`StreamOutput`\\ s (the request's output kind, see :mod:`pasta_engine.engine.streaming`)
+and hands them to each request's event loop
 with ``call_soon_threadsafe``. A forward pass therefore never blocks a caller's event loop, and no
 call from an event loop ever waits for the engine's lock.
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -45,12 +45,12 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..errors import EngineDeadError, ParameterError
-from ..lang.dialect import Dialect, dialect_prompt
-from ..lang.tokenization import encode_prompt
-from .llm_engine import Engine, Prompt, resolve_dialect
+from ..lang.dialect import Dialect
+from .input_processor import CHAT_ROLES, InputProcessor, RequestInputs
+from .llm_engine import Engine, Prompt
 from .render import ThreadEvent
-from .request import RequestOutput, RequestResult, RequestStats
-from .streaming import OutputKind, StopFilter
+from .request import CompletionOutput, RequestOutput, RequestResult, RequestStats
+from .streaming import OutputKind
 
 __all__ = ["AsyncEngine", "StreamOutput", "CompletionOutput", "RequestStream", "format_chat", "CHAT_ROLES"]
 
@@ -67,9 +67,10 @@ class StreamOutput:
         token_ids: token ids sampled for the request (all threads, in sampling order, EOS
             included): new ones (``delta``) or all so far.
         finished: whether this is the request's last output; then ``finish_reason`` is
-            ``stop`` (end of sequence, or a stop string: ``stop_reason`` names it), ``length``,
-            ``abort`` or ``error`` (``error`` holds the message), and ``result`` the engine's
-            whole response (annotated text, stats; not cut at a stop string).
+            ``stop`` (end of sequence, a stop token, or a stop string: ``stop_reason`` names
+            it), ``length``, ``abort`` or ``error`` (``error`` holds the message), and ``result``
+            the engine's whole response (annotated text, stats; its text cut at a stop string
+            as this stream's).
         events: thread events since the previous output (only when the request asked for
             them), in order.
         decode_steps: forward passes that sampled for the request so far.
@@ -96,20 +97,7 @@ class StreamOutput:
     def outputs(self) -> list["CompletionOutput"]:
         """vLLM's shape of the same output: one :class:`CompletionOutput` (``index`` 0), so code
         written for vLLM's ``AsyncLLM`` (``out.outputs[0].text``) reads it unchanged."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason)]
-
-
-@dataclass
-class CompletionOutput:
-    """One choice of a :class:`StreamOutput` in vLLM's names (``vllm.outputs.CompletionOutput``):
-    its index, text and token ids (new or cumulative as the request's ``output_kind``), and why
-    it finished (None while it runs)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: str | None = None
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason, result=self.result)]
 
 
 def _merge(old: StreamOutput, new: StreamOutput, kind: OutputKind) -> StreamOutput:
@@ -177,18 +165,27 @@ class RequestStream:
             self.engine._post_command(("abort", self.request_id, None, None))
 
 
+@dataclass(frozen=True, eq=False)
+class _Add:
+    """An add command for the engine thread: the request (typed, already checked for its
+    types), what its stream wants, and where its outputs go."""
+
+    inputs: RequestInputs
+    kind: OutputKind
+    events: bool
+    collector: _Collector
+
+
 @dataclass(eq=False)
 class _Tracked:
     """The engine thread's record of one request of the async engine."""
 
-    stop: StopFilter
     want_events: bool
     kind: OutputKind
     loop: asyncio.AbstractEventLoop
     collector: _Collector
     token_ids: list[int] = field(default_factory=list)
     events: list[ThreadEvent] = field(default_factory=list)  # held for output_kind="final"
-    aborting: bool = False
 
 
 class AsyncEngine:
@@ -273,7 +270,8 @@ class AsyncEngine:
             prompt: as :meth:`Engine.add_request` (a string, or a list of token ids), or chat
                 messages ``[{"role": ..., "content": ...}, ...]`` (see :func:`format_chat`).
             params, mode, request_id, annotated_response, limits, position_policy, dialect: as
-                :meth:`Engine.add_request` (``dialect``: a name of
+                :meth:`Engine.add_request` (``params.n`` must be 1: one stream is one completion;
+                ``dialect``: a name of
                 :data:`~pasta_engine.lang.dialect.DIALECT_NAMES` or a
                 :class:`~pasta_engine.lang.dialect.Dialect`; default ``pasta``, PASTA-LANG).
             chat_template: False: a string prompt is tokenized as plain text, without the chat
@@ -282,39 +280,30 @@ class AsyncEngine:
                 the text so far) | ``delta`` (only what is new) | ``final`` (one output at the
                 end) (see :class:`StreamOutput`).
             events: also report thread events (fork, text, end, join, finish).
-            stop: strings that end the response right before them (applied to the
-                reading-order text; the request is then aborted, its pages freed, and its
-                finished output says ``finish_reason="stop"`` and ``stop_reason``); or give them
-                as ``SamplingParams.stop`` (not both).
+            stop: strings that end the response right before them, the same as giving them
+                as ``SamplingParams.stop`` (not both): the engine ends the request in the step
+                whose reading-order text holds one (its pages freed), and its finished output
+                says ``finish_reason="stop"`` and ``stop_reason``.
 
         Raises ParameterError (naming the parameter; ContextLengthError for a prompt that does
         not fit; naming ``dialect`` for an unknown dialect name) before the request takes any
         resource, EngineDeadError when the engine is dead. A registered dialect whose module
         cannot be imported raises that import's error (ModuleNotFoundError), also before the
         request takes any resource."""
+        if not isinstance(events, bool):
+            raise ParameterError("events", events, "True or False")
         try:
             kind = OutputKind.parse(output_kind)
         except ValueError as e:
             raise ParameterError("output_kind", output_kind, message=str(e)) from None
-        if not isinstance(events, bool):
-            raise ParameterError("events", events, "True or False")
-        stops = _check_stop(stop)
-        if params is not None and getattr(params, "stop", ()):
-            if stops:
-                raise ParameterError("stop", stop, message="stop strings are given twice (the stop argument and "
-                                     "SamplingParams.stop): give them once")
-            stops = list(params.stop)
-        elif stops:  # the interpreter ends each thread that writes one (SamplingParams.stop)
-            params = dataclasses.replace(params if params is not None else SamplingParams(), stop=stops)
-        if not isinstance(chat_template, bool):
-            raise ParameterError("chat_template", chat_template, "True or False")
+        params = InputProcessor.merge_stop(params, stop)
+        # the engine renders every step for the stream (cumulative); the stream's own kind is applied here
+        inputs = RequestInputs(prompt, params, mode, request_id, annotated_response, limits, position_policy,
+                               dialect, chat_template, OutputKind.CUMULATIVE)
         loop = asyncio.get_running_loop()
         collector = _Collector(kind)
         fut = loop.create_future()
-        spec = dict(prompt=prompt, chat_template=chat_template, params=params, mode=mode, request_id=request_id,
-                    annotated_response=annotated_response, limits=limits, position_policy=position_policy,
-                    dialect=dialect)
-        self._post_command(("add", (spec, kind, events, stops, collector), loop, fut))
+        self._post_command(("add", _Add(inputs, kind, events, collector), loop, fut))
         rid = await fut
         return RequestStream(self, rid, collector)
 
@@ -404,24 +393,13 @@ class AsyncEngine:
     def _handle(self, cmd: tuple) -> None:
         what, payload, loop, fut = cmd
         if what == "add":
-            spec, kind, events, stops, collector = payload
-            try:
-                prompt = spec["prompt"]
-                if _is_chat(prompt):  # tokenized here: the tokenizer is shared with this thread's detokenizers
-                    prompt = format_chat(self.engine, prompt, "pasta" if spec["annotated_response"] else spec["mode"],
-                                         spec["dialect"])
-                elif isinstance(prompt, str) and not spec["chat_template"]:
-                    prompt = self.engine.encode(prompt)
-                    if not prompt:
-                        raise ParameterError("prompt", "", message="the prompt is empty")
-                rid = self.engine.add_request(prompt, spec["params"], spec["mode"], spec["request_id"],
-                                              spec["annotated_response"], limits=spec["limits"],
-                                              position_policy=spec["position_policy"], dialect=spec["dialect"],
-                                              _stop_cut_by_caller=True)
+            add: _Add = payload
+            try:  # tokenized here: the tokenizer is shared with this thread's detokenizers
+                rid = self.engine.add_inputs(add.inputs)
             except Exception as e:  # a bad request (ParameterError) or one the engine could not take: its own
                 _post(loop, _settle, fut, None, e)
                 return
-            self._tracked[rid] = _Tracked(StopFilter(stops), events, kind, loop, collector)
+            self._tracked[rid] = _Tracked(add.events, add.kind, loop, add.collector)
             if not _post(loop, self._accept, fut, rid):
                 self.engine.abort(rid)
         elif what == "abort":
@@ -461,34 +439,26 @@ class AsyncEngine:
                         self.engine.abort(out.request_id)
 
     def _output(self, t: _Tracked, o: RequestOutput) -> StreamOutput | None:
-        """The StreamOutput for one step's RequestOutput (None when nothing is new)."""
-        stop = t.stop
-        delta = stop.update(o.text, o.finished)  # o.text is prefix-stable: cut at a stop string
-        reason = ("stop" if stop.stopped else o.finish_reason) if o.finished else None
-        if stop.stopped and not o.finished and not t.aborting:
-            t.aborting = True
-            self.engine.abort(o.request_id)  # the next step reports it; its output says "stop"
+        """The StreamOutput for one step's RequestOutput (None when nothing is new). The text
+        is the engine's (cut at a stop string, its possible start held back)."""
         new = o.new_token_ids  # each sampled token once, a preempted request's re-sampled ones not again
         t.token_ids += new
         events = o.events if t.want_events else []
-        if events and stop.stopped and o.finished:  # the request ended at a stop string, not by an abort
-            events = [dataclasses.replace(e, reason="stop") if e.thread == 0 and e.kind in ("end", "finish")
-                      and e.reason == "abort" else e for e in events]
         if t.kind is OutputKind.FINAL:
             t.events += events
             if not o.finished:
                 return None
             events, t.events = t.events, []
-        elif not (delta or events or new or o.finished):
+        elif not (o.delta_text or events or new or o.finished):
             return None
         cumulative = t.kind is not OutputKind.DELTA
         return StreamOutput(
             request_id=o.request_id,
-            text=stop.sent if cumulative else delta,
+            text=o.text if cumulative else o.delta_text,
             token_ids=list(t.token_ids) if cumulative else new,
             finished=o.finished,
-            finish_reason=reason,
-            stop_reason=stop.stop_reason if o.finished else None,
+            finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason,
             error=o.error,
             events=events,
             decode_steps=o.decode_steps,
@@ -528,72 +498,13 @@ class AsyncEngine:
                     _post(loop, _settle, fut, None, err)
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-
-
-def _is_chat(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
-
-
 def format_chat(engine: Engine, messages: Sequence[dict[str, Any]], mode: str = "pasta",
                 dialect: str | Dialect | None = None) -> list[int]:
-    """Prompt token ids for chat messages, through the model's chat template.
-
-    Args:
-        engine: gives the tokenizer, ``config.pasta_prompt`` and ``config.prompt_special_tokens``.
-        messages: ``[{"role": "system" | "developer" | "user" | "assistant", "content": str or a
-            list of {"type": "text", "text": str} parts}, ...]``, ending with a user message.
-        mode: in ``pasta`` mode the dialect's system prompt (its instructions, then the
-            messages' own system text) and its example exchanges come first.
-        dialect: the request's dialect (a name or a Dialect; None: PASTA-LANG, whose prompt is
-            ``config.pasta_prompt``; any other brings its own,
-            :func:`~pasta_engine.lang.dialect.dialect_prompt`).
-
-    Raises ParameterError naming ``messages`` (with the index of the bad one), or ``dialect``
-    for an unknown one."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ParameterError("messages", messages, "a non-empty list of {role, content} objects")
-    system: list[str] = []
-    turns: list[dict[str, str]] = []
-    for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in CHAT_ROLES:
-            raise ParameterError("messages", messages, message=f"messages[{i}]: role {role!r} is not supported: "
-                                 f"expected one of {', '.join(CHAT_ROLES)}")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ParameterError("messages", messages, message=f"messages[{i}]: only text content parts "
-                                     f"({{\"type\": \"text\", \"text\": ...}}) are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ParameterError("messages", messages, message=f"messages[{i}]: content must be a string or a list "
-                                 f"of text parts, got {type(content).__name__}")
-        if role in ("system", "developer"):
-            system.append(content)
-        else:
-            turns.append({"role": role, "content": content})
-    if not turns or turns[-1]["role"] != "user":
-        raise ParameterError("messages", messages, message="the last message must be the user's (role 'user')")
-    head: list[dict[str, str]] = []
-    if mode == "pasta":
-        pp = dialect_prompt(resolve_dialect(dialect), engine.config.pasta_prompt)
-        system = [pp.system, *system] if pp.system else system
-        for q, a in pp.examples:
-            head += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    if system:
-        head.insert(0, {"role": "system", "content": "\n\n".join(system)})
-    return encode_prompt(engine.tokenizer, head + turns, engine.config.prompt_special_tokens)
-
-
-def _check_stop(stop: Sequence[str] | str | None) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-        raise ParameterError("stop", stop, "a non-empty string or a list of non-empty strings")
-    return list(stops)
+    """Prompt token ids for chat messages through the model's chat template: the engine's
+    :meth:`InputProcessor.format_chat <pasta_engine.engine.input_processor.InputProcessor.format_chat>`
+    (kept here for callers of the earlier API). Raises ParameterError naming ``messages``
+    or ``dialect``."""
+    return engine.input_processor.format_chat(messages, mode, dialect)
 
 
 def _get_nowait(q: queue.SimpleQueue) -> Any:

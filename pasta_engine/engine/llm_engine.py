@@ -31,7 +31,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import random
 import threading
 import time
 from collections import OrderedDict
@@ -39,28 +38,26 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..config import MAX_SEED, EngineConfig, Limits, PositionPolicy, SamplingParams
+from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..errors import ContextLengthError, ParameterError
-from ..lang.dialect import DIALECT_NAMES, PASTA, Dialect, dialect_prompt, get_dialect
+from ..lang.dialect import Dialect
 from ..lang.prompts import PastaPrompt
 from ..lang.detokenizer import token_bytes_table
 from ..lang.grammar import state_masks, tag_tokens_of
 from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN
-from ..lang.tokenization import decode, encode_prompt, encode_tag, encode_text, eos_token_ids
+from ..lang.tokenization import decode, encode_tag, encode_text, eos_token_ids
 from ..models.protocol import CausalLM
 from ..models.loader import load_model
 from .block_manager import BlockManager
 from .cpu_threads import check_threads, cpu_threads
-from .interpreter import MODES
+from .input_processor import InputProcessor, Prompt, RequestInputs, choice_params, is_chat, resolve_dialect
 from .model_runner import ModelRunner
-from .render import OutputRenderer, reading_order_prefix
-from .streaming import OutputKind, StopFilter
+from .render import OutputRenderer
+from .streaming import OutputKind
 from .request import Request, RequestOutput, RequestResult, interpreter_factory
 from .scheduler import Scheduler
 
-__all__ = ["Engine", "Prompt"]
-
-Prompt = str | Sequence[int]
+__all__ = ["Engine", "Prompt", "resolve_dialect"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +132,12 @@ class Engine:
                                                       self.model.config.vocab_size, self.eos_ids),
                                           fork_token=self.tag_tokens.promise_open)
         self.max_positions = model.config.max_position_embeddings
+        # prompts, parameters, stop strings and stop ids: checked and tokenized in one place
+        self.input_processor = InputProcessor(tokenizer, self.config, vocab_size=rows, max_positions=self.max_positions,
+                                              eos_ids=self.eos_ids, grammar=self.tag_tokens is not None)
         self.source: str | os.PathLike | None = None  # what from_pretrained loaded
         self.adapter: Any = None  # the LoRA adapter folder merged into the weights, if any
         self.adapter_manifest: dict | None = None
-        self._seeds = random.SystemRandom()  # seeds of requests whose params give none
         self.cpu_threads: int | None = None  # torch threads from_pretrained set (None: left alone, or a GPU)
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -256,130 +255,56 @@ class Engine:
         return decode(self.tokenizer, ids)
 
     def format_prompt(self, prompt: Prompt, mode: str = "pasta", index: int | None = None,
-                      dialect: str | Dialect | None = None) -> list[int]:
-        """Token ids for ``prompt``: a list of ids is used as it is; a string goes through the
-        chat template (in pasta mode with the dialect's system prompt and examples:
-        ``config.pasta_prompt`` for PASTA-LANG, the dialect's own for any other,
-        :func:`~pasta_engine.lang.dialect.dialect_prompt`), its text tokenized as
-        ``config.prompt_special_tokens`` says. ``index`` names the prompt in errors (its place
-        in a list of prompts); ``dialect`` is as :meth:`add_request`'s.
+                      dialect: str | Dialect | None = None, *, chat_template: bool = True) -> list[int]:
+        """Token ids for ``prompt`` (:meth:`InputProcessor.tokenize
+        <pasta_engine.engine.input_processor.InputProcessor.tokenize>`): a list of ids is used as
+        it is; a string goes through the chat template (in pasta mode with the dialect's system
+        prompt and examples: ``config.pasta_prompt`` for PASTA-LANG, the dialect's own for any
+        other), or is plain text with ``chat_template=False``; chat messages go through the
+        template too. ``index`` names the prompt in errors; ``dialect`` is as :meth:`add_request`'s.
 
         Raises ParameterError naming the prompt for anything else (None, bytes, an empty list,
-        non-integer or out-of-vocabulary ids, a string with a lone surrogate), or naming
-        ``dialect`` for an unknown one."""
-        where = f"prompt {index}" if index is not None else "prompt"
-        if isinstance(prompt, str):
-            _check_text(prompt, "prompt", where)
-            if mode == "pasta":
-                msgs = dialect_prompt(resolve_dialect(dialect), self.config.pasta_prompt).messages(prompt)
-            else:
-                msgs = [{"role": "user", "content": prompt}]
-            return encode_prompt(self.tokenizer, msgs, self.config.prompt_special_tokens)
-        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
-            raise ParameterError("prompt", prompt, message=f"{where} must be a string or a list of token ids, got "
-                                 f"{type(prompt).__name__}")
-        ids = list(prompt)
-        if not ids:
-            raise ParameterError("prompt", prompt, message=f"{where} is an empty list of token ids")
-        vocab = self.model.config.vocab_size
-        for j, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ParameterError("prompt", prompt, message=f"{where}: token {j} is {t!r} ({type(t).__name__}), "
-                                     f"not an integer token id")
-            if not 0 <= t < vocab:
-                raise ParameterError("prompt", prompt, message=f"{where}: token id {t} (position {j}) is outside the "
-                                     f"model's vocabulary of {vocab}")
-        return [int(t) for t in ids]
+        non-integer or out-of-vocabulary ids, a string with a lone surrogate), ``messages`` for
+        bad chat messages, ``dialect`` for an unknown one; ContextLengthError for a prompt with
+        no room under the context length."""
+        return self.input_processor.tokenize(prompt, mode, dialect, chat_template=chat_template, index=index)
 
     # ------------------------------------------------------------------ requests
 
-    def _make_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None,
-        mode: str,
-        request_id: str | None,
-        annotated_response: str | None,
-        index: int | None,
-        limits: Limits | None = None,
-        position_policy: str | PositionPolicy | None = None,
-        dialect: str | Dialect | None = None,
-    ) -> Request:
-        """Validate everything about one request and build it (it holds no resource yet).
-        ``index``: its place in a list of prompts (named in errors), None for a lone request."""
-        if not isinstance(mode, str) or mode not in MODES:
-            raise ParameterError("mode", mode, "'pasta' or 'sequential'")
-        lang = resolve_dialect(dialect)
-        if params is None:
-            params = SamplingParams(max_new_tokens=1) if annotated_response is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ParameterError("params", params, "a pasta_engine.SamplingParams")
-        if params.seed is None:  # vLLM's default: each request its own fresh seed
-            params = dataclasses.replace(params, seed=self._seeds.randrange(MAX_SEED + 1))
-        if limits is not None and not isinstance(limits, Limits):
-            raise ParameterError("limits", limits, "a pasta_engine.Limits")
-        explicit = limits is not None and limits.fork_threshold != self.config.limits.fork_threshold
-        limits = limits or self.config.limits
-        if limits.fork_threshold is not None:
-            why = ("a replay (its tokens are forced)" if annotated_response is not None
-                   else f"mode {mode!r} (it decides forks in pasta mode)" if mode != "pasta"
-                   else f"the {lang.name!r} dialect (it decides PASTA-LANG promises)" if lang.name != "pasta"
-                   else "a model without the PASTA-LANG pieces as tokens (train the adapter with --tag-tokens)"
-                   if self.tag_tokens is None else None)
-            if why is not None and explicit:
-                raise ParameterError("fork_threshold", limits.fork_threshold,
-                                     message=f"fork_threshold={limits.fork_threshold} cannot apply to {why}; leave it "
-                                     "unset (None)")
-            if why is not None:  # the engine's default knob is for the requests it can apply to
-                limits = dataclasses.replace(limits, fork_threshold=None)
-        policy = PositionPolicy.parse(position_policy) if position_policy is not None else self.config.position_policy
+    def _make_request(self, inputs: RequestInputs, allow_n: bool = False) -> Request:
+        """Validate everything about one request (:meth:`InputProcessor.process
+        <pasta_engine.engine.input_processor.InputProcessor.process>`, then its id and whether
+        it can ever fit the KV cache) and build it (it holds no resource yet)."""
+        p = self.input_processor.process(inputs, allow_n=allow_n)
+        request_id = p.request_id
         if request_id is None:
             request_id = str(next(self._ids))
             while self._known(request_id):
                 request_id = str(next(self._ids))
-        elif not isinstance(request_id, str) or not request_id:
-            raise ParameterError("request_id", request_id, "a non-empty string")
         elif self._known(request_id):
             raise ParameterError("request_id", request_id, message=f"request id {request_id!r} is already in use (a "
                                  "request keeps its id until step() has returned its final output, an abort's too)")
-        if annotated_response is not None:
-            if not isinstance(annotated_response, str):
-                raise ParameterError("annotated_response", annotated_response, "a string")
-            _check_text(annotated_response, "annotated_response", "the annotated response")
-            prompt_ids = self.format_prompt(prompt, "pasta", index, lang)  # both modes see the same prompt
-        else:
-            prompt_ids = self.format_prompt(prompt, mode, index, lang)
-        if self.max_positions is not None and len(prompt_ids) >= self.max_positions:
-            raise ContextLengthError("prompt", len(prompt_ids), message=(
-                f"{'the prompt' if index is None else f'prompt {index}'} has {len(prompt_ids)} tokens, which leaves no "
-                f"room under the model's context length of {self.max_positions} tokens"))
-        vocab = self.model.config.vocab_size
-        bad_stop = [i for i in params.stop_token_ids if i >= vocab]
-        if bad_stop:
-            raise ParameterError("stop_token_ids", bad_stop[0], message=(
-                f"stop_token_ids holds {bad_stop[0]}, outside the model's vocabulary of {vocab} tokens"))
-        # a stop token ends a thread as EOS does (SamplingParams.stop_token_ids); not in a replay,
-        # whose forced tokens are the response
-        eos_ids = list(self.eos_ids)
-        if annotated_response is None:
-            eos_ids += [i for i in dict.fromkeys(params.stop_token_ids) if i not in self.eos_ids]
+        params = p.params
         make, max_new_tokens = interpreter_factory(
-            self.tokenizer, prompt_ids, mode=mode, max_new_tokens=params.max_new_tokens, limits=limits, policy=policy,
-            max_positions=self.max_positions, eos_ids=eos_ids, annotated_response=annotated_response,
-            grammar=self.tag_tokens is not None, dialect=lang,
-            stop_strings=params.stop if annotated_response is None else (),
+            self.tokenizer, p.prompt_ids, mode=p.mode, max_new_tokens=params.max_new_tokens, limits=p.limits,
+            policy=p.policy, max_positions=self.max_positions, eos_ids=list(p.end_ids),
+            annotated_response=p.annotated_response, grammar=self.tag_tokens is not None, dialect=p.dialect,
+            stop_strings=params.stop,
         )
         if max_new_tokens != params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=max_new_tokens,
                                          min_tokens=min(params.min_tokens, max_new_tokens))
         try:
-            req = Request(request_id=request_id, index=index or 0, mode=mode, params=params, make_interpreter=make,
+            req = Request(request_id=request_id, index=p.index or 0, mode=p.mode, params=params, make_interpreter=make,
                           count_content_tokens=lambda text: len(self.encode(text)))  # RequestStats.content_tokens
         except ValueError as e:  # e.g. the oracle position policy outside replay
-            raise ParameterError("position_policy", str(policy), message=str(e)) from None
+            raise ParameterError("position_policy", str(p.policy), message=str(e)) from None
         why = self.scheduler.check_fits(req)
         if why is not None:
-            raise ContextLengthError("prompt", len(prompt_ids), message=why if index is None else f"prompt {index}: {why}")
+            raise ContextLengthError("prompt", len(p.prompt_ids),
+                                     message=why if p.index is None else f"prompt {p.index}: {why}")
+        if p.output_kind is not OutputKind.FINAL:
+            req.renderer = OutputRenderer()  # step() outputs its text and tokens as they come
         return req
 
     def _known(self, request_id: str) -> bool:
@@ -400,13 +325,17 @@ class Engine:
         position_policy: str | PositionPolicy | None = None,
         output_kind: str | OutputKind = OutputKind.CUMULATIVE,
         dialect: str | Dialect | None = None,
-        _stop_cut_by_caller: bool = False,
+        chat_template: bool = True,
     ) -> str:
         """Queue a request; it runs in the following :meth:`step` calls.
 
         Args:
-            prompt: a string (chat template applied) or a list of token ids (used as they are).
-            params: :class:`~pasta_engine.config.SamplingParams` (default: greedy, 256 tokens).
+            prompt: a string (chat template applied), chat messages (``[{"role": ...,
+                "content": ...}, ...]``) or a list of token ids (used as they are).
+            params: :class:`~pasta_engine.config.SamplingParams` (default: greedy, 256 tokens);
+                its ``stop`` strings end the request as ``stop`` in the step whose output holds
+                one (the text cut right before it, ``RequestOutput.stop_reason`` naming it).
+                ``n`` must be 1 (a request is one completion; :meth:`generate` takes ``n``).
             mode: ``"pasta"`` (act on PASTA-LANG tags) or ``"sequential"`` (one thread).
             request_id: a unique string (default: a fresh number).
             annotated_response: make it a replay request forcing this annotated response
@@ -420,24 +349,21 @@ class Engine:
                 ``text`` and ``delta_text``): :meth:`step` returns an output for each step the
                 request progressed in; ``final`` (vLLM's ``FINAL_ONLY``): only its final output,
                 and its text is not rendered at every step (what ``generate`` does).
+            chat_template: False: a string prompt is tokenized as plain text (a text completion).
 
         Returns the request id. Raises ParameterError (ContextLengthError for a prompt that
         does not fit the context or the KV cache) before the request takes any resource."""
+        return self.add_inputs(RequestInputs(prompt, params, mode, request_id, annotated_response, limits,
+                                             position_policy, dialect, chat_template, output_kind))
+
+    def add_inputs(self, inputs: RequestInputs) -> str:
+        """:meth:`add_request` for a request already gathered as a
+        :class:`~pasta_engine.engine.input_processor.RequestInputs` (what the async engine's
+        callers hand its engine thread). Returns the request id; raises as :meth:`add_request`."""
+        if not isinstance(inputs, RequestInputs):
+            raise ParameterError("inputs", inputs, "a pasta_engine.engine.input_processor.RequestInputs")
         with self._lock:
-            try:
-                kind = OutputKind.parse(output_kind)
-            except ValueError as e:
-                raise ParameterError("output_kind", output_kind, message=str(e)) from None
-            if params is not None and getattr(params, "stop", ()) and not _stop_cut_by_caller:
-                # (_stop_cut_by_caller: AsyncEngine, which cuts its outputs at the strings itself)
-                raise ParameterError("stop", params.stop, message=(
-                    "SamplingParams.stop is applied by Engine.generate() and AsyncEngine.generate(); a request added "
-                    "with add_request() and driven by step() is not cut: leave stop out and cut RequestOutput.text "
-                    "at the string yourself (pasta_engine.engine.streaming.StopFilter does it)"))
-            req = self._make_request(prompt, params, mode, request_id, annotated_response, None, limits,
-                                     position_policy, dialect)
-            if kind is not OutputKind.FINAL:
-                req.renderer = OutputRenderer()  # step() outputs its text and tokens as they come
+            req = self._make_request(inputs)
             self._queue(req)
             return req.request_id
 
@@ -551,7 +477,8 @@ class Engine:
                 self._finished.popitem(last=False)
         out = RequestOutput(req.request_id, [], finished=finished, finish_reason=req.finish_reason if finished else None,
                             error=req.error, result=result, decode_steps=req.steps,
-                            tokens_decoded=req.interp.total_sampled)
+                            tokens_decoded=req.interp.total_sampled,
+                            stop_reason=result.stop_reason if result is not None else None)
         rnd = req.renderer
         if rnd is None:  # only its result matters (generate()/replay()'s own, output_kind "final")
             out.text = out.delta_text = result.text  # its one output: the tokens are result.token_ids
@@ -563,10 +490,11 @@ class Engine:
 
     def _run(self, reqs: list[Request], progress: bool) -> list[RequestResult]:
         """Queue ``reqs`` and step until all have finished; outputs of other requests are kept
-        for :meth:`step`. On any exception the requests are aborted (pages freed) first."""
+        for :meth:`step`. On any exception the requests are aborted (pages freed) first. Stop
+        strings need nothing here: the interpreter ends a request at one and the renderer cuts
+        its text."""
         results: dict[str, RequestResult] = {}
         mine = {r.request_id for r in reqs}
-        stops = {r.request_id: StopFilter(r.params.stop) for r in reqs if r.params.stop}  # SamplingParams.stop
         bar = None
         if progress and len(reqs) > 1:
             from tqdm import tqdm
@@ -580,19 +508,10 @@ class Engine:
                     if out.request_id not in mine:
                         self._keep(out)
                     elif out.finished:
-                        f = stops.get(out.request_id)
-                        results[out.request_id] = out.result if f is None else _cut_at_stop(out.result, f)
+                        results[out.request_id] = out.result
                         if bar is not None:
                             bar.update(1)
-                stopped_now = False
-                for rid, f in stops.items():  # a stop string in the reading-order text ends the request now
-                    req = self._requests.get(rid)
-                    if rid not in results and not f.stopped and req is not None and req.interp is not None:
-                        f.update(reading_order_prefix(req.interp))
-                        if f.stopped and not req.finished:
-                            self.scheduler.abort(rid)  # its final output comes from the next step
-                            stopped_now = True
-                if not stopped_now and not self.scheduler.has_unfinished() and len(results) < len(reqs):
+                if not self.scheduler.has_unfinished() and len(results) < len(reqs):
                     raise RuntimeError("the scheduler went idle before every request finished")
         except BaseException:
             for r in reqs:
@@ -626,24 +545,34 @@ class Engine:
         """Decode a response for each prompt (a loop over :meth:`step`).
 
         Args:
-            prompts: one prompt or a list; a prompt is a string (chat template applied) or a
-                list of token ids (used as it is).
+            prompts: one prompt or a list; a prompt is a string (chat template applied), chat
+                messages (``[{"role": ..., "content": ...}, ...]``) or a list of token ids (used
+                as it is).
             params: one :class:`SamplingParams` for all prompts, or a list with one per prompt
-                (default: greedy, 256 tokens).
+                (default: greedy, 256 tokens). With ``n > 1`` a prompt gets ``n`` completions
+                (each its own seed: fresh ones when ``seed`` is None, ``seed + i`` otherwise).
             mode: ``"pasta"`` (act on PASTA-LANG tags) or ``"sequential"`` (one thread; string
                 prompts without the PASTA-LANG system prompt).
             progress: show a tqdm bar on stderr.
             dialect: the decoding language (as :meth:`add_request`'s).
 
-        Returns one :class:`RequestResult` per prompt, in order; a request that failed in
-        flight has ``stats.finish_reason == "error"`` and its message in ``error``. Raises
-        ParameterError for a bad prompt, parameter or mode before anything is queued."""
+        Returns one :class:`RequestResult` per prompt, in order (vLLM's ``LLM.generate``
+        shape): ``result.outputs[i]`` is its completion ``i`` (one for ``n=1``; the result's own
+        fields are those of completion 0, so ``result.text`` reads as before). A request that
+        failed in flight has ``stats.finish_reason == "error"`` and its message in ``error``.
+        Raises ParameterError for a bad prompt, parameter or mode before anything is queued."""
         with self._lock:
             plist = _as_prompt_list(prompts)
             plist_params = _as_params_list(params, len(plist))
-            reqs = [self._make_request(p, sp, mode, None, None, i, dialect=dialect)
-                    for i, (p, sp) in enumerate(zip(plist, plist_params))]
-            return self._run(reqs, progress)
+            made: list[Request] = []  # every choice of every prompt, checked before any is queued
+            sizes: list[int] = []
+            for i, (p, sp) in enumerate(zip(plist, plist_params)):
+                choices = choice_params(sp) if isinstance(sp, SamplingParams) else [sp]
+                made += [self._make_request(RequestInputs(p, cp, mode, dialect=dialect, index=i,
+                                                          output_kind=OutputKind.FINAL))
+                         for cp in choices]
+                sizes.append(len(choices))
+            return _group_choices(self._run(made, progress), sizes)
 
     def replay(
         self,
@@ -683,7 +612,8 @@ class Engine:
                 raise ParameterError("annotated_responses", len(responses),
                                      message=f"{len(plist)} prompts but {len(responses)} annotated responses")
             plist_params = _as_params_list(params, len(plist))
-            reqs = [self._make_request(p, sp, mode, None, resp, i, dialect=dialect)
+            reqs = [self._make_request(RequestInputs(p, sp, mode, annotated_response=resp, dialect=dialect, index=i,
+                                                     output_kind=OutputKind.FINAL))
                     for i, (p, resp, sp) in enumerate(zip(plist, responses, plist_params))]
             return self._run(reqs, progress)
 
@@ -729,16 +659,6 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _check_text(text: str, param: str, where: str) -> None:
-    """Raise ParameterError when ``text`` is not valid Unicode (a lone surrogate, e.g. a byte that
-    was not UTF-8 in a command line): no tokenizer can encode it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ParameterError(param, text, message=f"{where} is not valid text: {text[e.start]!r} at character "
-                             f"{e.start} is a lone surrogate (bytes that were not UTF-8?)") from None
-
-
 def _mib(n: int | None) -> str:
     return "the default size" if n is None else f"{n / 2**20:.0f} MiB"
 
@@ -762,24 +682,9 @@ def _check_kv_budget(kv_cache_bytes: int | None, device: torch.device) -> None:
             "(--kv-cache-mb)"))
 
 
-def resolve_dialect(dialect: str | Dialect | None) -> Dialect:
-    """The request's dialect: PASTA-LANG for None, a registered name, or a Dialect object.
-    Raises ParameterError naming the value and the choices."""
-    if dialect is None:
-        return PASTA
-    if isinstance(dialect, str):
-        try:
-            return get_dialect(dialect)
-        except ValueError:
-            raise ParameterError("dialect", dialect, " | ".join(DIALECT_NAMES)) from None
-    if isinstance(dialect, Dialect):
-        return dialect
-    raise ParameterError("dialect", dialect, "a dialect name (" + " | ".join(DIALECT_NAMES) + ") or a Dialect")
-
-
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """A list of prompts: a string or a list of ints is one prompt. Raises ParameterError."""
-    if isinstance(prompts, str):
+    """A list of prompts: a string, chat messages or a list of ints is one prompt. Raises ParameterError."""
+    if isinstance(prompts, str) or is_chat(prompts):
         return [prompts]
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
         raise ParameterError("prompts", prompts, "a string, a list of token ids, or a list of prompts")
@@ -802,15 +707,13 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
     return plist
 
 
-def _cut_at_stop(res: RequestResult, f: StopFilter) -> RequestResult:
-    """``res`` cut before the first stop string of ``f`` in its text (``finish_reason`` ``stop``,
-    ``stop_reason`` the string; the annotated text and tokens keep everything decoded), or
-    ``res`` when its text holds none. An error keeps its own finish reason."""
-    if res.stats.finish_reason == "error":
-        return res
-    if not f.stopped:
-        f.update(res.text, finished=True)
-    if not f.stopped:
-        return res
-    return dataclasses.replace(res, text=f.sent, stop_reason=f.stop_reason,
-                               stats=dataclasses.replace(res.stats, finish_reason="stop"))
+def _group_choices(results: list[RequestResult], sizes: list[int]) -> list[RequestResult]:
+    """One result per prompt from the results of its choices, in order (``sizes``: choices per
+    prompt): a lone choice is its prompt's result; several are its ``outputs`` (vLLM's
+    ``RequestOutput.outputs``), the first one's fields on top."""
+    out, at = [], 0
+    for k in sizes:
+        chunk = results[at : at + k]
+        at += k
+        out.append(chunk[0] if k == 1 else dataclasses.replace(chunk[0], choices=chunk))
+    return out

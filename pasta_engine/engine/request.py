@@ -30,11 +30,12 @@ __all__ = [
     "RequestOutput",
     "RequestResult",
     "RequestStats",
+    "CompletionOutput",
     "FINISH_REASONS",
     "interpreter_factory",
 ]
 
-#: Why a request ended: ``stop`` (end of sequence, or a replayed trace's end), ``length``
+#: Why a request ended: ``stop`` (end of sequence, a stop token or stop string, or a replayed trace's end), ``length``
 #: (``max_new_tokens`` or the model's context length), ``abort`` (:meth:`Engine.abort`),
 #: ``error`` (an error that belongs to this request; the output says which).
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -102,7 +103,10 @@ class RequestResult:
     token's logical position and thread id; ``diagnostics``: what the interpreter noted
     (malformed tags, caps, ...); ``error``: why the request failed (finish reason ``error``);
     ``stop_reason``: the stop string (``SamplingParams.stop``) that ended it, its text cut right
-    before it (finish reason ``stop``), else None."""
+    before it (finish reason ``stop``), else None; ``choices``: with ``SamplingParams.n > 1``
+    (:meth:`~pasta_engine.engine.llm_engine.Engine.generate`), the results of the prompt's ``n``
+    completions, this result's own fields being the first one's (empty for one completion).
+    :attr:`outputs` reads them in vLLM's shape."""
 
     index: int
     request_id: str
@@ -118,15 +122,43 @@ class RequestResult:
     diagnostics: list[str] = field(default_factory=list)
     error: str | None = None
     stop_reason: str | None = None
+    choices: list["RequestResult"] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list["CompletionOutput"]:
+        """The prompt's completions as vLLM's ``RequestOutput.outputs`` (``outputs[i].text``, ...):
+        one per completion (``n`` of them, or this result alone), each with its index and its
+        whole result (annotated text, stats) in ``result``."""
+        return [CompletionOutput(i, r.text, list(r.token_ids), r.stats.finish_reason or None, r.stop_reason,
+                                 logprobs=r.logprobs, result=r)
+                for i, r in enumerate(self.choices or [self])]
 
     def to_dict(self, include_trace: bool = False) -> dict[str, Any]:
         """JSON-ready dict; per-token positions/threads and prompt ids only with ``include_trace``."""
         d = asdict(self)
+        if not self.choices:
+            d.pop("choices")
         if not include_trace:
             d.pop("positions")
             d.pop("threads")
             d.pop("prompt_ids")
         return d
+
+
+@dataclass
+class CompletionOutput:
+    """One completion in vLLM's names (``vllm.outputs.CompletionOutput``): its index among the
+    prompt's ``n``, text and token ids (new or cumulative as the request's ``output_kind`` for a
+    stream), its logprobs when asked, and why it finished (None while it runs). ``result``: the
+    finished completion's whole :class:`RequestResult` (annotated text, stats), None before."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    logprobs: list[float | None] | None = None
+    result: "RequestResult | None" = None
 
 
 class RequestOutput:
@@ -155,6 +187,9 @@ class RequestOutput:
             fork, text, end, join, finish), in order.
         finished: whether the request is over; then ``finish_reason`` is one of
             :data:`FINISH_REASONS` and ``result`` holds the whole response and its stats.
+            A stop string (``SamplingParams.stop``) ends it in the step whose text first holds
+            one: ``finish_reason`` ``stop``, ``stop_reason`` the string, the text cut right
+            before it (a tail that may still become one is held back until then).
         error: the message of the error that ended it (``finish_reason == "error"``).
         decode_steps: forward passes that sampled for it so far (of its current run after a
             preemption); tokens_decoded: tokens its current run sampled, all threads.
@@ -164,12 +199,13 @@ class RequestOutput:
     ``delta_text`` = ``result.text``, no token, thread or event deltas (``result`` has them all)."""
 
     __slots__ = ("request_id", "text", "delta_text", "new_token_ids", "thread_deltas", "events", "finished",
-                 "finish_reason", "error", "result", "decode_steps", "tokens_decoded")
+                 "finish_reason", "error", "result", "decode_steps", "tokens_decoded", "stop_reason")
 
     def __init__(self, request_id: str, new_token_ids: list[int], text: str = "", delta_text: str = "",
                  thread_deltas: list[ThreadDelta] | None = None, events: list[ThreadEvent] | None = None,
                  finished: bool = False, finish_reason: str | None = None, error: str | None = None,
-                 result: RequestResult | None = None, decode_steps: int = 0, tokens_decoded: int = 0):
+                 result: RequestResult | None = None, decode_steps: int = 0, tokens_decoded: int = 0,
+                 stop_reason: str | None = None):
         self.request_id = request_id
         self.new_token_ids = new_token_ids
         self.text = text
@@ -182,6 +218,7 @@ class RequestOutput:
         self.result = result
         self.decode_steps = decode_steps
         self.tokens_decoded = tokens_decoded
+        self.stop_reason = stop_reason
 
     def add(self, later: "RequestOutput") -> None:
         """Fold ``later``, the next output of the same request, into this one (vLLM's
@@ -203,7 +240,8 @@ class RequestOutput:
                 m.text += d.text
         self.thread_deltas = [merged[k] for k in sorted(merged)]
         self.events = self.events + later.events
-        for name in ("text", "finished", "finish_reason", "error", "result", "decode_steps", "tokens_decoded"):
+        for name in ("text", "finished", "finish_reason", "error", "result", "decode_steps", "tokens_decoded",
+                     "stop_reason"):
             setattr(self, name, getattr(later, name))
 
     def __repr__(self) -> str:
@@ -249,8 +287,8 @@ def interpreter_factory(
             for PASTA-LANG: another dialect gets no mask.
         dialect: the language the model writes (:class:`~pasta_engine.lang.dialect.Dialect`,
             default PASTA-LANG): the replay's tokenization, the inserted tokens and the parser.
-        stop_strings: ``SamplingParams.stop``: a thread whose clean text holds one ends there
-            (see ``Interpreter(stop_strings=)``); none in a replay.
+        stop_strings: ``SamplingParams.stop``: the request's stop rule (see
+            ``Interpreter(stop_strings=)``), a replay's included.
 
     Returns ``(make, max_new_tokens)``; ``make()`` raises ValueError for settings the
     interpreter refuses (the oracle policy outside replay)."""
@@ -376,4 +414,5 @@ class Request:
             stats=stats,
             diagnostics=list(it.diagnostics),
             error=self.error,
+            stop_reason=it.stop_reason,
         )

@@ -72,10 +72,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import MAX_SEED, Limits, SamplingParams
-from ..engine.async_engine import AsyncEngine, RequestStream, StreamOutput, format_chat
+from ..engine.async_engine import AsyncEngine, RequestStream, StreamOutput
+from ..engine.input_processor import InputProcessor, choice_params
 from ..errors import ContextLengthError, EngineDeadError, ParameterError
 from ..lang.dialect import DIALECT_NAMES, get_dialect
-from ..lang.tokenization import decode, encode_text
+from ..lang.tokenization import decode
 from .args import api_key_problem
 from .schema import (
     MAX_INT_DIGITS,
@@ -248,11 +249,10 @@ def _decode_json(raw: bytes) -> dict[str, Any]:
 class _Options:
     """What a completions request asks for, checked."""
 
-    params: list[SamplingParams]  # one per choice
+    params: list[SamplingParams]  # one per choice (choice_params: each its own seed), stop strings in them
     n: int
     stream: bool
     include_usage: bool
-    stop: list[str]
     logprobs: bool
     mode: str
     dialect: str  # a name of DIALECT_NAMES whose module imports (checked by _check_dialect)
@@ -387,12 +387,12 @@ class _Server:
                                          distinct_topics=base.distinct_topics if pasta.distinct_topics is None
                                          else pasta.distinct_topics)
         more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
-        params = [SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                                 top_k=top_k, seed=(seed + i) % (MAX_SEED + 1), return_logprobs=logprobs, **more)
-                  for i in range(req.n)]
-        return _Options(params=params, n=req.n, stream=req.stream,
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                                top_k=top_k, seed=seed, return_logprobs=logprobs, stop=tuple(req.stops()), n=req.n,
+                                **more)
+        return _Options(params=choice_params(params), n=req.n, stream=req.stream,  # seeds seed, seed + 1, ...
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        stop=req.stops(), logprobs=logprobs, mode=pasta.mode, dialect=pasta.dialect,
+                        logprobs=logprobs, mode=pasta.mode, dialect=pasta.dialect,
                         events=pasta.events,
                         annotated_response=pasta.annotated_response, limits=limits,
                         position_policy=pasta.position_policy)
@@ -408,7 +408,7 @@ class _Server:
                 for i, params in enumerate(opts.params):
                     streams.append(await self.engine.add_request(
                         prompt, params, opts.mode, f"{cid}-{p * opts.n + i}", output_kind="delta", events=True,
-                        stop=opts.stop, chat_template=False, annotated_response=opts.annotated_response,
+                        chat_template=False, annotated_response=opts.annotated_response,
                         limits=opts.limits, position_policy=opts.position_policy, dialect=opts.dialect))
         except BaseException:
             for s in streams:
@@ -505,12 +505,13 @@ class _EventLog:
 
 class _Prompts:
     """Prompts to token ids on worker threads, never on the engine thread (docs/DESIGN.md section 7:
-    a long prompt must not stall other requests' steps), with the context-length check.
+    a long prompt must not stall other requests' steps), by the engine's rules.
 
-    Each worker uses its own copy of the engine's tokenizer (a ``transformers`` tokenizer
-    changes its own settings while it encodes, and the engine thread decodes with the original).
-    A text longer than ``bytes_per_token_max * context`` bytes is refused before it is tokenized:
-    no token of the vocabulary spells more than ``bytes_per_token_max`` bytes, so it cannot fit.
+    Each worker uses an :class:`~pasta_engine.engine.input_processor.InputProcessor` over its
+    own copy of the engine's tokenizer (a ``transformers`` tokenizer changes its own settings
+    while it encodes, and the engine thread decodes with the original): the same chat
+    formatting, tokenization and checks (vocabulary, context length; a text too long to fit
+    however it tokenizes is refused before it is tokenized) as every other API.
 
     Args:
         engine: the async engine (its tokenizer, settings and context length).
@@ -518,16 +519,14 @@ class _Prompts:
 
     def __init__(self, engine: AsyncEngine, workers: int = 2):
         eng = engine.engine
-        self.config = eng.config
-        self.max_positions = eng.max_positions
         self._copies: queue.SimpleQueue = queue.SimpleQueue()
+        per_token = eng.input_processor.bytes_per_token  # read from the vocabulary once, now
         for _ in range(workers):
-            self._copies.put(copy.deepcopy(eng.tokenizer))
+            self._copies.put(InputProcessor(copy.deepcopy(eng.tokenizer), eng.config,
+                                            vocab_size=eng.model.config.vocab_size, max_positions=eng.max_positions,
+                                            eos_ids=eng.eos_ids, grammar=eng.tag_tokens is not None,
+                                            bytes_per_token=per_token))
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pasta-tokenize")
-        vocab = eng.tokenizer.get_vocab()
-        # the spelling of a token is never shorter in UTF-8 than the bytes it stands for (byte-level
-        # BPE and SentencePiece spell one byte with one or more characters); doubled for margin
-        self.bytes_per_token_max = 2 * max((len(t.encode("utf-8", "replace")) for t in vocab), default=1)
 
     async def tokenize(self, prompts: Sequence[Any], chat: bool, mode: str, dialect: str = "pasta") -> list[list[int]]:
         """Token ids of each prompt: chat messages (``[{"role", "content"}]``, through the chat
@@ -546,58 +545,24 @@ class _Prompts:
         return await loop.run_in_executor(self._pool, self._detokenize, list(ids))
 
     def _detokenize(self, ids: list[int]) -> str:
-        tok = self._copies.get()
+        proc = self._copies.get()
         try:
+            tok = proc.tokenizer
             bad = next((t for t in ids if t >= len(tok)), None)
             if bad is not None:
                 raise ParameterError("tokens", bad, message=f"token id {bad} is outside the vocabulary of {len(tok)}")
             return decode(tok, ids)
         finally:
-            self._copies.put(tok)
+            self._copies.put(proc)
 
     def _tokenize(self, prompts: list[Any], chat: bool, mode: str, dialect: str) -> list[list[int]]:
-        tok = self._copies.get()
+        proc = self._copies.get()
         try:
-            view = _TokenizerView(tok, self.config)
-            out = []
-            for i, prompt in enumerate(prompts):
-                where = "the prompt" if len(prompts) == 1 else f"prompt {i}"
-                if chat:
-                    self._check_text(sum(len(m["content"].encode("utf-8")) for m in prompt), where)
-                    ids = format_chat(view, prompt, mode, dialect)  # type: ignore[arg-type]
-                elif isinstance(prompt, str):
-                    self._check_text(len(prompt.encode("utf-8")), where)
-                    ids = encode_text(tok, prompt)
-                    if not ids:
-                        raise ParameterError("prompt", prompt, message=f"{where} is empty")
-                else:
-                    ids = list(prompt)  # token ids: the engine checks them against the vocabulary
-                self._check_length(len(ids), where)
-                out.append(ids)
-            return out
+            one = len(prompts) == 1
+            return [proc.tokenize(prompt, mode, dialect, chat_template=chat, index=None if one else i)
+                    for i, prompt in enumerate(prompts)]
         finally:
-            self._copies.put(tok)
-
-    def _check_text(self, nbytes: int, where: str) -> None:
-        if self.max_positions is not None and nbytes >= self.bytes_per_token_max * self.max_positions:
-            at_least = nbytes // self.bytes_per_token_max
-            raise ContextLengthError("prompt", nbytes, message=(
-                f"{where} has at least {at_least} tokens ({nbytes} bytes of text), which leaves no room under the "
-                f"model's context length of {self.max_positions} tokens"))
-
-    def _check_length(self, n: int, where: str) -> None:
-        if self.max_positions is not None and n >= self.max_positions:
-            raise ContextLengthError("prompt", n, message=(
-                f"{where} has {n} tokens, which leaves no room under the model's context length of "
-                f"{self.max_positions} tokens"))
-
-
-@dataclasses.dataclass
-class _TokenizerView:
-    """What :func:`format_chat` reads of an engine: a tokenizer and the engine's settings."""
-
-    tokenizer: Any
-    config: Any
+            self._copies.put(proc)
 
 
 # vLLM's histogram buckets (seconds)

@@ -345,9 +345,10 @@ def test_no_seed_draws_a_fresh_one_per_request_as_vllm_does(engine):
 
 
 def test_stop_strings_cut_generate_and_end_it_early(engine):
-    """Issue 31 item 5: ``SamplingParams.stop`` as vLLM has it. ``generate`` aborts the request
+    """Issue 31 item 5: ``SamplingParams.stop`` as vLLM has it. The engine ends the request
     once its reading-order text holds a stop string (no further step), cuts the text right
-    before it and says ``finish_reason="stop"`` and ``stop_reason``; ``add_request`` refuses it."""
+    before it and says ``finish_reason="stop"`` and ``stop_reason``; the step API takes it too
+    (issue 32 item 3: tests/engine/test_input_processor.py compares every API)."""
     from pasta_engine.engine.streaming import StopFilter
 
     assert SamplingParams(stop="ab").stop == ("ab",) and SamplingParams(stop=["a", "b"]).stop == ("a", "b")
@@ -361,20 +362,24 @@ def test_stop_strings_cut_generate_and_end_it_early(engine):
     [cut] = engine.generate([[5, 6, 7]], dataclasses.replace(base, stop=(stop, "never-in-it")), mode="sequential")
     assert cut.text == f.sent and text.startswith(cut.text) and stop not in cut.text
     assert cut.stats.finish_reason == "stop" and cut.stop_reason == stop and full.stop_reason is None
-    assert cut.stats.tokens_decoded < full.stats.tokens_decoded  # aborted early, not cut afterwards
+    assert cut.stats.tokens_decoded < full.stats.tokens_decoded  # ended early, not cut afterwards
     assert full.annotated_text.startswith(cut.annotated_text)  # what was decoded is kept
     # the interpreter ends the thread that wrote it (issue 31 item 9: every thread's text is checked)
     assert any("main thread: wrote the stop string" in d for d in cut.diagnostics)
-    req = engine._make_request([5, 6, 7], dataclasses.replace(base, stop=(stop,)), "pasta", None, None, None)
+    from pasta_engine.engine.input_processor import RequestInputs
+
+    req = engine._make_request(RequestInputs([5, 6, 7], dataclasses.replace(base, stop=(stop,)), "pasta"))
     assert req.make_interpreter().stop_strings == (stop,)
     s = engine.stats()
     assert s["kv_pages_free"] == s["kv_pages_total"]
     # a stop string that never occurs changes nothing
     [same] = engine.generate([[5, 6, 7]], dataclasses.replace(base, stop=("never-in-it",)), mode="sequential")
     assert same.text == text and same.stats.finish_reason == full.stats.finish_reason
-    with pytest.raises(ParameterError, match="stop") as e:
-        engine.add_request([5, 6, 7], dataclasses.replace(base, stop=(stop,)))
-    assert e.value.param == "stop" and not engine.has_unfinished_requests()
+    rid = engine.add_request([5, 6, 7], dataclasses.replace(base, stop=(stop,)), mode="sequential")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert outs[-1].text == cut.text and outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
 
 
 def test_async_engine_takes_stop_from_sampling_params(tiny_llama):

@@ -337,12 +337,12 @@ def test_a_20mb_message_does_not_freeze_another_stream(open_server):
 
 
 def test_prompts_are_tokenized_off_the_engine_thread(app_srv, monkeypatch):
-    from pasta_engine.entrypoints import server as server_module
+    from pasta_engine.engine import input_processor  # where every API turns text into ids
 
     seen: list[str] = []
-    for name in ("format_chat", "encode_text"):
-        real = getattr(server_module, name)
-        monkeypatch.setattr(server_module, name, lambda *a, _real=real, **k: (
+    for name in ("encode_prompt", "encode_text"):
+        real = getattr(input_processor, name)
+        monkeypatch.setattr(input_processor, name, lambda *a, _real=real, **k: (
             seen.append(threading.current_thread().name), _real(*a, **k))[1])
     r1, r2 = asgi(app_srv[0], ("POST", "/v1/chat/completions", {"json": CHAT}),
                   ("POST", "/v1/completions", {"json": {"prompt": ["ab", "cd"], "max_tokens": 2}}))
