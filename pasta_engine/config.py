@@ -425,7 +425,8 @@ class EngineConfig:
             rank over ``torch.distributed``: gloo on CPUs, NCCL on GPUs; see
             :mod:`pasta_engine.distributed`). 1 (default): one process. Set for
             :meth:`~pasta_engine.Engine.from_pretrained`, which starts the workers; it must divide
-            the model's KV heads and intermediate size. CUDA graphs are off with more than one rank.
+            the model's KV heads and intermediate size. With CUDA graphs every rank captures and
+            replays its own (their all-reduces inside).
         tensor_parallel_step_timeout_s: seconds a rank waits in a step's collectives for the
             others (default 120) before the engine is declared dead (``EngineDeadError``): a hung
             or stopped worker ends the engine's calls instead of blocking them.
@@ -470,9 +471,6 @@ class EngineConfig:
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_float("tensor_parallel_step_timeout_s", self.tensor_parallel_step_timeout_s, 0.0, 7 * 24 * 3600.0,
                     lo_open=True)
-        if self.tensor_parallel_size > 1 and self.cuda_graphs:
-            raise ParameterError("tensor_parallel_size", self.tensor_parallel_size, message=(
-                "cuda_graphs=True cannot run with tensor_parallel_size > 1 (the all-reduces are not captured)"))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

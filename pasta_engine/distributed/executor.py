@@ -94,7 +94,8 @@ def _check_main_guard() -> None:
     rank 0 and exit quietly; in rank 0, a main script read from standard input (``python -``),
     which a worker cannot run again."""
     main = sys.modules.get("__main__")
-    if multiprocessing.parent_process() is not None and getattr(main, "__name__", None) == "__mp_main__":
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # a spawned child running the main script
+        main = sys.modules.get("__mp_main__", main)
         report = os.environ.get(_REPORT_ENV)
         if report:
             with open(report, "w") as f:

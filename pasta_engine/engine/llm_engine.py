@@ -212,8 +212,6 @@ class Engine:
         if config.tensor_parallel_size > 1:  # one process per rank, each loading its shard
             from ..distributed import start_tensor_parallel
 
-            if config.cuda_graphs is None:
-                config = dataclasses.replace(config, cuda_graphs=False)
             runner, tok, hf_cfg = start_tensor_parallel(model, device, dtype, adapter_dir, tokenizer is None,
                                                         config.tensor_parallel_size,
                                                         step_timeout_s=config.tensor_parallel_step_timeout_s)

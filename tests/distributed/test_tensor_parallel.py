@@ -198,3 +198,96 @@ def test_a_stopped_worker_makes_the_engine_dead_within_the_step_timeout(tiny_lla
     assert not _alive(procs)
     with pytest.raises(ParameterError, match="tensor_parallel_step_timeout_s"):
         Engine.from_pretrained(tiny_llama, tensor_parallel_size=2, tensor_parallel_step_timeout_s=0, **KV)
+
+
+# ---------------------------------------------------------------------------- issue 32 item 2
+
+
+def _run_script(code: str, path=None, timeout: float = 240):
+    """Run ``code`` in a fresh Python (from standard input as ``python - <<EOF`` does, or as the
+    file ``path``); returns the completed process."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    if path is None:
+        return subprocess.run([sys.executable, "-"], input=code, text=True, capture_output=True, timeout=timeout,
+                              env=env)
+    path.write_text(code)
+    return subprocess.run([sys.executable, str(path)], text=True, capture_output=True, timeout=timeout, env=env)
+
+
+_SCRIPT = """
+from pasta_engine import Engine, SamplingParams
+engine = Engine.from_pretrained({ckpt!r}, tensor_parallel_size=2, kv_cache_bytes=8 * 2**20, page_size=4)
+print("TOKENS", engine.generate([[1, 40, 41]], SamplingParams(max_new_tokens=4))[0].token_ids)
+engine.shutdown()
+"""
+
+
+def test_a_script_without_the_main_guard_gets_one_error_naming_it(tiny_llama, tmp_path):
+    """Spawn runs the main script again in each worker: from standard input it cannot, and a
+    file without the guard would start an engine in every worker. Either way one error (one
+    traceback, no worker's) names the guard, instead of "worker rank 1 exited while starting"."""
+    code = _SCRIPT.format(ckpt=str(tiny_llama))
+    for path in (None, tmp_path / "no_guard.py"):
+        res = _run_script(code, path)
+        assert res.returncode == 1, res.stderr[-2000:]
+        assert res.stderr.count("Traceback") == 1, res.stderr[-4000:]
+        last = res.stderr.strip().splitlines()[-1]
+        assert last.startswith("pasta_engine.distributed.executor.MainGuardError") and \
+            'if __name__ == "__main__":' in last, last
+        assert "exited while starting" not in res.stderr
+    assert "python -" in _run_script(code).stderr  # says where the script came from
+
+
+@pytest.mark.slow
+def test_the_same_script_with_the_guard_runs(tiny_llama, tmp_path, single):
+    body = "".join("    " + line + "\n" for line in _SCRIPT.format(ckpt=str(tiny_llama)).strip().splitlines())
+    res = _run_script('if __name__ == "__main__":\n' + body, tmp_path / "guarded.py")
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = single.generate([[1, 40, 41]], SamplingParams(max_new_tokens=4))[0].token_ids
+    assert f"TOKENS {want}" in res.stdout
+
+
+def test_cuda_graphs_with_tensor_parallelism_are_allowed_and_refused_only_for_the_device(tiny_llama):
+    """Graphs and tensor parallelism go together now (every rank captures its own, all-reduces
+    inside); on a CPU, cuda_graphs=True is refused as for one process (graphs are GPU-only),
+    before the workers are left behind."""
+    import multiprocessing
+
+    from pasta_engine.config import EngineConfig
+
+    assert EngineConfig(tensor_parallel_size=2, cuda_graphs=True).cuda_graphs is True
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ParameterError, match="cuda_graphs=True needs the model on a CUDA device"):
+        Engine.from_pretrained(tiny_llama, tensor_parallel_size=2, cuda_graphs=True, **KV)
+    deadline = time.monotonic() + 10
+    while set(multiprocessing.active_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not set(multiprocessing.active_children()) - before
+
+
+def test_every_rank_runs_the_engines_runner(tp2):
+    """Rank 0's runner executes through the group (its executor), and its captures were asked
+    for at attach (a no-op on a CPU, where no runner wants graphs)."""
+    runner = tp2.model_runner
+    assert runner.executor == tp2.model.execute and tp2.model.runner is runner
+    assert runner.config.tensor_parallel_size == 2 and not runner.wants_graphs and runner.cuda_graphs is None
+
+
+@pytest.mark.gpu
+def test_two_gpu_ranks_with_cuda_graphs_equal_one_process(tiny_llama):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    kw = dict(device="cuda", attention_backend="triton", **KV)
+    single = Engine.from_pretrained(tiny_llama, **kw)
+    want = single.generate(PROMPTS, GREEDY, mode="pasta")
+    engine = Engine.from_pretrained(tiny_llama, tensor_parallel_size=2, **kw)
+    try:
+        assert engine.model_runner.cuda_graphs is not None
+        got = engine.generate(PROMPTS, GREEDY, mode="pasta")
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert engine.model_runner.cuda_graphs.replays > 0
+    finally:
+        engine.shutdown()
