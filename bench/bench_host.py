@@ -28,8 +28,12 @@ medians are in each benchmark's ``extra_info``), or as a script that writes
 ``bench/results/<name>.json`` (a new ``<name>-2.json``, ... when it exists, unless ``--overwrite``)
 with the machine, the command and the load average:
 ``python bench/bench_host.py [--threads 1,4,16,64] [--repeats 3] [--name host_step_cpu]``.
-The same script measures an older checkout: ``cd /tmp/before && PYTHONPATH=/tmp/before python
-/work/main/bench/bench_host.py --name host_step_cpu_before`` (it records which engine it ran).
+The same script measures an older checkout: ``--worktree /tmp/before`` imports ``pasta_engine``
+from that folder (e.g. one made by ``git worktree add /tmp/before <commit>``; it records which
+engine it ran), so two engines are compared side by side on the same machine with the same
+script. ``--logprobs`` replays with ``return_logprobs=True``, so every step also runs the
+sampler's general path (the sampling batch packed from the rows, the logprobs, the copy back)
+rather than the CPU replay shortcut that returns the forced tokens as they are.
 Timings taken while other jobs load the CPU are meaningless: the load average is recorded, and
 ``--max-load`` makes the script wait (up to ``--wait-s``) for a quiet machine first.
 """
@@ -130,7 +134,16 @@ def load_engine(model_dir: Path):
     return Engine.from_pretrained(str(model_dir), device="cpu", dtype=torch.float32, kv_cache_bytes=64 * 2**20)
 
 
-def run_width(engine, width: int, tail: int = 64) -> list[dict]:
+def _replay_params(logprobs: bool) -> dict:
+    """``add_request``'s params: None (the replay default) or logprobs on."""
+    if not logprobs:
+        return {}
+    from pasta_engine import SamplingParams
+
+    return {"params": SamplingParams(max_new_tokens=1, return_logprobs=True)}
+
+
+def run_width(engine, width: int, tail: int = 64, logprobs: bool = False) -> list[dict]:
     """Replay the scenario at ``width`` live threads; one record per step where every thread
     sampled: wall seconds of the whole step and its split (see the module docstring)."""
     tok = engine.tokenizer
@@ -156,7 +169,8 @@ def run_width(engine, width: int, tail: int = 64) -> list[dict]:
                 patched.append((obj, name))
         engine.profile = []
         for _ in range(n_req):
-            engine.add_request(prompt, annotated_response=resp, limits=Limits(max_threads=per_req), **_final_only(engine))
+            engine.add_request(prompt, annotated_response=resp, limits=Limits(max_threads=per_req),
+                               **_replay_params(logprobs), **_final_only(engine))
         chosen: list[int] = []  # indices (in this replay's steps) of the recorded steps
         try:
             k = -1
@@ -186,7 +200,8 @@ def run_width(engine, width: int, tail: int = 64) -> list[dict]:
         # the same replay again with the profile off (as a user runs it): replay is
         # deterministic, so step k is the same step; its wall time is "step_unprofiled"
         for _ in range(n_req):
-            engine.add_request(prompt, annotated_response=resp, limits=Limits(max_threads=per_req), **_final_only(engine))
+            engine.add_request(prompt, annotated_response=resp, limits=Limits(max_threads=per_req),
+                               **_replay_params(logprobs), **_final_only(engine))
         walls: list[float] = []
         while engine.has_unfinished_requests():
             t = time.perf_counter()
@@ -326,17 +341,22 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/pasta-bench-host-model")
     ap.add_argument("--max-load", type=float, default=None, help="wait for a 1-minute load average below this")
     ap.add_argument("--wait-s", type=float, default=3600.0)
+    ap.add_argument("--worktree", type=Path, default=None,
+                    help="import pasta_engine from this checkout (default: the one on the path)")
+    ap.add_argument("--logprobs", action="store_true", help="replay with return_logprobs=True (the sampler runs)")
     args = ap.parse_args()
+    if args.worktree is not None:
+        sys.path.insert(0, str(args.worktree.resolve()))
     from common import device_info, write_json
 
     engine = load_engine(build_model(args.model_dir))
     load_before = wait_for_quiet(args.max_load, args.wait_s) if args.max_load else os.getloadavg()[0]
     rows = []
     for w in (int(x) for x in args.threads.split(",")):
-        run_width(engine, w, args.tail)  # warm-up
+        run_width(engine, w, args.tail, args.logprobs)  # warm-up
         recs: list[dict] = []
         for _ in range(args.repeats):
-            recs += run_width(engine, w, args.tail)
+            recs += run_width(engine, w, args.tail, args.logprobs)
         row = {"threads": w, **summarize(recs)}
         print(row, flush=True)
         rows.append(row)
@@ -347,6 +367,7 @@ def main() -> None:
         "load_average_1m_start": load_before, "load_average_end": list(os.getloadavg()),
         "model": {"preset": "tiny-llama", **MODEL_OVERRIDES}, "attention_backend": "torch",
         "threads_per_request": THREADS_PER_REQUEST, "tail": args.tail, "repeats": args.repeats,
+        "return_logprobs": args.logprobs,
         "statistic": "median over the steps where every live thread sampled", "results": rows,
     }, overwrite=args.overwrite, out=args.out)
 

@@ -186,3 +186,17 @@ def test_run_gpu_fails_without_a_gpu_and_when_a_stage_fails(tmp_path):
                          env={**ENV, "PYTHON": str(fake), "OUT": str(tmp_path / "out")})
     assert run.returncode == 1, run.stdout + run.stderr
     assert "run_gpu.sh: failed stage: decode step" in run.stderr
+
+
+def test_bench_host_measures_a_given_worktree_with_the_sampler(tmp_path):
+    """Issue 32's step host time, old engine against new: ``--worktree`` imports the engine from
+    that checkout (recorded in the result), ``--logprobs`` makes every step run the sampler."""
+    root = BENCH.parent
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, str(BENCH / "bench_host.py"), "--threads", "1", "--repeats", "1", "--tail", "2",
+           "--model-dir", str(tmp_path / "model"), "--out", str(out), "--worktree", str(root), "--logprobs"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    res = json.loads(out.read_text())
+    assert res["engine_path"] == str(root.resolve()) and res["return_logprobs"] is True
+    assert res["results"][0]["threads"] == 1
