@@ -38,6 +38,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -503,6 +504,7 @@ def _watch_parent() -> None:
 def _worker_main(rank: int, size: int, init_method: str, device: str, load: dict, threads: int, ready: Any,
                  step_timeout_s: float = DEVICE_TIMEOUT_S) -> None:
     """One worker rank: join the group, load the shard, then serve steps until ``("stop",)``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C (the whole group gets it) is rank 0's: it stops us
     threading.Thread(target=_watch_parent, daemon=True, name="pasta-tp-parent-watch").start()
     torch.set_num_threads(max(1, threads))
     dev = torch.device(device)
