@@ -589,8 +589,9 @@ class Engine:
 
         Args:
             prompts, annotated_responses: equal-length lists (or one of each).
-            params: only ``return_logprobs`` and ``max_new_tokens`` matter (the latter is
-                raised to the response's length when smaller); one, or one per prompt.
+            params: only ``return_logprobs``, ``stop`` (the replay ends as ``stop`` at one, as
+                a generated response does) and ``max_new_tokens`` matter (the latter is raised
+                to the response's length when smaller); one, or one per prompt (``n`` 1).
             dialect: the language the responses are written in (as :meth:`add_request`'s).
 
         Raises ParameterError when the two lists differ in length, or for a bad prompt or mode."""
