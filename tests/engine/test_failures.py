@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pasta_engine import ContextLengthError, Engine, ParameterError, SamplingParams
-from pasta_engine.engine import model_runner as model_runner_module
+from pasta_engine.layers import sampler as sampler_module  # SamplingBatch.pick draws each request's noise through it
 from pasta_engine.tools.presets import build_checkpoint
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -62,14 +62,14 @@ def test_an_exception_in_a_kv_append_frees_every_page(engine, fresh_tokens, monk
 
 
 def test_a_sampling_error_ends_only_its_request(engine, fresh_tokens, monkeypatch):
-    real = model_runner_module.draw_noise
+    real = sampler_module.draw_noise
 
     def draw_noise(out, generator):  # a request's own part of the batched sampling
         if generator.initial_seed() == 666:
             raise Boom("bad logits")
         return real(out, generator)
 
-    monkeypatch.setattr(model_runner_module, "draw_noise", draw_noise)
+    monkeypatch.setattr(sampler_module, "draw_noise", draw_noise)
     params = [PARAMS, SamplingParams(max_new_tokens=24, temperature=0.8, seed=666), PARAMS]
     res = engine.generate(PROMPTS, params)
     assert res[1].stats.finish_reason == "error" and "sampling failed" in res[1].error and "bad logits" in res[1].error
@@ -78,7 +78,7 @@ def test_a_sampling_error_ends_only_its_request(engine, fresh_tokens, monkeypatc
     for _ in range(4):  # four failed calls in a row do not wear the engine down
         [r] = engine.generate([PROMPTS[1]], params[1])
         assert r.stats.finish_reason == "error"
-    monkeypatch.setattr(model_runner_module, "draw_noise", real)
+    monkeypatch.setattr(sampler_module, "draw_noise", real)
     assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == fresh_tokens
 
 
