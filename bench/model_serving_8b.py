@@ -54,12 +54,16 @@ tokenizer (Llama 3's cannot be built offline, ``tools/presets.py``), so token co
 Usage (from the repository root; resumable: a load point whose raw file exists with the same
 settings is read back, not replayed)::
 
-    nice -n 19 .venv/bin/python bench/model_serving_8b.py --num-prompts 32 --budget 32 \\
+    bash bench/results/serving-llama3-8b-modelled/run.sh     # what the committed results ran: it snapshots
+    # HEAD's pasta_engine/ and runs, with PYTHONPATH at the snapshot,
+    nice -n 19 .venv/bin/python bench/model_serving_8b.py --num-prompts 80 --concurrency 1 2 4 8 16 \\
+        --request-rate 4 8 16 32 --budget 32 --slo-ttft-s 0.25 --slo-tpot-s 0.010 \\
         --out bench/results/serving-llama3-8b-modelled
 
 Writes ``summary.json`` (settings, the cost model's constants, every point's figures),
-``table.md``, ``curves.png`` and ``raw/<curve>__<point>.json.gz`` (every request's record and
-every step's work and modelled time) under ``--out``.
+``table.md`` and ``curves.png`` (``curves_rates.png`` with Poisson points) under ``--out``, and
+``<curve>__<point>.json.gz`` (every request's record and every step's work and modelled time)
+under ``--raw`` (default ``runs/serving-llama3-8b-modelled/raw``, outside git).
 """
 
 from __future__ import annotations
@@ -578,9 +582,9 @@ def engine_source() -> dict[str, Any]:
     return out
 
 
-def raw_path(out: Path, curve: Curve, key: str) -> Path:
-    """Where a load point's raw file goes: ``out/raw/<curve>__<key>.json.gz``."""
-    return out / "raw" / f"{curve.name}__{key.replace('=', '-')}.json.gz"
+def raw_path(raw_dir: Path, curve: Curve, key: str) -> Path:
+    """Where a load point's raw file goes: ``raw_dir/<curve>__<key>.json.gz``."""
+    return raw_dir / f"{curve.name}__{key.replace('=', '-')}.json.gz"
 
 
 def read_raw(path: Path) -> dict[str, Any]:
@@ -598,6 +602,17 @@ def write_raw(path: Path, data: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _rounded(x: Any) -> Any:
+    """``x`` with every float rounded to 9 decimals (nanoseconds): smaller raw files."""
+    if isinstance(x, float):
+        return round(x, 9)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rounded(v) for v in x]
+    return x
+
+
 def _fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
@@ -606,8 +621,8 @@ def markdown_table(curves: Sequence[Mapping[str, Any]], kind: str) -> str:
     """The figures of every curve's points of ``kind`` (``concurrency`` or ``rate``) as a markdown
     table: content tokens/s, requests/s, goodput, end-to-end p50/p90/p99, TTFT p50/p99, ITL p50,
     TPOT p50 (milliseconds), steps, rows per step and the fraction of steps at the budget."""
-    head = ("| curve | load | content tok/s | req/s | goodput req/s | e2e p50 (ms) | e2e p90 | e2e p99 | TTFT p50 (ms) | "
-            "TTFT p99 | ITL p50 (ms) | TPOT p50 (ms) | steps | rows/step | steps at budget |\n"
+    head = ("| curve | load | content tok/s | req/s | goodput req/s | e2e p50 (ms) | e2e p90 | e2e p99 | "
+            "TTFT p50 (ms) | TTFT p99 | ITL p50 (ms) | TPOT p50 (ms) | steps | rows/step | steps at budget |\n"
             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
     lines = []
     for c in curves:
@@ -622,7 +637,8 @@ def markdown_table(curves: Sequence[Mapping[str, Any]], kind: str) -> str:
                 f"{s['content_throughput_tps']:.0f} | {s['request_throughput_rps']:.2f} | "
                 f"{_fmt(s['goodput_rps'], digits=2)} | {_fmt(s['e2e_s']['p50'], 1e3, 0)} | "
                 f"{_fmt(s['e2e_s']['p90'], 1e3, 0)} | {_fmt(s['e2e_s']['p99'], 1e3, 0)} | "
-                f"{_fmt(s['ttft_s']['p50'], 1e3)} | {_fmt(s['ttft_s']['p99'], 1e3)} | {_fmt(s['itl_s']['p50'], 1e3, 2)} | "
+                f"{_fmt(s['ttft_s']['p50'], 1e3)} | {_fmt(s['ttft_s']['p99'], 1e3)} | "
+                f"{_fmt(s['itl_s']['p50'], 1e3, 2)} | "
                 f"{_fmt(s['tpot_s']['p50'], 1e3, 2)} | {st['count']} | {st.get('rows_mean', 0):.1f} | "
                 f"{'-' if bound is None else f'{100 * bound:.0f}%'} |")
     return head + "\n".join(lines) + "\n"
@@ -635,7 +651,8 @@ def ratio_lines(curves: Sequence[Mapping[str, Any]]) -> str:
     pairs = [("pasta_critical_first", "sequential"), ("pasta_fcfs", "sequential"),
              ("pasta_critical_first", "base_sequential"), ("pasta_no_budget", "sequential_no_budget")]
     labels = {c["name"]: c["label"] for c in curves}
-    out = ["| pasta curve | against | load | content throughput x | e2e p50 x | TTFT p50 x |", "|---|---|---|--:|--:|--:|"]
+    out = ["| pasta curve | against | load | content throughput x | e2e p50 x | TTFT p50 x |",
+           "|---|---|---|--:|--:|--:|"]
     for a, b in pairs:
         if a not in by or b not in by:
             continue
@@ -645,8 +662,48 @@ def ratio_lines(curves: Sequence[Mapping[str, Any]]) -> str:
                 continue
             out.append(f"| {labels[a]} | {labels[b]} | {key.replace('concurrency=', 'c=').replace('rate=', 'r=')} | "
                        f"{sa['content_throughput_tps'] / sb['content_throughput_tps']:.2f} | "
-                       f"{sa['e2e_s']['p50'] / sb['e2e_s']['p50']:.2f} | {sa['ttft_s']['p50'] / sb['ttft_s']['p50']:.2f} |")
+                       f"{sa['e2e_s']['p50'] / sb['e2e_s']['p50']:.2f} | "
+                       f"{sa['ttft_s']['p50'] / sb['ttft_s']['p50']:.2f} |")
     return "\n".join(out) + "\n"
+
+
+def plot_modelled(curves: Sequence[Mapping[str, Any]], kind: str, path: Path) -> Path:
+    """Latency against content throughput for the points of ``kind`` of every curve (as
+    ``bench_serving.plot_curves`` draws them, its legend below the panels): end-to-end latency
+    p50 (solid) and p90 (dotted), and TTFT p50 and p99 (dotted), in milliseconds. Writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6))
+    for j, c in enumerate(curves):
+        pts = sorted((p for p in c["points"] if p["load"]["kind"] == kind),
+                     key=lambda p: p["summary"]["content_throughput_tps"])
+        x = [p["summary"]["content_throughput_tps"] for p in pts]
+        color = f"C{j % 10}"
+        for ax, metric, (q1, q2) in ((axes[0], "e2e_s", ("p50", "p90")), (axes[1], "ttft_s", ("p50", "p99"))):
+            y1 = [1e3 * p["summary"][metric][q1] for p in pts]
+            ax.plot(x, y1, "-o", color=color, label=c["label"] if ax is axes[0] else None)
+            ax.plot(x, [1e3 * p["summary"][metric][q2] for p in pts], ":", color=color)
+            for xi, yi, p in zip(x, y1, pts):
+                ax.annotate(p["key"].replace("concurrency=", "c=").replace("rate=", "r="), (xi, yi),
+                            textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
+    for ax, title in ((axes[0], "end-to-end latency, p50 (solid) and p90 (dotted)"),
+                      (axes[1], "time to first token, p50 (solid) and p99 (dotted)")):
+        ax.set_xlabel("content tokens per second, all requests (modelled)")
+        ax.set_ylabel("ms (modelled)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    fig.suptitle("Llama-3-8B shape on one H100: MODELLED step costs over the real scheduler's steps "
+                 f"({'closed loop' if kind == 'concurrency' else 'Poisson arrivals'}; no GPU run)", fontsize=10)
+    fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # --------------------------------------------------------------------------- command line
@@ -658,9 +715,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     w = ap.add_argument_group("workload")
-    w.add_argument("--traces", type=Path, default=PASTA_TRACES, help=f"the adapter's annotated answers (default {PASTA_TRACES.relative_to(ROOT)})")
+    w.add_argument("--traces", type=Path, default=PASTA_TRACES,
+                   help=f"the adapter's annotated answers (default {PASTA_TRACES.relative_to(ROOT)})")
     w.add_argument("--base-answers", type=Path, default=BASE_ANSWERS, help="the base model's sequential answers")
-    w.add_argument("--num-prompts", type=positive_int, default=80, help="requests per load point: the first N (default 80)")
+    w.add_argument("--num-prompts", type=positive_int, default=80,
+                   help="requests per load point: the first N (default 80)")
     w.add_argument("--concurrency", type=positive_int, nargs="*", default=[1, 2, 4, 8, 16], metavar="C",
                    help="closed-loop load points (default 1 2 4 8 16)")
     w.add_argument("--request-rate", type=bench_serving._rate, nargs="*", default=[], metavar="R",
@@ -677,16 +736,28 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--preset", default="llama-3-8b", help="model shape from tools/presets.py (default llama-3-8b)")
     h.add_argument("--bandwidth", type=float, default=Hardware.hbm_bytes_per_s, help="HBM bytes/s (default 3.35e12)")
     h.add_argument("--flops", type=float, default=Hardware.flops_per_s, help="dense bf16 FLOP/s (default 989.4e12)")
-    h.add_argument("--host-fixed-us", type=float, default=1e6 * Hardware.host_fixed_s, help="host us per step (default 58)")
-    h.add_argument("--host-per-row-us", type=float, default=1e6 * Hardware.host_per_row_s, help="host us per row (default 5)")
+    h.add_argument("--host-fixed-us", type=float, default=1e6 * Hardware.host_fixed_s,
+                   help="host us per step (default 58)")
+    h.add_argument("--host-per-row-us", type=float, default=1e6 * Hardware.host_per_row_s,
+                   help="host us per row (default 5)")
     o = ap.add_argument_group("objective and output")
-    o.add_argument("--slo-ttft-s", type=bench_serving._seconds, default=0.25, help="goodput's TTFT bound (default 0.25 s)")
+    o.add_argument("--slo-ttft-s", type=bench_serving._seconds, default=0.25,
+                   help="goodput's TTFT bound (default 0.25 s)")
     o.add_argument("--slo-tpot-s", type=bench_serving._seconds, default=0.010,
                    help="goodput's TPOT bound, seconds per content token (default 0.010)")
     o.add_argument("--out", type=Path, default=ROOT / "bench/results/serving-llama3-8b-modelled", help="results folder")
+    o.add_argument("--raw", type=Path, default=ROOT / "runs/serving-llama3-8b-modelled/raw",
+                   help="folder of the raw files (every request and step; what a resumed run reads back; default "
+                   "runs/serving-llama3-8b-modelled/raw, not committed)")
     o.add_argument("--overwrite", action="store_true", help="replay every point again (default: read back points done)")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     return ap
+
+
+def _rel(p: Path) -> str:
+    """``p`` relative to the repository root when it is inside it (settings compare across checkouts)."""
+    r = Path(p).resolve()
+    return str(r.relative_to(ROOT)) if r.is_relative_to(ROOT) else str(p)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -703,8 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = bench_serving.Slo(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s)
     points = bench_serving.load_points(args.concurrency, args.request_rate)
     kv_pages = h100_kv_pages(shape, hw)
-    rel = lambda p: str(Path(p).resolve().relative_to(ROOT)) if Path(p).resolve().is_relative_to(ROOT) else str(p)  # noqa: E731
-    settings = {"num_prompts": args.num_prompts, "traces": rel(args.traces), "base_answers": rel(args.base_answers),
+    settings = {"num_prompts": args.num_prompts, "traces": _rel(args.traces), "base_answers": _rel(args.base_answers),
                 "shape": {"preset": args.preset, **asdict(shape)}, "hardware": asdict(hw), "kv_pages": kv_pages,
                 "page_size": 16, "max_running_requests": args.max_running, "seed": args.seed,
                 "stand_in_model": STUB_OVERRIDES}
@@ -716,7 +786,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         res_points = []
         for kind, value in points:
             key = bench_serving.load_key(kind, value)
-            path = raw_path(args.out, curve, key)
+            path = raw_path(args.raw, curve, key)
             raw = None
             if path.exists() and not args.overwrite:
                 raw = read_raw(path)
@@ -737,8 +807,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raw = {"curve": asdict(curve), "key": key,
                        "load": {"kind": kind, "value": value if math.isfinite(value) else "inf"},
                        "settings": settings, "engine": source, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                       "duration_s": duration, "engine_stats": eng.stats(), "records": records,
-                       "steps": {"columns": list(STEP_COLUMNS), "rows": steps}}
+                       "duration_s": round(duration, 9), "engine_stats": eng.stats(),
+                       # rounded as the file holds them, so a resumed run summarizes the same numbers
+                       "records": _rounded(records), "steps": {"columns": list(STEP_COLUMNS), "rows": _rounded(steps)}}
                 write_raw(path, raw)
             s = point_summary(raw, slo)
             res_points.append({"key": key, "load": raw["load"], "summary": s, "engine": raw["engine"]})
@@ -761,9 +832,11 @@ def write_outputs(out: Path, curves: list[dict[str, Any]], settings: Mapping[str
         "command": " ".join(["python", "bench/model_serving_8b.py", *(sys.argv[1:] if argv is None else argv)]),
         "updated": time.strftime("%Y-%m-%d %H:%M:%S"), "engine_commits": commits, "settings": dict(settings),
         "slo": asdict(slo),
-        "cost_model": {"formula": "max(bytes / hbm_bytes_per_s, flops / flops_per_s) + host_fixed_s + host_per_row_s * rows",
+        "cost_model": {"formula": "max(bytes / hbm_bytes_per_s, flops / flops_per_s) + host_fixed_s "
+                                  "+ host_per_row_s * rows",
                        "sources": {"hbm_bytes_per_s": "NVIDIA H100 SXM datasheet (3.35 TB/s HBM3)",
-                                   "flops_per_s": "NVIDIA H100 SXM datasheet (1,979 TFLOPS BF16 with sparsity; dense half)",
+                                   "flops_per_s": "NVIDIA H100 SXM datasheet (1,979 TFLOPS BF16 with "
+                                                  "sparsity; dense half)",
                                    "host": "fit to docs/host_overhead.md (step without profile minus forward)",
                                    "shape": "pasta_engine/tools/presets.py llama-3-8b"}},
         "curves": curves,
@@ -773,14 +846,13 @@ def write_outputs(out: Path, curves: list[dict[str, Any]], settings: Mapping[str
     kinds = [k for k in ("concurrency", "rate") if any(p["load"]["kind"] == k for c in curves for p in c["points"])]
     parts = [f"<!-- written by bench/model_serving_8b.py; MODELLED step costs, no GPU run -->\n"]
     for k in kinds:
-        parts.append(f"### {'Closed loop (concurrency)' if k == 'concurrency' else 'Poisson arrivals (rate, req/s)'}\n\n")
+        title = "Closed loop (concurrency)" if k == "concurrency" else "Poisson arrivals (rate, req/s)"
+        parts.append(f"### {title}\n\n")
         parts.append(markdown_table(curves, k) + "\n")
     parts.append("### Pasta against sequential serving (ratios)\n\n" + ratio_lines(curves))
     (out / "table.md").write_text("".join(parts))
     for k in kinds:
-        res = [{"settings": {"label": c["label"]},
-                "points": [p for p in c["points"] if p["load"]["kind"] == k]} for c in curves]
-        bench_serving.plot_curves(res, out / ("curves.png" if k == "concurrency" else "curves_rates.png"))
+        plot_modelled(curves, k, out / ("curves.png" if k == "concurrency" else "curves_rates.png"))
     print(f"wrote {out / 'summary.json'}, {out / 'table.md'} and the plots", file=sys.stderr)
 
 

@@ -136,7 +136,8 @@ def tiny(tiny_llama):
         before=n(MAIN_BEFORE), promise=n(promise), after=n(MAIN_AFTER) + 1,  # main thread, EOS last
         chunk=n(CHUNK) + n("</async>"),  # the child: its content, then the close tag
         prompt=len(probe.format_prompt("Q?", "pasta")))
-    jobs = [msv_mod.Job("Q?", PLAIN), msv_mod.Job("Q?", MAIN_BEFORE + promise + "<async>" + CHUNK + "</async>" + MAIN_AFTER)]
+    forking = MAIN_BEFORE + promise + "<async>" + CHUNK + "</async>" + MAIN_AFTER
+    jobs = [msv_mod.Job("Q?", PLAIN), msv_mod.Job("Q?", forking)]
     return SimpleNamespace(engine=engine, counts=counts, jobs=jobs, msv=msv_mod)
 
 
@@ -175,7 +176,8 @@ def test_replay_steps_at_concurrency_1(tiny):
     assert records[0]["e2e_s"] == pytest.approx(sum(times[:e.plain]))
     assert records[1]["e2e_s"] == pytest.approx(sum(times[e.plain:]))
     assert records[0]["ttft_s"] == pytest.approx(times[0])
-    assert steps[0][7] == pytest.approx(msv.step_cost(shape, hw, msv.StepWork(*[int(x) for x in steps[0][1:7]]))["time_s"])
+    first = msv.StepWork(*[int(x) for x in steps[0][1:7]])
+    assert steps[0][7] == pytest.approx(msv.step_cost(shape, hw, first)["time_s"])
 
 
 def test_replay_steps_at_concurrency_2_and_under_a_budget(tiny):
