@@ -323,8 +323,8 @@ class Request:
 
     ``make_interpreter`` builds a fresh interpreter (again after a preemption). The scheduler
     owns ``views`` (thread id -> KV view; the slots of a step's tokens are allocated when it
-    is scheduled); the model runner owns ``sampler_state`` (the seeded
-    generator). Counters: ``steps`` (forward passes that sampled for it), ``prefill_tokens``,
+    is scheduled); the scheduler keeps its seeded random stream and its threads' seen-token
+    counts, for the :class:`~pasta_engine.engine.batch.SamplingRow` it fills. Counters: ``steps`` (forward passes that sampled for it), ``prefill_tokens``,
     ``cached_tokens`` (prompt tokens the prefix cache held at admission), ``max_width``,
     ``preemptions``; times in seconds from ``time.perf_counter``.
     ``count_content_tokens``: the length of a text under the model's canonical tokenization,
@@ -340,7 +340,6 @@ class Request:
     interp: Interpreter | None = None
     status: RequestStatus = RequestStatus.WAITING
     views: dict[int, KVView] = field(default_factory=dict)
-    sampler_state: Any = None
     steps: int = 0
     prefill_tokens: int = 0
     cached_tokens: int = 0
@@ -366,7 +365,6 @@ class Request:
         """Back to its start, for a restart after preemption (pages must be released first)."""
         self.interp = self.make_interpreter()
         self.views = {}
-        self.sampler_state = None
         self.steps = self.prefill_tokens = self.cached_tokens = self.max_width = 0
 
     def result(self) -> RequestResult:
