@@ -4,7 +4,7 @@ For each model shape (random weights at SmolLM2-135M's and Llama-3-8B's publishe
 built once by :func:`pasta_engine.tools.presets.build_checkpoint` and loaded through the normal
 loader) and each width W, the engine replays a synthetic annotated response whose main thread
 forks W-1 chunks right away, so W threads decode together for most steps. Every step is
-profiled (:class:`pasta_engine.engine.model_runner.StepProfile`); we report, over the steps that sampled
+profiled (:class:`pasta_engine.worker.model_runner.StepProfile`); we report, over the steps that sampled
 exactly W rows, the median step time, host time (everything but waiting for the GPU) and the
 roofline ``(weight bytes + distinct KV bytes read) / measured copy bandwidth``.
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth, device_info, write_json  # noqa: E402
 
 from pasta_engine import Engine, Limits  # noqa: E402
-from pasta_engine.engine.model_runner import kv_bytes_per_token  # noqa: E402
+from pasta_engine.worker.model_runner import kv_bytes_per_token  # noqa: E402
 from pasta_engine.lang.tags import promise_tag  # noqa: E402
 from pasta_engine.tools.presets import build_checkpoint  # noqa: E402
 

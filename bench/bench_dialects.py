@@ -5,7 +5,7 @@ annotator, and their content speedups side by side (docs/DESIGN.md section 3: co
 the clean text / decode steps; tag tokens are overhead).
 
 * **theoretical**, on every answer (``--limit``): content tokens / the critical path of the
-  trace's replay (:func:`pasta_engine.engine.replay.replay_script`, tree forks and scoped joins
+  trace's replay (:func:`pasta_engine.core.replay.replay_script`, tree forks and scoped joins
   included), under the model's tokenizer with every dialect's tags as text. No model runs.
 * **realized**, on the first ``--realized`` answers: ``pasta-engine bench speedup --dialect D
   --traces ...`` on the model (default the ``smollm2-135m`` preset: SmolLM2-135M's shapes, seeded
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pasta_engine.engine.replay import trace_content_figures
+from pasta_engine.core.replay import trace_content_figures
 from pasta_engine.lang.dialect import DIALECT_NAMES, get_dialect
 from pasta_engine.lang.tokenization import eos_token_ids, replay_eos_id
 from pasta_engine.metrics import content_speedup, geomean

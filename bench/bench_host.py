@@ -16,7 +16,7 @@ step's wall time (``step_us``, everything :meth:`Engine.step` does) and its spli
 (tokens handed back: detokenizer, tag parser, forks/joins, KV operations, the step's outputs),
 ``plan_us`` (the batch's token/position/slot lists and the attention plan), ``forward_us`` (the
 model), ``sample_us`` (choosing every token and the one copy back) and ``other_us`` (the rest).
-The split comes from :class:`~pasta_engine.engine.model_runner.StepProfile` when it has the
+The split comes from :class:`~pasta_engine.worker.model_runner.StepProfile` when it has the
 fields, else from timers wrapped around the same functions (older engines). Keeping the profile
 costs time of its own (at 16 threads about 20 us: the distinct-KV-token count, the entries, the
 extra clock reads), so the layered engine replays each trace a second time with the profile off
@@ -158,7 +158,7 @@ def run_width(engine, width: int, tail: int = 64, logprobs: bool = False) -> lis
 
         sched = engine.scheduler
         runner = engine.model_runner
-        native = "plan_s" in getattr(__import__("pasta_engine.engine.model_runner", fromlist=["StepProfile"]).StepProfile,
+        native = "plan_s" in getattr(__import__("pasta_engine.worker.model_runner", fromlist=["StepProfile"]).StepProfile,
                                      "__dataclass_fields__", {})
         patched = []
         if not native:

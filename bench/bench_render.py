@@ -1,4 +1,4 @@
-"""Microbenchmark of the clean-text walk (pasta_engine.engine.render): clean_text and reading_order_prefix on a
+"""Microbenchmark of the clean-text walk (pasta_engine.core.render): clean_text and reading_order_prefix on a
 finished 6-chunk flat PASTA-LANG replay, no model (interpreter, scheduler and block manager over forced tokens).
 Run from the repository root: python bench/bench_render.py (prints microseconds per call)."""
 import sys, timeit, tempfile
@@ -7,10 +7,10 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from pasta_engine.tools.presets import build_checkpoint
 from pasta_engine.config import Limits, PositionPolicy, SamplingParams
-from pasta_engine.engine.request import Request, interpreter_factory
-from pasta_engine.engine.block_manager import BlockManager
+from pasta_engine.core.request import Request, interpreter_factory
+from pasta_engine.core.block_manager import BlockManager
 from pasta_engine.lang.tokenization import eos_token_ids
-from pasta_engine.engine import render
+from pasta_engine.core import render
 from test_tokenization import run_forced
 ck = build_checkpoint("tiny-llama", Path(tempfile.mkdtemp()))
 tok = AutoTokenizer.from_pretrained(ck)

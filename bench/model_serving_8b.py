@@ -247,7 +247,7 @@ def h100_kv_pages(shape: ModelShape, hw: Hardware, page_size: int = 16, fraction
 
 
 def step_work(batch: Any) -> StepWork:
-    """The work of a :class:`~pasta_engine.engine.batch.ScheduledBatch` (:class:`StepWork`):
+    """The work of a :class:`~pasta_engine.core.batch.ScheduledBatch` (:class:`StepWork`):
     each thread's tokens, whether it samples, and its KV view as runs ``(segment id, pages, page
     lengths)`` (the view ends with the step's new tokens)."""
     seg: dict[Any, int] = {}

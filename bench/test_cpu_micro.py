@@ -5,7 +5,7 @@ Not part of the test suite (which never asserts timings)."""
 
 from __future__ import annotations
 
-from pasta_engine.engine.block_manager import BlockManager, KVView
+from pasta_engine.core.block_manager import BlockManager, KVView
 from pasta_engine.lang.tags import TagParser, promise_tag
 from pasta_engine.triton_kernels.tree_attention import plan_lists
 

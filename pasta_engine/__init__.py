@@ -3,11 +3,14 @@
 A model marks independent chunks of its answer with PASTA-LANG tags; the interpreter forks a
 decoding thread per chunk and the scheduler advances all threads in one forward per step.
 
-Layout (data flows down): ``entrypoints`` (CLI) and ``tools`` (annotators, presets, benchmarks)
-use ``engine`` (step loop, requests, scheduler, interpreter, block manager, model runner), which
-uses ``models`` (checkpoints, the Llama-family forward) and ``layers`` (attention backends,
-rotary, sampler); ``lang`` (tags, tokenization, prompts), ``config``, ``errors`` and ``metrics``
-are plain Python at the bottom; ``triton_kernels`` is a leaf.
+Layout (data flows down): ``entrypoints`` (CLI, the OpenAI server) and ``tools`` (annotators,
+presets, benchmarks) use ``engine``, the front (``Engine``'s step loop, ``AsyncEngine``, the input
+processor, the streams), which drives ``worker`` (the model runner, the forward, CUDA graphs) and
+``core`` (plain Python: requests, outputs, scheduler, interpreter, batch, block manager, render);
+``distributed`` runs the worker's runner on every tensor-parallel rank; the worker uses
+``models`` (checkpoints, the Llama-family forward) and ``layers`` (attention backends, rotary,
+sampler); ``lang`` (tags, tokenization, prompts), ``config``, ``errors`` and ``metrics`` are plain
+Python at the bottom; ``triton_kernels`` is a leaf.
 """
 
 import os as _os

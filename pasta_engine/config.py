@@ -148,7 +148,7 @@ class SamplingParams:
             response right before the first of them in its reading-order clean text (vLLM's
             ``stop``; the text left out of the result, ``finish_reason`` ``stop`` and
             ``stop_reason`` the string; the annotated text keeps everything decoded). Applied by
-            the engine itself (:mod:`pasta_engine.engine.interpreter`, :func:`pasta_engine.engine.render.final_text`),
+            the engine itself (:mod:`pasta_engine.core.interpreter`, :func:`pasta_engine.core.render.final_text`),
             so every API (the step API, ``generate``, :class:`AsyncEngine`, the server) ends
             such a request as ``stop`` in the step that made its reading-order text hold the
             string, with the same text; a stream holds back a tail that may still become one.
@@ -403,7 +403,7 @@ class EngineConfig:
             its threads before the next one is served (the policy before issue 33, kept for
             comparison). Without a budget, or when it does not bind, both run every thread.
             Outputs do not depend on it (greedy tokens equal): it changes when threads run,
-            never what they sample. See :mod:`pasta_engine.engine.scheduler`.
+            never what they sample. See :mod:`pasta_engine.core.scheduler`.
         limits: default :class:`Limits` of a request.
         position_policy: default :class:`PositionPolicy` (or its string).
         pasta_prompt: system prompt and examples put before a string prompt in pasta mode

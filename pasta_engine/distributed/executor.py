@@ -9,7 +9,7 @@ runner it attaches it (:meth:`TensorParallelModel.attach_runner`): every worker 
 runner class with the same settings over its own shard (its KV-cache shard, its attention
 backend) and every rank captures its CUDA graphs at the same time (the all-reduces are inside
 them). Rank 0 keeps the scheduler, the interpreters, the block manager and the sampler; each
-step its runner prepares the step's :class:`~pasta_engine.engine.forward.StepInputs` and hands
+step its runner prepares the step's :class:`~pasta_engine.worker.forward.StepInputs` and hands
 ``execute`` to :meth:`TensorParallelModel.execute`, which broadcasts the inputs on the control
 group; every rank then runs the same ``ModelRunner.execute`` (graph replay or plan, upload,
 record positions, forward), the ranks summing each row-parallel projection with one all-reduce

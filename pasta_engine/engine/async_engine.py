@@ -13,8 +13,8 @@
 
 One thread (``pasta-engine-core``) owns the :class:`~pasta_engine.engine.llm_engine.Engine`: it
 takes commands (add, abort, call) from a queue between steps, runs :meth:`Engine.step` while any
-request is unfinished, turns each step's :class:`~pasta_engine.engine.request.RequestOutput`\\ s
-(reading-order text and tokens, rendered by :mod:`pasta_engine.engine.render`, cut at a stop
+request is unfinished, turns each step's :class:`~pasta_engine.core.outputs.RequestOutput`\\ s
+(reading-order text and tokens, rendered by :mod:`pasta_engine.core.render`, cut at a stop
 string by the engine itself; it reads nothing else of the engine's requests) into
 :class:`StreamOutput`\\ s (the request's output kind, see :mod:`pasta_engine.engine.streaming`)
 and hands them to each request's event loop
@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..config import Limits, PositionPolicy, SamplingParams
+from ..core.outputs import CompletionOutput, RequestOutput, RequestResult, RequestStats
+from ..core.render import ThreadEvent
 from ..errors import EngineDeadError, ParameterError
 from ..lang.dialect import Dialect
 from .input_processor import CHAT_ROLES, InputProcessor, RequestInputs
 from .llm_engine import Engine, Prompt
-from .render import ThreadEvent
-from .request import CompletionOutput, RequestOutput, RequestResult, RequestStats
 from .streaming import OutputKind
 
 __all__ = ["AsyncEngine", "StreamOutput", "CompletionOutput", "RequestStream", "format_chat", "CHAT_ROLES"]

@@ -18,7 +18,7 @@ parameters are checked, in one place (docs/DESIGN.md section 7):
 :class:`~pasta_engine.engine.llm_engine.Engine` owns one processor (``engine.input_processor``);
 the server builds one per tokenizer copy, so prompts are tokenized on its worker threads with
 the same rules. The stop rule itself runs in the engine core (the interpreter ends the request,
-:mod:`~pasta_engine.engine.render` cuts the text): this module only checks and passes the strings.
+:mod:`~pasta_engine.core.render` cuts the text): this module only checks and passes the strings.
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
+from ..core.block_manager import BlockManager
+from ..core.outputs import RequestOutput, RequestResult
+from ..core.render import OutputRenderer
+from ..core.request import Request, interpreter_factory
+from ..core.scheduler import Scheduler
 from ..errors import ContextLengthError, ParameterError
 from ..lang.dialect import Dialect
 from ..lang.prompts import PastaPrompt
@@ -48,14 +53,10 @@ from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN
 from ..lang.tokenization import decode, encode_tag, encode_text, eos_token_ids
 from ..models.protocol import CausalLM
 from ..models.loader import load_model
-from .block_manager import BlockManager
-from .cpu_threads import check_threads, cpu_threads
+from ..worker.cpu_threads import check_threads, cpu_threads
+from ..worker.model_runner import ModelRunner
 from .input_processor import InputProcessor, Prompt, RequestInputs, choice_params, is_chat, resolve_dialect
-from .model_runner import ModelRunner
-from .render import OutputRenderer
 from .streaming import OutputKind
-from .request import Request, RequestOutput, RequestResult, interpreter_factory
-from .scheduler import Scheduler
 
 __all__ = ["Engine", "Prompt", "resolve_dialect"]
 
@@ -173,7 +174,7 @@ class Engine:
                 ``pasta_prompt`` is given.
             threads: on a CPU, torch's thread count (process-wide, as ``torch.set_num_threads``),
                 set before the weights load: ``"auto"`` (default) the cores other work leaves free,
-                at most 4 (:func:`~pasta_engine.engine.cpu_threads.cpu_threads`; the CLI's
+                at most 4 (:func:`~pasta_engine.worker.cpu_threads.cpu_threads`; the CLI's
                 ``--threads auto``); an integer; None leaves torch's setting alone. Unused on a GPU.
                 The count used is ``engine.cpu_threads``.
             options: :class:`~pasta_engine.config.EngineConfig` fields (or ``config=``).
@@ -343,7 +344,7 @@ class Engine:
                 :data:`~pasta_engine.lang.dialect.DIALECT_NAMES` or a
                 :class:`~pasta_engine.lang.dialect.Dialect`; default ``pasta``, PASTA-LANG).
             output_kind: ``cumulative`` or ``delta`` (the default; the same here: each
-                :class:`~pasta_engine.engine.request.RequestOutput` carries both the cumulative
+                :class:`~pasta_engine.core.outputs.RequestOutput` carries both the cumulative
                 ``text`` and ``delta_text``): :meth:`step` returns an output for each step the
                 request progressed in; ``final`` (vLLM's ``FINAL_ONLY``): only its final output,
                 and its text is not rendered at every step (what ``generate`` does).
@@ -461,7 +462,7 @@ class Engine:
         return [o for o in outputs if o is not None]
 
     def _output(self, req: Request, sampled: Iterable[tuple[int, int]]) -> RequestOutput | None:
-        """The request's output for this step (:class:`~pasta_engine.engine.render.OutputRenderer`
+        """The request's output for this step (:class:`~pasta_engine.core.render.OutputRenderer`
         renders what is new; None for a request that outputs only its final result and has not
         finished); a finished request is forgotten here (its id free again)."""
         finished = req.finished
@@ -583,7 +584,7 @@ class Engine:
     ) -> list[RequestResult]:
         """Forced decoding of annotated responses: every forward pass, KV write, fork and join
         is real; only sampling is replaced by the response's tokens (see
-        :mod:`pasta_engine.engine.replay`). String prompts are formatted with the PASTA-LANG
+        :mod:`pasta_engine.core.replay`). String prompts are formatted with the PASTA-LANG
         system prompt in both modes, so both modes see the same prompt and decode the same
         content.
 
@@ -621,7 +622,7 @@ class Engine:
     @property
     def logits_hook(self):
         """Testing aid: ``hook(request, thread_id, logits_row)`` before every sampling (see
-        :class:`~pasta_engine.engine.model_runner.ModelRunner`)."""
+        :class:`~pasta_engine.worker.model_runner.ModelRunner`)."""
         return self.model_runner.logits_hook
 
     @logits_hook.setter
@@ -630,7 +631,7 @@ class Engine:
 
     @property
     def profile(self):
-        """Set to ``[]`` to collect a :class:`~pasta_engine.engine.model_runner.StepProfile` per step."""
+        """Set to ``[]`` to collect a :class:`~pasta_engine.worker.model_runner.StepProfile` per step."""
         return self.model_runner.profile
 
     @profile.setter

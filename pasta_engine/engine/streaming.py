@@ -18,13 +18,13 @@ prefix of that order that can no longer change:
   as soon as the line gets text of its own (or a chunk's).
 
 That prefix, the deltas that never take anything back and the thread events are rendered once,
-in :mod:`pasta_engine.engine.render` (:class:`~pasta_engine.engine.render.OutputRenderer`), and
-every :class:`~pasta_engine.engine.request.RequestOutput` of the step API carries them. This
+in :mod:`pasta_engine.core.render` (:class:`~pasta_engine.core.render.OutputRenderer`), and
+every :class:`~pasta_engine.core.outputs.RequestOutput` of the step API carries them. This
 module adds what a stream's consumer chooses: :class:`OutputKind` (delta, cumulative, final).
 Stop strings are the request's (``SamplingParams.stop``): the engine applies them itself (the
 interpreter ends the request, the renderer cuts the text and holds back a tail that may still
 become one, vLLM's rule); :class:`StopMatcher` and :class:`StopFilter` live in
-:mod:`~pasta_engine.engine.render` and are re-exported here. :class:`ReadingOrderStream`
+:mod:`~pasta_engine.core.render` and are re-exported here. :class:`ReadingOrderStream`
 renders straight from an interpreter (tests, tools that drive an interpreter themselves).
 """
 
@@ -33,9 +33,9 @@ from __future__ import annotations
 import enum
 from typing import Any, Sequence
 
-from .render import EVENT_KINDS, OutputRenderer, StopFilter, StopMatcher, ThreadEvent, reading_order_prefix
+from ..core.render import EVENT_KINDS, OutputRenderer, StopFilter, StopMatcher, ThreadEvent, reading_order_prefix
 
-# Stands for pasta_engine.engine.interpreter's Interpreter, read by attribute (as render.py does):
+# Stands for pasta_engine.core.interpreter's Interpreter, read by attribute (as render.py does):
 # no import of the interpreter, not even for type checking, so the input processor, which needs
 # OutputKind, stays apart from the core (import-linter).
 Interpreter = Any
@@ -72,7 +72,7 @@ class OutputKind(str, enum.Enum):
 
 class ReadingOrderStream:
     """The reading-order deltas and thread events of one request, rendered straight from its
-    interpreter (an :class:`~pasta_engine.engine.render.OutputRenderer`, which applies the
+    interpreter (an :class:`~pasta_engine.core.render.OutputRenderer`, which applies the
     interpreter's own stop strings, and a :class:`StopFilter` for ``stop``; the engine's step
     outputs carry the same).
 

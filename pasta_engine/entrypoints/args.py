@@ -59,7 +59,7 @@ nonneg_int = _int_at_least(0)
 
 # The CPU thread policy lives with the engine (Engine.from_pretrained applies it); the CLI's
 # --threads flag passes through to it.
-from ..engine.cpu_threads import AUTO_THREADS_MAX, AUTO_THREADS_POLICY, busy_cores, cpu_threads  # noqa: E402,F401
+from ..worker.cpu_threads import AUTO_THREADS_MAX, AUTO_THREADS_POLICY, busy_cores, cpu_threads  # noqa: E402,F401
 
 
 def _threads_flag(text: str) -> str | int:

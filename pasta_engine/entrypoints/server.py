@@ -17,7 +17,7 @@ A thin FastAPI app (run by uvicorn) over :class:`~pasta_engine.engine.async_engi
   response, ``{"annotated_text", "stats": {content_tokens, content_speedup, decode_steps,
   tokens_decoded, tag_tokens, critical_path, token_parallelism, threads, ...}, "diagnostics",
   "mode", "dialect"}``
-  (:class:`~pasta_engine.engine.request.RequestStats`, the content figures first); with ``events`` each streamed chunk's choice carries the
+  (:class:`~pasta_engine.core.outputs.RequestStats`, the content figures first); with ``events`` each streamed chunk's choice carries the
   thread events of that step (``pasta.events``) and the counters ``decode_steps`` and
   ``tokens_decoded``.
 * ``GET /v1/pasta/events/{id}``: the thread events of a completion (by the ``id`` of its

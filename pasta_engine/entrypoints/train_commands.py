@@ -78,7 +78,7 @@ def _no_torchrun(command: str) -> None:
 def _check_engine_memory(args: argparse.Namespace, device: Any, dtype: Any, what: str) -> None:
     """Print (and check) the memory estimate of sampling with the engine: the weights and the
     engine's default KV budget (512 MiB on a CPU, 40% of what the weights leave free on a GPU)."""
-    from ..engine.model_runner import default_kv_cache_bytes
+    from ..worker.model_runner import default_kv_cache_bytes
     from ..train.common import load_config
     from ..train.scale import ModelShape, check_memory, device_memory, estimate_inference_memory
 

@@ -5,7 +5,7 @@ how one language is written and what its tags mean (docs/DESIGN.md section 2, "D
 :data:`PASTA` (:class:`PastaDialect`, PASTA-LANG) is the one the engine ships and every part
 defaults to; another language (Multiverse, APAR) implements :class:`Dialect` and is passed to
 the interpreter (``Interpreter(dialect=...)``), to :func:`~pasta_engine.lang.tokenization.tokenize_annotated`
-and to :func:`~pasta_engine.engine.replay.replay_script`.
+and to :func:`~pasta_engine.core.replay.replay_script`.
 
 A dialect speaks to the interpreter in one event vocabulary, the items of
 :mod:`pasta_engine.lang.tags`, whatever its own syntax is. Its parser (:meth:`Dialect.parser`)

@@ -3,7 +3,7 @@ reference backend.
 
 A step's batch is a list of *sequences*: each is one thread's new tokens (1 for a decode
 thread, several for a prompt prefill or an inserted tag) and its KV view (segments of pages
-with per-page visible lengths, see :mod:`pasta_engine.engine.block_manager`). The new tokens'
+with per-page visible lengths, see :mod:`pasta_engine.core.block_manager`). The new tokens'
 K/V are written into the cache first, every layer, and then each query attends over its
 thread's whole view: the view's last ``q_len`` tokens are the sequence's own new tokens,
 masked causally among themselves, and everything before them is visible.
@@ -169,7 +169,7 @@ def same_view(prev_key: tuple[int, int], key: tuple[int, int]) -> bool:
     the view it had at step ``n - 1`` (key ``prev_key``) plus step ``n``'s new tokens, appended
     to its last run.
 
-    Exact under the block manager's invariants (:mod:`pasta_engine.engine.block_manager`): a
+    Exact under the block manager's invariants (:mod:`pasta_engine.core.block_manager`): a
     segment id is never reused; a sealed run never changes; the last run of a view at
     plan time is the thread's own open run, which only its appends grow (one step's new tokens
     per step); a fork makes each thread's next token start a new run (a new last id); a join

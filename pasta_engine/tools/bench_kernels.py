@@ -3,7 +3,7 @@ checked against a reference and timed against its peers and the physical limit.
 
 One request: a shared prefix of ``prefix`` tokens, then ``threads`` threads (the main thread and
 its forked children) with ``suffix`` private tokens each, one query per thread, in a paged KV
-cache (:class:`~pasta_engine.engine.block_manager.BlockManager`). Measured:
+cache (:class:`~pasta_engine.core.block_manager.BlockManager`). Measured:
 
 - ``tree``: :func:`~pasta_engine.triton_kernels.tree_attention.tree_decode_attention` with the
   tree plan (the shared prefix read once for all threads);
@@ -78,7 +78,7 @@ class KernelShape:
 
 
 def _forest(shape: KernelShape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[Any], int]:
-    from ..engine.block_manager import BlockManager, KVView
+    from ..core.block_manager import BlockManager, KVView
 
     page = shape.page_size
     pages = (shape.prefix + shape.threads * (shape.suffix + page)) // page + 4

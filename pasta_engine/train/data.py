@@ -16,7 +16,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from ..engine.replay import trace_content_figures
+from ..core.replay import trace_content_figures
 from ..lang.tags import strip_tags
 from ..metrics import content_speedup
 from ..tools.annotate import annotate

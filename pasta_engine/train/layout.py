@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..config import Limits, PositionPolicy, SamplingParams
-from ..engine.block_manager import BlockManager
-from ..engine.request import Request, interpreter_factory
+from ..core.block_manager import BlockManager
+from ..core.request import Request, interpreter_factory
 from ..lang.dialect import PASTA, Dialect
-from ..engine.scheduler import SampledTokens, Scheduler
+from ..core.scheduler import SampledTokens, Scheduler
 
 __all__ = ["PastaLayout", "pasta_layout"]
 

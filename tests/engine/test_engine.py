@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pasta_engine import ContextLengthError, Engine, Limits, ParameterError, SamplingParams
-from pasta_engine.engine.replay import replay_script
+from pasta_engine.core.replay import replay_script
 from pasta_engine.lang.tags import Promise, Sync, parse, promise_tag
 from pasta_engine.lang.tokenization import tokenize_annotated
 from pasta_engine.metrics import simulate_steps

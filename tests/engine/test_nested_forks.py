@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from pasta_engine import Engine
 from pasta_engine.config import Limits, SamplingParams
-from pasta_engine.engine.replay import replay_script
+from pasta_engine.core.replay import replay_script
 from pasta_engine.lang.multiverse import MULTIVERSE
 from pasta_engine.lang.tokenization import eos_token_ids, replay_eos_id
 from pasta_engine.metrics import critical_path, simulate_steps
@@ -139,11 +139,11 @@ def test_training_forward_equals_the_replay(tiny_llama, engine, trace):
 # --------------------------------------------------------------------------- the interpreter's tree rules
 
 from pasta_engine.config import PositionPolicy  # noqa: E402
-from pasta_engine.engine.batch import KVJoin, SampledTokens  # noqa: E402
-from pasta_engine.engine.block_manager import BlockManager  # noqa: E402
-from pasta_engine.engine.interpreter import Interpreter  # noqa: E402
-from pasta_engine.engine.request import Request  # noqa: E402
-from pasta_engine.engine.scheduler import Scheduler  # noqa: E402
+from pasta_engine.core.batch import KVJoin, SampledTokens  # noqa: E402
+from pasta_engine.core.block_manager import BlockManager  # noqa: E402
+from pasta_engine.core.interpreter import Interpreter  # noqa: E402
+from pasta_engine.core.request import Request  # noqa: E402
+from pasta_engine.core.scheduler import Scheduler  # noqa: E402
 from pasta_engine.lang.dialect import PastaDialect  # noqa: E402
 
 

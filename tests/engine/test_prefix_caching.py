@@ -1,4 +1,4 @@
-"""Automatic prefix caching (issue 21 item 5; pasta_engine/engine/block_manager.py): a prompt's
+"""Automatic prefix caching (issue 21 item 5; pasta_engine/core/block_manager.py): a prompt's
 whole KV pages stay cached, keyed by their tokens and the prefix before them; a later prompt
 reuses the matching leading pages instead of prefilling them, never the page of its last token.
 
@@ -7,7 +7,7 @@ What holds: the shared prefix is forwarded once (counted at the model's forward)
 and in replay with forks; a cached page is never written; eviction under KV pressure,
 preemption, abort, injected errors and Ctrl-C leave every page accounted for (free + cached
 free + held == total, and nothing held once no request runs). The page-level rules (what is
-cached, reused, evicted) are tested in test_block_manager.py."""
+cached, reused, evicted) are tested in tests/core/test_block_manager.py."""
 
 from __future__ import annotations
 

@@ -309,8 +309,8 @@ def test_per_thread_token_sets_and_end_masks():
     request's samples in all threads together."""
     from types import SimpleNamespace
 
-    from pasta_engine.engine.batch import SeenTokens
-    from pasta_engine.engine.scheduler import _masked_ends
+    from pasta_engine.core.batch import SeenTokens
+    from pasta_engine.core.scheduler import _masked_ends
 
     views = {0: [1, 2, 3, 10, 11, 12], 1: [1, 2, 3, 10, 40, 41, 40]}  # chunk 1 forked after main's token 10
     seen = {tid: SeenTokens.recount(v, 3) for tid, v in views.items()}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pasta_engine import Engine, SamplingParams
-from pasta_engine.engine.batch import SamplingRow, SeenTokens
+from pasta_engine.core.batch import SamplingRow, SeenTokens
 from pasta_engine.lang.grammar import GrammarState, tag_tokens_of
 from pasta_engine.layers.sampler import SamplingBatch
 from sampling_cases import GOLDEN, PROMPTS, _promise_first, make_tagged_adapter, run_cases
@@ -91,7 +91,7 @@ def test_seen_counts_equal_a_recount_every_step_and_after_preemption(tiny_llama,
 
 
 def _row(rid, tid=0, forced=None, grammar=0, seen=None, ends=(), threshold=None, rng=None, **params):
-    from pasta_engine.engine.batch import RandomStream
+    from pasta_engine.core.batch import RandomStream
 
     prm = SamplingParams(**params)
     return SamplingRow(rid, tid, prm, forced, grammar, seen, tuple(ends), threshold, rng or RandomStream(prm.seed))

@@ -14,11 +14,11 @@ import pytest
 
 from pasta_engine import Engine, Limits, ParameterError, SamplingParams
 from pasta_engine.config import EngineConfig, PositionPolicy
-from pasta_engine.engine.batch import KVFork, KVJoin, SampledTokens
-from pasta_engine.engine.block_manager import BlockManager
-from pasta_engine.engine.interpreter import Interpreter
-from pasta_engine.engine.request import Request
-from pasta_engine.engine.scheduler import Scheduler
+from pasta_engine.core.batch import KVFork, KVJoin, SampledTokens
+from pasta_engine.core.block_manager import BlockManager
+from pasta_engine.core.interpreter import Interpreter
+from pasta_engine.core.request import Request
+from pasta_engine.core.scheduler import Scheduler
 
 PIECES = ["<EOS>", "a", " ", "<async>", "</async>", "<sync/>", '<promise topic="x" tokens="2"/>',
           '<promise topic="y" tokens="9"/>', '<promise topic="z" tokens="5"/>']

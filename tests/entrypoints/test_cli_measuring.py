@@ -26,7 +26,7 @@ def summary_of(err: str) -> dict:
 @pytest.fixture
 def warm_ups(monkeypatch):
     """The engines whose ``ModelRunner.warm_up`` ran (the CPU GEMM choices before timing)."""
-    from pasta_engine.engine.model_runner import ModelRunner
+    from pasta_engine.worker.model_runner import ModelRunner
 
     calls: list = []
     real = ModelRunner.warm_up

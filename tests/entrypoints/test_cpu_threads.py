@@ -12,8 +12,8 @@ from pasta_engine.entrypoints.cli import main
 
 
 def test_cpu_threads_policy(monkeypatch):
-    import pasta_engine.engine.cpu_threads as a
-    from pasta_engine.engine.cpu_threads import cpu_threads
+    import pasta_engine.worker.cpu_threads as a
+    from pasta_engine.worker.cpu_threads import cpu_threads
 
     monkeypatch.setattr(a.os, "sched_getaffinity", lambda pid: set(range(16)))
     for busy, want in ((0.0, 4), (12.2, 3), (15.5, 1), (40.0, 1)):
@@ -42,7 +42,7 @@ def test_threads_flag_sets_torch_threads(tiny_llama, built, capsys):
 
 
 def test_from_pretrained_applies_the_policy_and_refuses_a_bad_value(tiny_llama, monkeypatch):
-    import pasta_engine.engine.cpu_threads as a
+    import pasta_engine.worker.cpu_threads as a
     from pasta_engine import Engine
     from pasta_engine.errors import ParameterError
 

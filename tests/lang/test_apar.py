@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from pasta_engine import Engine, SamplingParams
 from pasta_engine.config import Limits, PositionPolicy
-from pasta_engine.engine.replay import replay_script
+from pasta_engine.core.replay import replay_script
 from pasta_engine.lang.apar import APAR, CHILD, CHILD_CLOSE, FORK, AparDialect, AparParser
 from pasta_engine.lang.dialect import Dialect, TextParser, get_dialect
 from pasta_engine.lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, TagText, Text

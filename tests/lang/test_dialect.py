@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pasta_engine.config import Limits, PositionPolicy, SamplingParams
-from pasta_engine.engine.block_manager import BlockManager
-from pasta_engine.engine.interpreter import Interpreter
-from pasta_engine.engine.replay import replay_script
-from pasta_engine.engine.request import Request
+from pasta_engine.core.block_manager import BlockManager
+from pasta_engine.core.interpreter import Interpreter
+from pasta_engine.core.replay import replay_script
+from pasta_engine.core.request import Request
 from pasta_engine.lang import tags
 from pasta_engine.lang.detokenizer import token_bytes_for
 from pasta_engine.lang.dialect import PASTA, Dialect, PastaDialect, TextParser

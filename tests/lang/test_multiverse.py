@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pasta_engine.config import Limits, PositionPolicy, SamplingParams
-from pasta_engine.engine.block_manager import BlockManager
-from pasta_engine.engine.request import Request, interpreter_factory
-from pasta_engine.engine.replay import replay_script
+from pasta_engine.core.block_manager import BlockManager
+from pasta_engine.core.request import Request, interpreter_factory
+from pasta_engine.core.replay import replay_script
 from pasta_engine.lang.dialect import Dialect, Markup, TextParser, get_dialect
 from pasta_engine.lang.multiverse import MULTIVERSE, GoalFork, MultiverseDialect, path_header
 from pasta_engine.lang.tags import AsyncClose, Malformed, TagText, Text

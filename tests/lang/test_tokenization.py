@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pasta_engine.config import Limits, PositionPolicy, SamplingParams
-from pasta_engine.engine.block_manager import BlockManager
-from pasta_engine.engine.request import Request, interpreter_factory
-from pasta_engine.engine.scheduler import SampledTokens, Scheduler
+from pasta_engine.core.block_manager import BlockManager
+from pasta_engine.core.request import Request, interpreter_factory
+from pasta_engine.core.scheduler import SampledTokens, Scheduler
 from pasta_engine.lang.tags import TagText, clean_text, parse, promise_tag, strip_tags
 from pasta_engine.lang.tokenization import encode_prompt, encode_text, eos_token_ids, tokenize_annotated
 

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from pasta_engine.engine.block_manager import BlockManager, KVView
+from pasta_engine.core.block_manager import BlockManager, KVView
 from pasta_engine.layers.attention import AttentionMetadata, TorchAttention
 
 HQ, HKV, D = 4, 2, 16

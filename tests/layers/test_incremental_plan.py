@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pasta_engine.engine.block_manager import BlockManager, KVView
+from pasta_engine.core.block_manager import BlockManager, KVView
 from pasta_engine.layers.attention import AttentionMetadata, TorchAttention
 from pasta_engine.layers.triton_attention import TritonAttention
 from pasta_engine.triton_kernels.tree_attention import PLAN_ARRAYS

@@ -188,7 +188,7 @@ def test_a_topic_already_promised_may_not_end_there():
 
 def test_the_interpreter_keeps_sibling_topics_distinct_unless_told_not_to():
     from pasta_engine.config import Limits
-    from pasta_engine.engine.interpreter import Interpreter
+    from pasta_engine.core.interpreter import Interpreter
 
     pieces = ["<EOS>", "a", '<promise topic="', "Sleep", '" tokens="', "1", '"/>']
     decode = lambda ids: "".join(pieces[i] for i in ids if i != 0)  # noqa: E731

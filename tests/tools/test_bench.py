@@ -10,7 +10,7 @@ import math
 import pytest
 
 from pasta_engine import Engine, Limits
-from pasta_engine.engine.replay import replay_script
+from pasta_engine.core.replay import replay_script
 from pasta_engine.entrypoints.cli import main
 from pasta_engine.lang.tags import ASYNC_CLOSE, ASYNC_OPEN, strip_tags
 from pasta_engine.lang.tokenization import encode_text, tokenize_annotated

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from pasta_engine.engine.block_manager import BlockManager, KVView
+from pasta_engine.core.block_manager import BlockManager, KVView
 from pasta_engine.layers.attention import AttentionMetadata, TorchAttention
 from pasta_engine.layers.triton_attention import TritonAttention
 from pasta_engine.triton_kernels.extend_attention import extend_attention, extend_indices

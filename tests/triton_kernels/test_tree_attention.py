@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from pasta_engine.engine.block_manager import BlockManager, KVView
+from pasta_engine.core.block_manager import BlockManager, KVView
 from pasta_engine.layers.attention import AttentionMetadata, TorchAttention
 from pasta_engine.triton_kernels.tree_attention import (
     DecodeWorkspace,

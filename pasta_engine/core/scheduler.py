@@ -2,15 +2,15 @@
 
 After nano-vllm's scheduler: :meth:`Scheduler.schedule` admits waiting requests, reads each
 running request's demand (its interpreter's
-:meth:`~pasta_engine.engine.interpreter.Interpreter.runnable_threads`: threads and their
+:meth:`~pasta_engine.core.interpreter.Interpreter.runnable_threads`: threads and their
 pending tokens), picks the threads and how many tokens each runs under the token budget
 (``max_num_batched_tokens``), makes sure the KV pages they take are free (preempting the newest
 request if not), allocates their KV slots, and returns a
-:class:`~pasta_engine.engine.batch.ScheduledBatch`: per thread, its tokens, logical positions,
+:class:`~pasta_engine.core.batch.ScheduledBatch`: per thread, its tokens, logical positions,
 KV slots and KV view. The model runner turns that into tensors and samples;
 :meth:`Scheduler.postprocess` hands what ran and the sampled tokens back to the interpreters.
 The interpreter's KV operations (fork, join, release) are applied when its next step is
-scheduled. :mod:`pasta_engine.engine.batch` is the contract; the scheduler uses the
+scheduled. :mod:`pasta_engine.core.batch` is the contract; the scheduler uses the
 interpreter only through its public demand and bound methods.
 
 Token budget and chunked prefill: threads are taken in running order (requests in admission
@@ -59,7 +59,7 @@ every page it held.
 
 Prefix caching (when the block manager has it on): at admission the main thread's view starts
 with the cached pages of the prompt's longest cached prefix of whole pages, and the interpreter
-forwards only the rest (:meth:`~pasta_engine.engine.interpreter.Interpreter.skip_cached_prompt`);
+forwards only the rest (:meth:`~pasta_engine.core.interpreter.Interpreter.skip_cached_prompt`);
 after the step that wrote a prompt's KV, its whole pages enter the cache. A page enters the
 cache only once its KV is written (in :meth:`Scheduler.postprocess`, after the forward), so a
 step that fails caches nothing.
@@ -143,7 +143,7 @@ class Scheduler:
         request keeps every page it wrote until it ends) whose KV tokens fill the cache's pages
         and more (the failure model: it fails before it takes any resource, rather than decoding
         until the cache runs out). The bound counts the trace's tokens as
-        :meth:`~pasta_engine.engine.interpreter.Interpreter.worst_case_kv` does, a little above
+        :meth:`~pasta_engine.core.interpreter.Interpreter.worst_case_kv` does, a little above
         what is written (the end-of-sequence token, each fork's tag), so the check allows two
         pages per fork and two more: a replay near the cache's size runs, and fails alone if it
         does not fit after all."""
@@ -249,7 +249,7 @@ class Scheduler:
 
     def _worst_pages(self, req: Request) -> int:
         """Pages ``req`` can hold at most over its whole life: the KV tokens its interpreter can
-        write (:meth:`~pasta_engine.engine.interpreter.Interpreter.worst_case_kv`) and two
+        write (:meth:`~pasta_engine.core.interpreter.Interpreter.worst_case_kv`) and two
         partly filled pages per fork (the parent's page sealed at the fork, the child's last
         page)."""
         tokens, forks = req.interp.worst_case_kv()

@@ -1,9 +1,9 @@
 """The contract between the interpreter, the scheduler and the model runner (no torch).
 
-After nano-vllm's split: the interpreter (:mod:`~pasta_engine.engine.interpreter`) states its
+After nano-vllm's split: the interpreter (:mod:`~pasta_engine.core.interpreter`) states its
 demand, one :class:`ThreadStep` per thread that has tokens to forward (all its pending tokens),
 and the KV operations (:class:`KVFork`, :class:`KVJoin`, :class:`KVRelease`) its threads
-need; the scheduler (:mod:`~pasta_engine.engine.scheduler`) picks the threads and how many of
+need; the scheduler (:mod:`~pasta_engine.core.scheduler`) picks the threads and how many of
 their pending tokens run this step under the token budget (``max_num_batched_tokens``; a prompt
 longer than the budget is prefilled in pieces: chunked prefill), allocates their KV slots and
 returns a :class:`ScheduledBatch`, with a :class:`SamplingRow` for every thread that samples

@@ -21,7 +21,7 @@ sections 2 and 7):
   previous output (vLLM's DELTA/CUMULATIVE semantics): the reading-order text delta and the
   cumulative text, the sampled tokens and each thread's tokens and clean text with its thread id
   (never repeated after a preemption restarts the request), and :class:`ThreadEvent`\\ s. The
-  engine's :class:`~pasta_engine.engine.request.RequestOutput` carries it, and the async engine,
+  engine's :class:`~pasta_engine.core.outputs.RequestOutput` carries it, and the async engine,
   the server and the CLI read only that.
 
 The interpreter keeps the threads' state (tokens, pieces, clean pieces, drops, fork offsets);
@@ -36,7 +36,7 @@ from typing import Any, Iterable, Sequence
 from ..lang.tags import drop_empty_items, held_line_start
 
 # The interpreter imports this module, so this one does not import it (no cycle, not even for
-# type checking): these names stand for pasta_engine.engine.interpreter's Interpreter and Thread,
+# type checking): these names stand for pasta_engine.core.interpreter's Interpreter and Thread,
 # read by attribute.
 Interpreter = Any
 Thread = Any

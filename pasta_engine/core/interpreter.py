@@ -7,9 +7,9 @@ dialect. Below, in PASTA-LANG's words:
 
 It knows nothing about tensors or KV pages (no torch). It states its demand, the threads with
 tokens to forward and all their pending tokens (:meth:`Interpreter.runnable_threads`, one
-:class:`~pasta_engine.engine.batch.ThreadStep` each), and a bound on the KV it can ever write
+:class:`~pasta_engine.core.batch.ThreadStep` each), and a bound on the KV it can ever write
 (:meth:`Interpreter.worst_case_kv`); the scheduler decides which threads run and how many of
-their tokens (:mod:`pasta_engine.engine.batch` is the contract). It takes back what ran
+their tokens (:mod:`pasta_engine.core.batch` is the contract). It takes back what ran
 (:meth:`Interpreter.step_done`) and each sampled token (:meth:`Interpreter.on_token`), and
 reports what the KV cache must do as KV operations (:class:`KVFork`, :class:`KVJoin`,
 :class:`KVRelease`) that the scheduler applies to the block manager. Semantics follow docs/DESIGN.md section 2 (after
@@ -204,12 +204,12 @@ class Interpreter:
             item 9). Each thread's own clean text is checked as it grows: a child that writes one
             ends there (``stop``, closed by the interpreter), the main thread ends as at end of
             sequence (its children finish first). When a thread wrote one or a child ended, the
-            reading-order prefix is checked (:func:`~pasta_engine.engine.render.stop_in_prefix`):
+            reading-order prefix is checked (:func:`~pasta_engine.core.render.stop_in_prefix`):
             once it holds a stop string the request ends at once with ``stop`` (threads still
             decoding are cut off) and ``stop_reason`` names the string. At any end (``stop`` or
             ``length``) a stop string in the finished text makes the finish ``stop`` as well
             (one that spans two threads' texts is found there at the latest). The text is cut
-            right before it by :func:`~pasta_engine.engine.render.final_text`.
+            right before it by :func:`~pasta_engine.core.render.final_text`.
 
     Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay.
 
@@ -815,17 +815,17 @@ class Interpreter:
     # ------------------------------------------------------------------ results
 
     def spliced(self) -> Spliced:
-        """The response's tokens in spliced order (:func:`pasta_engine.engine.render.spliced`)."""
+        """The response's tokens in spliced order (:func:`pasta_engine.core.render.spliced`)."""
         return render.spliced(self)
 
     def annotated_text(self) -> str:
         """Every character the model wrote, each chunk after its promise tag
-        (:func:`pasta_engine.engine.render.annotated_text`)."""
+        (:func:`pasta_engine.core.render.annotated_text`)."""
         return render.annotated_text(self)
 
     def clean_text(self, final: bool | None = None) -> str:
         """What a reader sees so far, in the response's order, with what may still change held
-        back until the request ends (:func:`pasta_engine.engine.render.clean_text`; ``final``:
+        back until the request ends (:func:`pasta_engine.core.render.clean_text`; ``final``:
         None for :attr:`done`). At the end it equals :func:`pasta_engine.lang.tags.clean_text` of
         :meth:`annotated_text`."""
         return render.clean_text(self, final)

@@ -1,52 +1,23 @@
-"""A request's life in the engine, and what the engine hands back (no torch).
-
-:class:`Request` is the engine's state of one request (its interpreter, its threads' KV views,
-its counters); :class:`RequestOutput` is what :meth:`~pasta_engine.engine.llm_engine.Engine.step`
-returns for a request that progressed; :class:`RequestResult` and :class:`RequestStats` are the
-finished response (what ``generate``/``replay`` return).
+"""What the engine hands back (no torch): :class:`RequestOutput` is what
+:meth:`~pasta_engine.engine.llm_engine.Engine.step` returns for a request that progressed;
+:class:`RequestResult` and :class:`RequestStats` are the finished response (what
+``generate``/``replay`` return), :class:`CompletionOutput` one completion in vLLM's names.
+:class:`~pasta_engine.core.request.Request` builds them (``Request.result``).
 """
 
 from __future__ import annotations
 
-import enum
-import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from .. import metrics
-from ..config import Limits, PositionPolicy, SamplingParams
-from ..lang.detokenizer import token_bytes_for
-from ..lang.dialect import PASTA, Dialect
-from ..lang.tokenization import decode, encode_tag, replay_eos_id
-from . import render
-from .block_manager import KVView
-from .interpreter import Interpreter
-from .render import OutputRenderer, ThreadDelta, ThreadEvent
-from .replay import replay_script
+from .render import ThreadDelta, ThreadEvent
 
-__all__ = [
-    "Request",
-    "RequestStatus",
-    "RequestOutput",
-    "RequestResult",
-    "RequestStats",
-    "CompletionOutput",
-    "FINISH_REASONS",
-    "interpreter_factory",
-]
+__all__ = ["RequestOutput", "RequestResult", "RequestStats", "CompletionOutput", "FINISH_REASONS"]
 
 #: Why a request ended: ``stop`` (end of sequence, a stop token or stop string, or a replayed trace's end), ``length``
 #: (``max_new_tokens`` or the model's context length), ``abort`` (:meth:`Engine.abort`),
 #: ``error`` (an error that belongs to this request; the output says which).
 FINISH_REASONS = ("stop", "length", "abort", "error")
-
-
-class RequestStatus(enum.Enum):
-    """Where a request is: waiting for admission, running, or finished."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass
@@ -166,7 +137,7 @@ class RequestOutput:
 
     Text and tokens follow vLLM's DELTA/CUMULATIVE semantics, in the response's reading order
     (main text up to a promise, its chunk, the main text after it, ...; docs/DESIGN.md section 7),
-    rendered once by :class:`~pasta_engine.engine.render.OutputRenderer`:
+    rendered once by :class:`~pasta_engine.core.render.OutputRenderer`:
 
     Attributes:
         request_id: the id ``add_request`` returned.
@@ -182,8 +153,8 @@ class RequestOutput:
             included), in the step's thread order; each sampled token once, also when a
             preempted request re-samples its tokens after its restart.
         thread_deltas: the same per thread, with its id, its new tokens and its new clean text
-            (:class:`~pasta_engine.engine.render.ThreadDelta`), by thread id.
-        events: what happened to its threads (:class:`~pasta_engine.engine.render.ThreadEvent`:
+            (:class:`~pasta_engine.core.render.ThreadDelta`), by thread id.
+        events: what happened to its threads (:class:`~pasta_engine.core.render.ThreadEvent`:
             fork, text, end, join, finish), in order.
         finished: whether the request is over; then ``finish_reason`` is one of
             :data:`FINISH_REASONS` and ``result`` holds the whole response and its stats.
@@ -253,164 +224,3 @@ class RequestOutput:
     def stats(self) -> RequestStats | None:
         """The finished request's stats (None while it runs)."""
         return self.result.stats if self.result is not None else None
-
-
-def interpreter_factory(
-    tokenizer: Any,
-    prompt_ids: list[int],
-    *,
-    mode: str,
-    max_new_tokens: int,
-    limits: Limits,
-    policy: PositionPolicy,
-    max_positions: int | None,
-    eos_ids: list[int],
-    annotated_response: str | None = None,
-    grammar: bool = False,
-    dialect: Dialect = PASTA,
-    stop_strings: Sequence[str] = (),
-) -> tuple[Callable[[], Interpreter], int]:
-    """How a request's interpreter is built (again after a preemption), the one recipe the
-    engine and the training forward share.
-
-    Args:
-        tokenizer: the model's ``transformers`` tokenizer.
-        prompt_ids: the formatted prompt.
-        mode: ``pasta`` or ``sequential``.
-        max_new_tokens: the request's token budget (a replay raises it to the response's
-            length when smaller).
-        limits, policy, max_positions, eos_ids: as :class:`~pasta_engine.engine.interpreter.Interpreter`.
-        annotated_response: make it a replay of this response (forced tokens of
-            :func:`~pasta_engine.engine.replay.replay_script`).
-        grammar: the sampler enforces the PASTA-LANG grammar (the tokenizer has the piece
-            tokens of :mod:`pasta_engine.lang.grammar`); see ``Interpreter(grammar=)``. Only
-            for PASTA-LANG: another dialect gets no mask.
-        dialect: the language the model writes (:class:`~pasta_engine.lang.dialect.Dialect`,
-            default PASTA-LANG): the replay's tokenization, the inserted tokens and the parser.
-        stop_strings: ``SamplingParams.stop``: the request's stop rule (see
-            ``Interpreter(stop_strings=)``), a replay's included.
-
-    Returns ``(make, max_new_tokens)``; ``make()`` raises ValueError for settings the
-    interpreter refuses (the oracle policy outside replay)."""
-    forced_main = forced_chunks = None
-    if annotated_response is not None:
-        script = replay_script(tokenizer, annotated_response, replay_eos_id(tokenizer, eos_ids), dialect)
-        max_new_tokens = max(max_new_tokens, len(script.sequential_ids) + 1)
-        if mode == "pasta":
-            forced_main, forced_chunks = script.forced_main, script.forced_chunks
-        else:
-            forced_main = script.sequential_ids
-    open_ids = encode_tag(tokenizer, dialect.open_tag)
-    close_len = len(encode_tag(tokenizer, dialect.close_tag))
-    grammar = grammar and dialect is PASTA
-    table = token_bytes_for(tokenizer)
-
-    def make() -> Interpreter:
-        return Interpreter(
-            prompt_ids, decode=lambda ids: decode(tokenizer, ids), eos_ids=eos_ids, open_ids=open_ids,
-            close_len=close_len, mode=mode, max_new_tokens=max_new_tokens, limits=limits, policy=policy,
-            max_positions=max_positions, forced_main=forced_main, forced_chunks=forced_chunks, token_bytes=table,
-            grammar=grammar, dialect=dialect, encode=lambda text: encode_tag(tokenizer, text),
-            stop_strings=stop_strings,
-        )
-
-    return make, max_new_tokens
-
-
-@dataclass(eq=False)
-class Request:
-    """The engine's state of one request.
-
-    ``make_interpreter`` builds a fresh interpreter (again after a preemption). The scheduler
-    owns ``views`` (thread id -> KV view; the slots of a step's tokens are allocated when it
-    is scheduled); the scheduler keeps its seeded random stream and its threads' seen-token
-    counts, for the :class:`~pasta_engine.engine.batch.SamplingRow` it fills. Counters: ``steps`` (forward passes that sampled for it), ``prefill_tokens``,
-    ``cached_tokens`` (prompt tokens the prefix cache held at admission), ``max_width``,
-    ``preemptions``; times in seconds from ``time.perf_counter``.
-    ``count_content_tokens``: the length of a text under the model's canonical tokenization,
-    for the content figures of :class:`RequestStats`; None (a request built without a
-    tokenizer) gives 0 content and tag tokens. ``renderer``: what of it the step API has
-    output (kept across a preemption's restart; None: only its final result is output)."""
-
-    request_id: str
-    index: int
-    mode: str
-    params: SamplingParams
-    make_interpreter: Callable[[], Interpreter]
-    interp: Interpreter | None = None
-    status: RequestStatus = RequestStatus.WAITING
-    views: dict[int, KVView] = field(default_factory=dict)
-    steps: int = 0
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    max_width: int = 0
-    preemptions: int = 0
-    arrival_s: float = field(default_factory=time.perf_counter)
-    start_s: float = 0.0
-    wall_s: float = 0.0
-    finish_reason: str | None = None
-    error: str | None = None
-    count_content_tokens: Callable[[str], int] | None = None
-    renderer: OutputRenderer | None = None
-
-    def __post_init__(self) -> None:
-        if self.interp is None:
-            self.interp = self.make_interpreter()
-
-    @property
-    def finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
-    def reset(self) -> None:
-        """Back to its start, for a restart after preemption (pages must be released first)."""
-        self.interp = self.make_interpreter()
-        self.views = {}
-        self.steps = self.prefill_tokens = self.cached_tokens = self.max_width = 0
-
-    def result(self) -> RequestResult:
-        """The response as it stands (the whole response once finished)."""
-        it = self.interp
-        sp = render.spliced(it)
-        st = it.structure()
-        cp = metrics.critical_path(st)
-        parallelism = metrics.token_parallelism(st, cp) if cp else 1.0  # cp 0: nothing was sampled
-        annotated = render.annotated_text(it)
-        text = render.final_text(it, annotated)  # what a reader sees: no tag text, no list item a tag emptied
-        eos = sum(1 for t in it.threads if t.finish == "eos")
-        content = (metrics.content_token_count(self.count_content_tokens(text), it.total_sampled, eos)
-                   if self.count_content_tokens is not None else 0)
-        tags = metrics.tag_tokens(it.total_sampled, content, eos) if self.count_content_tokens is not None else 0
-        forks = sum(1 for t in it.threads[1:] if t.finish != "not_run")
-        stats = RequestStats(
-            content_tokens=content,
-            content_speedup=metrics.content_speedup(content, cp) if cp else 0.0,
-            decode_steps=self.steps,
-            prefill_tokens=self.prefill_tokens,
-            tokens_decoded=it.total_sampled,
-            tag_tokens=tags,
-            threads=1 + forks,
-            forks=forks,
-            max_width=self.max_width,
-            critical_path=cp,
-            token_parallelism=parallelism,
-            wall_s=self.wall_s,
-            preemptions=self.preemptions,
-            finish_reason=self.finish_reason or "",
-            cached_tokens=self.cached_tokens,
-        )
-        return RequestResult(
-            index=self.index,
-            request_id=self.request_id,
-            mode=it.mode,
-            prompt_ids=list(it.prompt_ids),
-            text=text,
-            annotated_text=annotated,
-            token_ids=sp.ids,
-            logprobs=sp.logprobs if self.params.return_logprobs else None,
-            positions=sp.positions,
-            threads=sp.threads,
-            stats=stats,
-            diagnostics=list(it.diagnostics),
-            error=self.error,
-            stop_reason=it.stop_reason,
-        )

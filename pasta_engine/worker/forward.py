@@ -1,7 +1,7 @@
 """One step's forward inputs and the one forward recipe (issue 32: written once, used by the
 model runner's eager steps, by CUDA-graph capture and by every tensor-parallel rank).
 
-:class:`StepInputs` is what :meth:`~pasta_engine.engine.model_runner.ModelRunner.prepare`
+:class:`StepInputs` is what :meth:`~pasta_engine.worker.model_runner.ModelRunner.prepare`
 makes of a scheduled batch: host lists only (picklable: tensor parallelism broadcasts it, and
 every rank's runner executes the same inputs). :func:`forward_step` is the recipe's device
 half: record the new tokens' logical positions in the KV cache, then forward.

@@ -14,11 +14,11 @@ bucket, or a plan over capacity run eagerly with the same code.
 Nothing inside capture syncs with the host, autotunes, JIT-compiles (two warm-up forwards
 compile each bucket's kernels first) or reads a Python value that changes between steps.
 (After nano-vllm's ``capture_cudagraph``, vLLM's and SGLang's CUDA-graph runners, and gpt-fast's
-``torch.compile`` decode.) Owned by the :class:`~pasta_engine.engine.model_runner.ModelRunner`.
-The captured forward is :func:`~pasta_engine.engine.forward.forward_step`, the eager steps'
+``torch.compile`` decode.) Owned by the :class:`~pasta_engine.worker.model_runner.ModelRunner`.
+The captured forward is :func:`~pasta_engine.worker.forward.forward_step`, the eager steps'
 own; with tensor parallelism every rank's runner captures its graphs together (their
 all-reduces are in the graphs) and replays the same bucket for the same
-:class:`~pasta_engine.engine.forward.StepInputs`.
+:class:`~pasta_engine.worker.forward.StepInputs`.
 """
 
 from __future__ import annotations

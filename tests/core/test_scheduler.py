@@ -8,11 +8,11 @@ import pytest
 
 from pasta_engine import Engine, Limits, ParameterError, SamplingParams
 from pasta_engine.config import EngineConfig, PositionPolicy
-from pasta_engine.engine.batch import SampledTokens
-from pasta_engine.engine.block_manager import BlockManager
-from pasta_engine.engine.interpreter import Interpreter
-from pasta_engine.engine.request import Request
-from pasta_engine.engine.scheduler import Scheduler
+from pasta_engine.core.batch import SampledTokens
+from pasta_engine.core.block_manager import BlockManager
+from pasta_engine.core.interpreter import Interpreter
+from pasta_engine.core.request import Request
+from pasta_engine.core.scheduler import Scheduler
 
 ANNOTATED = 'Tips: <promise topic="a" tokens="10"/><async>Sleep.</async> <promise topic="b" tokens="10"/>' \
             '<async>Walk.</async><sync/> Done.'

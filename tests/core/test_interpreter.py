@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasta_engine.config import Limits, PositionPolicy, SamplingParams
-from pasta_engine.engine.block_manager import BlockManager
-from pasta_engine.engine import render
-from pasta_engine.engine.interpreter import Interpreter
-from pasta_engine.engine.request import Request
-from pasta_engine.engine.scheduler import SampledTokens, ScheduledBatch, Scheduler
+from pasta_engine.core.block_manager import BlockManager
+from pasta_engine.core import render
+from pasta_engine.core.interpreter import Interpreter
+from pasta_engine.core.request import Request
+from pasta_engine.core.scheduler import SampledTokens, ScheduledBatch, Scheduler
 from pasta_engine.metrics import critical_path, simulate_steps
 
 PIECES = [
@@ -241,7 +241,7 @@ class PieceTokenizer:
 
 
 def test_replay_script_structure_matches_the_interpreter():
-    from pasta_engine.engine.replay import replay_script
+    from pasta_engine.core.replay import replay_script
 
     ann = "b" + '<promise topic="t" tokens="20"/>' + "<async>ab</async>" + "a<sync/>b"
     script = replay_script(PieceTokenizer(), ann, EOS)
@@ -408,7 +408,7 @@ def test_a_length_cut_ends_the_clean_text_where_the_first_unfinished_chunk_stopp
                (1, "a"), (2, "b"), (2, "b"), (2, "</async>"), (0, "\n"), (0, "a")])
     assert it.done and it.finish == "length" and it.threads[1].finish == "length"
     # chunk 1 was cut mid-way: with "prefix" nothing after it reaches the reader (no hole mid-answer)
-    from pasta_engine.engine.render import final_text
+    from pasta_engine.core.render import final_text
 
     assert final_text(it) == want
     assert clean_text(it.annotated_text()) == "b\n- a\n- bb\na"  # nothing the model wrote is lost
@@ -416,7 +416,7 @@ def test_a_length_cut_ends_the_clean_text_where_the_first_unfinished_chunk_stopp
 
 
 def test_a_chunk_never_run_at_a_length_cut_ends_the_clean_text_at_its_promise():
-    from pasta_engine.engine.render import final_text
+    from pasta_engine.core.render import final_text
 
     it = make_interp(max_new_tokens=7, limits=Limits(max_threads=2))  # the second chunk waits for a free row
     drive(it, [(0, "b"), (0, T), (0, "\n"), (0, U), (1, "a"), (0, "a"), (1, "</async>")])

@@ -4,8 +4,8 @@ After nano-vllm's ``ModelRunner``: it owns the KV tensor, the attention backend 
 per-step plan), the CUDA graphs (captured once, at start) and the sampler call. A step is three
 verbs, :meth:`ModelRunner.run` calling them in turn:
 
-* :meth:`~ModelRunner.prepare`: the scheduler's :class:`~pasta_engine.engine.batch.ScheduledBatch`
-  laid out as one mixed batch, host-side (:class:`~pasta_engine.engine.forward.StepInputs`:
+* :meth:`~ModelRunner.prepare`: the scheduler's :class:`~pasta_engine.core.batch.ScheduledBatch`
+  laid out as one mixed batch, host-side (:class:`~pasta_engine.worker.forward.StepInputs`:
   token ids, logical positions, KV slots, views, the rows to sample);
 * :meth:`~ModelRunner.execute`: the one forward recipe (a captured graph when the step is pure
   decode and fits a bucket, else plan, upload, record positions, forward); with tensor
@@ -32,7 +32,7 @@ from ..layers.kv_cache import KVCache, kv_bytes_per_token
 from ..lang.grammar import GrammarState
 from ..layers.sampler import SamplingBatch
 from ..models.protocol import CausalLM
-from .batch import SampledTokens, SamplingRow, ScheduledBatch
+from ..core.batch import SampledTokens, SamplingRow, ScheduledBatch
 from .forward import StepInputs, forward_step
 
 __all__ = ["ModelRunner", "StepProfile", "StepInputs", "kv_bytes_per_token", "default_kv_cache_bytes"]
@@ -91,7 +91,7 @@ class ModelRunner:
             num_pages, page_size, Hkv, D]`` in the model's dtype, with the per-slot key
             positions when a layer has a sliding window).
         logits_hook: testing aid, called as ``hook(row, thread_id, logits_row)`` for every
-            sampled row (``row``: the thread's :class:`~pasta_engine.engine.batch.SamplingRow`,
+            sampled row (``row``: the thread's :class:`~pasta_engine.core.batch.SamplingRow`,
             with its ``request_id`` and ``params``; ``logits_row``: float32 ``[vocab]``) before
             sampling; the hook may change the logits in place (bias the model: the grammar mask
             still applies after it).
@@ -150,7 +150,7 @@ class ModelRunner:
         self._t_executed = self._t_planned = 0.0  # when the last execute began / had planned (perf_counter s)
 
     def capture_graphs(self) -> None:
-        """Capture the CUDA graphs (:class:`~pasta_engine.engine.cuda_graphs.CudaGraphs`, one per
+        """Capture the CUDA graphs (:class:`~pasta_engine.worker.cuda_graphs.CudaGraphs`, one per
         bucket) when this runner wants them, once. Called by the constructor, or, with tensor
         parallelism, on every rank at once when the ranks attach. Raises what capture raises."""
         if self.wants_graphs and self.cuda_graphs is None:
@@ -172,7 +172,7 @@ class ModelRunner:
     def set_grammar(self, masks: Sequence[tuple[bool, Sequence[int]]] | None, fork_token: int | None = None) -> None:
         """Enforce a token grammar in the sampler: ``masks[state]`` is ``(allow, ids)`` as
         :func:`pasta_engine.lang.grammar.state_masks` returns it (allow only ``ids``, or forbid
-        them); a sampling thread whose :class:`~pasta_engine.engine.interpreter.ThreadStep`
+        them); a sampling thread whose :class:`~pasta_engine.core.interpreter.ThreadStep`
         says ``grammar=state`` gets every other token's logit set to ``-inf`` before sampling
         (one ``[rows, vocab]`` gather and ``masked_fill`` per step). None: no grammar.
         ``fork_token``: the promise piece's id, which a request's ``Limits.fork_threshold``
@@ -202,7 +202,7 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> SampledTokens:
         """One step: :meth:`prepare`, :meth:`execute` (on every rank, with tensor parallelism),
-        :meth:`sample`. Returns :class:`~pasta_engine.engine.batch.SampledTokens` in the batch's
+        :meth:`sample`. Returns :class:`~pasta_engine.core.batch.SampledTokens` in the batch's
         sampling order, read lazily (see :meth:`sample`). Exceptions from the forward propagate
         (they belong to no single request)."""
         t_start = time.perf_counter()
@@ -269,7 +269,7 @@ class ModelRunner:
         ``sb.rows[i]``): the logits hook, penalties and masks (:meth:`SamplingBatch.process`),
         forced or sampled tokens (each request's noise from its own stream, so its tokens do not
         depend on the batch), logprobs, then one transfer back. Returns
-        :class:`~pasta_engine.engine.batch.SampledTokens` whose first read waits for it (the
+        :class:`~pasta_engine.core.batch.SampledTokens` whose first read waits for it (the
         step's one host-device sync); a request whose part failed is named in its ``errors``."""
         n = len(sb.rows)
         if n == 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pasta_engine import KVCacheExhausted
-from pasta_engine.engine.block_manager import BlockManager, KVView
+from pasta_engine.core.block_manager import BlockManager, KVView
 
 
 def make(pages=8, page_size=4):

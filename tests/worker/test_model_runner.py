@@ -12,7 +12,7 @@ import torch
 
 from pasta_engine import Engine, ParameterError, SamplingParams
 from pasta_engine.config import EngineConfig
-from pasta_engine.engine.model_runner import ModelRunner
+from pasta_engine.worker.model_runner import ModelRunner
 from pasta_engine.layers.kv_cache import KVCache, kv_bytes_per_token
 from pasta_engine.models.config import ModelConfig
 from pasta_engine.models.loader import load_model
@@ -140,12 +140,13 @@ def test_the_runner_is_three_verbs_and_the_forward_recipe_is_written_once():
     import inspect
 
     from pasta_engine.distributed import executor
-    from pasta_engine.engine import batch, cuda_graphs, forward
+    from pasta_engine.core import batch
+    from pasta_engine.worker import cuda_graphs, forward
 
     for fn, most in ((ModelRunner.run, 15), (ModelRunner.execute, 15), (ModelRunner.sample, 20)):
         assert len(inspect.getsource(fn).splitlines()) <= most, fn.__name__
     assert "Any" not in inspect.getsource(batch)
-    for module in (cuda_graphs, executor, __import__("pasta_engine.engine.model_runner", fromlist=["x"])):
+    for module in (cuda_graphs, executor, __import__("pasta_engine.worker.model_runner", fromlist=["x"])):
         src = inspect.getsource(module)
         assert "record_positions(" not in src and ".forward(input_ids" not in src.replace("shard.forward", ""), module
     assert "record_positions(" in inspect.getsource(forward.forward_step)
@@ -155,7 +156,7 @@ def test_a_tensor_parallel_rank_captures_its_graphs_when_asked_once(tiny_llama, 
     """CUDA graphs run only on a GPU; what a CPU can check is the capture logic: the real class
     refuses a CPU model, and a tensor-parallel rank's runner does not capture in its constructor
     but when :meth:`capture_graphs` is called (every rank at once, at attach), once."""
-    from pasta_engine.engine import cuda_graphs
+    from pasta_engine.worker import cuda_graphs
 
     model = load_model(tiny_llama, with_tokenizer=False)[0]
     with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA device"):
