@@ -178,7 +178,7 @@ def app(tiny_llama):
     """The server's app in-process over a tiny engine whose token budget binds (6 tokens a step
     for up to 4 requests and their threads) under the critical_first policy."""
     from pasta_engine import AsyncEngine, Engine
-    from pasta_engine.entrypoints.server import build_app
+    from pasta_engine.entrypoints.openai.api_server import build_app
 
     engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=16 * 2**20, page_size=4, max_running_requests=4,
                                     max_num_batched_tokens=6, thread_policy="critical_first")

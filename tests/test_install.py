@@ -51,7 +51,7 @@ def test_the_wheel_installs_in_a_fresh_venv_and_generates(tmp_path):
     assert wheel.name.startswith(f"pasta_engine-{version}-")
     names = zipfile.ZipFile(wheel).namelist()
     for want in ("pasta_engine/py.typed", f"pasta_engine-{version}.dist-info/licenses/LICENSE",
-                 "pasta_engine/entrypoints/static/index.html", "pasta_engine/triton_kernels/__init__.py",
+                 "pasta_engine/entrypoints/openai/static/index.html", "pasta_engine/triton_kernels/__init__.py",
                  "pasta_engine/adapters/smollm2-135m-pasta/adapter_model.safetensors"):
         assert want in names, want
     # every subpackage of the checkout is in the wheel (pasta_engine.distributed once was not)

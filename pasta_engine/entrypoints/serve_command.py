@@ -1,4 +1,4 @@
-"""The ``pasta-engine serve`` command's flags (the server itself is :mod:`.server`, imported only
+"""The ``pasta-engine serve`` command's flags (the server itself is :mod:`.openai.api_server`, imported only
 when the command runs, so the rest of the CLI works without the ``serve`` extra)."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pasta-engine: error: --api-key: {problem}", file=sys.stderr)
         return 2
     try:
-        from .server import serve
+        from .openai.api_server import serve
     except ImportError as e:
         print(f"pasta-engine: error: serve needs FastAPI, uvicorn, pydantic and prometheus_client ({e}): pip install "
               "-e '.[serve]'", file=sys.stderr)

@@ -36,7 +36,7 @@ def engine(tiny_llama):
 @pytest.fixture(scope="module")
 def served(tiny_llama):
     """An AsyncEngine over an engine of its own (same weights), and the server's app over it."""
-    from pasta_engine.entrypoints.server import build_app
+    from pasta_engine.entrypoints.openai.api_server import build_app
 
     aengine = AsyncEngine(_engine(tiny_llama))
     yield aengine, build_app(aengine, "tiny")

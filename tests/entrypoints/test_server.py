@@ -187,7 +187,7 @@ def test_thread_events_inline_and_by_id(server, client):
 def test_dead_engine_is_503_and_an_error_mid_stream_is_a_last_event(tiny_llama):
     """In-process over ASGI: an engine whose step fails mid-stream, then is dead."""
     from pasta_engine import AsyncEngine, Engine
-    from pasta_engine.entrypoints.server import build_app
+    from pasta_engine.entrypoints.openai.api_server import build_app
 
     eng = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20)
     real, calls = eng.model_runner.run, []

@@ -121,7 +121,7 @@ def test_an_unavailable_dialect_module_fails_alone(tiny_llama, monkeypatch):
     ``pasta.dialect`` (code ``dialect_unavailable``), one whose module is there but fails to load
     a 500; neither takes a resource, and the engine serves the next request."""
     from pasta_engine import AsyncEngine, Engine
-    from pasta_engine.entrypoints.server import build_app
+    from pasta_engine.entrypoints.openai.api_server import build_app
 
     monkeypatch.setattr(dialect_mod, "_MODULES", {"apar": ("no_such_dialect_module", "APAR"),
                                                   "multiverse": ("tags", "NO_SUCH_DIALECT")})

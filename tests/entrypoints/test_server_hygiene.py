@@ -32,7 +32,7 @@ def auth(server) -> dict[str, str]:
 def app_srv(tiny_llama):
     """The app in-process over its own engine (small event-log budget), and its state."""
     from pasta_engine import AsyncEngine, Engine
-    from pasta_engine.entrypoints.server import build_app
+    from pasta_engine.entrypoints.openai.api_server import build_app
 
     aengine = AsyncEngine(Engine.from_pretrained(tiny_llama, kv_cache_bytes=16 * 2**20, page_size=4))
     app = build_app(aengine, "tiny", event_log_bytes=200_000)
@@ -196,7 +196,7 @@ def test_api_key_scheme_is_case_insensitive_and_compared_in_constant_time(server
                        (f"Basic {server.api_key}", False), (server.api_key, False), ("", False)):
         r = httpx.get(server.url + "/v1/models", headers={"Authorization": header})
         assert r.status_code == (200 if ok else 401), header
-    from pasta_engine.entrypoints import server as server_module
+    from pasta_engine.entrypoints.openai import auth as server_module
 
     calls = []
     real = server_module.hmac.compare_digest
@@ -212,7 +212,7 @@ def test_an_empty_api_key_is_refused_at_startup():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--api-key" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
-    from pasta_engine.entrypoints.server import build_app
+    from pasta_engine.entrypoints.openai.api_server import build_app
     from pasta_engine.errors import ParameterError
 
     with pytest.raises(ParameterError, match="empty"):
@@ -262,7 +262,7 @@ def test_host_header_checked_for_a_local_keyless_server(open_server, server):
 
 
 def test_default_allowed_hosts():
-    from pasta_engine.entrypoints.server import LOCAL_HOSTS, default_allowed_hosts
+    from pasta_engine.entrypoints.openai.auth import LOCAL_HOSTS, default_allowed_hosts
 
     for host in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"):
         assert default_allowed_hosts(host, None) == list(LOCAL_HOSTS)
@@ -416,7 +416,7 @@ def test_stopping_the_server_ends_open_streams_with_an_error_and_done(tiny_llama
     import uvicorn
 
     from pasta_engine import AsyncEngine, Engine
-    from pasta_engine.entrypoints.server import build_app, draining_server
+    from pasta_engine.entrypoints.openai.api_server import build_app, draining_server
 
     engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=16 * 2**20, page_size=4)
     engine.logits_hook = lambda req, tid, row: time.sleep(0.02)  # slow steps: the answers are still open

@@ -8,7 +8,7 @@ feature); an unknown field is refused too. Nothing is silently ignored (``user``
 it names the caller and changes nothing in OpenAI's API either).
 
 Numbers are bounded before use: every integer field has an upper bound, floats must be finite
-(the server's JSON reader also refuses integers of more than :data:`MAX_INT_DIGITS` digits and
+(:func:`decode_json`, the JSON reader, also refuses integers of more than :data:`MAX_INT_DIGITS` digits and
 documents nested deeper than :data:`MAX_JSON_DEPTH` before these models see them).
 ``top_p`` below :data:`MIN_TOP_P` is taken as :data:`MIN_TOP_P`: only the most likely token is
 kept, exactly as any ``top_p`` below ``1 / vocabulary size`` keeps it (a smaller value would
@@ -21,14 +21,16 @@ OpenAI spells it (``pasta.position_policy`` for the ``pasta`` extension's option
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..config import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, PositionPolicy, SamplingParams
-from ..errors import ParameterError
-from ..lang.dialect import DIALECT_NAMES
+from ...config import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, PositionPolicy, SamplingParams
+from ...errors import ParameterError
+from ...lang.dialect import DIALECT_NAMES
+from .errors import OpenAIError
 
 __all__ = [
     "ChatCompletionRequest",
@@ -41,6 +43,7 @@ __all__ = [
     "parse_request",
     "check_supported",
     "engine_sampling_fields",
+    "decode_json",
     "MAX_N",
     "MAX_TOKENS",
     "MIN_TOP_P",
@@ -429,3 +432,87 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
     if isinstance(req, _Request):
         check_supported(req)
     return req
+
+
+# --------------------------------------------------------------------------- the JSON body
+
+
+class _BigNumber:
+    """A number literal of the request body too long to read (kept to name its field)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"<a number of {len(self.text)} characters>"
+
+
+def _parse_int(text: str) -> int | _BigNumber:
+    return int(text) if len(text.lstrip("-")) <= MAX_INT_DIGITS else _BigNumber(text)
+
+
+def _parse_float(text: str) -> float | _BigNumber:
+    return float(text) if len(text) <= 64 else _BigNumber(text)
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a JSON number")
+
+
+def _loc_param(loc: tuple[Any, ...]) -> tuple[str, str]:
+    """``(param, path)`` of a place in the request body (param as OpenAI spells it)."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    if not loc:
+        return "body", "the request body"
+    if loc[0] == "pasta" and len(loc) > 1 and isinstance(loc[1], str):
+        return f"pasta.{loc[1]}", path
+    return str(loc[0]), path
+
+
+def _check_json(body: Any) -> None:
+    """Raise ParameterError for what the request models cannot see or should never get: a
+    number literal too long to read, nesting deeper than MAX_JSON_DEPTH, a string that is not
+    text (a lone surrogate such as ``"\\udcff"``: it cannot be encoded, so neither tokenized)."""
+    stack: list[tuple[Any, tuple[Any, ...], int]] = [(body, (), 0)]
+    while stack:
+        obj, loc, depth = stack.pop()
+        if isinstance(obj, str):
+            if not obj.isascii():
+                try:
+                    obj.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    param, path = _loc_param(loc)
+                    raise ParameterError(param, obj, message=f"invalid {path}: character {e.start} is a lone "
+                                         f"surrogate ({obj[e.start]!r}), not text") from None
+        elif isinstance(obj, _BigNumber):
+            param, path = _loc_param(loc)
+            raise ParameterError(param, obj, message=f"invalid {path}: a number of {len(obj.text)} characters "
+                                 f"(integers have at most {MAX_INT_DIGITS} digits)")
+        elif isinstance(obj, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                param, path = _loc_param(loc)
+                raise ParameterError(param, None, message=f"the request body nests deeper than {MAX_JSON_DEPTH} "
+                                     f"levels (at {path})")
+            if isinstance(obj, dict):
+                for k, v in obj.items():
+                    stack.append((k, loc, depth + 1))
+                    stack.append((v, (*loc, k), depth + 1))
+            else:
+                stack.extend((v, (*loc, i), depth + 1) for i, v in enumerate(obj))
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, checked by :func:`_check_json` (runs off the event
+    loop). Raises OpenAIError 400 or ParameterError."""
+    try:
+        body = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant)
+    except RecursionError:
+        raise OpenAIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", param="body") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN/Infinity
+        raise OpenAIError(400, f"the request body is not valid JSON: {e}", param="body") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", param="body")
+    _check_json(body)
+    return body
