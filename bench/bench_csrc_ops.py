@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_csrc_ops: needs a CUDA GPU (run it on the GPU machine)", file=sys.stderr)
         return 2
     from pasta_engine.layers import csrc_ops
-    from pasta_engine.layers.attention import TorchAttention
+    from pasta_engine.layers.reference_attention import TorchAttention
 
     if not csrc_ops.available():
         print(f"bench_csrc_ops: the extension is not available: {csrc_ops.unavailable_reason()}\n"

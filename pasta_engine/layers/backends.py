@@ -55,7 +55,7 @@ def register_backend(name: str, cls: type[AttentionBackend] | str, summary: str 
     _REGISTRY[name] = BackendInfo(name, cls, summary or name, cuda_graphs)
 
 
-register_backend("torch", "pasta_engine.layers.attention:TorchAttention",
+register_backend("torch", "pasta_engine.layers.reference_attention:TorchAttention",
                  "the reference (each view gathered, scaled_dot_product_attention with masks)")
 register_backend("triton", "pasta_engine.layers.triton_attention:TritonAttention",
                  "tree decode, extend and fused RoPE/KV-write kernels (Triton's interpreter on a CPU)",

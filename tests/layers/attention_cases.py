@@ -9,7 +9,8 @@ import random
 import torch
 
 from pasta_engine.core.block_manager import BlockManager, KVView
-from pasta_engine.layers.attention import AttentionMetadata, TorchAttention
+from pasta_engine.layers.attention import AttentionMetadata
+from pasta_engine.layers.reference_attention import TorchAttention
 
 HQ, HKV, D = 4, 2, 16
 NUM_PAGES = 192

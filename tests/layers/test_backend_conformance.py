@@ -6,7 +6,7 @@ engine replay with forks on tiny models gives the reference's tokens and logits.
 Backends run as the registry makes them (default options), on a CPU: ``triton`` under Triton's
 interpreter (float32 and float16: its bfloat16 ``tl.dot`` is wrong there, docs/DESIGN.md
 section 5), ``flex`` on torch's eager ``flex_attention``. The reference is
-:class:`~pasta_engine.layers.attention.TorchAttention` in float32 on the same (rounded) inputs.
+:class:`~pasta_engine.layers.reference_attention.TorchAttention` in float32 on the same (rounded) inputs.
 A new backend is checked by registering it. Tests marked ``gpu`` run the same cases on CUDA
 (``flex`` compiled) and CUDA-graph replays for the backends that support them.
 """

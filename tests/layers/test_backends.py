@@ -9,7 +9,8 @@ from pasta_engine import Engine, SamplingParams
 from pasta_engine.entrypoints.cli import build_parser
 from pasta_engine.errors import ParameterError
 from pasta_engine.layers import backends
-from pasta_engine.layers.attention import AttentionMetadata, PlanHistory, TorchAttention
+from pasta_engine.layers.attention import AttentionMetadata, PlanHistory
+from pasta_engine.layers.reference_attention import TorchAttention
 from pasta_engine.layers.backends import backend_info, backend_names, get_backend, graph_backend_names, register_backend
 
 

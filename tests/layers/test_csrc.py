@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pasta_engine.layers import csrc_ops
-from pasta_engine.layers.attention import TorchAttention
+from pasta_engine.layers.reference_attention import TorchAttention
 from pasta_engine.layers.rotary import apply_rope
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pasta_engine.layers.attention import AttentionBackend, TorchAttention
+from pasta_engine.layers.attention import AttentionBackend
+
+from pasta_engine.layers.reference_attention import TorchAttention
 from pasta_engine.layers.rotary import RotaryEmbedding
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pasta_engine.core.block_manager import BlockManager, KVView
-from pasta_engine.layers.attention import AttentionMetadata, TorchAttention
+from pasta_engine.layers.attention import AttentionMetadata
+from pasta_engine.layers.reference_attention import TorchAttention
 from pasta_engine.layers.triton_attention import TritonAttention
 from pasta_engine.triton_kernels.extend_attention import extend_attention, extend_indices
 from pasta_engine.triton_kernels.tree_attention import build_plan, tree_decode_attention

@@ -6,7 +6,7 @@ in float16 and float32 only (bfloat16 ``tl.dot`` is wrong under the interpreter)
 
 References: ``AttentionBackend.rope_and_write`` (torch default) for the KV write;
 ``extend_attention_reference`` (dense gather + mask + float32 softmax) and
-``pasta_engine.layers.attention.TorchAttention`` (fed an ``AttentionMetadata`` built the way
+``pasta_engine.layers.reference_attention.TorchAttention`` (fed an ``AttentionMetadata`` built the way
 the model runner builds it) for the attention.
 """
 
@@ -17,7 +17,9 @@ import random
 import pytest
 import torch
 
-from pasta_engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from pasta_engine.layers.attention import AttentionBackend, AttentionMetadata
+
+from pasta_engine.layers.reference_attention import TorchAttention
 from pasta_engine.layers.rotary import apply_rope
 from pasta_engine.triton_kernels.extend_attention import (
     extend_attention,

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pasta_engine.core.block_manager import BlockManager, KVView
-from pasta_engine.layers.attention import AttentionMetadata, TorchAttention
+from pasta_engine.layers.attention import AttentionMetadata
+from pasta_engine.layers.reference_attention import TorchAttention
 from pasta_engine.triton_kernels.tree_attention import (
     DecodeWorkspace,
     build_plan,
