@@ -158,8 +158,9 @@ def run_width(engine, width: int, tail: int = 64, logprobs: bool = False) -> lis
 
         sched = engine.scheduler
         runner = engine.model_runner
-        native = "plan_s" in getattr(__import__("pasta_engine.worker.model_runner", fromlist=["StepProfile"]).StepProfile,
-                                     "__dataclass_fields__", {})
+        # the runner's own module (engine/ before issue 32's folders, worker/ after), so an older checkout works too
+        runner_module = sys.modules[type(runner).__module__]
+        native = "plan_s" in getattr(getattr(runner_module, "StepProfile", None), "__dataclass_fields__", {})
         patched = []
         if not native:
             for obj, name, key in ((sched, "schedule", "schedule"), (sched, "postprocess", "interp"),
