@@ -21,7 +21,8 @@ if __name__ == "__main__":
     engine = Engine.from_pretrained({ckpt!r}, tensor_parallel_size=2, kv_cache_bytes=8 * 2**20, page_size=4)
     print("READY", flush=True)
     try:
-        engine.generate([[1, 40, 41]] * 3, SamplingParams(max_new_tokens=100000, ignore_eos=True))
+        while True:  # a call can end at the context length before the SIGINT comes: decode until it does
+            engine.generate([[1, 40, 41]] * 3, SamplingParams(max_new_tokens=100000, ignore_eos=True))
     except KeyboardInterrupt:
         time.sleep(1.5)  # a handler that takes a moment: a worker that took the SIGINT too has printed by now
         s = engine.stats()
