@@ -439,6 +439,21 @@ def _fast_examples(examples: Sequence[Any], args: argparse.Namespace, tokenizer:
     return [e for e in examples if annotation_content_speedup(tokenizer, e.annotated, eos) >= args.min_content_speedup]
 
 
+def _judge_references(path: Path, prompts: Sequence[str]) -> dict[str, str]:
+    """``--judge-reference``'s answers as prompt -> reference answer (AlpacaEval JSON with an
+    ``output`` per instruction). Raises ParameterError naming the flag when a sampled prompt has
+    no answer there."""
+    from ..tools.traces import read_prompts
+
+    refs = {r.instruction: r.output for r in read_prompts(path, need_output=True)}
+    missing = [p for p in prompts if p not in refs]
+    if missing:
+        raise ParameterError("--judge-reference", str(path),
+                             message=f"--judge-reference {path} has no answer to {len(missing)} of the "
+                             f"{len(prompts)} sampled prompts (first: {missing[0][:60]!r})")
+    return refs
+
+
 def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     import random
 
@@ -471,12 +486,7 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         if args.judge_reference is None:
             raise ParameterError("--judge-reference", None,
                                  message="--judge-reference is missing: --reader judges each sample against it")
-        reader_refs = {r.instruction: r.output for r in read_prompts(args.judge_reference, need_output=True)}
-        missing = [p for p in prompts if p not in reader_refs]
-        if missing:
-            raise ParameterError("--judge-reference", str(args.judge_reference),
-                                 message=f"--judge-reference {args.judge_reference} has no answer to {len(missing)} of "
-                                 f"the {len(prompts)} sampled prompts (first: {missing[0][:60]!r})")
+        reader_refs = _judge_references(args.judge_reference, prompts)
     elif (judge is None) != (args.judge_reference is None):
         flag = "--judge-reference" if judge is not None else "--judge-url"
         raise ParameterError(flag, None, message=f"{flag} is missing: a judge needs --judge-url, --judge-model and "
@@ -484,13 +494,7 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if judge is not None:
         from ..tools.judge import JudgeQuality
 
-        refs = {r.instruction: r.output for r in read_prompts(args.judge_reference, need_output=True)}
-        missing = [p for p in prompts if p not in refs]
-        if missing:
-            raise ParameterError("--judge-reference", str(args.judge_reference),
-                                 message=f"--judge-reference {args.judge_reference} has no answer to {len(missing)} of "
-                                 f"the {len(prompts)} sampled prompts (first: {missing[0][:60]!r})")
-        scorer = JudgeQuality(judge, refs)
+        scorer = JudgeQuality(judge, _judge_references(args.judge_reference, prompts))
     from ..train.bonbon import ReaderVerdictsPending
 
     try:
