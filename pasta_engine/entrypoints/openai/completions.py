@@ -20,6 +20,16 @@ from .sse import EventLog, EventStream, event_records, merge_streams, sse, until
 
 __all__ = ["respond"]
 
+
+def _check_final(srv: Server, i: int, out: Any, cut: str) -> None:
+    """Raise for choice ``i``'s final output ``out`` that is no answer: an OpenAIError 500 for
+    ``error``, 503 for an ``abort`` because the engine is shutting down (``cut`` says what the
+    client got of it)."""
+    if out.finish_reason == "error":
+        raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
+    if out.finish_reason == "abort" and srv.engine.dead_error is not None:
+        raise OpenAIError(503, f"the server is shutting down: choice {i} was cut {cut}", type="server_error")
+
 async def respond(srv: Server, request: Request, streams: list[RequestStream], opts: Options, cid: str,
                    chat: bool):
     log = srv.logs[cid]
@@ -57,11 +67,7 @@ async def _collect(srv: Server, streams: list[RequestStream], opts: Options, cid
                 log.add(event_records(i, out))
                 if out.finished:
                     finals[i] = out
-                    if out.finish_reason == "error":
-                        raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
-                    if out.finish_reason == "abort" and srv.engine.dead_error is not None:
-                        raise OpenAIError(503, f"the server is shutting down: choice {i} was cut before it ended; "
-                                          "send the request again to another server", type="server_error")
+                    _check_final(srv, i, out, "before it ended; send the request again to another server")
     except Exception as e:
         raise as_openai_error(e) from None
     finally:
@@ -121,11 +127,7 @@ async def _stream(srv: Server, streams: list[RequestStream], opts: Options, cid:
                     yield chunk([choice(i, out.text)])
                 if out.finished:
                     finals[i] = out
-                    if out.finish_reason == "error":
-                        raise OpenAIError(500, f"choice {i} failed: {out.error}", type="server_error")
-                    if out.finish_reason == "abort" and srv.engine.dead_error is not None:
-                        raise OpenAIError(503, f"the server is shutting down: choice {i} was cut after the text sent "
-                                          "so far", type="server_error")
+                    _check_final(srv, i, out, "after the text sent so far")
                     extra: dict[str, Any] = {"pasta": srv.choice_ext(out, opts)}
                     if out.stop_reason is not None:
                         extra["stop_reason"] = out.stop_reason
