@@ -308,16 +308,23 @@ class TensorParallelModel:
         0's logits (float32 ``[S, vocab]``).
 
         Raises TensorParallelStepError when any rank's part failed (every rank has ended the
-        step), EngineDeadError when a worker has died or the group is broken."""
+        step), EngineDeadError when a worker has died or the group is broken. A
+        KeyboardInterrupt in the middle of the step stops the workers and leaves the engine dead
+        (the ranks are out of step), then propagates."""
         self._check_alive()
         fault, self._fault = self._fault, {}
-        self._send(("step", inputs, fault))
         try:
+            self._send(("step", inputs, fault))
             out, failures = _guarded_forward(self.shard, self.group, fault.get(0),
                                              lambda: self.runner.forward_rows(inputs), lambda: execute(inputs))
         except CommError as e:
             self._die(str(e))
             raise EngineDeadError(f"tensor-parallel engine is dead: {e}") from e
+        except KeyboardInterrupt:
+            # the workers wait in this step's collectives: a stop message would never match them, so
+            # shutdown must not send one (it hung past 120 s); the ranks are out of step for good
+            self._die("a KeyboardInterrupt stopped rank 0 in the middle of a step")
+            raise
         if failures:
             raise failures
         return out
