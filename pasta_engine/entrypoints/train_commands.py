@@ -260,6 +260,19 @@ def add_train_parser(subparsers: Any) -> None:
     _add_scale_args(b, checkpointing=True)
     add_run_args(b)
 
+    k = sub.add_parser(
+        "picks", help="the samples a blind reader preferred, from train bonbon --reader rounds, as SFT examples",
+        description="Read finished `train bonbon --reader` rounds (ROUND: OUT/round{k}, its samples.jsonl and the "
+        "reader's verdicts in reader/) and write every sample the reader preferred to the reference (win value >= "
+        "--min-win, both orders averaged; only answers that ended) as TrainExample JSONL for `train sft --examples`: "
+        "rejection sampling on the reader's verdicts.",
+    )
+    k.add_argument("--round", type=Path, action="append", required=True, dest="rounds", metavar="ROUND",
+                   help="a round folder (repeat for several)")
+    k.add_argument("--out", type=Path, required=True, help="the JSONL file to write")
+    k.add_argument("--min-win", type=float, default=0.75,
+                   help="the least win value kept (1 win, 0.5 tie, 0 loss; averaged over the orders read)")
+
 
 def add_learned_parser(bench_subparsers: Any) -> None:
     """Add ``bench learned`` (the evaluation of a learned adapter) to the ``bench`` subcommands."""
@@ -583,9 +596,31 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     return 0
 
 
+def _picks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``train picks``: the reader-preferred samples of ``--round`` folders as TrainExample JSONL."""
+    from ..train.bonbon import ReaderVerdictsPending, read_round_picks
+
+    if not 0.0 < args.min_win <= 1.0:
+        raise ParameterError("--min-win", args.min_win, "a win value in (0, 1] (1 win, 0.5 tie, 0 loss)")
+    picks = []
+    for folder in args.rounds:
+        try:
+            found = read_round_picks(folder, args.min_win)
+        except (FileNotFoundError, ReaderVerdictsPending) as e:
+            raise ParameterError("--round", str(folder), message=f"--round {folder}: {e}") from None
+        print(f"train picks: {len(found)} samples from {folder} (win value >= {args.min_win:g}, "
+              f"{sum(e.promises > 0 for e in found)} forked)", file=sys.stderr)
+        picks.extend(found)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as f:
+        f.writelines(json.dumps(e.to_dict()) + "\n" for e in picks)
+    print(f"wrote {args.out} ({len(picks)} examples)")
+    return 0
+
+
 def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the ``train`` subcommand in ``args``. Returns the exit status."""
-    commands = {"sft": _sft, "bonbon": _bonbon, "answers": _answers, "chunks": _chunks}
+    commands = {"sft": _sft, "bonbon": _bonbon, "answers": _answers, "chunks": _chunks, "picks": _picks}
     return commands[args.train_command](args, argv)
 
 

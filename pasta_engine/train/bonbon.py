@@ -39,7 +39,8 @@ from .losses import bonbon_loss
 from .quality import LikelihoodQuality, Scorer, speedup_plus_quality
 
 __all__ = ["BonbonSettings", "ReaderVerdictsPending", "adapter_pasta_prompt", "reader_scores",
-           "proxy_pair_agreement", "sample_and_rank", "best_and_worst", "bonbon_memory_estimate", "train_bonbon"]
+           "proxy_pair_agreement", "reader_picks", "read_round_picks", "sample_and_rank", "best_and_worst",
+           "bonbon_memory_estimate", "train_bonbon"]
 
 
 @dataclass
@@ -139,6 +140,47 @@ def proxy_pair_agreement(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 total += 1
                 agree += (a["quality"] > b["quality"]) == (a["proxy_quality"] > b["proxy_quality"])
     return {"pairs": total, "agreement": agree / total if total else None}
+
+
+#: The ``annotator`` of a :func:`reader_picks` example (the tags are the sampling adapter's own).
+PICK_ANNOTATOR = "reader-pick"
+
+
+def reader_picks(rows: Sequence[Mapping[str, Any]], min_win: float = 0.75) -> list[Any]:
+    """The samples a blind reader preferred to the reference, as SFT examples (rejection sampling
+    on the reader's verdicts; the paper's stage 2 distils best-of-n samples the same way, Jin et
+    al. 2025 section 4.2): every row of :func:`reader_scores` whose win value (``quality``, 0 to
+    1) is at least ``min_win`` and that ended by itself (``finish_reason`` ``stop``; an answer cut
+    at the token limit would teach stopping there), in row order, as
+    :class:`~pasta_engine.train.data.TrainExample` (``annotator`` :data:`PICK_ANNOTATOR`,
+    ``promises`` the sample's forks, ``response_tokens`` its decoded tokens). Raises ValueError for
+    ``min_win`` outside (0, 1] and KeyError for a row without those fields."""
+    from .data import TrainExample
+
+    if not 0.0 < min_win <= 1.0:
+        raise ValueError(f"min_win must be in (0, 1] (a win value: 1 win, 0.5 tie, 0 loss), got {min_win!r}")
+    return [TrainExample(prompt=r["prompt"], annotated=r["annotated"], dataset=None, annotator=PICK_ANNOTATOR,
+                         promises=int(r["forks"]), response_tokens=int(r["tokens"]), ended=True)
+            for r in rows if r["quality"] >= min_win and r["finish_reason"] == "stop"]
+
+
+def read_round_picks(round_dir: Path, min_win: float = 0.75) -> list[Any]:
+    """:func:`reader_picks` of a ``train bonbon --reader`` round folder (``round_dir``: its
+    ``samples.jsonl`` and the reader's verdicts in ``round_dir/reader/``). Raises
+    FileNotFoundError naming a missing samples file or key, ReaderVerdictsPending while a sample
+    has no verdict, and ValueError as :func:`reader_picks`."""
+    from ..tools.judge import read_blind_sides, win_value
+
+    samples, folder = round_dir / "samples.jsonl", round_dir / "reader"
+    for need in (samples, folder / "key.json"):
+        if not need.exists():
+            raise FileNotFoundError(f"{need} is missing: {round_dir} is not a sampled `train bonbon --reader` round")
+    rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+    wins = [win_value(side) for side in read_blind_sides(folder)]
+    missing = sum(1 for w in wins if w is None)
+    if missing or len(wins) != len(rows):
+        raise ReaderVerdictsPending(folder, len(rows), missing or abs(len(rows) - len(wins)))
+    return reader_picks([{**r, "quality": w} for r, w in zip(rows, wins)], min_win)
 
 
 def adapter_pasta_prompt(adapter: Path, given: PastaPrompt | None = None) -> PastaPrompt:
@@ -259,7 +301,8 @@ def train_bonbon(
     max_memory_gib: float | None = None,
 ) -> dict[str, Any]:
     """Run ``settings.rounds`` BoNBoN rounds from ``adapter`` (the SFT result) on ``prompts``;
-    write ``out/round{k}/`` (samples.jsonl, pairs.jsonl, loss.json/png, adapter/, round.json) and
+    write ``out/round{k}/`` (samples.jsonl, pairs.jsonl, loss.json/png, adapter/, round.json; with a reader,
+    picks.jsonl: :func:`reader_picks`) and
     ``out/adapter`` (the last round's), and return the summary (``out/summary.json``).
 
     Resumes: a round whose ``round.json`` exists is not run again (its adapter starts the next
@@ -323,6 +366,8 @@ def train_bonbon(
             sample_s = rows[0].get("sample_seconds", 0.0)
         if reader_references is not None:
             rows = reader_scores(rows, reader_references, rdir / "reader", settings.seed + k, settings.quality_weight)
+            with (rdir / "picks.jsonl").open("w") as f:
+                f.writelines(json.dumps(e.to_dict()) + "\n" for e in reader_picks(rows))
         pairs = best_and_worst(rows, settings.best_must_finish)
         with (rdir / "pairs.jsonl").open("w") as f:
             f.writelines(json.dumps({"prompt": b["prompt"], "best": b["sample"], "worst": w["sample"],

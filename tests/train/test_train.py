@@ -576,6 +576,49 @@ def test_a_bonbon_round_scored_by_a_reader_stops_for_verdicts_and_goes_on(tiny_l
     assert all(p["best_score"] - p["worst_score"] > 90 for p in written)  # the reader's win outweighs the speedup
     round_ = json.loads((tmp_path / "bb" / "round1" / "round.json").read_text())
     assert round_["mean_quality"] == pytest.approx(0.5) and round_["proxy_pair_agreement"]["pairs"] <= 2
+    # the reader's picks: none, as every sample of the tiny model was cut at 8 tokens
+    assert (tmp_path / "bb" / "round1" / "picks.jsonl").read_text() == "" and all(r["finish_reason"] == "length"
+                                                                                 for r in rows)
+
+
+def test_train_picks_keeps_the_samples_the_reader_preferred(tmp_path, capsys):
+    """train picks: from a read round, exactly the samples whose win value reaches --min-win and
+    that ended, as TrainExample rows; a round without verdicts is refused naming --round."""
+    from pasta_engine.entrypoints.cli import main
+    from pasta_engine.tools.judge import write_blind_pairs
+    from pasta_engine.train.data import TrainExample
+
+    rdir = tmp_path / "round1"
+    rows = [{"prompt_index": i // 2, "prompt": f"q{i // 2}", "sample": i % 2, "annotated": f"<promise topic=\"T\" "
+             f"tokens=\"3\"/><async>a{i}.</async>", "text": f"a{i}.", "finish_reason": "length" if i == 3 else "stop",
+             "content_speedup": 1.0, "forks": 1, "tokens": 9, "quality": -1.0, "score": 0.0} for i in range(4)]
+    rdir.mkdir()
+    (rdir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_blind_pairs([r["prompt"] for r in rows], [r["text"] for r in rows], ["ref"] * 4, rdir / "reader", seed=1)
+    out = tmp_path / "picks.jsonl"
+    cmd = ["train", "picks", "--round", str(rdir), "--out", str(out)]
+    assert main(cmd) == 2 and "--round" in capsys.readouterr().err and not out.exists()
+    key = json.loads((rdir / "reader" / "key.json").read_text())["rows"]
+    # row 0 wins both orders (1.0), row 1 a win and a tie (0.75), row 2 a tie and a loss (0.25),
+    # row 3 wins both but was cut at the token limit
+    first = {0: "win", 1: "win", 2: "tie", 3: "win"}
+    second = {0: "win", 1: "tie", 2: "loss", 3: "win"}
+
+    def verdict(side: str, cand: str) -> str:
+        other = "B" if cand == "A" else "A"
+        return {"win": cand, "loss": other, "tie": "tie"}[side]
+
+    (rdir / "reader" / "verdicts.jsonl").write_text("".join(
+        json.dumps({"id": k["id"], "verdict": verdict(first[k["id"]], k["candidate_in_pairs"])}) + "\n" for k in key))
+    (rdir / "reader" / "verdicts_reversed.jsonl").write_text("".join(
+        json.dumps({"id": k["id"], "verdict": verdict(second[k["id"]], k["candidate_in_pairs_reversed"])}) + "\n"
+        for k in key))
+    assert main(cmd) == 0
+    picks = [TrainExample(**json.loads(x)) for x in out.read_text().splitlines()]
+    assert [p.annotated for p in picks] == [rows[0]["annotated"], rows[1]["annotated"]]
+    assert all(p.ended and p.promises == 1 and p.annotator == "reader-pick" for p in picks)
+    assert main([*cmd, "--min-win", "1"]) == 0 and len(out.read_text().splitlines()) == 1
+    assert main([*cmd, "--min-win", "0"]) == 2 and "--min-win" in capsys.readouterr().err
 
 
 def test_bonbon_reader_flags_are_checked_before_any_work(tiny_llama, tmp_path, capsys):
