@@ -378,8 +378,9 @@ class Interpreter:
 
     def _grammar_state(self, t: Thread) -> int:
         """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample."""
+        tail = _clean_tail(t) if self.limits.chunk_sentence_end and not t.is_main else None
         return self.dialect.grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks,
-                                          self.topics_taken if self.limits.distinct_topics else ())
+                                          self.topics_taken if self.limits.distinct_topics else (), tail)
 
     def _inserted_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` the interpreter inserts (the dialect's opening tag: ``open_ids``;
@@ -842,6 +843,18 @@ class Interpreter:
         fork_syncs = [list(c.syncs) for c in ran] if nested else []
         return ResponseStructure(main_tokens=self.main.n_sampled, forks=forks, syncs=list(self.syncs),
                                  inserted=inserted, parents=parents, fork_syncs=fork_syncs)
+
+
+def _clean_tail(t: Thread, chars: int = 8) -> str:
+    """The last ``chars`` or more characters of thread ``t``'s clean text, back to its last
+    non-space character (its whole text when shorter): what
+    :func:`~pasta_engine.lang.grammar.ends_sentence` reads. A few pieces per call, not the
+    thread's whole text."""
+    tail, i = "", len(t.clean)
+    while i and (len(tail) < chars or not tail.strip()):
+        i -= 1
+        tail = t.clean[i] + tail
+    return tail
 
 
 def _count_chunks(chunks: Sequence) -> int:

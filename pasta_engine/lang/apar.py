@@ -235,7 +235,8 @@ class AparDialect:
         p = AparParser()
         return _merge(p.feed(text) + p.finish())
 
-    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = ()) -> int:
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = (),
+                      tail: str | None = None) -> int:
         """Always ``FREE``: the sampler's grammar masks are PASTA-LANG's; APAR gets none."""
         return GrammarState.FREE
 

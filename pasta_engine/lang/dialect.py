@@ -223,11 +223,14 @@ class Dialect(Protocol):
         """A whole text's items, text runs merged."""
         ...
 
-    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = ()) -> int:
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = (),
+                      tail: str | None = None) -> int:
         """The sampler's grammar state for a thread's next token (0, ``FREE``: no mask), when
         the tokenizer has the dialect's tag pieces as added tokens; ``taken``: the topics
         already promised in the response (:func:`~pasta_engine.lang.grammar.topic_key`), for a
-        dialect whose grammar keeps sibling topics distinct."""
+        dialect whose grammar keeps sibling topics distinct; ``tail``: an async thread's own text
+        so far (tags left out; None: no rule), for a dialect whose grammar holds a chunk open until
+        it ends a sentence (``Limits.chunk_sentence_end``)."""
         ...
 
     # ---- forks and positions
@@ -303,8 +306,9 @@ class PastaDialect:
     def parse(self, text: str) -> list[Parsed]:
         return tags.parse(text)
 
-    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = ()) -> int:
-        return grammar.grammar_state(is_main, pending, can_fork, taken)
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = (),
+                      tail: str | None = None) -> int:
+        return grammar.grammar_state(is_main, pending, can_fork, taken, tail)
 
     def child_cap(self, limits: Any, fork: Promise) -> int:
         return limits.chunk_cap(fork.tokens)

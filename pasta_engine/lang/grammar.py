@@ -30,7 +30,10 @@ applied to a whole step's logits in one tensor operation by the model runner):
 * main thread, outside a tag: no ``</async>``, no ``<async>`` (the interpreter writes it), no
   ``" tokens="``; once the fork cap is reached, no ``<promise topic="`` either;
 * async thread (inside a chunk): no ``<promise topic="`` (no nesting), no ``<sync/>``, no
-  ``<async>``, no ``" tokens="``;
+  ``<async>``, no ``" tokens="``; with ``sentence_end`` (``Limits.chunk_sentence_end``), no
+  ``</async>`` and no end-of-sequence until the chunk's text ends a sentence or a line
+  (:func:`ends_sentence`; ``CHUNK_OPEN``), so no chunk stops mid-sentence, at a colon, or empty
+  (the defects blind readers named most in forked answers; the chunk's cap still ends it);
 * inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one;
   the first holds a letter, so a topic is never a bare number), then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
   :data:`MAX_TOPIC_BYTES` bytes (UTF-8) must end; a topic equal to one already promised in the
@@ -60,6 +63,7 @@ __all__ = [
     "GrammarState",
     "grammar_state",
     "topic_key",
+    "ends_sentence",
     "state_masks",
 ]
 
@@ -152,6 +156,7 @@ class GrammarState(enum.IntEnum):
     LENGTH = 8
     LENGTH_FULL = 9
     TOPIC_TAKEN = 10
+    CHUNK_OPEN = 11
 
 
 def topic_key(topic: str) -> str:
@@ -160,8 +165,26 @@ def topic_key(topic: str) -> str:
     return " ".join(re.findall(r"\w+", topic.lower()))
 
 
+#: Characters that end a sentence, and what may close around its end (quotes, brackets, emphasis).
+_SENTENCE_END = ".!?\u2026"
+_CLOSERS = "\"')]*_`\u201d\u2019"
+
+
+def ends_sentence(tail: str) -> bool:
+    """Whether a chunk whose text ends with ``tail`` (its last characters, tags left out) may end:
+    its last line is finished (``tail`` ends with a newline after some text) or its last
+    non-space character ends a sentence (``. ! ? …``, possibly followed by closing quotes,
+    brackets or emphasis: ``"Yes."``, ``(see below.)``, ``**Done!**``). False for an empty
+    chunk, and for one that stops at a colon, a comma or inside a sentence."""
+    if not tail.strip():
+        return False
+    if tail.endswith("\n"):
+        return True
+    return tail.rstrip().rstrip(_CLOSERS)[-1:] in tuple(_SENTENCE_END)
+
+
 def grammar_state(is_main: bool, pending: str, can_fork: bool = True,
-                  taken: Collection[str] = ()) -> GrammarState:
+                  taken: Collection[str] = (), tail: str | None = None) -> GrammarState:
     """The state of a pasta-mode thread from the tag parser's held-back text.
 
     Args:
@@ -170,11 +193,14 @@ def grammar_state(is_main: bool, pending: str, can_fork: bool = True,
         can_fork: the request may still fork (below its fork cap).
         taken: :func:`topic_key` of each topic already promised in the response: a topic equal
             to one of them is ``TOPIC_TAKEN`` (it may not end yet), unless it is full.
+        tail: an async thread's own text so far, tags left out (its last few characters
+            suffice): a chunk whose text does not :func:`ends_sentence` is ``CHUNK_OPEN`` (it
+            may not end yet); None: no such rule (``CHUNK``).
 
     A partial promise written as text tokens (``<prom``) is not constrained: only what follows a
     ``<promise topic="`` prefix is (the piece token writes exactly that prefix)."""
     if not is_main:
-        return GrammarState.CHUNK
+        return GrammarState.CHUNK_OPEN if tail is not None and not ends_sentence(tail) else GrammarState.CHUNK
     if not pending.startswith(PROMISE_OPEN):
         return GrammarState.MAIN if can_fork else GrammarState.MAIN_NO_FORK
     rest = pending[len(PROMISE_OPEN):]
@@ -229,6 +255,8 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
         (True, digits + [tags.promise_close]),  # LENGTH
         (True, [tags.promise_close]),  # LENGTH_FULL
         (True, topic_ok),  # TOPIC_TAKEN
+        (False, [tags.promise_open, tags.sync, tags.async_open, tags.promise_length, tags.async_close,
+                 *sorted(eos)]),  # CHUNK_OPEN
     ]
     assert len(out) == len(GrammarState)
     return out

@@ -329,7 +329,8 @@ class MultiverseDialect:
         p = MultiverseParser(all_forks)
         return _merge(p.feed(text) + p.finish())
 
-    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = ()) -> int:
+    def grammar_state(self, is_main: bool, pending: str, can_fork: bool, taken: Collection[str] = (),
+                      tail: str | None = None) -> int:
         """0 (``FREE``): the sampler masks nothing for Multiverse (its tags are text)."""
         return 0
 

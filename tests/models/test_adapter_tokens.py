@@ -186,6 +186,32 @@ def test_a_topic_already_promised_may_not_end_there():
     assert allow and set(ids) == {0, 1, 3}  # topic text, never the piece that would end it (nor EOS)
 
 
+def test_a_chunk_may_end_only_at_a_sentence_or_line_end():
+    """Issue 30: blind readers named chunks that stop mid-sentence or at a colon ("Some popular
+    items include:" and nothing after) the commonest defect of forked answers. With a tail, an
+    async thread whose text does not end a sentence is ``CHUNK_OPEN``: no ``</async>``, no EOS."""
+    from pasta_engine.lang.grammar import ends_sentence
+
+    for done in ("It helps.", "Really?", "Go!", 'He said "yes."', "(see below.)", "**Done!**", "Wait\u2026",
+                 "1. Apples\n", "It helps.  "):
+        assert ends_sentence(done), done
+    for open_ in ("", "  ", "\n", "Some popular items include:", "which could include wheelchair-accessible",
+                  "apples, pears,", "It is 3", "**Bold**"):
+        assert not ends_sentence(open_), open_
+    assert grammar_state(False, "", tail="Some items include:") is GrammarState.CHUNK_OPEN
+    assert grammar_state(False, "", tail="") is GrammarState.CHUNK_OPEN  # an empty chunk may not end
+    assert grammar_state(False, "", tail="It helps.") is GrammarState.CHUNK
+    assert grammar_state(False, "", tail=None) is GrammarState.CHUNK  # the rule off
+    assert grammar_state(True, "", tail="include:") is GrammarState.MAIN  # the main thread is not held
+    table = [b"Sleep", b" more", b"x", b"3"]
+    pieces = TagTokens(*range(len(table), len(table) + len(TAG_PIECES)))
+    table += [p.encode() for p in TAG_PIECES]
+    masks = dict(zip(GrammarState, state_masks(pieces, table, len(table), eos_ids=[2])))
+    allow, ids = masks[GrammarState.CHUNK_OPEN]
+    assert not allow and set(ids) == set(masks[GrammarState.CHUNK][1]) | {pieces.async_close, 2}
+    assert pieces.async_close not in masks[GrammarState.CHUNK][1] and 2 not in masks[GrammarState.CHUNK][1]
+
+
 def test_the_interpreter_keeps_sibling_topics_distinct_unless_told_not_to():
     from pasta_engine.config import Limits
     from pasta_engine.core.interpreter import Interpreter
@@ -206,6 +232,37 @@ def test_the_interpreter_keeps_sibling_topics_distinct_unless_told_not_to():
 
     assert state_after(True) is GrammarState.TOPIC_TAKEN
     assert state_after(False) is GrammarState.TOPIC
+
+
+def test_the_interpreter_holds_a_chunk_open_until_a_sentence_ends_unless_told_not_to():
+    from pasta_engine.config import Limits
+    from pasta_engine.core.interpreter import Interpreter
+
+    pieces = ["<EOS>", "<async>", '<promise topic="', "Sleep", '" tokens="', "1", '"/>', " Rest", " well", ".", ":"]
+    decode = lambda ids: "".join(pieces[i] for i in ids if i != 0)  # noqa: E731
+
+    def child_states(rule: bool, chunk: list[int]) -> list[GrammarState]:
+        it = Interpreter([1], decode=decode, eos_ids=[0], open_ids=[1], close_len=1, grammar=True,
+                         limits=Limits(max_threads=None, chunk_sentence_end=rule))
+        for tok in [2, 3, 4, 5, 6]:  # the main thread promises "Sleep": a child forks
+            it.step_done(it.runnable_threads())
+            it.take_kv_ops()
+            it.on_token(0, tok)
+        states = []
+        for tok in [*chunk, None]:
+            steps = it.runnable_threads()
+            it.step_done(steps)
+            it.take_kv_ops()
+            states.append(GrammarState(next(s for s in steps if s.tid == 1 and s.sample).grammar))
+            it.on_token(0, 7)  # the main thread writes on
+            if tok is not None:
+                it.on_token(1, tok)
+        return states
+
+    open_, chunk = GrammarState.CHUNK_OPEN, GrammarState.CHUNK
+    # empty, " Rest", " Rest well", " Rest well." (may end), " Rest well.:" (held again)
+    assert child_states(True, [7, 8, 9, 10]) == [open_, open_, open_, chunk, open_]
+    assert child_states(False, [7, 8, 9, 10]) == [chunk] * 5
 
 
 def test_a_topic_starts_with_a_letter_and_a_length_with_a_nonzero_digit():

@@ -130,6 +130,9 @@ class PastaOptions(BaseModel):
     distinct_topics: bool | None = Field(
         None, description="a promise's topic may not repeat one already promised in the response (default true; "
         "where the sampler enforces the PASTA-LANG grammar)")
+    chunk_sentence_end: bool | None = Field(
+        None, description="a chunk may not end until its text ends a sentence or a line: none stops mid-sentence, at "
+        "a colon, or empty (default true; where the sampler enforces the PASTA-LANG grammar)")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
     annotated_response: str | None = Field(None, description="replay this annotated response (forced decoding)")
 
