@@ -26,9 +26,10 @@ Jin et al., ICML 2025, arXiv 2502.11517, section 3):
 * end of sequence on the main thread is an implicit sync; the response is the main text with
   each chunk spliced right after the token that completed its promise.
 
-Generalized for other dialects (docs/DESIGN.md section 2, "Dialects"): a fork marker may fork
-several threads, each with its own inserted text (``dialect.branches``); a fork may also be a
-join (``dialect.fork_joins``: the thread forwards the marker's token, then waits, status
+Generalized for other dialects (docs/DESIGN.md section 2, "Dialects"; the members are
+:class:`~pasta_engine.lang.dialect.BaseDialect`'s): a fork marker may fork several threads, each
+with its own inserted text (``dialect.branches``); a fork may also be a join
+(``dialect.fork_joins``: the thread forwards the marker's token, then waits, status
 ``WAITING``); a join may insert text (``dialect.join_tag``) and move the thread's position
 (``dialect.join_position``); and when ``dialect.nesting`` is True any thread whose depth is
 under ``limits.max_fork_depth`` forks (past it, or past ``max_forks``, a replay decodes the
@@ -57,10 +58,10 @@ from typing import Callable, Sequence
 
 from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
-from ..lang import dialect as dialects
-from ..lang.dialect import PASTA, Dialect, Markup, TextParser
+from ..lang.dialect import (AsyncClose, AsyncOpen, BaseDialect, Dialect, Malformed, Markup, Promise, Sync, TagText,
+                            Text, TextParser, as_dialect)
 from ..lang.grammar import topic_key
-from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, TagText, Text
+from ..lang.pasta import PASTA
 from ..lang.tokenization import ForcedChunk
 from ..metrics import ResponseStructure
 from . import render
@@ -193,10 +194,12 @@ class Interpreter:
         grammar: report each sampling thread's :class:`~pasta_engine.lang.grammar.GrammarState`
             in its :class:`ThreadStep` (the tokenizer has the dialect's piece tokens); only in
             pasta mode and outside replay (forced tokens need no mask).
-        dialect: the language the model writes (:class:`~pasta_engine.lang.dialect.Dialect`):
-            how its text parses into forks, closes and joins, each child's cap, the positions a
-            fork reserves, the grammar state; ``open_ids``/``close_len`` are its
-            ``open_tag``/``close_tag`` tokenized. Default: PASTA-LANG.
+        dialect: the language the model writes (:class:`~pasta_engine.lang.dialect.Dialect`;
+            one that does not derive from :class:`~pasta_engine.lang.dialect.BaseDialect` gets
+            its defaults: :func:`~pasta_engine.lang.dialect.as_dialect`): how its text parses
+            into forks, closes and joins, each child's cap, the positions a fork reserves, the
+            grammar state; ``open_ids``/``close_len`` are its ``open_tag``/``close_tag``
+            tokenized. Default: PASTA-LANG.
         encode: ``text -> ids`` for the other text the dialect inserts (a branch's own header,
             a join's text: :func:`~pasta_engine.lang.tokenization.encode_tag`); None: only
             ``open_ids`` (PASTA-LANG needs no more).
@@ -211,7 +214,8 @@ class Interpreter:
             (one that spans two threads' texts is found there at the latest). The text is cut
             right before it by :func:`~pasta_engine.core.render.final_text`.
 
-    Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay.
+    Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay;
+    TypeError for a ``dialect`` that lacks a member of the protocol.
 
     The request's ``finish`` is ``"stop"`` (end of sequence, the end of a replayed trace, or a
     stop string: ``stop_reason``) or ``"length"`` (``max_new_tokens`` or the context length
@@ -244,10 +248,10 @@ class Interpreter:
         if len(prompt_ids) == 0:
             raise ValueError("empty prompt: at least one token is needed")
         self.mode = mode
-        self.dialect: Dialect = PASTA if dialect is None else dialect
+        self.dialect: BaseDialect = PASTA if dialect is None else as_dialect(dialect)
         self.encode = encode
         self._insert_ids: dict[str, list[int]] = {self.dialect.open_tag: [int(t) for t in open_ids]}
-        self.join_ids = self._inserted_ids(dialects.join_tag(self.dialect))
+        self.join_ids = self._inserted_ids(self.dialect.join_tag)
         self.max_new_tokens = int(max_new_tokens)
         self.stop_strings = tuple(stop_strings)
         self.stop_matcher = render.StopMatcher(self.stop_strings) if self.stop_strings else None
@@ -350,9 +354,9 @@ class Interpreter:
         token it may sample, the inserted ``<async>`` tags of its forks and a dialect's join
         text) and forks (a replay forks only for the chunks its trace holds; sequential mode
         never forks)."""
-        per_fork = len(self.open_ids)
-        if self.join_ids or hasattr(self.dialect, "branches"):  # per-branch inserted text: bound it by its bytes
-            per_fork = max(per_fork, dialects.inserted_bytes(self.dialect, self.limits)) + len(self.join_ids)
+        # the opening tag's tokens, or a bound by bytes on a branch header of the dialect's own,
+        # and the join's text
+        per_fork = max(len(self.open_ids), self.dialect.inserted_bytes(self.limits)) + len(self.join_ids)
         if self.mode != "pasta":
             forks = 0
         elif self.replay:
@@ -592,8 +596,8 @@ class Interpreter:
         """Fork the branches of ``fork`` from ``parent`` (docs/DESIGN.md section 2; a dialect
         may fork several, each with its own inserted text, and may join them at once). Returns
         whether a thread was forked."""
-        branches = dialects.fork_branches(self.dialect, fork)
-        self.topics_taken.update(topic_key(bp.topic) for bp, _ in branches if getattr(bp, "topic", None))
+        branches = self.dialect.branches(fork)
+        self.topics_taken.update(topic_key(bp.topic) for bp, _ in branches if bp.topic)
         base = parent.n_branches
         parent.n_branches += len(branches)
         chunks: list = [None] * len(branches)
@@ -620,7 +624,7 @@ class Interpreter:
                 inline: list[int] = []
                 for (_, text), chunk in zip(branches, chunks):
                     inline += self._inserted_ids(text) + (chunk.spliced if isinstance(chunk, ForcedChunk) else chunk)
-                if dialects.fork_joins(self.dialect):
+                if self.dialect.fork_joins:
                     inline += self.join_ids
                 parent.forced.extendleft(reversed(inline))
                 parent.inline_pending = not self.dialect.nesting  # PASTA-LANG: its <async> opens the inline chunk
@@ -659,7 +663,7 @@ class Interpreter:
             parent.children.append(child)
             parent.outstanding.append(child)
         parent.next_pos += size
-        if dialects.fork_joins(self.dialect):  # the fork is a join: wait for these children now
+        if self.dialect.fork_joins:  # the fork is a join: wait for these children now
             parent.syncs.append(parent.n_sampled)
             self._stall(parent, ThreadStatus.WAITING)
         for child in parent.children[-len(branches):]:
@@ -710,7 +714,7 @@ class Interpreter:
                 c.joined = True
                 if c.status is ThreadStatus.DONE:  # a FLUSH child is released after its flush
                     self._release(c)
-            thread.next_pos = dialects.join_position(self.dialect, thread.next_pos, [c.next_pos for c in children])
+            thread.next_pos = self.dialect.join_position(thread.next_pos, [c.next_pos for c in children])
         if thread.finish is not None:  # its end waited for its children
             self._finish_thread(thread)
             return

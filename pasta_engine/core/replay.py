@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..lang.detokenizer import IncrementalDetokenizer, token_bytes_for
-from ..lang.dialect import PASTA, Dialect, fork_joins
-from ..lang.tags import Sync
+from ..lang.dialect import BaseDialect, Dialect, Sync, as_dialect
+from ..lang.pasta import PASTA
 from ..lang.tokenization import AnnotatedTokens, ThreadTokens, decode, encode_text, tokenize_annotated
 from ..metrics import ResponseStructure, critical_path
 
@@ -44,7 +44,7 @@ class ReplayScript:
     structure: ResponseStructure
 
 
-def _sync_ends(tokenizer: Any, main_ids: list[int], dialect: Dialect = PASTA) -> list[int]:
+def _sync_ends(tokenizer: Any, main_ids: list[int], dialect: BaseDialect) -> list[int]:
     """1-based main-token indices at which a ``<sync/>`` tag (the dialect's join) completes
     (text as the interpreter's incremental detokenizer delivers it)."""
     detok = IncrementalDetokenizer(lambda ids: decode(tokenizer, ids), token_bytes_for(tokenizer))
@@ -96,11 +96,13 @@ def replay_script(tokenizer: Any, annotated: str, eos_id: int, dialect: Dialect 
         eos_id: the end-of-sequence token the main thread ends with.
         dialect: the language it is written in (default PASTA-LANG).
 
-    Never raises on content."""
+    Never raises on content; raises TypeError for a ``dialect`` that lacks a member of the
+    protocol (:func:`~pasta_engine.lang.dialect.as_dialect`)."""
+    dialect = as_dialect(dialect)
     tok = tokenize_annotated(tokenizer, annotated, dialect)
     eos = int(eos_id)
     if tok.tree is not None:  # a nesting dialect: a tree of threads
-        structure = _tree_structure(tok.tree, fork_joins(dialect))
+        structure = _tree_structure(tok.tree, dialect.fork_joins)
         return ReplayScript(tok, tok.main_ids + [eos], tok.chunk_ids, tok.spliced_ids + [eos], structure)
     forks = [(end, len(c)) for end, c in zip(tok.promise_ends, tok.chunk_ids) if c is not None]
     structure = ResponseStructure(

@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 from .. import metrics
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..lang.detokenizer import token_bytes_for
-from ..lang.dialect import PASTA, Dialect
+from ..lang.dialect import Dialect
+from ..lang.pasta import PASTA
 from ..lang.tokenization import decode, encode_tag, replay_eos_id
 from . import render
 from .block_manager import KVView
@@ -63,8 +64,9 @@ def interpreter_factory(
         annotated_response: make it a replay of this response (forced tokens of
             :func:`~pasta_engine.core.replay.replay_script`).
         grammar: the sampler enforces the PASTA-LANG grammar (the tokenizer has the piece
-            tokens of :mod:`pasta_engine.lang.grammar`); see ``Interpreter(grammar=)``. Only
-            for PASTA-LANG: another dialect gets no mask.
+            tokens of :mod:`pasta_engine.lang.grammar`); see ``Interpreter(grammar=)``. The
+            dialect's ``grammar_state`` says each thread's state: a dialect without masks
+            (APAR, Multiverse) answers ``FREE``, no mask.
         dialect: the language the model writes (:class:`~pasta_engine.lang.dialect.Dialect`,
             default PASTA-LANG): the replay's tokenization, the inserted tokens and the parser.
         stop_strings: ``SamplingParams.stop``: the request's stop rule (see
@@ -82,7 +84,6 @@ def interpreter_factory(
             forced_main = script.sequential_ids
     open_ids = encode_tag(tokenizer, dialect.open_tag)
     close_len = len(encode_tag(tokenizer, dialect.close_tag))
-    grammar = grammar and dialect is PASTA
     table = token_bytes_for(tokenizer)
 
     def make() -> Interpreter:

@@ -30,7 +30,9 @@ from typing import Any, Sequence
 
 from ..config import MAX_SEED, EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..errors import ContextLengthError, ParameterError
-from ..lang.dialect import DIALECT_NAMES, PASTA, Dialect, dialect_prompt, get_dialect
+from ..lang.dialect import DIALECT_NAMES, BaseDialect, Dialect, as_dialect, dialect_prompt, get_dialect
+from ..lang.grammar import GrammarState
+from ..lang.pasta import PASTA
 from ..lang.tokenization import encode_prompt, encode_text
 from .streaming import OutputKind
 
@@ -61,9 +63,11 @@ def is_chat(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
-def resolve_dialect(dialect: str | Dialect | None) -> Dialect:
-    """The request's dialect: PASTA-LANG for None, a registered name, or a Dialect object.
-    Raises ParameterError naming ``dialect``, its value and the choices."""
+def resolve_dialect(dialect: str | Dialect | None) -> BaseDialect:
+    """The request's dialect: PASTA-LANG for None, a registered name
+    (:func:`~pasta_engine.lang.dialect.get_dialect`), or a Dialect object (as the engine reads
+    it: :func:`~pasta_engine.lang.dialect.as_dialect`). Raises ParameterError naming
+    ``dialect``, its value and the choices."""
     if dialect is None:
         return PASTA
     if isinstance(dialect, str):
@@ -72,7 +76,7 @@ def resolve_dialect(dialect: str | Dialect | None) -> Dialect:
         except ValueError:
             raise ParameterError("dialect", dialect, " | ".join(DIALECT_NAMES)) from None
     if isinstance(dialect, Dialect):
-        return dialect
+        return as_dialect(dialect)
     raise ParameterError("dialect", dialect, "a dialect name (" + " | ".join(DIALECT_NAMES) + ") or a Dialect")
 
 
@@ -426,9 +430,12 @@ class InputProcessor:
         limits = limits or self.config.limits
         if limits.fork_threshold is None:
             return limits
+        # the knob acts where the main thread may open a promise (grammar state MAIN); a dialect
+        # whose grammar never starts the main thread there has no promise for it to decide
+        promises = lang.grammar_state(True, "", True) == GrammarState.MAIN
         why = ("a replay (its tokens are forced)" if replay
                else f"mode {mode!r} (it decides forks in pasta mode)" if mode != "pasta"
-               else f"the {lang.name!r} dialect (it decides PASTA-LANG promises)" if lang.name != "pasta"
+               else f"the {lang.name!r} dialect (it decides PASTA-LANG promises)" if not promises
                else "a model without the PASTA-LANG pieces as tokens (train the adapter with --tag-tokens)"
                if not self.grammar else None)
         if why is None:

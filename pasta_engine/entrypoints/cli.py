@@ -353,8 +353,7 @@ def _warm_up(args: argparse.Namespace, per_mode: dict[str, Any], prompts: Sequen
     trace and of the one with the most promises (every thread-count bucket the run reaches, e.g.
     its CUDA graphs, then exists before the clock starts). A cold first run is not a measurement."""
     from ..config import SamplingParams
-    from ..lang.dialect import get_dialect
-    from ..lang.tags import Promise
+    from ..lang.dialect import Promise, get_dialect
 
     for engine in {id(e): e for e in per_mode.values()}.values():
         engine.model_runner.warm_up()

@@ -10,12 +10,12 @@ the response: there is no join marker (the main thread's end is the engine's imp
 Syntax (docs/DESIGN.md section 2, "Dialects", APAR):
 
 ``[Fork]``
-    written by the main thread after an item's header: fork here (a :data:`~.dialect.Fork`
+    written by the main thread after an item's header: fork here (a :class:`~.dialect.Promise`
     with no topic and no predicted length: ``Promise(topic="", tokens=0)``).
 ``[Child]``
-    inserted by the interpreter as the child's first token(s) (:data:`~.dialect.Open`).
+    inserted by the interpreter as the child's first token(s) (:class:`~.dialect.AsyncOpen`).
 ``[/Child]``
-    written by the child where the item's body ends (:data:`~.dialect.Close`). This marker is
+    written by the child where the item's body ends (:class:`~.dialect.AsyncClose`). This marker is
     the dialect's choice: in the paper's released data a child ends at end-of-sequence, which
     the engine also accepts (the interpreter then closes the child, and notes it); a text
     marker lets a trace say where a body ends, so replay and training can force it.
@@ -29,8 +29,8 @@ What is a marker and what is text (the line the parser draws, character by chara
 * ``[Fork]``, ``[Child]`` and ``[/Child]`` exactly (case-sensitive) are markers;
 * a would-be marker that got as far as a head (``[Fork``, ``[Child``, ``[/Child``) and then broke
   on a character that is not a word character (``[Fork ]``, ``[Child}``, ``[Fork\\n``) is
-  malformed: tag-like text (:class:`~pasta_engine.lang.tags.TagText`, never in the clean text,
-  kept in the annotated text, with a :class:`~pasta_engine.lang.tags.Malformed` diagnostic) from
+  malformed: tag-like text (:class:`~pasta_engine.lang.dialect.TagText`, never in the clean text,
+  kept in the annotated text, with a :class:`~pasta_engine.lang.dialect.Malformed` diagnostic) from
   its ``[`` through the next ``]``, stopping before a line break or the next ``[`` and after at
   most :data:`MAX_MARKER_JUNK` characters;
 * a head followed by a letter, digit, ``_`` or ``-`` is a word, and text (``[Forklift]``,
@@ -49,10 +49,11 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
-from .dialect import policy_reserve
+from .dialect import (AsyncClose, AsyncOpen, BaseDialect, Chunk, Malformed, Parsed, Promise, TagText, Text, Threads,
+                      policy_reserve, register_dialect)
 from .grammar import GrammarState
 from .prompts import PastaPrompt
-from .tags import AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, TagText, Text, Threads, clean_from_items
+from .tags import clean_from_items
 
 __all__ = ["AparDialect", "AparParser", "APAR", "APAR_PROMPT", "FORK", "CHILD", "CHILD_CLOSE", "DEFAULT_RESERVE", "MAX_MARKER_JUNK"]
 
@@ -68,7 +69,7 @@ DEFAULT_RESERVE = 64
 MAX_MARKER_JUNK = 16
 
 #: The prompt that teaches an un-finetuned instruct model APAR (a request in this dialect gets it
-#: instead of the engine's PASTA-LANG prompt: :func:`~.dialect.dialect_prompt`). As PASTA-LANG's,
+#: instead of the engine's PASTA-LANG prompt: :meth:`AparDialect.prompt`). As PASTA-LANG's,
 #: its example is what the main thread writes and sees: headers each ending in ``[Fork]``; the
 #: bodies are written by the children, after ``[Child]``.
 APAR_PROMPT = PastaPrompt(
@@ -201,10 +202,11 @@ def _raw(e: Parsed) -> str:
     return e.text if isinstance(e, Text) else e.raw
 
 
-class AparDialect:
-    """APAR (Liu et al. 2024, arXiv 2401.06761) as a :class:`~.dialect.Dialect` (see the module
-    docstring): ``[Fork]`` forks, ``[Child]`` (inserted) ... ``[/Child]`` is the item's body,
-    every child joins at the end of the response.
+class AparDialect(BaseDialect):
+    """APAR (Liu et al. 2024, arXiv 2401.06761) as a dialect (see the module docstring):
+    ``[Fork]`` forks, ``[Child]`` (inserted) ... ``[/Child]`` is the item's body, every child
+    joins at the end of the response. Every member of :class:`~.dialect.BaseDialect` but
+    :meth:`prompt` keeps its default (one branch per fork, no join of its own).
 
     Args:
         reserve: positions the main thread skips per fork under the ``predicted`` position
@@ -216,10 +218,6 @@ class AparDialect:
     open_tag = CHILD
     close_tag = CHILD_CLOSE
     nesting = False
-    #: Fixed pieces a tokenizer may add as tokens (each then encodes as one token).
-    tag_pieces = (FORK, CHILD, CHILD_CLOSE)
-    #: What a string prompt in this dialect is formatted with (:func:`~.dialect.dialect_prompt`).
-    prompt = APAR_PROMPT
 
     def __init__(self, reserve: int = DEFAULT_RESERVE) -> None:
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
@@ -256,7 +254,7 @@ class AparDialect:
 
     def split_threads(self, annotated: str, lead_whitespace: str = "main") -> Threads:
         """An annotated response as the main thread's text (``[Fork]`` markers kept, bodies
-        out) and one :class:`~pasta_engine.lang.tags.Chunk` per fork (topic ``""``, tokens 0).
+        out) and one :class:`~pasta_engine.lang.dialect.Chunk` per fork (topic ``""``, tokens 0).
 
         ``[Child]`` opens a body only right after a ``[Fork]`` that has none yet (whitespace
         between them allowed: it stays in the main text for ``lead_whitespace="main"``, starts
@@ -317,7 +315,7 @@ class AparDialect:
 
     def splice(self, main: str, chunks: Sequence[Chunk | str | None]) -> str:
         """Each body right after its ``[Fork]`` in the main text: ``[Child]`` + content (+
-        ``[/Child]`` unless an unclosed :class:`~pasta_engine.lang.tags.Chunk`); None: no body.
+        ``[/Child]`` unless an unclosed :class:`~pasta_engine.lang.dialect.Chunk`); None: no body.
         The inverse of :meth:`split_threads`. Raises ValueError when ``main`` has fewer
         ``[Fork]`` markers than ``chunks``."""
         out: list[str] = []
@@ -344,9 +342,13 @@ class AparDialect:
         follows too)."""
         return clean_from_items(self.parse(annotated))
 
+    def prompt(self, pasta_prompt: PastaPrompt) -> PastaPrompt:
+        """:data:`APAR_PROMPT` (``pasta_prompt``, PASTA-LANG's, would teach the wrong tags)."""
+        return APAR_PROMPT
+
     def __repr__(self) -> str:
         return f"AparDialect(reserve={self.reserve})"
 
 
 #: APAR with the default reserve: what ``get_dialect("apar")`` returns.
-APAR = AparDialect()
+APAR = register_dialect(AparDialect())

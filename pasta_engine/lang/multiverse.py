@@ -20,10 +20,10 @@ block decodes inline, in the same thread, as text the model writes itself).
 How it maps onto the engine's event vocabulary (docs/DESIGN.md section 2, "Dialects"):
 
 * ``</Goal>`` of the thread's outermost block, with at least one outline: a
-  :class:`GoalFork` (a :data:`~.dialect.Fork` carrying the outlines), whose
+  :class:`GoalFork` (a :class:`~.dialect.Promise` carrying the outlines), whose
   :meth:`MultiverseDialect.branches` are one ``(promise, header)`` per outline; ``fork_joins``;
-* ``</Path>`` closing the thread's own path (its parser's outermost element): a
-  :data:`~.dialect.Close`;
+* ``</Path>`` closing the thread's own path (its parser's outermost element): an
+  :class:`~.dialect.AsyncClose`;
 * every other tag: :class:`~.dialect.Markup` (never shown, tokenized apart);
 * ``join_tag`` ``<Conclusion>``: inserted into the parent when its paths have ended.
 
@@ -38,8 +38,8 @@ Where the line between tag and text falls (character by character):
 * the ten tags exactly (case-sensitive), where the context allows them (``<Parallel>`` outside a
   block or inside a path or conclusion; ``<Goal>``, ``<Path>``, ``<Conclusion>`` directly in a
   block; ``<Outline>`` in a goal; a closing tag for the element open), are tags;
-* a tag in a context that does not allow it is tag-like text (:class:`~.tags.TagText`, never
-  shown, with a :class:`~.tags.Malformed` diagnostic); so is a would-be tag that got as far as its
+* a tag in a context that does not allow it is tag-like text (:class:`~.dialect.TagText`, never
+  shown, with a :class:`~.dialect.Malformed` diagnostic); so is a would-be tag that got as far as its
   name and broke on a character that is not a word character (``<Path x>``: ``<Path`` is
   tag-like, `` x>`` is text);
 * so is a partial tag (``<`` and at least one more character of a tag) cut by another ``<``
@@ -61,10 +61,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence
 
-from . import tags
-from .dialect import Markup, TraceFork, TraceThread
+from .dialect import (AsyncClose, BaseDialect, Chunk, Malformed, Markup, Parsed, Promise, TagText, Text, Threads,
+                      TraceFork, TraceThread, register_dialect)
 from .prompts import PastaPrompt
-from .tags import AsyncClose, Chunk, Malformed, Parsed, Promise, TagText, Text, Threads
+from .tags import clean_from_items
 
 __all__ = [
     "PARALLEL", "GOAL", "OUTLINE", "PATH", "CONCLUSION", "GoalFork", "MultiverseParser", "MultiverseDialect",
@@ -90,7 +90,7 @@ def path_header(i: int) -> str:
 
 
 #: The prompt that teaches an un-finetuned instruct model Multiverse (a request in this dialect
-#: gets it instead of the engine's PASTA-LANG prompt: :func:`~.dialect.dialect_prompt`). Its
+#: gets it instead of the engine's PASTA-LANG prompt: :meth:`MultiverseDialect.prompt`). Its
 #: example is a whole block: after ``</Goal>`` the parent sees every path, then concludes.
 MULTIVERSE_PROMPT = PastaPrompt(
     system=("You are a helpful assistant. When an answer has independent parts, write them as a parallel "
@@ -307,9 +307,10 @@ def _raw(e: Parsed) -> str:
     return e.text if isinstance(e, Text) else "" if isinstance(e, Malformed) else e.raw
 
 
-class MultiverseDialect:
+class MultiverseDialect(BaseDialect):
     """Multiverse (module docstring): forks at ``</Goal>``, one path per outline, joins its
-    paths at once and concludes after them; nests."""
+    paths at once and concludes after them; nests. It overrides every default of
+    :class:`~.dialect.BaseDialect`."""
 
     name = "multiverse"
     open_tag = f"<{PATH}>"
@@ -317,8 +318,6 @@ class MultiverseDialect:
     join_tag = f"<{CONCLUSION}>"
     nesting = True
     fork_joins = True
-    #: What a string prompt in this dialect is formatted with (:func:`~.dialect.dialect_prompt`).
-    prompt = MULTIVERSE_PROMPT
 
     def parser(self) -> MultiverseParser:
         """A fresh parser for one decoding thread."""
@@ -337,7 +336,7 @@ class MultiverseDialect:
     def branches(self, fork: Promise) -> list[tuple[Promise, str]]:
         """One path per outline of ``fork`` (a :class:`GoalFork`): its topic is the outline's
         text (stripped), its inserted text :func:`path_header`."""
-        outlines = getattr(fork, "outlines", ()) or ("",)
+        outlines = (fork.outlines if isinstance(fork, GoalFork) else ()) or ("",)
         return [(Promise(o.strip(), 0, fork.raw, fork.end), path_header(i)) for i, o in enumerate(outlines, 1)]
 
     def child_cap(self, limits: Any, fork: Promise) -> int:
@@ -357,7 +356,7 @@ class MultiverseDialect:
 
     def inserted_bytes(self, limits: Any) -> int:
         """Bytes of the longest path header a request can insert (labels up to ``max_forks``),
-        plus the conclusion tag inserted at the join."""
+        plus the conclusion tag inserted at the join (UTF-8 bytes)."""
         return len(path_header(max(1, limits.max_forks)).encode()) + len(self.join_tag.encode())
 
     # ---- traces
@@ -460,7 +459,11 @@ class MultiverseDialect:
         """What a reader sees (module docstring): the text outside blocks, the paths' bodies
         and the conclusions, no tag and no tag-like text, and no list item a left-out tag
         emptied (:func:`~pasta_engine.lang.tags.drop_empty_items`, as for PASTA-LANG)."""
-        return tags.clean_from_items(self.parse(annotated))
+        return clean_from_items(self.parse(annotated))
+
+    def prompt(self, pasta_prompt: PastaPrompt) -> PastaPrompt:
+        """:data:`MULTIVERSE_PROMPT` (``pasta_prompt``, PASTA-LANG's, would teach the wrong tags)."""
+        return MULTIVERSE_PROMPT
 
     def __repr__(self) -> str:
         return "MultiverseDialect()"
@@ -484,4 +487,4 @@ def _no_join_without_paths(t: TraceThread) -> None:
 
 
 #: The Multiverse dialect (``get_dialect("multiverse")``).
-MULTIVERSE = MultiverseDialect()
+MULTIVERSE = register_dialect(MultiverseDialect())

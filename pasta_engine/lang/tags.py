@@ -36,6 +36,12 @@ Whole-response helpers: :func:`clean_text` (the clean response a reader sees),
 :func:`strip_tags` (the response without its well-formed tags, every other character kept: the
 inverse of annotating), :func:`split_threads` (an annotated response into the main thread's text
 and each promise's chunk) and :func:`splice` (the inverse).
+
+What the parser emits are the events every dialect's parser emits, defined with the dialect
+protocol in :mod:`pasta_engine.lang.dialect` (:class:`Text`, :class:`TagText`, :class:`Promise`,
+:class:`AsyncOpen`, :class:`AsyncClose`, :class:`Sync`, :class:`Malformed`) and importable from
+here too. PASTA-LANG as a dialect (what its tags mean to the engine) is
+:mod:`pasta_engine.lang.pasta`.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
+
+from .dialect import AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, Sync, TagText, Text, Threads
 
 __all__ = [
     "Text",
@@ -70,9 +78,8 @@ __all__ = [
     "MAX_TAG_CHARS",
 ]
 
-ASYNC_OPEN = "<async>"
-ASYNC_CLOSE = "</async>"
-SYNC = "<sync/>"
+#: PASTA-LANG's fixed tags (the default ``raw`` of the shared events that stand for them).
+ASYNC_OPEN, ASYNC_CLOSE, SYNC = AsyncOpen.raw, AsyncClose.raw, Sync.raw
 
 #: A would-be tag longer than this many characters is text (guards against runaway attributes
 #: such as ``tokens="1000000000..."``).
@@ -93,73 +100,7 @@ _ATTRS = ("topic", "tokens")
 _KNOWN_HEADS = ("<promise", "<async", "</async", "<sync")
 
 
-@dataclass(frozen=True)
-class Text:
-    """Plain text (anything that is not a well-formed tag)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class TagText(Text):
-    """Text that began like a PASTA-LANG tag but is not one (a malformed tag, or a partial tag
-    at the end of the text; the module docstring draws the line). It is a :class:`Text`, so
-    whatever rebuilds what the model wrote keeps it; the clean text a reader sees
-    (:func:`clean_text`, the interpreter's clean text) leaves it out."""
-
-
-@dataclass(frozen=True)
-class Promise:
-    """A completed ``<promise topic=.. tokens=../>`` tag; ``tokens`` is the predicted length.
-
-    ``end`` (on every tag): offset in the parser's input just past the tag's last
-    character (not compared: equal tags at different places are equal items)."""
-
-    topic: str
-    tokens: int
-    raw: str
-    end: int = field(default=0, compare=False)
-
-
-@dataclass(frozen=True)
-class AsyncOpen:
-    """A completed ``<async>`` tag."""
-
-    raw: str = ASYNC_OPEN
-    end: int = field(default=0, compare=False)
-
-
-@dataclass(frozen=True)
-class AsyncClose:
-    """A completed ``</async>`` tag."""
-
-    raw: str = ASYNC_CLOSE
-    end: int = field(default=0, compare=False)
-
-
-@dataclass(frozen=True)
-class Sync:
-    """A completed ``<sync/>`` tag."""
-
-    raw: str = SYNC
-    end: int = field(default=0, compare=False)
-
-
-@dataclass(frozen=True)
-class Malformed:
-    """Diagnostic only: ``raw`` looked like the start of a PASTA-LANG tag but is not one
-    (``raw`` ends with the character that broke it, or is the partial tag left at the end).
-
-    The characters are also emitted, as :class:`TagText` (the tag-like part) and
-    :class:`Text` (nothing is lost)."""
-
-    raw: str
-    reason: str
-
-
-#: What the parser emits: text (plain or tag-like), or a tag (Malformed is a diagnostic beside
-#: the text).
-Parsed = Text | TagText | Promise | AsyncOpen | AsyncClose | Sync | Malformed
+#: PASTA-LANG's tags as events.
 Tag = Promise | AsyncOpen | AsyncClose | Sync
 
 
@@ -545,32 +486,6 @@ def clean_from_items(items: Iterable[Parsed]) -> str:
 
 
 # --------------------------------------------------------------------------- threads
-
-
-@dataclass
-class Chunk:
-    """One promise of an annotated response and the chunk spliced after it.
-
-    ``content`` is the text between ``<async>`` and ``</async>`` (``None`` when the promise
-    has no chunk); ``closed`` is False for a chunk that runs to the end of the text."""
-
-    topic: str
-    tokens: int
-    content: str | None
-    closed: bool = True
-
-
-@dataclass
-class Threads:
-    """An annotated response split into what each thread wrote.
-
-    ``main`` is the main thread's text: the response without the ``<async>..</async>``
-    chunks (promise and sync tags kept verbatim). ``chunks[i]`` belongs to the i-th promise
-    tag in ``main``. Whitespace between a promise and its ``<async>`` stays in ``main``."""
-
-    main: str
-    chunks: list[Chunk]
-    diagnostics: list[str] = field(default_factory=list)
 
 
 def split_threads(annotated: str, lead_whitespace: str = "main") -> Threads:

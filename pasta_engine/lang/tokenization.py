@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .dialect import PASTA, Dialect, TraceFork, TraceThread, split_tree
-from .tags import Malformed, Promise, Text
+from .dialect import BaseDialect, Dialect, Malformed, Promise, Text, TraceFork, TraceThread, as_dialect
+from .pasta import PASTA
 
 __all__ = [
     "eos_token_ids",
@@ -171,7 +171,7 @@ class ForcedChunk:
 
 @dataclass
 class ThreadTokens:
-    """One thread of a trace tree in tokens (a nesting dialect: :func:`~.dialect.split_tree`).
+    """One thread of a trace tree in tokens (a nesting dialect: :meth:`~.dialect.BaseDialect.split_tree`).
 
     Attributes:
         ids: the tokens it samples (its text, tags and fork markers; a child's closing tag
@@ -264,7 +264,7 @@ class AnnotatedTokens:
     tree: ThreadTokens | None = None
 
 
-def _encode_segments(tokenizer: Any, text: str, dialect: Dialect = PASTA) -> tuple[list[int], list[int]]:
+def _encode_segments(tokenizer: Any, text: str, dialect: BaseDialect) -> tuple[list[int], list[int]]:
     """Tokens of ``text`` with each tag source tokenized apart from the text around it, and
     the token counts at which each promise tag (the dialect's fork marker) ends."""
     ids: list[int] = []
@@ -294,12 +294,16 @@ def tokenize_annotated(tokenizer: Any, annotated: str, dialect: Dialect = PASTA)
         tokenizer: a ``transformers`` tokenizer.
         annotated: a response with the dialect's tags; anything malformed is text.
         dialect: the language (:class:`~pasta_engine.lang.dialect.Dialect`; its
-            ``split_threads``, ``parse``, ``splice``, ``open_tag`` and ``close_tag``).
+            ``split_tree``, ``split_threads``, ``parse``, ``splice``, ``open_tag`` and
+            ``close_tag``).
 
-    Returns :class:`AnnotatedTokens`. Never raises on content. A nesting dialect's trace
-    (one with ``split_tree``) is tokenized as a tree: each thread's text runs and tags as
-    here, each branch's own forks nested (:class:`ThreadTokens`)."""
-    tree = split_tree(dialect, annotated)
+    Returns :class:`AnnotatedTokens`. Never raises on content; raises TypeError for a
+    ``dialect`` that lacks a member of the protocol (:func:`~pasta_engine.lang.dialect.as_dialect`).
+    A nesting dialect's trace (one whose ``split_tree`` gives a tree) is tokenized as a tree:
+    each thread's text runs and tags as here, each branch's own forks nested
+    (:class:`ThreadTokens`)."""
+    dialect = as_dialect(dialect)
+    tree = dialect.split_tree(annotated)
     if tree is not None:
         tt = _tokenize_tree(tokenizer, tree)
         chunks = [None if b is None else b.forced() for _, bs, _ in tt.forks for b in bs]

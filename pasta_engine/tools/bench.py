@@ -207,8 +207,7 @@ def annotate_rows_in_dialect(rows: Sequence[PromptRow], dialect: str,
     """Trace rows for ``rows`` (each with an ``output``) annotated by :func:`dialect_annotator`
     (``dialect``): the trace's ``annotator`` is ``dialect:NAME`` and ``promises`` its forks.
     Raises BenchError for a row without ``output`` and as :func:`dialect_annotator`."""
-    from ..lang.dialect import get_dialect
-    from ..lang.tags import Promise
+    from ..lang.dialect import Promise, get_dialect
 
     annotate_fn, lang = dialect_annotator(dialect), get_dialect(dialect)
     count = count_tokens or approx_token_count
@@ -429,8 +428,7 @@ def warmup_traces(traces: Sequence[TraceRow], dialect: str = "pasta") -> list[Tr
     before timing warms up whatever the engine prepares per shape or per thread count (kernel
     compilation, CUDA graph capture for each bucket of live threads up to the widest the run
     reaches)."""
-    from ..lang.dialect import get_dialect
-    from ..lang.tags import Promise
+    from ..lang.dialect import Promise, get_dialect
 
     lang = get_dialect(dialect)
     widest = max(traces, key=lambda t: sum(isinstance(e, Promise) for e in lang.parse(t.annotated_response)))

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 import torch
 
 from ..config import Limits, PositionPolicy
-from ..lang.dialect import PASTA, Dialect, dialect_prompt
+from ..lang.dialect import Dialect, dialect_prompt
+from ..lang.pasta import PASTA
 from ..lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
 from ..lang.tokenization import encode_prompt, eos_token_ids
 from .layout import PastaLayout, pasta_layout

@@ -25,7 +25,8 @@ from typing import Any, Sequence
 from ..config import Limits, PositionPolicy, SamplingParams
 from ..core.block_manager import BlockManager
 from ..core.request import Request, interpreter_factory
-from ..lang.dialect import PASTA, Dialect
+from ..lang.dialect import Dialect
+from ..lang.pasta import PASTA
 from ..core.scheduler import SampledTokens, Scheduler
 
 __all__ = ["PastaLayout", "pasta_layout"]
