@@ -340,8 +340,9 @@ class Limits:
         chunk_sentence_end: where the sampler enforces the grammar, a chunk (an async thread)
             may not end (``</async>`` or end-of-sequence) until its text ends a sentence or a
             line (:func:`~pasta_engine.lang.grammar.ends_sentence`): no chunk stops
-            mid-sentence, at a colon, or empty (issue 30; its cap still ends it). False: chunks
-            end where the model ends them.
+            mid-sentence, at a colon, or empty (issue 30). A chunk at its cap mid-sentence gets
+            up to ``SENTENCE_GRACE_TOKENS`` (32, :mod:`pasta_engine.core.interpreter`) more
+            tokens to end its sentence. False: chunks end where the model or the cap ends them.
 
     The response's total length is :attr:`SamplingParams.max_new_tokens`."""
 

@@ -60,7 +60,7 @@ from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
 from ..lang.dialect import (AsyncClose, AsyncOpen, BaseDialect, Dialect, Malformed, Markup, Promise, Sync, TagText,
                             Text, TextParser, as_dialect)
-from ..lang.grammar import topic_key
+from ..lang.grammar import ends_sentence, topic_key
 from ..lang.pasta import PASTA
 from ..lang.tokenization import ForcedChunk
 from ..metrics import ResponseStructure
@@ -85,6 +85,10 @@ __all__ = [
 ]
 
 MODES = ("pasta", "sequential")
+#: With ``Limits.chunk_sentence_end``, a chunk at its cap mid-sentence may sample this many more
+#: tokens to end the sentence (it ends at the first sentence or line end; at the cap plus this, in
+#: any case): a chunk cut mid-sentence by its cap reads as cut off.
+SENTENCE_GRACE_TOKENS = 32
 
 
 class ThreadStatus(enum.Enum):
@@ -386,6 +390,14 @@ class Interpreter:
         return self.dialect.grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks,
                                           self.topics_taken if self.limits.distinct_topics else (), tail)
 
+    def _cap_ends(self, t: Thread) -> bool:
+        """Whether thread ``t``, at or past its cap, ends now: at once, unless the grammar holds
+        chunks open until a sentence ends (``limits.chunk_sentence_end`` where the grammar
+        applies), which gives it up to :data:`SENTENCE_GRACE_TOKENS` more to end its sentence."""
+        if not (self.grammar and self.limits.chunk_sentence_end) or t.is_main:
+            return True
+        return t.n_sampled >= t.cap + SENTENCE_GRACE_TOKENS or ends_sentence(_clean_tail(t))
+
     def _inserted_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` the interpreter inserts (the dialect's opening tag: ``open_ids``;
         another text through ``encode``). Raises ValueError when another text is needed and
@@ -469,7 +481,8 @@ class Interpreter:
                 self._on_text(thread, piece)
             if self.stop_strings and thread.clean_len > before and not thread.ended:
                 self._check_stop_strings(thread, before)
-            if thread.cap is not None and not thread.ended and thread.n_sampled >= thread.cap:
+            if (thread.cap is not None and not thread.ended and thread.n_sampled >= thread.cap
+                    and self._cap_ends(thread)):
                 self._note(thread, f"reached its cap of {thread.cap} tokens; closed by the interpreter")
                 self._end_thread(thread, "cap", flush=True)
             if thread.forced is not None and not thread.forced and not thread.ended:

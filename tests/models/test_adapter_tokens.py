@@ -265,6 +265,39 @@ def test_the_interpreter_holds_a_chunk_open_until_a_sentence_ends_unless_told_no
     assert child_states(False, [7, 8, 9, 10]) == [chunk] * 5
 
 
+def test_a_chunk_at_its_cap_mid_sentence_gets_a_grace_to_end_it():
+    """With chunk_sentence_end, a chunk at its cap mid-sentence samples on to its sentence end
+    (at most SENTENCE_GRACE_TOKENS past the cap); without it, or at a sentence end, the cap ends it."""
+    from pasta_engine.config import Limits
+    from pasta_engine.core.interpreter import SENTENCE_GRACE_TOKENS, Interpreter
+
+    pieces = ["<EOS>", "<async>", '<promise topic="', "Sleep", '" tokens="', "1", '"/>', " word", "."]
+    decode = lambda ids: "".join(pieces[i] for i in ids if i != 0)  # noqa: E731
+
+    def child_samples(rule: bool, chunk: list[int]) -> int:
+        """Tokens the child samples of ``chunk`` (then " word" forever) before it ends; cap 4."""
+        it = Interpreter([1], decode=decode, eos_ids=[0], open_ids=[1], close_len=1, grammar=True,
+                         limits=Limits(max_threads=None, chunk_sentence_end=rule, async_min_cap=4))
+        for tok in [2, 3, 4, 5, 6]:
+            it.step_done(it.runnable_threads())
+            it.take_kv_ops()
+            it.on_token(0, tok)
+        for n in range(200):
+            steps = it.runnable_threads()
+            if not any(s.tid == 1 and s.sample for s in steps):
+                return n
+            it.step_done(steps)
+            it.take_kv_ops()
+            it.on_token(0, 7)
+            it.on_token(1, chunk[n] if n < len(chunk) else 7)
+        raise AssertionError("the child never ended")
+
+    assert child_samples(False, []) == 4  # the cap
+    assert child_samples(True, [7, 7, 7, 8]) == 4  # a sentence ends at the cap: it ends there
+    assert child_samples(True, [7, 7, 7, 7, 7, 8]) == 6  # past the cap, at its sentence end
+    assert child_samples(True, []) == 4 + SENTENCE_GRACE_TOKENS  # no sentence end: the grace, no more
+
+
 def test_a_topic_starts_with_a_letter_and_a_length_with_a_nonzero_digit():
     """Stage-2 training once wrote ``<promise topic="10" tokens="00"/>``: the masks forbid a topic
     that starts with a number and a length that starts with 0."""
