@@ -13,7 +13,11 @@ import time
 import pytest
 
 _SCRIPT = """
+import faulthandler
+import signal
 import time
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for rank 0's stacks if it hangs
 
 from pasta_engine import Engine, SamplingParams
 
@@ -54,7 +58,14 @@ def test_ctrl_c_prints_only_rank_0s_interrupt_and_frees_every_page(tiny_llama, t
         assert proc.stdout.readline().strip() == "READY", proc.stderr.read()[-3000:]
         time.sleep(2.0)  # decoding now
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # a hang: fail with where rank 0 waits
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2.0)
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"the interrupted script hung past 120 s; rank 0's stacks:\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
