@@ -38,8 +38,9 @@ def main() -> None:
     ap.add_argument("--fork-threshold", type=float, default=None)
     ap.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=True,
                     help="Limits.distinct_topics: a topic may not repeat one already promised (default on)")
-    ap.add_argument("--chunk-sentence-end", action=argparse.BooleanOptionalAction, default=True,
-                    help="Limits.chunk_sentence_end: a chunk may not end mid-sentence, at a colon, or empty (default on)")
+    ap.add_argument("--chunk-clean-end", action=argparse.BooleanOptionalAction, default=True,
+                    help="Limits.chunk_clean_end: a chunk may not end empty or at a colon, comma or semicolon; "
+                    "one at its cap mid-sentence may finish it (default on)")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--repetition-penalty", type=float, default=1.1)
     ap.add_argument("--max-running-requests", type=int, default=16)
@@ -55,7 +56,7 @@ def main() -> None:
     rows = [r for r in json.loads(args.prompts.read_text()) if r.get("dataset") == "vicuna"][: args.limit]
     adapter = None if args.adapter == "none" else args.adapter
     limits = Limits(fork_threshold=args.fork_threshold, distinct_topics=args.distinct_topics,
-                    chunk_sentence_end=args.chunk_sentence_end)
+                    chunk_clean_end=args.chunk_clean_end)
     engine = Engine.from_pretrained(None, adapter=adapter, max_running_requests=args.max_running_requests,
                                     limits=limits)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0,
@@ -100,7 +101,7 @@ def main() -> None:
         "settings": {"max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                      "repetition_penalty": args.repetition_penalty, "mode": args.mode,
                      "fork_threshold": args.fork_threshold, "distinct_topics": args.distinct_topics,
-                     "chunk_sentence_end": args.chunk_sentence_end,
+                     "chunk_clean_end": args.chunk_clean_end,
                      "max_running_requests": args.max_running_requests,
                      "adapter": args.adapter, "torch_threads": torch.get_num_threads(), "device": "cpu",
                      "dtype": "float32", "seconds": round(seconds, 1)},

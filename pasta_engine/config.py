@@ -337,12 +337,13 @@ class Limits:
             promised in the response (case, spacing and punctuation ignored): siblings are never
             promised the same topic (docs/DESIGN.md section 2). False: the model's topics as
             it samples them.
-        chunk_sentence_end: where the sampler enforces the grammar, a chunk (an async thread)
-            may not end (``</async>`` or end-of-sequence) until its text ends a sentence or a
-            line (:func:`~pasta_engine.lang.grammar.ends_sentence`): no chunk stops
-            mid-sentence, at a colon, or empty (issue 30). A chunk at its cap mid-sentence gets
-            up to ``SENTENCE_GRACE_TOKENS`` (32, :mod:`pasta_engine.core.interpreter`) more
-            tokens to end its sentence. False: chunks end where the model or the cap ends them.
+        chunk_clean_end: where the sampler enforces the grammar, a chunk (an async thread)
+            may not end (``</async>`` or end-of-sequence) empty or at a colon, comma or
+            semicolon (:func:`~pasta_engine.lang.grammar.chunk_may_end`), and a chunk at its
+            cap mid-sentence gets up to ``SENTENCE_GRACE_TOKENS`` (32,
+            :mod:`pasta_engine.core.interpreter`) more tokens to end its sentence
+            (:func:`~pasta_engine.lang.grammar.ends_sentence`) (issue 30). False: chunks end
+            where the model or the cap ends them.
 
     The response's total length is :attr:`SamplingParams.max_new_tokens`."""
 
@@ -355,7 +356,7 @@ class Limits:
     fork_threshold: float | None = None
     length_cut: str = "prefix"
     distinct_topics: bool = True
-    chunk_sentence_end: bool = True
+    chunk_clean_end: bool = True
 
     def __post_init__(self) -> None:
         check_int("max_threads", self.max_threads, 1, none_ok=True)
@@ -368,8 +369,8 @@ class Limits:
             check_float("fork_threshold", self.fork_threshold, 0.0, 1.0, lo_open=True)
         if not isinstance(self.distinct_topics, bool):
             raise ParameterError("distinct_topics", self.distinct_topics, "True or False")
-        if not isinstance(self.chunk_sentence_end, bool):
-            raise ParameterError("chunk_sentence_end", self.chunk_sentence_end, "True or False")
+        if not isinstance(self.chunk_clean_end, bool):
+            raise ParameterError("chunk_clean_end", self.chunk_clean_end, "True or False")
         if self.length_cut not in LENGTH_CUTS:
             raise ParameterError("length_cut", self.length_cut, " or ".join(repr(x) for x in LENGTH_CUTS))
 

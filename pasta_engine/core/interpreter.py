@@ -85,7 +85,7 @@ __all__ = [
 ]
 
 MODES = ("pasta", "sequential")
-#: With ``Limits.chunk_sentence_end``, a chunk at its cap mid-sentence may sample this many more
+#: With ``Limits.chunk_clean_end``, a chunk at its cap mid-sentence may sample this many more
 #: tokens to end the sentence (it ends at the first sentence or line end; at the cap plus this, in
 #: any case): a chunk cut mid-sentence by its cap reads as cut off.
 SENTENCE_GRACE_TOKENS = 32
@@ -386,15 +386,14 @@ class Interpreter:
 
     def _grammar_state(self, t: Thread) -> int:
         """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample."""
-        tail = _clean_tail(t) if self.limits.chunk_sentence_end and not t.is_main else None
+        tail = _clean_tail(t) if self.limits.chunk_clean_end and not t.is_main else None
         return self.dialect.grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks,
                                           self.topics_taken if self.limits.distinct_topics else (), tail)
 
     def _cap_ends(self, t: Thread) -> bool:
-        """Whether thread ``t``, at or past its cap, ends now: at once, unless the grammar holds
-        chunks open until a sentence ends (``limits.chunk_sentence_end`` where the grammar
-        applies), which gives it up to :data:`SENTENCE_GRACE_TOKENS` more to end its sentence."""
-        if not (self.grammar and self.limits.chunk_sentence_end) or t.is_main:
+        """Whether thread ``t``, at or past its cap, ends now: at once, unless ``limits.chunk_clean_end`` holds (where
+        the grammar applies), which gives a chunk mid-sentence up to :data:`SENTENCE_GRACE_TOKENS` more to end its sentence."""
+        if not (self.grammar and self.limits.chunk_clean_end) or t.is_main:
             return True
         return t.n_sampled >= t.cap + SENTENCE_GRACE_TOKENS or ends_sentence(_clean_tail(t))
 

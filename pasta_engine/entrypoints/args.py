@@ -138,9 +138,9 @@ def add_pasta_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=True,
                    help="a promise's topic may not repeat one already promised in the response (a model with the tag "
                         "tokens; default on)")
-    g.add_argument("--chunk-sentence-end", action=argparse.BooleanOptionalAction, default=True,
-                   help="a chunk may not end until its text ends a sentence or a line: none stops mid-sentence, at a "
-                        "colon, or empty (a model with the tag tokens; default on)")
+    g.add_argument("--chunk-clean-end", action=argparse.BooleanOptionalAction, default=True,
+                   help="a chunk may not end empty or at a colon, comma or semicolon, and one at its cap mid-sentence "
+                        "gets up to 32 more tokens to end it (a model with the tag tokens; default on)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, temperature: float = 0.0,
@@ -305,7 +305,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
                                    fork_threshold=getattr(args, "fork_threshold", None),
                                    length_cut=getattr(args, "length_cut", "prefix"),
                                    distinct_topics=getattr(args, "distinct_topics", True),
-                                   chunk_sentence_end=getattr(args, "chunk_sentence_end", True))
+                                   chunk_clean_end=getattr(args, "chunk_clean_end", True))
         options["position_policy"] = args.position_policy
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20

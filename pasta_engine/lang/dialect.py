@@ -279,8 +279,8 @@ class Dialect(Protocol):
         (:class:`~pasta_engine.lang.grammar.GrammarState`); ``taken``: the topics already
         promised in the response (:func:`~pasta_engine.lang.grammar.topic_key`), for a dialect
         whose grammar keeps sibling topics distinct; ``tail``: an async thread's own text so far
-        (tags left out; None: no rule), for a dialect whose grammar holds a chunk open until it
-        ends a sentence (``Limits.chunk_sentence_end``). A dialect without masks answers
+        (tags left out; None: no rule), for a dialect whose grammar holds a chunk open while it
+        may not end (``Limits.chunk_clean_end``). A dialect without masks answers
         ``FREE`` always; ``MAIN`` where the main thread may open a promise is where
         ``Limits.fork_threshold`` acts."""
         ...

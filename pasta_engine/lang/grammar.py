@@ -30,10 +30,11 @@ applied to a whole step's logits in one tensor operation by the model runner):
 * main thread, outside a tag: no ``</async>``, no ``<async>`` (the interpreter writes it), no
   ``" tokens="``; once the fork cap is reached, no ``<promise topic="`` either;
 * async thread (inside a chunk): no ``<promise topic="`` (no nesting), no ``<sync/>``, no
-  ``<async>``, no ``" tokens="``; with ``sentence_end`` (``Limits.chunk_sentence_end``), no
-  ``</async>`` and no end-of-sequence until the chunk's text ends a sentence or a line
-  (:func:`ends_sentence`; ``CHUNK_OPEN``), so no chunk stops mid-sentence, at a colon, or empty
-  (the defects blind readers named most in forked answers; the chunk's cap still ends it);
+  ``<async>``, no ``" tokens="``; with a tail (``Limits.chunk_clean_end``), no ``</async>`` and
+  no end-of-sequence while the chunk is empty or its text stops at a colon, a comma or a
+  semicolon (:func:`chunk_may_end`; ``CHUNK_OPEN``): "Some popular items include:" and nothing
+  after, the defect blind readers named in forked answers (a chunk at its cap mid-sentence is the
+  interpreter's to finish, :func:`ends_sentence`);
 * inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one;
   the first holds a letter, so a topic is never a bare number), then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
   :data:`MAX_TOPIC_BYTES` bytes (UTF-8) must end; a topic equal to one already promised in the
@@ -64,6 +65,7 @@ __all__ = [
     "grammar_state",
     "topic_key",
     "ends_sentence",
+    "chunk_may_end",
     "state_masks",
 ]
 
@@ -183,6 +185,20 @@ def ends_sentence(tail: str) -> bool:
     return tail.rstrip().rstrip(_CLOSERS)[-1:] in tuple(_SENTENCE_END)
 
 
+#: The last characters after which a chunk may not end: it announced more (a list, a clause).
+_OPENERS = ":,;"
+
+
+def chunk_may_end(tail: str) -> bool:
+    """Whether a chunk whose text ends with ``tail`` (its last characters, tags left out) may end
+    there: not when it is empty, and not when its last non-space character is ``:``, ``,`` or
+    ``;`` (it announced more than it wrote). A chunk that ends without a full stop ("...for
+    every budget") may end: forcing it on taught nothing and, on a degenerate chunk, made it
+    repeat itself to the token limit."""
+    text = tail.rstrip()
+    return bool(text) and text[-1] not in _OPENERS
+
+
 def grammar_state(is_main: bool, pending: str, can_fork: bool = True,
                   taken: Collection[str] = (), tail: str | None = None) -> GrammarState:
     """The state of a pasta-mode thread from the tag parser's held-back text.
@@ -194,13 +210,13 @@ def grammar_state(is_main: bool, pending: str, can_fork: bool = True,
         taken: :func:`topic_key` of each topic already promised in the response: a topic equal
             to one of them is ``TOPIC_TAKEN`` (it may not end yet), unless it is full.
         tail: an async thread's own text so far, tags left out (its last few characters
-            suffice): a chunk whose text does not :func:`ends_sentence` is ``CHUNK_OPEN`` (it
+            suffice): a chunk whose text :func:`chunk_may_end` refuses is ``CHUNK_OPEN`` (it
             may not end yet); None: no such rule (``CHUNK``).
 
     A partial promise written as text tokens (``<prom``) is not constrained: only what follows a
     ``<promise topic="`` prefix is (the piece token writes exactly that prefix)."""
     if not is_main:
-        return GrammarState.CHUNK_OPEN if tail is not None and not ends_sentence(tail) else GrammarState.CHUNK
+        return GrammarState.CHUNK_OPEN if tail is not None and not chunk_may_end(tail) else GrammarState.CHUNK
     if not pending.startswith(PROMISE_OPEN):
         return GrammarState.MAIN if can_fork else GrammarState.MAIN_NO_FORK
     rest = pending[len(PROMISE_OPEN):]

@@ -128,7 +128,7 @@ def run_cases(ckpt: Path, tagged_adapter: Path) -> dict[str, list[dict]]:
     ]
     # the golden tokens predate the sentence-end rule (a chunk's end masked until its sentence ends),
     # which changes what the grammar masks and so the logprobs: record and compare with it off
-    lim = Limits(max_threads=3, chunk_sentence_end=False)
+    lim = Limits(max_threads=3, chunk_clean_end=False)
     out["grammar_forks"] = _drive(tagged, [(p, prm, "pasta", lim) for p, prm in zip(PROMPTS, forking)])
     knob = [
         S(max_new_tokens=30, temperature=0.0),

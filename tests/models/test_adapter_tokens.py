@@ -186,21 +186,24 @@ def test_a_topic_already_promised_may_not_end_there():
     assert allow and set(ids) == {0, 1, 3}  # topic text, never the piece that would end it (nor EOS)
 
 
-def test_a_chunk_may_end_only_at_a_sentence_or_line_end():
-    """Issue 30: blind readers named chunks that stop mid-sentence or at a colon ("Some popular
-    items include:" and nothing after) the commonest defect of forked answers. With a tail, an
-    async thread whose text does not end a sentence is ``CHUNK_OPEN``: no ``</async>``, no EOS."""
-    from pasta_engine.lang.grammar import ends_sentence
+def test_a_chunk_may_not_end_empty_or_at_a_colon():
+    """Issue 30: blind readers named chunks that stop at a colon ("Some popular items include:"
+    and nothing after) or cut off among the defects of forked answers. With a tail, an async
+    thread whose text is empty or stops at ``:``, ``,`` or ``;`` is ``CHUNK_OPEN``: no
+    ``</async>``, no EOS. A chunk without a full stop may end (forcing a degenerate chunk on made
+    it repeat itself). :func:`ends_sentence` is the cap's finer test (the interpreter's grace)."""
+    from pasta_engine.lang.grammar import chunk_may_end, ends_sentence
 
     for done in ("It helps.", "Really?", "Go!", 'He said "yes."', "(see below.)", "**Done!**", "Wait\u2026",
                  "1. Apples\n", "It helps.  "):
-        assert ends_sentence(done), done
-    for open_ in ("", "  ", "\n", "Some popular items include:", "which could include wheelchair-accessible",
-                  "apples, pears,", "It is 3", "**Bold**"):
-        assert not ends_sentence(open_), open_
+        assert ends_sentence(done) and chunk_may_end(done), done
+    for open_ in ("", "  ", "\n", "Some popular items include:", "apples, pears,", "first; "):
+        assert not ends_sentence(open_) and not chunk_may_end(open_), open_
+    for fragment in ("which could include wheelchair-accessible", "It is 3", "**Bold**", "= 6ml"):
+        assert chunk_may_end(fragment) and not ends_sentence(fragment), fragment
     assert grammar_state(False, "", tail="Some items include:") is GrammarState.CHUNK_OPEN
     assert grammar_state(False, "", tail="") is GrammarState.CHUNK_OPEN  # an empty chunk may not end
-    assert grammar_state(False, "", tail="It helps.") is GrammarState.CHUNK
+    assert grammar_state(False, "", tail="It helps") is GrammarState.CHUNK
     assert grammar_state(False, "", tail=None) is GrammarState.CHUNK  # the rule off
     assert grammar_state(True, "", tail="include:") is GrammarState.MAIN  # the main thread is not held
     table = [b"Sleep", b" more", b"x", b"3"]
@@ -234,7 +237,7 @@ def test_the_interpreter_keeps_sibling_topics_distinct_unless_told_not_to():
     assert state_after(False) is GrammarState.TOPIC
 
 
-def test_the_interpreter_holds_a_chunk_open_until_a_sentence_ends_unless_told_not_to():
+def test_the_interpreter_holds_a_chunk_open_at_a_colon_unless_told_not_to():
     from pasta_engine.config import Limits
     from pasta_engine.core.interpreter import Interpreter
 
@@ -243,7 +246,7 @@ def test_the_interpreter_holds_a_chunk_open_until_a_sentence_ends_unless_told_no
 
     def child_states(rule: bool, chunk: list[int]) -> list[GrammarState]:
         it = Interpreter([1], decode=decode, eos_ids=[0], open_ids=[1], close_len=1, grammar=True,
-                         limits=Limits(max_threads=None, chunk_sentence_end=rule))
+                         limits=Limits(max_threads=None, chunk_clean_end=rule))
         for tok in [2, 3, 4, 5, 6]:  # the main thread promises "Sleep": a child forks
             it.step_done(it.runnable_threads())
             it.take_kv_ops()
@@ -260,13 +263,13 @@ def test_the_interpreter_holds_a_chunk_open_until_a_sentence_ends_unless_told_no
         return states
 
     open_, chunk = GrammarState.CHUNK_OPEN, GrammarState.CHUNK
-    # empty, " Rest", " Rest well", " Rest well." (may end), " Rest well.:" (held again)
-    assert child_states(True, [7, 8, 9, 10]) == [open_, open_, open_, chunk, open_]
+    # empty (held), " Rest", " Rest well", " Rest well." (may end), " Rest well.:" (held again)
+    assert child_states(True, [7, 8, 9, 10]) == [open_, chunk, chunk, chunk, open_]
     assert child_states(False, [7, 8, 9, 10]) == [chunk] * 5
 
 
 def test_a_chunk_at_its_cap_mid_sentence_gets_a_grace_to_end_it():
-    """With chunk_sentence_end, a chunk at its cap mid-sentence samples on to its sentence end
+    """With chunk_clean_end, a chunk at its cap mid-sentence samples on to its sentence end
     (at most SENTENCE_GRACE_TOKENS past the cap); without it, or at a sentence end, the cap ends it."""
     from pasta_engine.config import Limits
     from pasta_engine.core.interpreter import SENTENCE_GRACE_TOKENS, Interpreter
@@ -277,7 +280,7 @@ def test_a_chunk_at_its_cap_mid_sentence_gets_a_grace_to_end_it():
     def child_samples(rule: bool, chunk: list[int]) -> int:
         """Tokens the child samples of ``chunk`` (then " word" forever) before it ends; cap 4."""
         it = Interpreter([1], decode=decode, eos_ids=[0], open_ids=[1], close_len=1, grammar=True,
-                         limits=Limits(max_threads=None, chunk_sentence_end=rule, async_min_cap=4))
+                         limits=Limits(max_threads=None, chunk_clean_end=rule, async_min_cap=4))
         for tok in [2, 3, 4, 5, 6]:
             it.step_done(it.runnable_threads())
             it.take_kv_ops()

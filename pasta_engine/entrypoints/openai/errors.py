@@ -20,7 +20,7 @@ _PARAM_NAMES = {
     "fork_threshold": "pasta.fork_threshold",
     "length_cut": "pasta.length_cut",
     "distinct_topics": "pasta.distinct_topics",
-    "chunk_sentence_end": "pasta.chunk_sentence_end",
+    "chunk_clean_end": "pasta.chunk_clean_end",
     "annotated_response": "pasta.annotated_response",
     "mode": "pasta.mode",
     "dialect": "pasta.dialect",

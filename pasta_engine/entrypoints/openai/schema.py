@@ -130,9 +130,10 @@ class PastaOptions(BaseModel):
     distinct_topics: bool | None = Field(
         None, description="a promise's topic may not repeat one already promised in the response (default true; "
         "where the sampler enforces the PASTA-LANG grammar)")
-    chunk_sentence_end: bool | None = Field(
-        None, description="a chunk may not end until its text ends a sentence or a line: none stops mid-sentence, at "
-        "a colon, or empty (default true; where the sampler enforces the PASTA-LANG grammar)")
+    chunk_clean_end: bool | None = Field(
+        None, description="a chunk may not end empty or at a colon, comma or semicolon, and one at its cap "
+        "mid-sentence gets up to 32 more tokens to end it (default true; where the sampler enforces the PASTA-LANG "
+        "grammar)")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
     annotated_response: str | None = Field(None, description="replay this annotated response (forced decoding)")
 

@@ -160,7 +160,7 @@ class Server:
         limits = None
         if (pasta.max_threads is not None or pasta.max_forks is not None or pasta.max_fork_depth is not None
                 or pasta.fork_threshold is not None or pasta.length_cut is not None
-                or pasta.distinct_topics is not None or pasta.chunk_sentence_end is not None):
+                or pasta.distinct_topics is not None or pasta.chunk_clean_end is not None):
             base = self.engine.engine.config.limits
             mt = (base.max_threads or 0) if pasta.max_threads is None else pasta.max_threads
             mf = base.max_forks if pasta.max_forks is None else pasta.max_forks
@@ -170,8 +170,8 @@ class Server:
                                          fork_threshold=ft, length_cut=pasta.length_cut or base.length_cut,
                                          distinct_topics=base.distinct_topics if pasta.distinct_topics is None
                                          else pasta.distinct_topics,
-                                         chunk_sentence_end=base.chunk_sentence_end
-                                         if pasta.chunk_sentence_end is None else pasta.chunk_sentence_end)
+                                         chunk_clean_end=base.chunk_clean_end
+                                         if pasta.chunk_clean_end is None else pasta.chunk_clean_end)
         more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                 top_k=top_k, seed=seed, return_logprobs=logprobs, stop=tuple(req.stops()), n=req.n,
