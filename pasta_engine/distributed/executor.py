@@ -34,6 +34,7 @@ so (:class:`MainGuardError`), not a worker's exit code.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -512,6 +513,7 @@ def _worker_main(rank: int, size: int, init_method: str, device: str, load: dict
                  step_timeout_s: float = DEVICE_TIMEOUT_S) -> None:
     """One worker rank: join the group, load the shard, then serve steps until ``("stop",)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C (the whole group gets it) is rank 0's: it stops us
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 -PGID`: where each rank waits
     threading.Thread(target=_watch_parent, daemon=True, name="pasta-tp-parent-watch").start()
     torch.set_num_threads(max(1, threads))
     dev = torch.device(device)
