@@ -23,6 +23,7 @@ from pasta_engine import Engine, SamplingParams
 
 if __name__ == "__main__":
     engine = Engine.from_pretrained({ckpt!r}, tensor_parallel_size=2, kv_cache_bytes=8 * 2**20, page_size=4)
+    engine.generate([[1, 40, 41]], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm: every step path run once
     print("READY", flush=True)
     try:
         while True:  # a call can end at the context length before the SIGINT comes: decode until it does
@@ -56,7 +57,7 @@ def test_ctrl_c_prints_only_rank_0s_interrupt_and_frees_every_page(tiny_llama, t
                             start_new_session=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     try:
         assert proc.stdout.readline().strip() == "READY", proc.stderr.read()[-3000:]
-        time.sleep(2.0)  # decoding now
+        time.sleep(1.0)  # decoding now, in a warm engine
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         try:
             out, err = proc.communicate(timeout=120)
