@@ -311,17 +311,9 @@ class TensorParallelModel:
         Raises TensorParallelStepError when any rank's part failed (every rank has ended the
         step), EngineDeadError when a worker has died or the group is broken. A
         KeyboardInterrupt in the middle of the step stops the workers and leaves the engine dead
-        (the ranks are out of step), then propagates.
-
-        During the step a SIGINT restarts the system calls it lands in (``SA_RESTART``,
-        :func:`signal.siginterrupt`) instead of failing them with EINTR: a Ctrl-C that landed
-        inside gloo's blocking I/O left rank 0 waiting in an all-reduce the workers had finished
-        (seen under full CPU load). Python still raises the KeyboardInterrupt, at the next bytecode."""
+        (the ranks are out of step), then propagates."""
         self._check_alive()
         fault, self._fault = self._fault, {}
-        restart = signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL, None)
-        if restart:
-            signal.siginterrupt(signal.SIGINT, False)
         try:
             self._send(("step", inputs, fault))
             out, failures = _guarded_forward(self.shard, self.group, fault.get(0),
@@ -334,9 +326,6 @@ class TensorParallelModel:
             # shutdown must not send one (it hung past 120 s); the ranks are out of step for good
             self._die("a KeyboardInterrupt stopped rank 0 in the middle of a step")
             raise
-        finally:
-            if restart:
-                signal.siginterrupt(signal.SIGINT, True)
         if failures:
             raise failures
         return out
