@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--mode", default="pasta", choices=("pasta", "sequential"))
     ap.add_argument("--fork-threshold", type=float, default=None)
+    ap.add_argument("--max-forks", type=int, default=None, help="Limits.max_forks (default: the engine's)")
     ap.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=True,
                     help="Limits.distinct_topics: a topic may not repeat one already promised (default on)")
     ap.add_argument("--chunk-clean-end", action=argparse.BooleanOptionalAction, default=True,
@@ -56,7 +57,8 @@ def main() -> None:
     rows = [r for r in json.loads(args.prompts.read_text()) if r.get("dataset") == "vicuna"][: args.limit]
     adapter = None if args.adapter == "none" else args.adapter
     limits = Limits(fork_threshold=args.fork_threshold, distinct_topics=args.distinct_topics,
-                    chunk_clean_end=args.chunk_clean_end)
+                    chunk_clean_end=args.chunk_clean_end,
+                    **({} if args.max_forks is None else {"max_forks": args.max_forks}))
     engine = Engine.from_pretrained(None, adapter=adapter, max_running_requests=args.max_running_requests,
                                     limits=limits)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0,
@@ -101,7 +103,7 @@ def main() -> None:
         "settings": {"max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                      "repetition_penalty": args.repetition_penalty, "mode": args.mode,
                      "fork_threshold": args.fork_threshold, "distinct_topics": args.distinct_topics,
-                     "chunk_clean_end": args.chunk_clean_end,
+                     "chunk_clean_end": args.chunk_clean_end, "max_forks": limits.max_forks,
                      "max_running_requests": args.max_running_requests,
                      "adapter": args.adapter, "torch_threads": torch.get_num_threads(), "device": "cpu",
                      "dtype": "float32", "seconds": round(seconds, 1)},
