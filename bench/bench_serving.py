@@ -70,7 +70,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = Path(os.environ.get("PASTA_SHARED_DATA", ROOT.parent / "shared" / "data")) / "alpaca_eval" / \
     "instructions.json"
 PERCENTILES = (50, 90, 99)
-MODES = ("pasta", "sequential")
+#: The server's ``pasta.mode``s (inline: tags acted on, each chunk decoded in place in the same
+#: thread: the same-weights sequential baseline of a PASTA-LANG model).
+MODES = ("pasta", "sequential", "inline")
 
 
 # --------------------------------------------------------------------------- records and arithmetic
@@ -277,7 +279,7 @@ async def send_request(client: Any, model: str, prompt: str, *, index: int, prom
     Args:
         client: an ``httpx.AsyncClient`` whose base URL is the server's root (its headers carry
             the API key).
-        model: the served model name; prompt: the user message; mode: ``pasta`` | ``sequential``.
+        model: the served model name; prompt: the user message; mode: ``pasta`` | ``sequential`` | ``inline``.
         max_tokens: tokens the answer may hold (all threads together); temperature: 0 is greedy.
         pasta: more fields of the ``pasta`` extension (e.g. ``max_threads``).
         t0: the load point's start (``time.perf_counter``), for ``sent_s``."""

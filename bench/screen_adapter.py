@@ -34,7 +34,9 @@ def main() -> None:
     ap.add_argument("--prompts", required=True, type=Path, help="AlpacaEval JSON (its vicuna rows are used)")
     ap.add_argument("--adapter", default="auto", help="adapter folder; 'none' for the base model; default the shipped")
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--mode", default="pasta", choices=("pasta", "sequential"))
+    ap.add_argument("--mode", default="pasta", choices=("pasta", "sequential", "inline"),
+                    help="inline: tags acted on, each chunk decoded in place in the same thread (no fork): the "
+                    "same weights sequentially")
     ap.add_argument("--fork-threshold", type=float, default=None)
     ap.add_argument("--max-forks", type=int, default=None, help="Limits.max_forks (default: the engine's)")
     ap.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=True,

@@ -26,6 +26,24 @@ Jin et al., ICML 2025, arXiv 2502.11517, section 3):
 * end of sequence on the main thread is an implicit sync; the response is the main text with
   each chunk spliced right after the token that completed its promise.
 
+Modes (:data:`MODES`): ``"pasta"`` acts on the tags as above; ``"sequential"`` treats them as
+text in one thread; ``"inline"`` acts on tags like pasta, but decodes each promise's chunk in
+place in the same thread (no fork): the same weights sequentially; the baseline for realized
+speedup of a PASTA-LANG model. (A PASTA-LANG model never writes ``<async>`` itself, the
+interpreter inserts it, so "sequential" is no same-weights baseline for it: after a promise it
+writes tag-like text.) In inline mode, right after the token that completes a promise the
+interpreter inserts the opening tokens a child would get (``<async>``) into the thread itself;
+the thread then samples the chunk, seeing every earlier chunk's text, with the grammar state
+and the cap (``dialect.child_cap``, with ``chunk_clean_end``'s sentence grace) a child would
+have; the chunk ends when the thread writes ``</async>``, and at its cap or an end-of-sequence
+token the interpreter closes it by inserting the closing tag's tokens (the dialect's
+``close_tag``, tokenized through ``encode``; the end-of-sequence token is not kept, as a child's
+is not), and the thread goes on as main text. The chunk's positions follow the promise's
+(nothing is reserved), ``limits.max_forks`` bounds the promises acted on, and no KV operation
+is issued: one thread, no fork, the critical path is every sampled token. Text that the
+promise's last token holds past the tag comes before the chunk (a fork splices the chunk at the
+tag's end); a dialect that nests or joins at its forks (Multiverse) is refused.
+
 Generalized for other dialects (docs/DESIGN.md section 2, "Dialects"; the members are
 :class:`~pasta_engine.lang.dialect.BaseDialect`'s): a fork marker may fork several threads, each
 with its own inserted text (``dialect.branches``); a fork may also be a join
@@ -84,7 +102,11 @@ __all__ = [
     "MODES",
 ]
 
-MODES = ("pasta", "sequential")
+#: ``"pasta"``: acts on tags (forks, joins); ``"sequential"``: tags are text, one thread;
+#: ``"inline"``: acts on tags like pasta, but decodes each promise's chunk in place in the same
+#: thread (no fork): the same weights sequentially; the baseline for realized speedup of a
+#: PASTA-LANG model.
+MODES = ("pasta", "sequential", "inline")
 #: With ``Limits.chunk_clean_end``, a chunk at its cap mid-sentence may sample this many more
 #: tokens to end the sentence (it ends at the first sentence or line end; at the cap plus this, in
 #: any case): a chunk cut mid-sentence by its cap reads as cut off.
@@ -149,8 +171,12 @@ class Thread:
     forced_chunks: list = field(default_factory=list)  # replay: per branch it forks, its chunk
     n_branches: int = 0  # branches of its fork markers so far (the index into forced_chunks)
     syncs: list[int] = field(default_factory=list)  # its sampled-token index (1-based) of each join
-    inline: bool = False  # inside a chunk decoded inline (past the fork cap, replay; PASTA-LANG)
+    inline: bool = False  # inside a chunk decoded inline (inline mode; past the fork cap in a replay)
     inline_pending: bool = False  # that chunk's <async> is its next tag
+    inline_open: tuple | None = None  # inline mode: (ids, promise, forced chunk) to insert after this token's text
+    inline_cap: int | None = None  # inline mode: the open chunk's cap (a child's), None: no cap (replay)
+    inline_from: int = 0  # inline mode: n_sampled when the open chunk started
+    inline_clean: int = 0  # inline mode: len(clean) when the open chunk started (its tail starts there)
     end_flush: bool = False  # ending once its children end: flush its last token then
     finish: str | None = None
     closed_by_interpreter: bool = False
@@ -182,7 +208,11 @@ class Interpreter:
         eos_ids: token ids that end a thread.
         open_ids: token ids of ``<async>`` (inserted into each child before its first step).
         close_len: number of tokens of ``</async>`` (for position reservations).
-        mode: ``"pasta"`` acts on tags; ``"sequential"`` treats them as text.
+        mode: ``"pasta"`` acts on tags; ``"sequential"`` treats them as text; ``"inline"`` acts
+            on tags like pasta, but decodes each promise's chunk in place in the same thread (no
+            fork): the same weights sequentially; the baseline for realized speedup of a
+            PASTA-LANG model (see the module docstring). Outside replay it needs ``encode`` (the
+            closing tag it inserts into a capped chunk).
         max_new_tokens: tokens the request samples in all its threads together.
         limits: :class:`~pasta_engine.config.Limits`.
         policy: :class:`~pasta_engine.config.PositionPolicy` or its string.
@@ -197,7 +227,7 @@ class Interpreter:
             :mod:`pasta_engine.lang.detokenizer`), or None to detokenize through ``decode``.
         grammar: report each sampling thread's :class:`~pasta_engine.lang.grammar.GrammarState`
             in its :class:`ThreadStep` (the tokenizer has the dialect's piece tokens); only in
-            pasta mode and outside replay (forced tokens need no mask).
+            pasta and inline modes and outside replay (forced tokens need no mask).
         dialect: the language the model writes (:class:`~pasta_engine.lang.dialect.Dialect`;
             one that does not derive from :class:`~pasta_engine.lang.dialect.BaseDialect` gets
             its defaults: :func:`~pasta_engine.lang.dialect.as_dialect`): how its text parses
@@ -218,7 +248,9 @@ class Interpreter:
             (one that spans two threads' texts is found there at the latest). The text is cut
             right before it by :func:`~pasta_engine.core.render.final_text`.
 
-    Raises ValueError for an empty prompt, an unknown mode, or ``oracle`` without replay;
+    Raises ValueError for an empty prompt, an unknown mode, ``oracle`` without replay (pasta
+    mode), or inline mode with a dialect that nests or joins at its forks, or (outside replay)
+    without ``encode``;
     TypeError for a ``dialect`` that lacks a member of the protocol.
 
     The request's ``finish`` is ``"stop"`` (end of sequence, the end of a replayed trace, or a
@@ -248,11 +280,14 @@ class Interpreter:
         stop_strings: Sequence[str] = (),
     ):
         if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}: expected 'pasta' or 'sequential'")
+            raise ValueError(f"unknown mode {mode!r}: expected 'pasta', 'sequential' or 'inline'")
         if len(prompt_ids) == 0:
             raise ValueError("empty prompt: at least one token is needed")
         self.mode = mode
         self.dialect: BaseDialect = PASTA if dialect is None else as_dialect(dialect)
+        if mode == "inline" and (self.dialect.nesting or self.dialect.fork_joins):
+            raise ValueError(f"inline mode decodes one chunk per fork in place: the {self.dialect.name!r} dialect "
+                             "nests or joins at its forks")
         self.encode = encode
         self._insert_ids: dict[str, list[int]] = {self.dialect.open_tag: [int(t) for t in open_ids]}
         self.join_ids = self._inserted_ids(self.dialect.join_tag)
@@ -276,7 +311,7 @@ class Interpreter:
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_positions = max_positions
         self.replay = forced_main is not None
-        self.grammar = bool(grammar) and mode == "pasta" and not self.replay
+        self.grammar = bool(grammar) and mode != "sequential" and not self.replay
         self._forced_chunks = [None if c is None else c if isinstance(c, ForcedChunk) else [int(t) for t in c]
                                for c in (forced_chunks or [])]
         self.threads: list[Thread] = []
@@ -285,6 +320,10 @@ class Interpreter:
         self.total_sampled = 0
         self.n_promises = 0  # fork markers completed (by any thread)
         self.n_forks = 0
+        self.n_inline = 0  # inline mode: chunks decoded in place (bounded by limits.max_forks as forks are)
+        self.close_ids: list[int] = []  # inline mode: the closing tag the interpreter inserts into a chunk it ends
+        if mode == "inline" and not self.replay:
+            self.close_ids = list(self._inserted_ids(self.dialect.close_tag))
         self.topics_taken: set[str] = set()  # topic_key of every promise so far (Limits.distinct_topics)
         self.finish: str | None = None
         main = self._new_thread(next_pos=0, forced=forced_main)
@@ -356,18 +395,22 @@ class Interpreter:
     def worst_case_kv(self) -> KVBound:
         """The most KV the request can write over its whole life, in tokens (its prompt, every
         token it may sample, the inserted ``<async>`` tags of its forks and a dialect's join
-        text) and forks (a replay forks only for the chunks its trace holds; sequential mode
-        never forks)."""
+        text) and forks (a replay forks only for the chunks its trace holds; sequential and
+        inline modes never fork: an inline chunk writes its inserted opening tag, and the
+        closing tag when the interpreter ends it, into the one thread)."""
         # the opening tag's tokens, or a bound by bytes on a branch header of the dialect's own,
         # and the join's text
         per_fork = max(len(self.open_ids), self.dialect.inserted_bytes(self.limits)) + len(self.join_ids)
-        if self.mode != "pasta":
-            forks = 0
-        elif self.replay:
-            forks = _count_chunks(self._forced_chunks)
+        if self.mode == "sequential":
+            return KVBound(len(self.prompt_ids) + self.max_new_tokens, 0)
+        if self.replay:
+            chunks = _count_chunks(self._forced_chunks)
         else:
-            forks = min(self.limits.max_forks, self.max_new_tokens)
-        return KVBound(len(self.prompt_ids) + self.max_new_tokens + forks * per_fork, forks)
+            chunks = min(self.limits.max_forks, self.max_new_tokens)
+        if self.mode == "inline":
+            inserted = chunks * (per_fork + len(self.close_ids))
+            return KVBound(len(self.prompt_ids) + self.max_new_tokens + inserted, 0)
+        return KVBound(len(self.prompt_ids) + self.max_new_tokens + chunks * per_fork, chunks)
 
     def peek_kv_ops(self) -> tuple[KVOp, ...]:
         """The KV operations :meth:`take_kv_ops` would return, left in place."""
@@ -385,17 +428,22 @@ class Interpreter:
         return self.prompt_ids + seen
 
     def _grammar_state(self, t: Thread) -> int:
-        """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample."""
-        tail = _clean_tail(t) if self.limits.chunk_clean_end and not t.is_main else None
-        return self.dialect.grammar_state(t.is_main, t.parser.pending, self.n_forks < self.limits.max_forks,
+        """The thread's :class:`~pasta_engine.lang.grammar.GrammarState` for its next sample
+        (inside an inline chunk: a chunk's state, its own text the tail)."""
+        is_main = t.is_main and not t.inline
+        tail = _clean_tail(t) if self.limits.chunk_clean_end and not is_main else None
+        acted = self.n_inline if self.mode == "inline" else self.n_forks
+        return self.dialect.grammar_state(is_main, t.parser.pending, acted < self.limits.max_forks,
                                           self.topics_taken if self.limits.distinct_topics else (), tail)
 
     def _cap_ends(self, t: Thread) -> bool:
-        """Whether thread ``t``, at or past its cap, ends now: at once, unless ``limits.chunk_clean_end`` holds (where
-        the grammar applies), which gives a chunk mid-sentence up to :data:`SENTENCE_GRACE_TOKENS` more to end its sentence."""
-        if not (self.grammar and self.limits.chunk_clean_end) or t.is_main:
+        """Whether thread ``t`` (or its inline chunk), at or past its cap, ends now: at once, unless
+        ``limits.chunk_clean_end`` holds (where the grammar applies), which gives a chunk mid-sentence up to
+        :data:`SENTENCE_GRACE_TOKENS` more to end its sentence."""
+        if not (self.grammar and self.limits.chunk_clean_end) or (t.is_main and not t.inline):
             return True
-        return t.n_sampled >= t.cap + SENTENCE_GRACE_TOKENS or ends_sentence(_clean_tail(t))
+        sampled, cap = (t.n_sampled - t.inline_from, t.inline_cap) if t.inline else (t.n_sampled, t.cap)
+        return sampled >= cap + SENTENCE_GRACE_TOKENS or ends_sentence(_clean_tail(t))
 
     def _inserted_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` the interpreter inserts (the dialect's opening tag: ``open_ids``;
@@ -456,7 +504,11 @@ class Interpreter:
         thread.pending, thread.pending_pos = [], []
         thread.n_sampled += 1
         self.total_sampled += 1
-        if token in self.eos_ids:
+        if token in self.eos_ids and thread.inline and not self.replay:
+            # inside an inline chunk: it ends as a child's chunk does at end-of-sequence (closed by
+            # the interpreter, the EOS not kept), and the thread goes on as main text
+            self._close_inline(thread, "ended at end-of-sequence")
+        elif token in self.eos_ids:
             if thread.is_main:
                 thread.tokens.append(token)
                 thread.pieces.append("")
@@ -484,6 +536,9 @@ class Interpreter:
                     and self._cap_ends(thread)):
                 self._note(thread, f"reached its cap of {thread.cap} tokens; closed by the interpreter")
                 self._end_thread(thread, "cap", flush=True)
+            if (thread.inline and thread.inline_cap is not None and not thread.ended and self.finish is None
+                    and thread.n_sampled - thread.inline_from >= thread.inline_cap and self._cap_ends(thread)):
+                self._close_inline(thread, f"reached its cap of {thread.inline_cap} tokens")
             if thread.forced is not None and not thread.forced and not thread.ended:
                 self._note(thread, "trace ended without a closing tag")
                 self._end_thread(thread, "trace_end", flush=not thread.is_main)
@@ -556,7 +611,7 @@ class Interpreter:
 
     def _on_text(self, thread: Thread, piece: str) -> None:
         forked_now = closed = False
-        act = self.mode == "pasta"
+        act = self.mode != "sequential"
         for item in thread.parser.feed(piece):
             if type(item) is Text:
                 self._add_clean(thread, item.text)
@@ -576,9 +631,12 @@ class Interpreter:
                 if not self.dialect.nesting:
                     self._note(thread, f"{item.raw} inside a chunk not acted on (no nesting); left out of the clean text")
                     continue
+            if thread.inline_open is not None:  # inline mode: its chunk opens after this token's text
+                self._note(thread, f"{item.raw} in the same token as a promise kept as text")
+                continue
             if thread.inline:
                 if isinstance(item, AsyncClose):
-                    thread.inline = False
+                    thread.inline, thread.inline_cap = False, None
                 else:
                     self._note(thread, f"{item.raw} inside an inline chunk kept as text")
                 continue
@@ -603,6 +661,8 @@ class Interpreter:
                 self._note(thread, "</async> on the main thread kept as text")
         if closed:
             self._end_thread(thread, "close", flush=True)
+        if thread.inline_open is not None:
+            self._open_inline(thread)
 
     def _on_fork(self, parent: Thread, fork: Promise) -> bool:
         """Fork the branches of ``fork`` from ``parent`` (docs/DESIGN.md section 2; a dialect
@@ -625,8 +685,10 @@ class Interpreter:
                 return False
         p = branches[0][0]
         refused = None
-        if self.n_forks + len(branches) > self.limits.max_forks:
+        if (self.n_inline if self.mode == "inline" else self.n_forks) + len(branches) > self.limits.max_forks:
             refused = f"fork cap {self.limits.max_forks} reached"
+        elif self.mode == "inline" and len(branches) != 1:
+            refused = f"inline mode decodes one chunk per fork, not {len(branches)}"
         elif parent.depth >= self.limits.max_fork_depth:
             refused = f"fork depth cap {self.limits.max_fork_depth} reached"
         if refused is not None:
@@ -649,6 +711,13 @@ class Interpreter:
             self._note(parent, f"promise {p.topic!r} not forked: no room under the context length")
             self._finish_request("length")
             return False
+        if self.mode == "inline":
+            # no fork: the chunk is decoded in place, its opening tag inserted once this token's
+            # text is taken (_open_inline), at the positions right after it (nothing reserved)
+            self.n_inline += 1
+            chunk = chunks[0]
+            parent.inline_open = (header_ids[0], p, None if chunk is None else list(chunk))
+            return True
         self.n_forks += len(branches)
         size = 0
         for (bp, _), ids, chunk in zip(branches, header_ids, chunks):
@@ -687,8 +756,40 @@ class Interpreter:
                 self._end_thread(child, "trace_end", flush=True)
         return True
 
-    def _insert(self, thread: Thread, ids: list[int]) -> None:
-        """Give ``thread`` inserted tokens (not sampled): they are its text and its next input."""
+    def _open_inline(self, thread: Thread) -> None:
+        """Inline mode: open the chunk of the promise ``thread`` just completed in ``thread``
+        itself: insert the opening tag a child would get (left out of the clean text), and
+        give the chunk a child's cap (a replay: its trace's tokens are forced next)."""
+        ids, p, chunk = thread.inline_open
+        thread.inline_open = None
+        if self.done or thread.ended:
+            return
+        self._insert(thread, ids, drops=True)  # the opening tag is left out of the clean text
+        thread.inline, thread.inline_pending = True, False
+        thread.inline_from, thread.inline_clean = thread.n_sampled, len(thread.clean)
+        thread.inline_cap = None if self.replay else self.dialect.child_cap(self.limits, p)
+        if chunk is not None:
+            thread.forced.extendleft(reversed(chunk))
+
+    def _close_inline(self, thread: Thread, why: str) -> None:
+        """Inline mode: end ``thread``'s open chunk as the interpreter closes a child's (at its
+        cap or an end-of-sequence token): insert the closing tag (left out of the clean text),
+        and the thread goes on as main text. With no room for it under the context length the
+        request ends with ``length`` instead (the chunk stays open in the annotated text, as a
+        chunk cut off by a length end)."""
+        self._note(thread, f"inline chunk {why}; closed by the interpreter")
+        thread.inline, thread.inline_cap = False, None
+        ids = self.close_ids
+        if self.max_positions is not None and thread.next_pos + len(ids) >= self.max_positions:
+            self._note(thread, f"reached the model's context length of {self.max_positions} positions")
+            self._finish_request("length")
+            return
+        self._insert(thread, ids, drops=True)  # the closing tag is left out of the clean text
+
+    def _insert(self, thread: Thread, ids: list[int], drops: bool = False) -> None:
+        """Give ``thread`` inserted tokens (not sampled): they are its text and its next input.
+        ``drops``: record where each tag they complete is left out of the clean text (an
+        inline chunk's tags; a child's opening tag is recorded by its fork)."""
         for tok in ids:
             thread.inserted_idx.append(len(thread.tokens))
             thread.tokens.append(tok)
@@ -698,6 +799,8 @@ class Interpreter:
             for item in thread.parser.feed(piece):  # a tag: nothing for the clean text
                 if type(item) is Text:
                     self._add_clean(thread, item.text)
+                elif drops and not isinstance(item, Malformed):
+                    thread.drops.append(thread.clean_len)
         thread.inserted += len(ids)
         self._give(thread, list(ids))
 
@@ -863,11 +966,12 @@ class Interpreter:
 
 def _clean_tail(t: Thread, chars: int = 8) -> str:
     """The last ``chars`` or more characters of thread ``t``'s clean text, back to its last
-    non-space character (its whole text when shorter): what
-    :func:`~pasta_engine.lang.grammar.ends_sentence` reads. A few pieces per call, not the
-    thread's whole text."""
+    non-space character (its whole text when shorter; inside an inline chunk, the chunk's text
+    only): what :func:`~pasta_engine.lang.grammar.ends_sentence` reads. A few pieces per call,
+    not the thread's whole text."""
     tail, i = "", len(t.clean)
-    while i and (len(tail) < chars or not tail.strip()):
+    lo = t.inline_clean if t.inline else 0
+    while i > lo and (len(tail) < chars or not tail.strip()):
         i -= 1
         tail = t.clean[i] + tail
     return tail

@@ -57,7 +57,11 @@ def interpreter_factory(
     Args:
         tokenizer: the model's ``transformers`` tokenizer.
         prompt_ids: the formatted prompt.
-        mode: ``pasta`` or ``sequential``.
+        mode: ``pasta``, ``sequential`` or ``inline`` (acts on tags like pasta, but decodes each
+            promise's chunk in place in the same thread, no fork: the same weights
+            sequentially; the baseline for realized speedup of a PASTA-LANG model). A replay
+            in inline mode forces pasta's streams, each chunk in place after its inserted
+            ``<async>``; in sequential mode the reading-order stream.
         max_new_tokens: the request's token budget (a replay raises it to the response's
             length when smaller).
         limits, policy, max_positions, eos_ids: as :class:`~pasta_engine.core.interpreter.Interpreter`.
@@ -78,7 +82,7 @@ def interpreter_factory(
     if annotated_response is not None:
         script = replay_script(tokenizer, annotated_response, replay_eos_id(tokenizer, eos_ids), dialect)
         max_new_tokens = max(max_new_tokens, len(script.sequential_ids) + 1)
-        if mode == "pasta":
+        if mode != "sequential":  # pasta and inline: the main thread's stream and each chunk's
             forced_main, forced_chunks = script.forced_main, script.forced_chunks
         else:
             forced_main = script.sequential_ids

@@ -54,8 +54,11 @@ Prompt = str | Sequence[int] | Sequence[dict]
 
 #: Roles a chat message may have.
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-#: Decoding modes.
-MODES = ("pasta", "sequential")
+#: Decoding modes: ``pasta`` acts on the dialect's tags (forks, joins); ``sequential`` treats them
+#: as text in one thread (no dialect system prompt); ``inline`` acts on tags like pasta, but
+#: decodes each promise's chunk in place in the same thread (no fork): the same weights
+#: sequentially; the baseline for realized speedup of a PASTA-LANG model (it gets pasta's prompt).
+MODES = ("pasta", "sequential", "inline")
 
 
 def is_chat(prompt: Any) -> bool:
@@ -91,10 +94,10 @@ class RequestInputs:
         prompt: see :data:`Prompt`.
         params: the sampling parameters (None: the defaults; a replay's ``max_new_tokens`` is
             raised to its response's length).
-        mode: ``pasta`` or ``sequential``.
+        mode: one of :data:`MODES`: ``pasta``, ``sequential`` or ``inline``.
         request_id: a unique non-empty string, or None for a fresh number.
         annotated_response: make it a replay forcing this response (string and chat prompts
-            then get the dialect's system prompt in both modes).
+            then get the dialect's system prompt in every mode).
         limits, position_policy: override the engine's defaults.
         dialect: a name of :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`, a Dialect, or None
             (PASTA-LANG).
@@ -224,12 +227,13 @@ class InputProcessor:
         """Token ids for ``prompt``, checked against the vocabulary and the context length.
 
         Args:
-            prompt: a string (through the chat template, in pasta mode with the dialect's system
+            prompt: a string (through the chat template, in pasta and inline modes with the dialect's system
                 prompt and examples: ``config.pasta_prompt`` for PASTA-LANG, the dialect's own
                 otherwise, :func:`~pasta_engine.lang.dialect.dialect_prompt`; its text tokenized as
                 ``config.prompt_special_tokens`` says; with ``chat_template=False`` tokenized as
                 plain text), chat messages (:meth:`format_chat`) or token ids (used as they are).
-            mode: ``pasta`` or ``sequential`` (sequential: no system prompt of a dialect).
+            mode: ``pasta``, ``sequential`` or ``inline`` (sequential: no system prompt of a
+                dialect; inline gets pasta's).
             dialect: the request's dialect (None: PASTA-LANG).
             chat_template: False for a text completion (a string prompt as plain text).
             index: the prompt's place in a list of prompts, named in errors.
@@ -246,7 +250,7 @@ class InputProcessor:
                 ids = encode_text(self.tokenizer, prompt)
                 if not ids:
                     raise ParameterError("prompt", prompt, message=f"{where} is empty")
-            elif mode == "pasta":
+            elif mode != "sequential":  # pasta and inline: the dialect's prompt
                 msgs = dialect_prompt(resolve_dialect(dialect), self.config.pasta_prompt).messages(prompt)
                 ids = encode_prompt(self.tokenizer, msgs, self.config.prompt_special_tokens)
             else:
@@ -267,8 +271,9 @@ class InputProcessor:
             messages: ``[{"role": "system" | "developer" | "user" | "assistant", "content": str
                 or a list of {"type": "text", "text": str} parts}, ...]``, ending with a user
                 message.
-            mode: in ``pasta`` mode the dialect's system prompt (its instructions, then the
-                messages' own system text) and its example exchanges come first.
+            mode: in ``pasta`` and ``inline`` modes the dialect's system prompt (its
+                instructions, then the messages' own system text) and its example exchanges
+                come first.
             dialect: the request's dialect (a name or a Dialect; None: PASTA-LANG, whose prompt
                 is ``config.pasta_prompt``; any other brings its own).
 
@@ -303,7 +308,7 @@ class InputProcessor:
         self._check_text_fits(sum(len(t["content"].encode("utf-8")) for t in turns)
                               + sum(len(s.encode("utf-8")) for s in system), "the messages")
         head: list[dict[str, str]] = []
-        if mode == "pasta":
+        if mode != "sequential":  # pasta and inline
             pp = dialect_prompt(resolve_dialect(dialect), self.config.pasta_prompt)
             system = [pp.system, *system] if pp.system else system
             for q, a in pp.examples:
@@ -381,8 +386,12 @@ class InputProcessor:
         ContextLengthError for a prompt with no room under the context length."""
         mode = inputs.mode
         if not isinstance(mode, str) or mode not in MODES:
-            raise ParameterError("mode", mode, "'pasta' or 'sequential'")
+            raise ParameterError("mode", mode, "'pasta', 'sequential' or 'inline'")
         lang = resolve_dialect(inputs.dialect)
+        if mode == "inline" and (lang.nesting or lang.fork_joins):
+            raise ParameterError("mode", mode, message=(
+                f"mode 'inline' decodes one chunk per fork in place, and the {lang.name!r} dialect nests or joins at "
+                "its forks: use 'pasta' or 'sequential'"))
         replay = inputs.annotated_response is not None
         params = inputs.params
         if params is None:
@@ -434,7 +443,7 @@ class InputProcessor:
         # whose grammar never starts the main thread there has no promise for it to decide
         promises = lang.grammar_state(True, "", True) == GrammarState.MAIN
         why = ("a replay (its tokens are forced)" if replay
-               else f"mode {mode!r} (it decides forks in pasta mode)" if mode != "pasta"
+               else f"mode {mode!r} (it decides forks in pasta and inline modes)" if mode == "sequential"
                else f"the {lang.name!r} dialect (it decides PASTA-LANG promises)" if not promises
                else "a model without the PASTA-LANG pieces as tokens (train the adapter with --tag-tokens)"
                if not self.grammar else None)

@@ -335,7 +335,10 @@ class Engine:
                 its ``stop`` strings end the request as ``stop`` in the step whose output holds
                 one (the text cut right before it, ``RequestOutput.stop_reason`` naming it).
                 ``n`` must be 1 (a request is one completion; :meth:`generate` takes ``n``).
-            mode: ``"pasta"`` (act on PASTA-LANG tags) or ``"sequential"`` (one thread).
+            mode: ``"pasta"`` (act on PASTA-LANG tags), ``"sequential"`` (one thread, tags as
+                text) or ``"inline"`` (acts on tags like pasta, but decodes each promise's chunk
+                in place in the same thread, no fork: the same weights sequentially; the
+                baseline for realized speedup of a PASTA-LANG model).
             request_id: a unique string (default: a fresh number).
             annotated_response: make it a replay request forcing this annotated response
                 (string prompts then get the PASTA-LANG system prompt in both modes).
@@ -550,8 +553,11 @@ class Engine:
             params: one :class:`SamplingParams` for all prompts, or a list with one per prompt
                 (default: greedy, 256 tokens). With ``n > 1`` a prompt gets ``n`` completions
                 (each its own seed: fresh ones when ``seed`` is None, ``seed + i`` otherwise).
-            mode: ``"pasta"`` (act on PASTA-LANG tags) or ``"sequential"`` (one thread; string
-                prompts without the PASTA-LANG system prompt).
+            mode: ``"pasta"`` (act on PASTA-LANG tags), ``"sequential"`` (one thread; string
+                prompts without the PASTA-LANG system prompt) or ``"inline"`` (acts on tags like
+                pasta, but decodes each promise's chunk in place in the same thread, no fork:
+                the same weights sequentially; the baseline for realized speedup of a PASTA-LANG
+                model).
             progress: show a tqdm bar on stderr.
             dialect: the decoding language (as :meth:`add_request`'s).
 

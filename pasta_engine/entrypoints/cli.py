@@ -57,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "--annotator apar), multiverse; both modes replay with it and the results record it")
 
     def add_output_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--mode", choices=("pasta", "sequential", "both"), default="pasta",
-                       help="both: run each prompt with PASTA and sequentially, after --warmup and --repeats times, and "
+        p.add_argument("--mode", choices=("pasta", "sequential", "inline", "both"), default="pasta",
+                       help="inline: act on tags like pasta, but decode each promise's chunk in place in the same "
+                       "thread (no fork): the same weights sequentially, the baseline for realized speedup of a "
+                       "PASTA-LANG model (sequential writes tag-like text after a promise: the model never writes "
+                       "<async> itself). both: run each prompt with PASTA and sequentially, after --warmup and --repeats times, and "
                        "report the content speedup (the pasta answer's clean text decoded sequentially with the same "
                        "weights vs the pasta run; generate also reports the end-to-end speedup against the sequential "
                        "answer, with the length ratio)")
@@ -184,7 +187,7 @@ def _print_result(res: Any, label: str) -> None:
     s = res.stats
     print(f"--- {label} ---")
     print(res.text.strip())
-    if res.mode == "pasta" and res.annotated_text != res.text:
+    if res.mode != "sequential" and res.annotated_text != res.text:  # pasta and inline act on tags
         print(f"--- {label}: annotated ---")
         print(res.annotated_text.strip())
     print(

@@ -96,7 +96,7 @@ def run_scripted(seed: int, limits: Limits, max_new: int, n_requests: int = 1, p
 
         def make(prompt=prompt):
             return Interpreter(prompt, decode=decode, eos_ids=[EOS], open_ids=OPEN, close_len=CLOSE_LEN, limits=limits,
-                               max_new_tokens=max_new, mode=mode)
+                               max_new_tokens=max_new, mode=mode, encode=encode_pieces)
 
         r = Request(request_id=str(i), index=i, mode=mode, params=SamplingParams(max_new_tokens=max_new),
                     make_interpreter=make)
@@ -302,7 +302,7 @@ def test_clean_text_splices_chunks_and_holds_a_partial_tag_back():
     width=st.sampled_from([None, 1, 2]),
     min_cap=st.integers(1, 12),
     max_forks=st.integers(0, 4),
-    mode=st.sampled_from(["pasta", "pasta", "sequential"]),
+    mode=st.sampled_from(["pasta", "pasta", "sequential", "inline"]),
 )
 def test_clean_text_streams_and_ends_as_the_whole_string_rule(seed, max_new, width, min_cap, max_forks, mode):
     """Random PASTA-LANG, well-formed or not, cut anywhere: the interpreter's clean text and the
@@ -454,3 +454,162 @@ def test_a_length_end_whose_text_holds_a_stop_string_is_a_stop():
     drive(it, [(0, "b"), (0, T), (1, "a"), (0, " "), (0, "b")])
     assert it.done and it.finish == "stop" and it.stop_reason == "a b" and it.length_end
     assert render.final_text(it) == "b"
+
+
+# --------------------------------------------------------------------------- inline mode
+
+
+def inline_interp(**kw):
+    kw.setdefault("limits", Limits(max_threads=None))
+    return make_interp(mode="inline", encode=encode_pieces, **kw)
+
+
+def drive_kv(it: Interpreter, tid_pieces: list[tuple[int, str]]) -> list:
+    """:func:`drive`, returning every KV operation the interpreter issued."""
+    ops = []
+    for tid, p in tid_pieces:
+        steps = pick(it)
+        ops += it.take_kv_ops()
+        it.step_done(steps)
+        assert tid in [s.tid for s in steps if s.sample], (tid, [s.tid for s in steps])
+        it.on_token(tid, PIECES.index(p))
+    return ops + it.take_kv_ops()
+
+
+CLOSE = encode_pieces("</async>")
+
+
+def test_inline_mode_decodes_each_chunk_in_place_in_one_thread():
+    it = inline_interp()
+    ops = drive_kv(it, [(0, "a"), (0, T), (0, "b"), (0, "b"), (0, "</async>"), (0, " "), (0, "a"), (0, "<EOS>")])
+    assert it.done and it.finish == "stop"
+    assert len(it.threads) == 1 and it.n_forks == 0 and it.n_inline == 1
+    assert all(type(op).__name__ == "KVRelease" for op in ops)  # no fork, no join: only the end's release
+    assert it.annotated_text() == f"a{T}<async>bb</async> a"
+    assert it.clean_text() == render.final_text(it) == "abb a"  # main, chunk, main: no tag text
+    main = it.main
+    # the <async> right after the promise was inserted (not sampled): no logprob, not counted
+    k = main.tokens.index(PIECES.index(T)) + 1
+    assert main.inserted_idx == list(range(k, k + len(OPEN))) and main.tokens[k:k + len(OPEN)] == OPEN
+    assert all(main.logprobs[i] is None for i in main.inserted_idx)
+    assert main.n_sampled == 8 and len(main.tokens) == 8 + len(OPEN)
+    # consecutive positions right after the prompt: nothing reserved at the promise
+    assert main.positions == list(range(2, 2 + len(main.tokens)))
+    st_ = it.structure()
+    assert st_.forks == [] and st_.inserted == len(OPEN) and critical_path(st_) == it.total_sampled == 8
+    res = Request(request_id="r", index=0, mode="inline", params=SamplingParams(), make_interpreter=lambda: it).result()
+    assert (res.stats.forks, res.stats.threads, res.stats.critical_path) == (0, 1, 8)
+    assert res.text == "abb a" and res.mode == "inline"
+    assert it.worst_case_kv().forks == 0
+
+
+def test_inline_chunk_has_a_chunks_grammar_state_then_the_main_threads():
+    from pasta_engine.lang.grammar import GrammarState as G
+
+    def state(it):
+        [s] = [s for s in it.runnable_threads() if s.sample]
+        return G(s.grammar)
+
+    for max_forks, after in ((1, G.MAIN_NO_FORK), (2, G.MAIN)):
+        it = inline_interp(grammar=True, limits=Limits(max_threads=None, max_forks=max_forks))
+        drive(it, [(0, "a")])
+        assert state(it) is G.MAIN
+        drive(it, [(0, T)])
+        # the chunk's own text is empty (the main text "a" before it does not count): it may not end yet
+        assert it.main.inline and state(it) is G.CHUNK_OPEN
+        drive(it, [(0, "b")])
+        assert state(it) is G.CHUNK  # </async> allowed now
+        drive(it, [(0, "</async>")])
+        assert not it.main.inline
+        # max_forks bounds the promises acted on, with no fork counted
+        assert it.n_forks == 0 and state(it) is after
+    # a promise written inside an inline chunk is not acted on (the grammar forbids it anyway)
+    it = inline_interp()
+    drive(it, [(0, T), (0, U), (0, "a"), (0, "</async>")])
+    assert it.n_inline == 1 and any("inside an inline chunk kept as text" in d for d in it.diagnostics)
+
+
+def test_an_inline_chunk_at_its_cap_is_closed_and_the_thread_goes_on_as_main_text():
+    limits = Limits(max_threads=None, async_min_cap=2, cap_factor=0.05)  # a cap of 2 tokens
+    it = inline_interp(limits=limits)
+    drive(it, [(0, "a"), (0, T), (0, "b"), (0, "b")])
+    assert not it.main.inline and it.main.pending == [PIECES.index("b")] + CLOSE  # </async> inserted
+    assert any("inline chunk reached its cap of 2 tokens; closed by the interpreter" in d for d in it.diagnostics)
+    drive(it, [(0, " "), (0, "a"), (0, "<EOS>")])
+    assert it.annotated_text() == f"a{T}<async>bb</async> a"  # well-formed
+    assert it.clean_text() == "abb a"
+    assert len(it.main.inserted_idx) == len(OPEN) + len(CLOSE)
+    # with chunk_clean_end and the grammar, a chunk at its cap mid-sentence gets to end its sentence
+    it = inline_interp(limits=limits, grammar=True)
+    drive(it, [(0, T), (0, "b"), (0, "b")])
+    assert it.main.inline
+    drive(it, [(0, "\n")])
+    assert not it.main.inline and it.annotated_text() == f"{T}<async>bb\n</async>"
+    # an end-of-sequence token inside the chunk ends the chunk (closed, the EOS not kept), not the answer
+    it = inline_interp()
+    drive(it, [(0, T), (0, "a"), (0, "<EOS>"), (0, "b"), (0, "<EOS>")])
+    assert it.annotated_text() == f"{T}<async>a</async>b" and it.clean_text() == "ab"
+    assert it.done and it.main.n_sampled == 5
+
+
+def test_an_unknown_mode_is_refused_naming_all_three():
+    with pytest.raises(ValueError, match="unknown mode 'fast': expected 'pasta', 'sequential' or 'inline'"):
+        make_interp(mode="fast")
+    with pytest.raises(ValueError, match="needs encode="):  # it inserts </async> into a chunk it closes
+        make_interp(mode="inline")
+    from pasta_engine.lang.dialect import get_dialect
+
+    with pytest.raises(ValueError, match="'multiverse' dialect nests or joins at its forks"):
+        make_interp(mode="inline", encode=encode_pieces, dialect=get_dialect("multiverse"))
+
+
+def test_pasta_and_inline_modes_give_the_same_text_for_the_same_chunks():
+    from pasta_engine.lang.tags import clean_text
+
+    main1, chunk1, main2, chunk2, main3 = ["b", "\n", "- ", T], ["a", "</async>"], ["\n", "- ", U], \
+        ["b", "b", "</async>"], ["\n", "a", "<EOS>"]
+    pasta = make_interp(limits=Limits(max_threads=None))
+    drive(pasta, [(0, p) for p in main1] + [(1, chunk1[0]), (0, main2[0]), (1, chunk1[1])]
+          + [(0, p) for p in main2[1:]] + [(2, p) for p in chunk2] + [(0, p) for p in main3])
+    inline = inline_interp()
+    drive(inline, [(0, p) for p in main1 + chunk1 + main2 + chunk2 + main3])
+    assert len(pasta.threads) == 3 and len(inline.threads) == 1
+    assert inline.annotated_text() == pasta.annotated_text()
+    assert inline.clean_text() == pasta.clean_text() == clean_text(pasta.annotated_text()) == "b\n- a\n- bb\na"
+    assert render.final_text(inline) == render.final_text(pasta)
+
+
+def test_an_inline_replay_forces_each_chunk_in_place():
+    from pasta_engine.core.replay import replay_script
+
+    ann = "b" + T + "<async>ab</async>" + "a<sync/>b"
+    script = replay_script(PieceTokenizer(), ann, EOS)
+    it = inline_interp(forced_main=script.forced_main, forced_chunks=script.forced_chunks)
+    steps = 0
+    while not it.done:
+        todo = pick(it)
+        assert not it.take_kv_ops() or it.done
+        it.step_done(todo)
+        sampling = [s for s in todo if s.sample]
+        assert len(sampling) <= 1
+        steps += bool(sampling)
+        for s in sampling:
+            it.on_token(s.tid, s.forced)
+    assert len(it.threads) == 1 and it.annotated_text() == ann
+    assert it.spliced().ids == script.sequential_ids  # the same tokens in reading order, <async> inserted
+    assert steps == it.total_sampled == critical_path(it.structure()) == len(script.sequential_ids) - len(OPEN)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_new=st.integers(1, 150), min_cap=st.integers(1, 12),
+       max_forks=st.integers(0, 4))
+def test_fuzzed_inline_streams_stay_one_thread_and_free_every_page(seed, max_new, min_cap, max_forks):
+    from pasta_engine.lang.tags import clean_text
+
+    limits = Limits(max_threads=None, async_min_cap=min_cap, cap_factor=0.1, max_forks=max_forks)
+    for r in run_scripted(seed, limits, max_new, n_requests=2, mode="inline"):  # it checks the pages
+        it = r.interp
+        assert len(it.threads) == 1 and it.n_forks == 0 and it.n_inline <= max_forks
+        assert r.steps == it.total_sampled == critical_path(it.structure()) <= max_new
+        assert it.clean_text() == render.final_text(it) == clean_text(it.annotated_text())  # no tag text
+        assert r.result().stats.forks == 0

@@ -218,3 +218,26 @@ def test_request_inputs_and_stop_merging_fail_early():
             InputProcessor.merge_stop(None, bad)
     with pytest.raises(ParameterError, match="given twice"):
         InputProcessor.merge_stop(SamplingParams(stop="a"), ["b"])
+
+
+def test_inline_mode_is_pasta_without_forks_through_the_engine(engine):
+    """Inline mode: pasta's prompt and tags, each chunk decoded in place in one thread (the same
+    weights sequentially); an unknown mode is refused naming all three."""
+    proc = engine.input_processor
+    assert proc.tokenize("Name two fruits.", "inline") == proc.tokenize("Name two fruits.", "pasta")
+    assert proc.tokenize("Name two fruits.", "inline") != proc.tokenize("Name two fruits.", "sequential")
+    with pytest.raises(ParameterError, match="'pasta', 'sequential' or 'inline'") as e:
+        engine.add_request(PROMPT, SamplingParams(max_new_tokens=2), mode="fast")
+    assert e.value.param == "mode"
+    with pytest.raises(ParameterError, match="'multiverse' dialect nests or joins") as e:
+        engine.add_request(PROMPT, SamplingParams(max_new_tokens=2), mode="inline", dialect="multiverse")
+    assert e.value.param == "mode"
+    [pas] = engine.replay([PROMPT], [ANNOTATED], mode="pasta")
+    [inl] = engine.replay([PROMPT], [ANNOTATED], mode="inline")
+    assert pas.stats.forks == 2 and (inl.stats.forks, inl.stats.threads) == (0, 1)
+    assert inl.text == pas.text and inl.annotated_text == pas.annotated_text == ANNOTATED
+    assert inl.token_ids == pas.token_ids  # the same tokens in reading order
+    assert set(inl.threads) == {0} and inl.positions == list(range(len(PROMPT), len(PROMPT) + len(inl.positions)))
+    s = inl.stats
+    assert s.decode_steps == s.tokens_decoded == s.critical_path > pas.stats.critical_path
+    assert _all_free(engine)

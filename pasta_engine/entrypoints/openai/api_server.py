@@ -16,7 +16,7 @@ event logs), :mod:`.metrics` (Prometheus), :mod:`.auth` (API key, ``Host`` check
   pydantic models of :mod:`.schema` (vLLM's field names; a field the engine does not honour, or
   an unknown one, is a 400 naming it). Streamed text is the response in reading order
   (:mod:`pasta_engine.engine.streaming`).
-* the ``pasta`` extension: in a request, ``{"mode": "pasta" | "sequential", "dialect": "pasta" |
+* the ``pasta`` extension: in a request, ``{"mode": "pasta" | "sequential" | "inline", "dialect": "pasta" |
   "apar" | "multiverse", "position_policy": ..., "max_threads": N (0 = unlimited), "max_forks":
   N, "max_fork_depth": N (>= 1), "fork_threshold": p (0 < p <= 1), "events": bool, "annotated_response": str}`` (``dialect``: the language the model writes,
   :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`, default PASTA-LANG; ``annotated_response``

@@ -110,7 +110,10 @@ class PastaOptions(BaseModel):
     """The ``pasta`` extension of a request."""
 
     model_config = _MODEL
-    mode: Literal["pasta", "sequential"] = Field("pasta", description="act on the dialect's fork tags, or one thread")
+    mode: Literal["pasta", "sequential", "inline"] = Field(
+        "pasta", description="pasta: act on the dialect's fork tags; sequential: one thread, tags as text; inline: acts "
+        "on tags like pasta, but decodes each promise's chunk in place in the same thread (no fork): the same weights "
+        "sequentially, the baseline for realized speedup of a PASTA-LANG model")
     dialect: Literal[DIALECT_NAMES] = Field(  # type: ignore[valid-type]
         "pasta", description="the decoding language the model writes: pasta (PASTA-LANG), apar (APAR) or "
         "multiverse (Multiverse); a replay's annotated_response is read in it")
@@ -376,7 +379,8 @@ class TokenizeOptions(BaseModel):
     """The ``pasta`` extension of ``/tokenize``: the chat template of which mode and dialect."""
 
     model_config = _MODEL
-    mode: Literal["pasta", "sequential"] = Field("pasta", description="pasta: with the dialect's system prompt")
+    mode: Literal["pasta", "sequential", "inline"] = Field(
+        "pasta", description="pasta and inline: with the dialect's system prompt")
     dialect: Literal[DIALECT_NAMES] = Field("pasta", description="whose system prompt")  # type: ignore[valid-type]
 
 
