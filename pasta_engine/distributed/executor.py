@@ -134,15 +134,15 @@ def check_tensor_parallel(model: Any, size: int) -> None:
 
 
 def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, adapter: Any,
-                          with_tokenizer: bool, size: int, step_timeout_s: float = DEVICE_TIMEOUT_S
-                          ) -> tuple["TensorParallelModel", Any, Any]:
+                          with_tokenizer: bool, size: int, step_timeout_s: float = DEVICE_TIMEOUT_S,
+                          lora_scale: float = 1.0) -> tuple["TensorParallelModel", Any, Any]:
     """Start ranks ``1 .. size - 1`` and load rank 0's shard here.
 
     Args:
         model: None (the embedded model), a checkpoint folder or a ``.gguf`` file.
         device: rank 0's device (CUDA: rank ``r`` runs on device index ``device.index + r``);
             dtype: the weights' and KV cache's.
-        adapter: a LoRA adapter folder merged on every rank, or None.
+        adapter: a LoRA adapter folder merged on every rank, or None; lora_scale: its merge scale.
         with_tokenizer: load the checkpoint's tokenizer (rank 0 only).
         size: ``tensor_parallel_size`` (>= 2).
         step_timeout_s: how long a step's collectives wait for a rank (seconds): a hung worker
@@ -175,7 +175,7 @@ def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, 
     ctx = torch.multiprocessing.get_context("spawn")
     ready = [ctx.Event() for _ in range(size)]
     load = dict(model=source if model is not None else None, dtype=dtype,
-                adapter=str(adapter) if adapter is not None else None)
+                adapter=str(adapter) if adapter is not None else None, lora_scale=lora_scale)
     procs = []
     report = os.path.join(rendezvous, "start-report")
     before = os.environ.get(_REPORT_ENV)
@@ -202,7 +202,8 @@ def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, 
         error: BaseException | None = None
         try:
             shard, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter,
-                                            with_tokenizer=with_tokenizer, tp_rank=0, tp_size=size)
+                                            with_tokenizer=with_tokenizer, tp_rank=0, tp_size=size,
+                                            lora_scale=lora_scale)
         except Exception as e:  # noqa: BLE001  (reported after the workers say how their loads went)
             error = e
         failed = group.failed_ranks(error is not None)
@@ -538,7 +539,8 @@ def _serve(group: ParallelGroup, device: torch.device, load: dict) -> None:
     model = None
     try:
         model, _, _ = load_model(load["model"], device=device, dtype=load["dtype"], adapter=load["adapter"],
-                                 with_tokenizer=False, tp_rank=group.rank, tp_size=group.size)
+                                 with_tokenizer=False, tp_rank=group.rank, tp_size=group.size,
+                                 lora_scale=load.get("lora_scale", 1.0))
     except Exception as e:  # noqa: BLE001  (reported to rank 0)
         error = e
     if group.failed_ranks(error is not None):

@@ -138,6 +138,7 @@ class Engine:
                                               eos_ids=self.eos_ids, grammar=self.tag_tokens is not None)
         self.source: str | os.PathLike | None = None  # what from_pretrained loaded
         self.adapter: Any = None  # the LoRA adapter folder merged into the weights, if any
+        self.lora_scale: float = 1.0  # how much of the adapter's low-rank deltas was merged (from_pretrained)
         self.adapter_manifest: dict | None = None
         self.cpu_threads: int | None = None  # torch threads from_pretrained set (None: left alone, or a GPU)
         self._lock = threading.RLock()
@@ -155,6 +156,7 @@ class Engine:
         tokenizer: Any = None,
         adapter: str | os.PathLike | None = "auto",
         threads: int | str | None = "auto",
+        lora_scale: float | None = None,
         **options: Any,
     ) -> "Engine":
         """Load a checkpoint and build an engine.
@@ -172,6 +174,12 @@ class Engine:
                 PASTA-LANG, when ``model`` is None, else none; None: the base weights. An
                 adapter's manifest sets the PASTA-LANG prompt it was trained with unless
                 ``pasta_prompt`` is given.
+            lora_scale: how much of the adapter's low-rank deltas is merged, in ``[0, 1]``
+                (:func:`~pasta_engine.models.adapter.merge_lora`; the added tag-token rows stay as
+                trained): None (default) takes the adapter manifest's ``lora_scale`` (1.0 when it
+                has none). Lower values move the weights toward the base model's: fewer and
+                narrower forks, answers closer to the base model's (the speed-quality frontier in
+                bench/results/lora-scale-smollm2-cpu/). The value used is ``engine.lora_scale``.
             threads: on a CPU, torch's thread count (process-wide, as ``torch.set_num_threads``),
                 set before the weights load: ``"auto"`` (default) the cores other work leaves free,
                 at most 4 (:func:`~pasta_engine.worker.cpu_threads.cpu_threads`; the CLI's
@@ -184,7 +192,7 @@ class Engine:
         settings, a device this torch cannot use, a KV cache larger than the device's memory, an
         adapter trained for another base model), CheckpointError (a ParameterError: a truncated
         or inconsistent checkpoint, adapter or tokenizer, naming the file)."""
-        from ..models.adapter import read_manifest
+        from ..models.adapter import check_lora_scale, manifest_lora_scale, read_manifest
         from ..models.loader import add_adapter_tokens, load_tokenizer, resolve_adapter
 
         if model is not None and not isinstance(model, (str, os.PathLike)):
@@ -197,8 +205,15 @@ class Engine:
         elif tokenizer is not None and not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
             raise ParameterError("tokenizer", tokenizer, "a transformers tokenizer, or the path of a tokenizer folder")
         check_threads(threads)
+        if lora_scale is not None:
+            lora_scale = check_lora_scale(lora_scale)
         config = options.pop("config", None)
         adapter_dir, manifest = resolve_adapter(model, adapter)
+        if adapter_dir is None and lora_scale is not None and lora_scale != 1.0:
+            raise ParameterError("lora_scale", lora_scale, message=f"lora_scale={lora_scale!r} scales an adapter, "
+                                 "but this engine loads none (adapter=None): drop lora_scale or name an adapter")
+        if lora_scale is None:
+            lora_scale = manifest_lora_scale(manifest, adapter_dir) if adapter_dir is not None else 1.0
         if config is None:
             if manifest and "pasta_prompt" not in options and manifest.get("pasta_prompt"):
                 options["pasta_prompt"] = PastaPrompt.from_dict(manifest["pasta_prompt"])
@@ -215,10 +230,11 @@ class Engine:
 
             runner, tok, hf_cfg = start_tensor_parallel(model, device, dtype, adapter_dir, tokenizer is None,
                                                         config.tensor_parallel_size,
-                                                        step_timeout_s=config.tensor_parallel_step_timeout_s)
+                                                        step_timeout_s=config.tensor_parallel_step_timeout_s,
+                                                        lora_scale=lora_scale)
         else:
             runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter_dir,
-                                             with_tokenizer=tokenizer is None)
+                                             with_tokenizer=tokenizer is None, lora_scale=lora_scale)
         if tokenizer is not None and adapter_dir is not None:
             add_adapter_tokens(tokenizer, adapter_dir)  # the adapter's added tokens (PASTA-LANG pieces)
         try:
@@ -228,6 +244,7 @@ class Engine:
             raise
         engine.source = model
         engine.adapter = adapter_dir
+        engine.lora_scale = lora_scale
         engine.adapter_manifest = read_manifest(adapter_dir) if adapter_dir is not None else None
         engine.cpu_threads = n_threads
         return engine

@@ -114,6 +114,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="a LoRA adapter folder (peft format) merged into the weights (default: the adapter shipped for "
                    "the embedded model, in pasta mode)")
     a.add_argument("--no-adapter", action="store_true", help="run the base model's weights, no adapter")
+    g.add_argument("--lora-scale", type=float, default=None, metavar="S",
+                   help="merge S (0 to 1) of the adapter's low-rank deltas: lower values move the weights toward the "
+                   "base model's (fewer, narrower forks; answers closer to the base model's); default: the adapter "
+                   "manifest's, else 1")
 
 
 def add_pasta_args(p: argparse.ArgumentParser) -> None:
@@ -277,6 +281,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
 
     from ..config import Limits
     from ..engine.llm_engine import Engine, check_device
+    from ..errors import ParameterError
     from ..models.loader import EMBEDDED_MODEL
     from ..tools.bench import device_name
 
@@ -311,8 +316,13 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20
     if adapter == "auto":
         adapter = adapter_choice(args)  # the flags win over the caller's default
+    lora_scale = getattr(args, "lora_scale", None)
+    if lora_scale is not None and getattr(args, "no_adapter", False):
+        raise ParameterError("lora_scale", lora_scale, message=f"--lora-scale {lora_scale} scales an adapter, but "
+                             "--no-adapter loads none: drop one of the two")
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, dtype_name), adapter=adapter,
-                                    threads=getattr(args, "threads", "auto"), **options)
+                                    threads=getattr(args, "threads", "auto"),
+                                    lora_scale=lora_scale if adapter is not None else None, **options)
     threads = engine.cpu_threads
     settings = {
         "model": label,
@@ -324,6 +334,7 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
         "torch_version": torch.__version__,
         "weight_bytes": engine.model.weight_bytes,
         "adapter": None if engine.adapter is None else str(engine.adapter),
+        "lora_scale": engine.lora_scale if engine.adapter is not None else None,
         "cpu_threads": threads,
         "cpu_threads_flag": getattr(args, "threads", "auto") if threads is not None else None,
         "prefix_caching": engine.config.enable_prefix_caching,

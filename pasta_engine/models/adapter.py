@@ -16,6 +16,14 @@ and writes the values in; with tied embeddings the LM head is the same matrix, s
 tokens can be sampled. The tokenizer gets the same tokens from the manifest's
 ``added_tokens`` (``{text: id}``, :func:`added_tokens`).
 
+LoRA scale. ``lora_scale`` multiplies every low-rank delta at the merge (``W + lora_scale *
+(alpha / r) * B @ A``; peft's ``scale_layer``, diffusers' ``lora_scale``), leaving the added
+token rows as trained: between 0 (the base model's weights with the tag tokens' rows) and 1 (the
+adapter as trained). It is the weight-space interpolation of WiSE-FT (Wortsman et al. 2022,
+"Robust fine-tuning of zero-shot models", section 3): for a PASTA-LANG adapter, a knob between the
+base model's answers and the adapter's forking (issue 30; bench/results/lora-scale-smollm2-cpu/).
+A shipped adapter's manifest may set its default (``lora_scale``, :func:`manifest_lora_scale`).
+
 The project's shipped adapters (``pasta_engine/adapters/<name>/``) carry a ``manifest.json``:
 the base model file's SHA-256, the data split, annotator, commands, commit and evaluation
 figures, and the short system prompt the adapter was trained with.
@@ -33,7 +41,7 @@ import torch
 
 from ..errors import CheckpointError, ParameterError, UnsupportedModelError
 
-__all__ = ["merge_lora", "read_manifest", "added_tokens", "file_sha256", "SHIPPED_ADAPTERS", "shipped_adapter"]
+__all__ = ["merge_lora", "check_lora_scale", "manifest_lora_scale", "read_manifest", "added_tokens", "file_sha256", "SHIPPED_ADAPTERS", "shipped_adapter"]
 
 #: Folder of the adapters shipped in the package.
 SHIPPED_ADAPTERS = Path(__file__).resolve().parents[1] / "adapters"
@@ -160,12 +168,34 @@ def _adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"{adapter_dir} has no adapter_model.safetensors (a peft LoRA adapter folder)")
 
 
-def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path) -> list[str]:
+def check_lora_scale(lora_scale: Any) -> float:
+    """``lora_scale`` as a float; raises ParameterError naming ``lora_scale`` unless it is a
+    number in ``[0, 1]`` (0: the low-rank deltas off, 1: the adapter as trained)."""
+    if isinstance(lora_scale, bool) or not isinstance(lora_scale, (int, float)) or not 0.0 <= lora_scale <= 1.0:
+        raise ParameterError("lora_scale", lora_scale, "a number in [0, 1]: 1 merges the adapter as trained, "
+                             "lower values move the weights toward the base model's")
+    return float(lora_scale)
+
+
+def manifest_lora_scale(manifest: dict[str, Any] | None, adapter_dir: str | Path | None = None) -> float:
+    """The ``lora_scale`` an adapter's manifest sets as its default (1.0 when it sets none).
+    Raises CheckpointError naming the adapter for a value :func:`check_lora_scale` refuses."""
+    value = (manifest or {}).get("lora_scale", 1.0)
+    try:
+        return check_lora_scale(value)
+    except ParameterError:
+        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: manifest.json has "
+                              f"lora_scale={value!r}: expected a number in [0, 1]") from None
+
+
+def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_scale: float = 1.0) -> list[str]:
     """Merge a peft LoRA adapter into ``weights`` (a ``transformers`` state dict), in place.
 
     Args:
         weights: ``name -> tensor`` of the base checkpoint (``model.layers.0.self_attn.q_proj.weight``, ...).
         adapter_dir: a folder with peft's ``adapter_config.json`` and ``adapter_model.safetensors``.
+        lora_scale: multiplies each low-rank delta (in ``[0, 1]``; see the module docstring);
+            the added token rows are written as trained whatever it is.
 
     Returns the names of the merged weights. The sum is computed in float32 and cast back to
     the weight's dtype. Trainable token rows (peft's ``trainable_token_indices``) replace rows of
@@ -175,7 +205,9 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path) -> lis
     option this merge does not implement (DoRA, biases, fan-in-fan-out, extra modules to save),
     ParameterError when a LoRA pair names a weight the checkpoint does not have or shapes disagree,
     CheckpointError (a ParameterError naming the adapter) for an ``adapter_config.json`` that is
-    not JSON or has no valid rank ``r``, or weights that cannot be read (truncated)."""
+    not JSON or has no valid rank ``r``, or weights that cannot be read (truncated); ParameterError
+    naming ``lora_scale`` for a scale outside ``[0, 1]``."""
+    lora_scale = check_lora_scale(lora_scale)
     adapter_dir = Path(adapter_dir)
     cfg_path = adapter_dir / "adapter_config.json"
     if not cfg_path.exists():
@@ -197,7 +229,7 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path) -> lis
         raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: adapter_config.json "
                               f"has lora_alpha={alpha!r}: expected a number")
     alpha = float(alpha)
-    scale = alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r
+    scale = (alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r) * lora_scale
     tensors = _adapter_tensors(adapter_dir)
     merged = _merge_token_rows(weights, cfg, tensors, adapter_dir)
     for name, a in tensors.items():

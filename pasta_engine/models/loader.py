@@ -107,6 +107,7 @@ def load_model(
     with_tokenizer: bool = True,
     tp_rank: int = 0,
     tp_size: int = 1,
+    lora_scale: float = 1.0,
 ) -> tuple[CausalLM, Any, Any]:
     """Load a checkpoint with ``transformers`` and build its architecture's decoder (a
     :class:`~pasta_engine.models.protocol.CausalLM`: :class:`~pasta_engine.models.llama.LlamaModel`
@@ -117,6 +118,7 @@ def load_model(
         device: torch device; dtype: float32, float16 or bfloat16.
         adapter: a peft LoRA adapter folder merged into the weights before they are packed
             (:func:`pasta_engine.models.adapter.merge_lora`), or None.
+        lora_scale: the merge's scale of the adapter's low-rank deltas (``[0, 1]``; 1 as trained).
         with_tokenizer: also load the checkpoint's tokenizer (False: the caller brings one).
         tp_rank, tp_size: tensor parallelism (:mod:`pasta_engine.distributed`): build rank
             ``tp_rank``'s shard of ``tp_size`` (:func:`~pasta_engine.models.sharding.shard_checkpoint`;
@@ -165,7 +167,7 @@ def load_model(
         weights = _read_weights(path, where, dtype, kw)
         sliced = False
     if adapter is not None:
-        merge_lora(weights, adapter)
+        merge_lora(weights, adapter, lora_scale)
     _check_finite(weights, where, adapter)
     if adapter is not None:
         rows = weights["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in weights else cfg.vocab_size

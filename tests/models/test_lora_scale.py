@@ -1,0 +1,119 @@
+"""``lora_scale``: how much of an adapter's low-rank deltas the merge adds (issue 30's
+speed-quality knob): exact sums on hand-built tensors, the token rows left as trained, the
+manifest's default, the engine's and the CLI's refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pasta_engine import Engine
+from pasta_engine.errors import CheckpointError, ParameterError
+from pasta_engine.models.adapter import check_lora_scale, manifest_lora_scale, merge_lora
+
+
+def _adapter_with_token_rows(tmp_path):
+    """A rank-2 LoRA on one 4x3 weight (alpha 4: scale 2) plus two trainable token rows."""
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 2, "lora_alpha": 4, "bias": "none", "target_modules": ["q_proj"],
+        "trainable_token_indices": [5, 6]}))
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 10
+    b = torch.arange(8, dtype=torch.float32).reshape(4, 2) / 10
+    rows = torch.full((2, 3), 7.0)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b,
+               "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta": rows},
+              str(d / "adapter_model.safetensors"))
+    return d, a, b, rows
+
+
+def _weights():
+    return {"model.layers.0.self_attn.q_proj.weight": torch.ones(4, 3),
+            "model.embed_tokens.weight": torch.zeros(5, 3)}
+
+
+@pytest.mark.parametrize("s", [0.0, 0.5, 1.0])
+def test_the_merge_adds_the_scaled_delta_and_the_token_rows_as_trained(tmp_path, s):
+    d, a, b, rows = _adapter_with_token_rows(tmp_path)
+    w = _weights()
+    merge_lora(w, d, lora_scale=s)
+    expected = torch.ones(4, 3) + s * 2.0 * (b @ a)
+    torch.testing.assert_close(w["model.layers.0.self_attn.q_proj.weight"], expected, rtol=0, atol=1e-6)
+    emb = w["model.embed_tokens.weight"]
+    assert emb.shape == (7, 3)  # grown to hold rows 5 and 6
+    torch.testing.assert_close(emb[5:], rows)  # whatever the scale
+    torch.testing.assert_close(emb[:5], torch.zeros(5, 3))
+
+
+def test_the_default_scale_is_the_adapter_as_trained(tmp_path):
+    d, *_ = _adapter_with_token_rows(tmp_path)
+    w1, w2 = _weights(), _weights()
+    merge_lora(w1, d)
+    merge_lora(w2, d, lora_scale=1.0)
+    for k in w1:
+        assert torch.equal(w1[k], w2[k])
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), True, "0.5", None])
+def test_a_scale_outside_zero_to_one_is_refused_naming_lora_scale(tmp_path, bad):
+    d, *_ = _adapter_with_token_rows(tmp_path)
+    w = _weights()
+    with pytest.raises(ParameterError) as e:
+        merge_lora(w, d, lora_scale=bad)
+    assert e.value.param == "lora_scale" and "[0, 1]" in str(e.value)
+    assert torch.equal(w["model.layers.0.self_attn.q_proj.weight"], torch.ones(4, 3))  # nothing merged
+
+
+def test_the_manifest_sets_the_default_and_a_bad_one_names_the_adapter(tmp_path):
+    assert manifest_lora_scale(None) == 1.0
+    assert manifest_lora_scale({"lora_scale": 0.8}) == 0.8
+    assert check_lora_scale(1) == 1.0
+    with pytest.raises(CheckpointError, match="lora_scale=2"):
+        manifest_lora_scale({"lora_scale": 2}, tmp_path / "ad")
+
+
+def test_the_engine_merges_the_scale_it_is_given_or_the_manifests(tiny_llama, tmp_path):
+    from sample_adapters import tiny_adapter
+
+    d = tiny_adapter(tmp_path)
+    base = Engine.from_pretrained(tiny_llama, adapter=None, kv_cache_bytes=2**20)
+    full = Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20)
+    half = Engine.from_pretrained(tiny_llama, adapter=d, lora_scale=0.5, kv_cache_bytes=2**20)
+    assert (full.lora_scale, half.lora_scale) == (1.0, 0.5)
+    wb, wf, wh = (_q(e) for e in (base, full, half))
+    torch.testing.assert_close(wh, (wb + wf) / 2, rtol=0, atol=1e-5)  # linear in the scale
+    assert not torch.allclose(wf, wb)
+    (d / "manifest.json").write_text(json.dumps({"lora_scale": 0.25}))
+    quarter = Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20)
+    assert quarter.lora_scale == 0.25
+    torch.testing.assert_close(_q(quarter), wb + (wf - wb) / 4, rtol=0, atol=1e-5)
+    explicit = Engine.from_pretrained(tiny_llama, adapter=d, lora_scale=1.0, kv_cache_bytes=2**20)
+    assert explicit.lora_scale == 1.0  # the caller's value wins over the manifest's
+
+
+def _q(engine) -> torch.Tensor:
+    """Layer 0's packed q/k/v projection weight (the tiny adapter adapts q_proj)."""
+    return engine.model.weights.layers[0].qkv.detach().float().clone()
+
+
+def test_the_engine_refuses_a_scale_without_an_adapter(tiny_llama):
+    with pytest.raises(ParameterError) as e:
+        Engine.from_pretrained(tiny_llama, adapter=None, lora_scale=0.5, kv_cache_bytes=2**20)
+    assert e.value.param == "lora_scale" and "adapter" in str(e.value)
+    with pytest.raises(ParameterError) as e:
+        Engine.from_pretrained(tiny_llama, adapter=None, lora_scale=3.0, kv_cache_bytes=2**20)
+    assert e.value.param == "lora_scale"
+
+
+def test_the_cli_refuses_lora_scale_with_no_adapter(tiny_llama, capsys):
+    from pasta_engine.entrypoints.cli import main
+
+    rc = main(["generate", "hi", "--model", str(tiny_llama), "--no-adapter", "--lora-scale", "0.5",
+               "--max-new-tokens", "2", "--kv-cache-mb", "1"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "--lora-scale" in err and "--no-adapter" in err
