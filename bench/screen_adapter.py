@@ -38,6 +38,9 @@ def main() -> None:
                     help="inline: tags acted on, each chunk decoded in place in the same thread (no fork): the "
                     "same weights sequentially")
     ap.add_argument("--fork-threshold", type=float, default=None)
+    ap.add_argument("--lora-scale", type=float, default=None,
+                    help="Engine.from_pretrained(lora_scale=...): the fraction of the adapter's low-rank deltas merged "
+                    "(default: the adapter manifest's)")
     ap.add_argument("--max-forks", type=int, default=None, help="Limits.max_forks (default: the engine's)")
     ap.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=True,
                     help="Limits.distinct_topics: a topic may not repeat one already promised (default on)")
@@ -62,7 +65,7 @@ def main() -> None:
                     chunk_clean_end=args.chunk_clean_end,
                     **({} if args.max_forks is None else {"max_forks": args.max_forks}))
     engine = Engine.from_pretrained(None, adapter=adapter, max_running_requests=args.max_running_requests,
-                                    limits=limits)
+                                    limits=limits, lora_scale=args.lora_scale)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0,
                             repetition_penalty=args.repetition_penalty)
     t0 = time.time()
@@ -107,7 +110,7 @@ def main() -> None:
                      "fork_threshold": args.fork_threshold, "distinct_topics": args.distinct_topics,
                      "chunk_clean_end": args.chunk_clean_end, "max_forks": limits.max_forks,
                      "max_running_requests": args.max_running_requests,
-                     "adapter": args.adapter, "torch_threads": torch.get_num_threads(), "device": "cpu",
+                     "adapter": args.adapter, "lora_scale": engine.lora_scale, "torch_threads": torch.get_num_threads(), "device": "cpu",
                      "dtype": "float32", "seconds": round(seconds, 1)},
         "command": "python " + " ".join(sys.argv),
     }
