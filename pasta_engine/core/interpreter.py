@@ -78,7 +78,7 @@ from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
 from ..lang.dialect import (AsyncClose, AsyncOpen, BaseDialect, Dialect, Malformed, Markup, Promise, Sync, TagText,
                             Text, TextParser, as_dialect)
-from ..lang.grammar import ends_sentence, topic_key
+from ..lang.grammar import GrammarState, ends_sentence, topic_key
 from ..lang.pasta import PASTA
 from ..lang.tokenization import ForcedChunk
 from ..metrics import ResponseStructure
@@ -107,6 +107,10 @@ __all__ = [
 #: thread (no fork): the same weights sequentially; the baseline for realized speedup of a
 #: PASTA-LANG model.
 MODES = ("pasta", "sequential", "inline")
+#: The grammar states inside a promise's topic (:meth:`Interpreter._grammar_state` turns them into
+#: ``TOPIC_CONT`` while the thread's last token ended inside a UTF-8 character).
+_TOPIC_STATES = frozenset({GrammarState.TOPIC_EMPTY, GrammarState.TOPIC, GrammarState.TOPIC_FULL,
+                           GrammarState.TOPIC_TAKEN})
 #: With ``Limits.chunk_clean_end``, a chunk at its cap mid-sentence may sample this many more
 #: tokens to end the sentence (it ends at the first sentence or line end; at the cap plus this, in
 #: any case): a chunk cut mid-sentence by its cap reads as cut off.
@@ -433,8 +437,14 @@ class Interpreter:
         is_main = t.is_main and not t.inline
         tail = _clean_tail(t) if self.limits.chunk_clean_end and not is_main else None
         acted = self.n_inline if self.mode == "inline" else self.n_forks
-        return self.dialect.grammar_state(is_main, t.parser.pending, acted < self.limits.max_forks,
-                                          self.topics_taken if self.limits.distinct_topics else (), tail)
+        state = self.dialect.grammar_state(is_main, t.parser.pending, acted < self.limits.max_forks,
+                                           self.topics_taken if self.limits.distinct_topics else (), tail)
+        if t.detok.mid_character and state in _TOPIC_STATES:
+            # inside a UTF-8 character of a topic (the first bytes of an emoji, say): only a token
+            # that continues it; ending there, or any other token, would put U+FFFD in the topic
+            # and in the chunk that copies it
+            return GrammarState.TOPIC_CONT
+        return state
 
     def _cap_ends(self, t: Thread) -> bool:
         """Whether thread ``t`` (or its inline chunk), at or past its cap, ends now: at once, unless

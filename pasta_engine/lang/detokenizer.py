@@ -234,6 +234,14 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    @property
+    def mid_character(self) -> bool:
+        """Whether the ids pushed so far end inside a UTF-8 character: its first bytes are held
+        back until a later token completes it (a flush now would give U+FFFD)."""
+        if self._table is not None:
+            return bool(self._tail)
+        return self._read < len(self.ids) and self._decode(self.ids[self._prefix :]).endswith("\ufffd")
+
     def pending_text(self) -> str:
         """What :meth:`flush` would return now, without flushing."""
         if self._table is not None:

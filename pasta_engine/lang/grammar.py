@@ -40,6 +40,9 @@ applied to a whole step's logits in one tensor operation by the model runner):
   :data:`MAX_TOPIC_BYTES` bytes (UTF-8) must end; a topic equal to one already promised in the
   same response (:func:`topic_key`: case, spacing and punctuation ignored) may not end there
   (``TOPIC_TAKEN``: it must say something more), so siblings are never promised the same topic;
+  a token that starts with a UTF-8 continuation byte is topic text only right after the first
+  bytes of a character, and there nothing else is (``TOPIC_CONT``, set by the interpreter from
+  its detokenizer): a topic never holds U+FFFD, as one did on the README's sample prompt;
 * inside the length: digits only (at least one, the first not ``0``; at most
   :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
 """
@@ -159,6 +162,7 @@ class GrammarState(enum.IntEnum):
     LENGTH_FULL = 9
     TOPIC_TAKEN = 10
     CHUNK_OPEN = 11
+    TOPIC_CONT = 12
 
 
 def topic_key(topic: str) -> str:
@@ -249,8 +253,13 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
     eos = set(int(e) for e in eos_ids)
     pieces = set(tags.ids)
     n = min(vocab, len(token_bytes))
-    topic_ok = [i for i in range(n) if token_bytes[i] and i not in pieces and i not in eos
-                and not any(c in token_bytes[i] for c in (b'"', b"<", b">", b"\n"))]
+    text_ok = [i for i in range(n) if token_bytes[i] and i not in pieces and i not in eos
+               and not any(c in token_bytes[i] for c in (b'"', b"<", b">", b"\n"))]
+    # a token whose first byte continues a UTF-8 character (0x80-0xBF) is topic text only right
+    # after the first bytes of one (TOPIC_CONT); anywhere else it decodes as U+FFFD
+    cont = [i for i in text_ok if 0x80 <= token_bytes[i][0] <= 0xBF]
+    cont_set = set(cont)
+    topic_ok = [i for i in text_ok if i not in cont_set]
     digits = [i for i in range(n) if token_bytes[i] and i not in pieces and i not in eos
               and token_bytes[i].isdigit() and token_bytes[i].isascii()]
     # a topic starts with a letter (ASCII, or any non-ASCII byte: a letter of another script)
@@ -273,6 +282,7 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
         (True, topic_ok),  # TOPIC_TAKEN
         (False, [tags.promise_open, tags.sync, tags.async_open, tags.promise_length, tags.async_close,
                  *sorted(eos)]),  # CHUNK_OPEN
+        (True, cont or topic_ok),  # TOPIC_CONT (a vocabulary without such tokens never gets here)
     ]
     assert len(out) == len(GrammarState)
     return out

@@ -237,6 +237,54 @@ def test_the_interpreter_keeps_sibling_topics_distinct_unless_told_not_to():
     assert state_after(False) is GrammarState.TOPIC
 
 
+def test_a_topic_may_not_end_inside_a_character():
+    """The README's first command once showed `<promise topic="Beds\ufffd" .../>` and a chunk that
+    copied it: the model wrote the first two bytes of an emoji and the grammar let the topic end
+    there (and a lone continuation byte, U+00A8's token, in the same place). Inside a character the
+    topic may only continue it (TOPIC_CONT); a token that starts with a continuation byte is topic
+    text nowhere else; once the character is whole the topic may end again."""
+    from pasta_engine.config import Limits
+    from pasta_engine.core.interpreter import Interpreter
+    from pasta_engine.lang.detokenizer import IncrementalDetokenizer
+
+    pieces = [b"", b"a", b'<promise topic="', b"Beds", "\U0001f6cf".encode()[:2], "\U0001f6cf".encode()[2:],
+              b'" tokens="', b"1", b'"/>']
+    decode = lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+
+    def states(tokens):
+        it = Interpreter([1], decode=decode, eos_ids=[0], open_ids=[1], close_len=1, grammar=True,
+                         limits=Limits(max_threads=None))
+        out = []
+        for tok in tokens:
+            steps = [s for s in it.runnable_threads()]
+            it.step_done(steps)
+            it.take_kv_ops()
+            it.on_token(0, tok)
+            [main] = [s for s in it.runnable_threads() if s.tid == 0]
+            out.append(GrammarState(main.grammar))
+        return out
+
+    assert states([2, 3, 4, 5]) == [GrammarState.TOPIC_EMPTY, GrammarState.TOPIC, GrammarState.TOPIC_CONT,
+                                    GrammarState.TOPIC]
+    d = IncrementalDetokenizer(decode)
+    assert [(d.push(t), d.mid_character) for t in (3, 4, 5)] == [("Beds", False), ("", True), ("\U0001f6cf", False)]
+    from pasta_engine.lang.detokenizer import TokenBytes
+
+    d = IncrementalDetokenizer(None, TokenBytes(list(pieces)))  # the engine's way: a bytes table
+    assert [(d.push(t), d.mid_character) for t in (3, 4, 5)] == [("Beds", False), ("", True), ("\U0001f6cf", False)]
+
+
+def test_a_continuation_byte_is_topic_text_only_inside_a_character():
+    tags = TagTokens(0, 1, 2, 3, 4, 5)
+    table = [b'<promise topic="', b'" tokens="', b'"/>', b"<async>", b"</async>", b"<sync/>", b"", b"Beds",
+             b"\xa8", b"\xf0\x9f", b"\x9b\x8f", b"7"]
+    masks = state_masks(tags, table, len(table), eos_ids=[6])
+    for state in (GrammarState.TOPIC_EMPTY, GrammarState.TOPIC, GrammarState.TOPIC_TAKEN):
+        allow, ids = masks[state]
+        assert allow and 8 not in ids and 10 not in ids and 9 in ids  # a lead byte may start a character
+    assert masks[GrammarState.TOPIC_CONT] == (True, [8, 10])
+
+
 def test_the_interpreter_holds_a_chunk_open_at_a_colon_unless_told_not_to():
     from pasta_engine.config import Limits
     from pasta_engine.core.interpreter import Interpreter
