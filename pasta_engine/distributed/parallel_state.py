@@ -11,8 +11,6 @@ already has a default group, e.g. under ``torchrun``, is refused).
 from __future__ import annotations
 
 import pickle
-import signal
-import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -125,19 +123,9 @@ def init_parallel_group(rank: int, size: int, init_method: str, device: torch.de
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # The collectives' I/O threads are created here: they inherit a signal mask that blocks SIGINT, so
-    # a Ctrl-C (which the terminal sends to every process of the group) reaches only the main thread.
-    # Delivered to a gloo I/O thread, it failed that thread's socket read with EINTR and lost the
-    # collective's data: both ranks then waited in one all-reduce forever (the Ctrl-C test's stacks).
-    mask = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if mask else None
-    try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=step_timeout_s))
-        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
-    finally:
-        if before is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=step_timeout_s))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
     return ParallelGroup(rank, size, dist.group.WORLD, control)
 
 
