@@ -18,6 +18,10 @@ import signal
 import time
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for rank 0's stacks if it hangs
+# what a program started from a terminal has: a shell without job control starts a background job
+# (`pytest ... &`) with SIGINT ignored, Python then installs no handler, the script inherits that,
+# and the Ctrl-C below was never seen (the script decoded on: "hung past 120 s" in every such run)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from pasta_engine import Engine, SamplingParams
 
