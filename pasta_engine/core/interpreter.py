@@ -439,7 +439,7 @@ class Interpreter:
         acted = self.n_inline if self.mode == "inline" else self.n_forks
         state = self.dialect.grammar_state(is_main, t.parser.pending, acted < self.limits.max_forks,
                                            self.topics_taken if self.limits.distinct_topics else (), tail)
-        if t.detok.mid_character and state in _TOPIC_STATES:
+        if state in _TOPIC_STATES and t.detok.mid_character:  # the cheap test first: this runs per step
             # inside a UTF-8 character of a topic (the first bytes of an emoji, say): only a token
             # that continues it; ending there, or any other token, would put U+FFFD in the topic
             # and in the chunk that copies it

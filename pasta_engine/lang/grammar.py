@@ -42,7 +42,8 @@ applied to a whole step's logits in one tensor operation by the model runner):
   (``TOPIC_TAKEN``: it must say something more), so siblings are never promised the same topic;
   a token that starts with a UTF-8 continuation byte is topic text only right after the first
   bytes of a character, and there nothing else is (``TOPIC_CONT``, set by the interpreter from
-  its detokenizer): a topic never holds U+FFFD, as one did on the README's sample prompt;
+  its detokenizer; a character begun at the byte cap is finished first, so such a topic may run
+  a few bytes over it): a topic never holds U+FFFD, as one did on the README's sample prompt;
 * inside the length: digits only (at least one, the first not ``0``; at most
   :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
 """
