@@ -9,11 +9,7 @@ SRC=${PASTA_SHARED_DATA:-../shared/data}/alpaca_eval/instructions.json
 mkdir -p $O
 $PY -c "import json,sys; r=[x for x in json.load(open(sys.argv[1])) if x.get('dataset')=='vicuna'][:16]; json.dump(r, open(sys.argv[2],'w'), indent=1)" $SRC $O/prompts.json
 common="--prompts $O/prompts.json --num-prompts 16 --max-tokens 512 --slo-e2e-s 60 --no-progress"
-serve() {  # serve PORT ARGS...: start a server and wait for it
-  port=$1; shift
-  $PY -m pasta_engine.entrypoints.cli serve --port $port --max-running-requests 8 --max-num-batched-tokens 16 "$@" > $O/serve_$port.log 2>&1 &
-  for i in $(seq 1 120); do sleep 1; curl -sf localhost:$port/health > /dev/null && return 0; done; return 1
-}
+. bench/serve_cpu.sh  # serve PORT ARGS...
 serve 8311 --thread-policy critical_first
 $PY bench/bench_serving.py --url http://127.0.0.1:8311 --mode pasta $common --concurrency 1 2 4 8 16 --label "pasta, critical_first" --out $O/pasta_critical_first.json
 $PY bench/bench_serving.py --url http://127.0.0.1:8311 --mode inline $common --concurrency 1 4 16 --label "inline (same weights, sequential)" --out $O/inline_same_weights.json

@@ -8,11 +8,7 @@ PY=${PY:-.venv/bin/python}
 P=${PASTA_SHARED_DATA:-../shared/data}/alpaca_eval/instructions.json
 mkdir -p $O
 common="--prompts $P --num-prompts ${NUM_PROMPTS:-8} --concurrency ${CONCURRENCY:-1 2 4 8} --max-tokens ${MAX_TOKENS:-128} --slo-e2e-s 30 --no-progress"
-serve() {  # serve PORT ARGS...: start a server and wait for it
-  port=$1; shift
-  $PY -m pasta_engine.entrypoints.cli serve --port $port --max-running-requests 8 --max-num-batched-tokens 16 "$@" > $O/serve_$port.log 2>&1 &
-  for i in $(seq 1 120); do sleep 1; curl -sf localhost:$port/health > /dev/null && return 0; done; return 1
-}
+. bench/serve_cpu.sh  # serve PORT ARGS...
 serve 8301 --thread-policy critical_first
 $PY bench/bench_serving.py --url http://127.0.0.1:8301 --mode pasta $common --label "pasta, critical_first" --out $O/pasta_critical_first.json
 $PY bench/bench_serving.py --url http://127.0.0.1:8301 --mode sequential $common --label "sequential, same weights" --out $O/sequential_same_weights.json
