@@ -22,17 +22,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_tree(data: dict, out: Path) -> None:
+    """One panel per model shape: the tree kernel's speedup over the plain per-thread kernel
+    against the threads decoding together, one line per shared prefix (tokens), at the longest
+    private suffix; rows as bench_tree_attention.py writes them (``model_shape``, ``shape``)."""
     rows = data["rows"]
-    shapes = sorted({r["shape"] for r in rows})
+    suffix = max(r["shape"]["suffix"] for r in rows)
+    shapes = sorted({r["model_shape"] for r in rows})
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        for prefix in sorted({r["prefix"] for r in rows}):
-            sel = sorted((r for r in rows if r["shape"] == shape and r["prefix"] == prefix and r["suffix"] == max(
-                x["suffix"] for x in rows)), key=lambda r: r["threads"])
-            ax.plot([r["threads"] for r in sel], [r["speedup_vs_plain"] for r in sel], marker="o", label=f"prefix {prefix}")
+        mine = [r for r in rows if r["model_shape"] == shape and r["shape"]["suffix"] == suffix]
+        for prefix in sorted({r["shape"]["prefix"] for r in mine}):
+            sel = sorted((r for r in mine if r["shape"]["prefix"] == prefix), key=lambda r: r["shape"]["threads"])
+            ax.plot([r["shape"]["threads"] for r in sel], [r["tree_speedup_vs_plain"] for r in sel], marker="o",
+                    label=f"prefix {prefix}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("threads")
-        ax.set_ylabel("speedup of tree over plain per-thread")
+        ax.set_ylabel(f"speedup of tree over plain per-thread (suffix {suffix})")
         ax.set_title(f"{shape} on {data['device'].get('device', '?')}")
         ax.legend()
     fig.tight_layout()

@@ -60,9 +60,11 @@ def test_bench_host_writes_a_new_file_unless_told_to_overwrite(tmp_path):
     assert json.loads(out.read_text())["results"][0]["threads"] == 1
 
 
-def test_plot_draws_the_cpu_results(tmp_path):
+def test_plot_draws_the_stored_results(tmp_path):
+    # the CPU results and the first GPU run's tree-attention result (H200, bench/run_gpu.sh tree)
     names = ["cpu_rows.json", "host_step_cpu.json", "host_step_cpu_before.json", "server_load_cpu.json",
-             "cpu_micro_host.json", "cpu_alpaca20_generate_both.json", "cpu_threads.json"]
+             "cpu_micro_host.json", "cpu_alpaca20_generate_both.json", "cpu_threads.json",
+             "tree_attention_NVIDIA_H200.json"]
     cpu = [RESULTS / n for n in names]
     for p in cpu:
         shutil.copy(p, tmp_path / p.name)

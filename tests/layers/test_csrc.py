@@ -479,7 +479,7 @@ def test_lse_merge_matches_reference(ext, dtype, d, misaligned):
         _ulp_close(out, ref.to(dtype), dtype)
     torch.testing.assert_close(out_lse, ref_lse, rtol=1e-5, atol=1e-5)
     out2 = torch.zeros_like(out)
-    ext.lse_merge(part_o, part_lse, indptr, slots, out2)  # out_lse is optional
+    ext.lse_merge(part_o, part_lse, indptr, parts, out2)  # out_lse is optional
     assert torch.equal(out2, out)
 
 

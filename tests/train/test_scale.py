@@ -295,6 +295,8 @@ def test_the_recipe_table_scales_training_by_eight_and_not_sampling():
 
 @pytest.mark.gpu
 def test_sft_on_cuda_in_bfloat16_stays_under_its_estimate(tiny_llama, tmp_path):
+    # what earlier tests of this process still hold is not this training's: the peak counts from here
+    held_before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     settings = SFTSettings(epochs=1, grad_accum=2, max_steps=2, device="cuda", dtype="bfloat16",
                            lora=LoraSettings(r=4, alpha=8))
@@ -302,7 +304,7 @@ def test_sft_on_cuda_in_bfloat16_stays_under_its_estimate(tiny_llama, tmp_path):
     assert summary["scale"]["device"].startswith("cuda") and summary["optimizer_steps"] == 2
     assert torch.isfinite(torch.tensor(summary["first_loss"]))
     # + 64 MiB: cuBLAS workspaces (allocated through the caching allocator) are not in the estimate
-    assert torch.cuda.max_memory_allocated() <= summary["scale"]["memory_estimate_bytes"] + 64 * 2**20
+    assert torch.cuda.max_memory_allocated() - held_before <= summary["scale"]["memory_estimate_bytes"] + 64 * 2**20
 
 
 def test_train_answers_through_the_engine_equals_greedy_generation(tiny_llama, tmp_path):
