@@ -126,10 +126,7 @@ class SamplingParams:
             thread has seen (the prompt, and the response tokens visible to it: a chunk sees the
             main thread up to its promise and its own tokens) is divided by it when positive and
             multiplied by it when negative (Keskar et al. 2019, "CTRL", section 4.1; the rule of
-            ``transformers``' and vLLM's ``repetition_penalty``). With the PASTA-LANG pieces as
-            tokens (the shipped adapter) the response's structure is not counted: the pieces
-            and what a promise holds (topic, length) are no content, and the sequential answer
-            a PASTA answer is compared with has none (:class:`~pasta_engine.core.batch.SeenTokens`).
+            ``transformers``' and vLLM's ``repetition_penalty``).
         presence_penalty: in [-2, 2]; 0 = none. Subtracted from the logit of every token that
             occurs in the response tokens the thread sees (those of ``repetition_penalty``'s
             set without the prompt: vLLM and OpenAI count output tokens only).

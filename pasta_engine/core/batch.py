@@ -28,7 +28,6 @@ __all__ = [
     "KVBound",
     "SamplingOptions",
     "SeenTokens",
-    "TagIds",
     "RandomStream",
     "SamplingRow",
     "ScheduledThread",
@@ -128,19 +127,6 @@ class SamplingOptions(Protocol):
     def penalised(self) -> bool: ...
 
 
-@dataclass(frozen=True, slots=True)
-class TagIds:
-    """The PASTA-LANG piece tokens of a tokenizer that has them (tags as tokens), as the
-    penalties need them: the structure the model writes is not content, so a thread's penalty
-    counts neither the pieces nor what a promise holds (its topic and length). ``promise_open``
-    (``<promise topic="``) opens a promise and ``promise_close`` (``"/>``) ends it; ``pieces``
-    holds the other pieces (``" tokens="``, ``<async>``, ``</async>``, ``<sync/>``)."""
-
-    promise_open: int
-    promise_close: int
-    pieces: frozenset[int]
-
-
 @dataclass(slots=True)
 class SeenTokens:
     """The tokens one thread sees, counted (for the penalties): ``counts`` every token id (its
@@ -148,51 +134,28 @@ class SeenTokens:
     and ``response`` the same without the prompt (the presence and frequency penalties' counts,
     vLLM's output tokens). Kept incrementally by the scheduler: counted once from the thread's
     tokens at its first penalised sample (:meth:`recount`), then each step's forwarded tokens
-    are added (:meth:`add`), so a step costs its new tokens, not the thread's length.
-
-    With ``tags`` (a model with the PASTA-LANG pieces as tokens) the response's structure is
-    not counted: the pieces, and every token from a ``<promise topic="`` to its ``"/>`` (the
-    topic and the length). The sequential answer the content is compared with has no tags, so
-    its penalty counts only text; counted, a promise's topic made the chunk that opens with
-    the same words avoid them (a chunk promised "Start with the basics" wrote "**100%**"), and
-    each promise's length digits pushed the next promise to another length. ``in_promise``:
-    the last token counted was inside a promise (a promise may span two steps)."""
+    are added (:meth:`add`), so a step costs its new tokens, not the thread's length."""
 
     counts: dict[int, int]
     response: dict[int, int]
-    tags: TagIds | None = None
-    in_promise: bool = False
 
     @classmethod
-    def recount(cls, seen: Sequence[int], prompt_len: int, tags: TagIds | None = None) -> "SeenTokens":
-        """Counts of ``seen`` (a thread's tokens, the prompt's ``prompt_len`` first); with
-        ``tags``, the response's structure left out (see the class docstring)."""
+    def recount(cls, seen: Sequence[int], prompt_len: int) -> "SeenTokens":
+        """Counts of ``seen`` (a thread's tokens, the prompt's ``prompt_len`` first)."""
         counts: dict[int, int] = {}
-        for t in seen[:prompt_len]:
+        response: dict[int, int] = {}
+        for i, t in enumerate(seen):
             counts[t] = counts.get(t, 0) + 1
-        out = cls(counts, {}, tags)
-        out.add(seen[prompt_len:])
-        return out
+            if i >= prompt_len:
+                response[t] = response.get(t, 0) + 1
+        return cls(counts, response)
 
     def add(self, tokens: Iterable[int]) -> None:
-        """Count ``tokens`` (response tokens the thread now sees), structure left out."""
-        counts, response, tags = self.counts, self.response, self.tags
-        if tags is None:
-            for t in tokens:
-                counts[t] = counts.get(t, 0) + 1
-                response[t] = response.get(t, 0) + 1
-            return
-        opening, closing, pieces = tags.promise_open, tags.promise_close, tags.pieces
-        inside = self.in_promise
+        """Count ``tokens`` (response tokens the thread now sees)."""
+        counts, response = self.counts, self.response
         for t in tokens:
-            if inside:
-                inside = t != closing
-            elif t == opening:
-                inside = True
-            elif t not in pieces:
-                counts[t] = counts.get(t, 0) + 1
-                response[t] = response.get(t, 0) + 1
-        self.in_promise = inside
+            counts[t] = counts.get(t, 0) + 1
+            response[t] = response.get(t, 0) + 1
 
 
 @dataclass(slots=True, eq=False)

@@ -83,7 +83,7 @@ from ..lang.pasta import PASTA
 from ..lang.tokenization import ForcedChunk
 from ..metrics import ResponseStructure
 from . import render
-from .batch import KVBound, KVFork, KVJoin, KVOp, KVRelease, TagIds, ThreadStep  # re-exported: they lived here
+from .batch import KVBound, KVFork, KVJoin, KVOp, KVRelease, ThreadStep  # re-exported: they lived here
 from .render import Spliced, reading_order_key, splice_clean  # re-exported: they lived here
 
 __all__ = [
@@ -238,9 +238,6 @@ class Interpreter:
             into forks, closes and joins, each child's cap, the positions a fork reserves, the
             grammar state; ``open_ids``/``close_len`` are its ``open_tag``/``close_tag``
             tokenized. Default: PASTA-LANG.
-        tag_ids: the tokenizer's PASTA-LANG piece tokens (:class:`~pasta_engine.core.batch.TagIds`;
-            None when tags are text): the penalties leave the structure a thread sees out of
-            its counts (:class:`~pasta_engine.core.batch.SeenTokens`).
         encode: ``text -> ids`` for the other text the dialect inserts (a branch's own header,
             a join's text: :func:`~pasta_engine.lang.tokenization.encode_tag`); None: only
             ``open_ids`` (PASTA-LANG needs no more).
@@ -283,7 +280,6 @@ class Interpreter:
         token_bytes: TokenBytes | None = None,
         grammar: bool = False,
         dialect: Dialect | None = None,
-        tag_ids: TagIds | None = None,
         encode: Callable[[str], Sequence[int]] | None = None,
         stop_strings: Sequence[str] = (),
     ):
@@ -320,7 +316,6 @@ class Interpreter:
         self.max_positions = max_positions
         self.replay = forced_main is not None
         self.grammar = bool(grammar) and mode != "sequential" and not self.replay
-        self.tag_ids = tag_ids
         self._forced_chunks = [None if c is None else c if isinstance(c, ForcedChunk) else [int(t) for t in c]
                                for c in (forced_chunks or [])]
         self.threads: list[Thread] = []
@@ -426,7 +421,7 @@ class Interpreter:
         return tuple(self.kv_ops)
 
     def seen_tokens(self, tid: int) -> list[int]:
-        """Token ids thread ``tid`` sees (for the penalties, which count them with ``tag_ids``): the prompt, then for the
+        """Token ids thread ``tid`` sees (for the repetition penalty): the prompt, then for the
         main thread its own tokens, for a chunk its parent's tokens up to its promise (and so
         on up to the main thread) and its own (the inserted ``<async>`` included)."""
         t = self.threads[tid]

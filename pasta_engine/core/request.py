@@ -19,7 +19,6 @@ from ..lang.dialect import Dialect
 from ..lang.pasta import PASTA
 from ..lang.tokenization import decode, encode_tag, replay_eos_id
 from . import render
-from .batch import TagIds
 from .block_manager import KVView
 from .interpreter import Interpreter
 from .outputs import RequestResult, RequestStats
@@ -51,7 +50,6 @@ def interpreter_factory(
     grammar: bool = False,
     dialect: Dialect = PASTA,
     stop_strings: Sequence[str] = (),
-    tag_ids: TagIds | None = None,
 ) -> tuple[Callable[[], Interpreter], int]:
     """How a request's interpreter is built (again after a preemption), the one recipe the
     engine and the training forward share.
@@ -77,8 +75,6 @@ def interpreter_factory(
             default PASTA-LANG): the replay's tokenization, the inserted tokens and the parser.
         stop_strings: ``SamplingParams.stop``: the request's stop rule (see
             ``Interpreter(stop_strings=)``), a replay's included.
-        tag_ids: the piece tokens, when the tokenizer has them: the penalties do not count
-            the structure (see ``Interpreter(tag_ids=)``).
 
     Returns ``(make, max_new_tokens)``; ``make()`` raises ValueError for settings the
     interpreter refuses (the oracle policy outside replay)."""
@@ -100,7 +96,7 @@ def interpreter_factory(
             close_len=close_len, mode=mode, max_new_tokens=max_new_tokens, limits=limits, policy=policy,
             max_positions=max_positions, forced_main=forced_main, forced_chunks=forced_chunks, token_bytes=table,
             grammar=grammar, dialect=dialect, encode=lambda text: encode_tag(tokenizer, text),
-            stop_strings=stop_strings, tag_ids=tag_ids,
+            stop_strings=stop_strings,
         )
 
     return make, max_new_tokens

@@ -556,7 +556,7 @@ class Scheduler:
                 if seen is not None:  # counted since its first penalised sample: add what it forwards now
                     seen.add(step.tokens)
                 elif step.sample:  # counted once from its tokens (this step's included), then kept
-                    seen = state.seen[s.tid] = SeenTokens.recount(it.seen_tokens(s.tid), len(it.prompt_ids), it.tag_ids)
+                    seen = state.seen[s.tid] = SeenTokens.recount(it.seen_tokens(s.tid), len(it.prompt_ids))
             row = None
             if step.sample:
                 if ends is None:

@@ -39,7 +39,6 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
-from ..core.batch import TagIds
 from ..core.block_manager import BlockManager
 from ..core.outputs import RequestOutput, RequestResult
 from ..core.render import OutputRenderer
@@ -125,9 +124,6 @@ class Engine:
         self.close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
         # PASTA-LANG pieces as tokens (an adapter that added them): the sampler enforces the grammar
         self.tag_tokens = tag_tokens_of(tokenizer)
-        t = self.tag_tokens  # the penalties leave the structure out of their counts (core.batch.SeenTokens)
-        self.tag_ids = None if t is None else TagIds(t.promise_open, t.promise_close,
-                                                     frozenset((t.promise_length, t.async_open, t.async_close, t.sync)))
         if self.tag_tokens is None and self.config.limits.fork_threshold is not None:
             raise ParameterError("fork_threshold", self.config.limits.fork_threshold, message=(
                 f"fork_threshold={self.config.limits.fork_threshold} needs a model whose tokenizer has the PASTA-LANG "
@@ -309,7 +305,7 @@ class Engine:
             self.tokenizer, p.prompt_ids, mode=p.mode, max_new_tokens=params.max_new_tokens, limits=p.limits,
             policy=p.policy, max_positions=self.max_positions, eos_ids=list(p.end_ids),
             annotated_response=p.annotated_response, grammar=self.tag_tokens is not None, dialect=p.dialect,
-            stop_strings=params.stop, tag_ids=self.tag_ids,
+            stop_strings=params.stop,
         )
         if max_new_tokens != params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=max_new_tokens,
