@@ -124,7 +124,8 @@ class SamplingParams:
         repetition_penalty: in [0.01, 100]; 1 = none (a smaller one multiplies logits past
             float32's range). Before sampling, the logit of every token the
             thread has seen (the prompt, and the response tokens visible to it: a chunk sees the
-            main thread up to its promise and its own tokens) is divided by it when positive and
+            main thread up to its own promise, which it does not count, and its own tokens; see
+            ``Interpreter.seen_tokens``) is divided by it when positive and
             multiplied by it when negative (Keskar et al. 2019, "CTRL", section 4.1; the rule of
             ``transformers``' and vLLM's ``repetition_penalty``).
         presence_penalty: in [-2, 2]; 0 = none. Subtracted from the logit of every token that

@@ -150,6 +150,7 @@ class Thread:
     parent: "Thread | None" = None
     depth: int = 0  # 0 the main thread, 1 its children, ...
     fork_at: int = 0  # parent tokens before the chunk in the spliced response
+    promise_from: int = 0  # parent tokens before the chunk's own promise (the penalties leave it out)
     fork_k: int = 0  # tokens the parent had sampled at the fork (its fork index, 1-based)
     fork_char: int = 0  # parent characters before the chunk in the annotated text
     fork_clean: int = 0  # parent clean characters before the chunk in the clean text
@@ -202,6 +203,15 @@ _RUNNING = ThreadStatus.RUNNING
 
 # --------------------------------------------------------------------------- interpreter
 
+
+def _tokens_before_tag(thread: Thread, raw: str) -> int:
+    """How many of ``thread``'s tokens come before the tag whose text ``raw`` its last tokens
+    end with: walks back over the tokens' text pieces until they hold ``len(raw)`` characters."""
+    n, i = 0, len(thread.pieces)
+    while i > 0 and n < len(raw):
+        i -= 1
+        n += len(thread.pieces[i])
+    return i
 
 class Interpreter:
     """One request's threads.
@@ -421,14 +431,21 @@ class Interpreter:
         return tuple(self.kv_ops)
 
     def seen_tokens(self, tid: int) -> list[int]:
-        """Token ids thread ``tid`` sees (for the repetition penalty): the prompt, then for the
-        main thread its own tokens, for a chunk its parent's tokens up to its promise (and so
-        on up to the main thread) and its own (the inserted ``<async>`` included)."""
+        """Token ids thread ``tid`` counts for the penalties: the prompt, then for the main
+        thread its own tokens, for a chunk its parent's tokens up to its own promise, which is
+        left out (and so on up to the main thread), and its own (the inserted ``<async>``
+        included). A chunk writes about the topic it was promised and usually opens with the
+        topic's words: counted, its own promise pushed it off them (promised "Start with the
+        basics", a chunk wrote "**100%**"). Its siblings' promises stay counted, keeping it off
+        their subjects (counting no promise at all read worse:
+        bench/results/penalty-content-smollm2-cpu/)."""
         t = self.threads[tid]
         seen = t.tokens
+        cut = t.promise_from
         while t.parent is not None:  # list concatenation (C speed): this runs per step per penalised thread
-            seen = t.parent.tokens[: t.fork_at] + seen
+            seen = t.parent.tokens[:cut] + seen
             t = t.parent
+            cut = t.fork_at
         return self.prompt_ids + seen
 
     def _grammar_state(self, t: Thread) -> int:
@@ -740,6 +757,7 @@ class Interpreter:
                 parent=parent,
                 depth=parent.depth + 1,
                 fork_at=len(parent.tokens),
+                promise_from=_tokens_before_tag(parent, fork.raw),
                 fork_k=parent.n_sampled,
                 fork_char=fork.end,
                 fork_clean=parent.clean_len,

@@ -613,3 +613,21 @@ def test_fuzzed_inline_streams_stay_one_thread_and_free_every_page(seed, max_new
         assert r.steps == it.total_sampled == critical_path(it.structure()) <= max_new
         assert it.clean_text() == render.final_text(it) == clean_text(it.annotated_text())  # no tag text
         assert r.result().stats.forks == 0
+
+
+def test_a_chunks_penalty_counts_its_siblings_promises_but_not_its_own():
+    """``seen_tokens`` (the penalties' tokens): the main thread counts all it wrote; a chunk
+    counts the main thread up to its own promise, which it leaves out (also a promise written
+    in several tokens), its earlier siblings' promises included, then its own tokens."""
+    it = make_interp()
+    first = ['<promise topic="t" tokens="20"/>']
+    second = ["<promise", ' topic="x"', ' tokens="', "1", "0", '"/>']
+    drive(it, [(0, p) for p in ["a", " "] + first + ["b"] + second + ["a"]])
+    main, c1, c2 = it.threads
+    ids = [PIECES.index(p) for p in ["a", " "] + first + ["b"] + second]
+    assert main.tokens[:len(ids)] == ids
+    assert (c1.promise_from, c1.fork_at, c2.promise_from, c2.fork_at) == (2, 3, 4, 10)
+    assert it.seen_tokens(0) == [0, 1] + main.tokens
+    assert it.seen_tokens(1) == [0, 1] + ids[:2] + c1.tokens
+    assert it.seen_tokens(2) == [0, 1] + ids[:4] + c2.tokens  # the first promise counted, its own not
+    assert decode(c2.tokens) == "<async>"

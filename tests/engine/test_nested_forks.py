@@ -213,7 +213,9 @@ def test_a_chunk_forks_joins_its_own_children_and_ends_after_them():
     assert it.main.n_sampled > it.main.syncs[0]
     assert "</async>" not in r.text and r.annotated_text.count("<async>") == 3
     t1, t2 = it.threads[1], it.threads[2]
-    assert it.seen_tokens(2) == [1, 2, 3] + it.main.tokens[: t1.fork_at] + t1.tokens[: t2.fork_at] + t2.tokens
+    # the penalties' tokens: each ancestor's up to the fork, the chunk's own promise left out
+    assert "".join(t1.pieces[t2.promise_from:t2.fork_at]) == p.format('y')
+    assert it.seen_tokens(2) == [1, 2, 3] + it.main.tokens[: t1.fork_at] + t1.tokens[: t2.promise_from] + t2.tokens
     assert KVJoin(1, [2]) not in it.kv_ops  # applied: taken by the scheduler
 
 
