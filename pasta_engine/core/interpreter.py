@@ -213,6 +213,7 @@ def _tokens_before_tag(thread: Thread, raw: str) -> int:
         n += len(thread.pieces[i])
     return i
 
+
 class Interpreter:
     """One request's threads.
 

@@ -226,8 +226,7 @@ def test_the_interpreter_keeps_sibling_topics_distinct_unless_told_not_to():
         it = Interpreter([1], decode=decode, eos_ids=[0], open_ids=[1], close_len=1, grammar=True,
                          limits=Limits(max_threads=None, distinct_topics=distinct))
         for tok in [2, 3, 4, 5, 6, 1, 2, 3]:  # a promise "Sleep", text, then "Sleep" again
-            steps = [s for s in it.runnable_threads()]
-            it.step_done(steps)
+            it.step_done(it.runnable_threads())
             it.take_kv_ops()
             it.on_token(0, tok)
         [main] = [s for s in it.runnable_threads() if s.tid == 0]
@@ -245,7 +244,7 @@ def test_a_topic_may_not_end_inside_a_character():
     text nowhere else; once the character is whole the topic may end again."""
     from pasta_engine.config import Limits
     from pasta_engine.core.interpreter import Interpreter
-    from pasta_engine.lang.detokenizer import IncrementalDetokenizer
+    from pasta_engine.lang.detokenizer import IncrementalDetokenizer, TokenBytes
 
     pieces = [b"", b"a", b'<promise topic="', b"Beds", "\U0001f6cf".encode()[:2], "\U0001f6cf".encode()[2:],
               b'" tokens="', b"1", b'"/>']
@@ -256,8 +255,7 @@ def test_a_topic_may_not_end_inside_a_character():
                          limits=Limits(max_threads=None))
         out = []
         for tok in tokens:
-            steps = [s for s in it.runnable_threads()]
-            it.step_done(steps)
+            it.step_done(it.runnable_threads())
             it.take_kv_ops()
             it.on_token(0, tok)
             [main] = [s for s in it.runnable_threads() if s.tid == 0]
@@ -268,8 +266,6 @@ def test_a_topic_may_not_end_inside_a_character():
                                     GrammarState.TOPIC]
     d = IncrementalDetokenizer(decode)
     assert [(d.push(t), d.mid_character) for t in (3, 4, 5)] == [("Beds", False), ("", True), ("\U0001f6cf", False)]
-    from pasta_engine.lang.detokenizer import TokenBytes
-
     d = IncrementalDetokenizer(None, TokenBytes(list(pieces)))  # the engine's way: a bytes table
     assert [(d.push(t), d.mid_character) for t in (3, 4, 5)] == [("Beds", False), ("", True), ("\U0001f6cf", False)]
 
