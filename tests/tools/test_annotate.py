@@ -156,17 +156,42 @@ def test_apar_on_hand_written_responses(name):
 def test_sot_chunks_are_the_points_and_the_skeleton_stays_on_main():
     a = annotate_sot(NUMBERED)
     th = split_threads(a.annotated)
-    assert [c.content for c in th.chunks] == ITEMS
+    # a chunk starts right after its marker, the space after the marker its first character
+    assert [c.content for c in th.chunks] == [" " + t for t in ITEMS]
     assert [c.topic for c in th.chunks] == ["Keep a schedule", "Dim the lights", "Skip late coffee"]
     # the main thread: intro, numbered skeleton, a sync, then the conclusion
-    assert strip_tags(th.main) == INTRO + "\n\n1. \n2. \n3. \n\n" + OUTRO
+    assert strip_tags(th.main) == INTRO + "\n\n1.\n2.\n3.\n\n" + OUTRO
     assert th.main.index("<sync/>") == th.main.index(OUTRO) - len("<sync/>")
     assert th.main.startswith(INTRO)
 
 
+def test_list_forks_sit_at_token_boundaries_of_the_plain_text(smollm2_dir):
+    """A byte-level BPE tokenizer starts a word with its space ("1." " **" "Keep"): each promise
+    of a list item goes where the plain answer's own tokens have a boundary, so a model trained on
+    the annotation forks where its text has one (after "1. " it would first have to sample a bare
+    space token, which it never does writing plain text)."""
+    from transformers import AutoTokenizer
+
+    from pasta_engine.lang.tokenization import encode_text
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    bullets = NUMBERED.replace("1. ", "- ").replace("2. ", "- ").replace("3. ", "- ")
+    for response in (NUMBERED, bullets):
+        a = annotate_sot(response)
+        offsets = promise_offsets_in_response(a.annotated)
+        assert len(offsets) == 3
+        ends, at = set(), 0
+        for i in encode_text(tok, response):
+            at += len(tok.decode([i]))
+            ends.add(at)
+        assert all(off in ends for off in offsets), (offsets, a.annotated[:200])
+        # the old place, after the space, is not a boundary: the test can fail
+        assert not any(off + 1 in ends for off in offsets)
+
+
 def test_nested_lists_stay_inside_their_point():
     th = split_threads(annotate_sot(NESTED).annotated)
-    assert th.chunks[0].content.startswith("**Prepare the dough**")
+    assert th.chunks[0].content.startswith(" **Prepare the dough**")
     assert th.chunks[0].content.endswith("Rest the dough for thirty minutes in the fridge.")
     assert "   - Use cold water" in th.chunks[0].content
     assert "   * Let it cool" in th.chunks[1].content
@@ -179,7 +204,8 @@ def test_lengths_are_measured_and_rounded_to_tens():
     assert sorted(len(t) % 10 for t in ITEMS)[-1] >= 5  # a length that rounds up is among them
     a = annotate_sot(NUMBERED, count)
     promises = [e for e in parse(a.annotated) if isinstance(e, Promise)]
-    assert [p.tokens for p in promises] == [max(10, (len(t) + 5) // 10 * 10) for t in ITEMS]
+    # the chunk holds the space after its marker: one character more than the item's text
+    assert [p.tokens for p in promises] == [max(10, (len(t) + 1 + 5) // 10 * 10) for t in ITEMS]
     # default counting
     b = annotate_sot(NUMBERED)
     assert [e.tokens for e in parse(b.annotated) if isinstance(e, Promise)] == [
