@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--chunk-clean-end", action=argparse.BooleanOptionalAction, default=True,
                     help="Limits.chunk_clean_end: a chunk may not end empty or at a colon, comma or semicolon; "
                     "one at its cap mid-sentence may finish it (default on)")
+    ap.add_argument("--independent-topics", action=argparse.BooleanOptionalAction, default=False,
+                    help="Limits.independent_topics: a topic may not open with a leaning word (default off)")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--repetition-penalty", type=float, default=1.1)
     ap.add_argument("--max-running-requests", type=int, default=16)
@@ -62,7 +64,7 @@ def main() -> None:
     rows = [r for r in json.loads(args.prompts.read_text()) if r.get("dataset") == "vicuna"][: args.limit]
     adapter = None if args.adapter == "none" else args.adapter
     limits = Limits(fork_threshold=args.fork_threshold, distinct_topics=args.distinct_topics,
-                    chunk_clean_end=args.chunk_clean_end,
+                    chunk_clean_end=args.chunk_clean_end, independent_topics=args.independent_topics,
                     **({} if args.max_forks is None else {"max_forks": args.max_forks}))
     engine = Engine.from_pretrained(None, adapter=adapter, max_running_requests=args.max_running_requests,
                                     limits=limits, lora_scale=args.lora_scale)
@@ -108,7 +110,8 @@ def main() -> None:
         "settings": {"max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                      "repetition_penalty": args.repetition_penalty, "mode": args.mode,
                      "fork_threshold": args.fork_threshold, "distinct_topics": args.distinct_topics,
-                     "chunk_clean_end": args.chunk_clean_end, "max_forks": limits.max_forks,
+                     "chunk_clean_end": args.chunk_clean_end, "independent_topics": args.independent_topics,
+                     "max_forks": limits.max_forks,
                      "max_running_requests": args.max_running_requests,
                      "adapter": args.adapter, "lora_scale": engine.lora_scale, "torch_threads": torch.get_num_threads(), "device": "cpu",
                      "dtype": "float32", "seconds": round(seconds, 1)},

@@ -110,7 +110,7 @@ MODES = ("pasta", "sequential", "inline")
 #: The grammar states inside a promise's topic (:meth:`Interpreter._grammar_state` turns them into
 #: ``TOPIC_CONT`` while the thread's last token ended inside a UTF-8 character).
 _TOPIC_STATES = frozenset({GrammarState.TOPIC_EMPTY, GrammarState.TOPIC, GrammarState.TOPIC_FULL,
-                           GrammarState.TOPIC_TAKEN})
+                           GrammarState.TOPIC_TAKEN, GrammarState.TOPIC_OPENING})
 #: With ``Limits.chunk_clean_end``, a chunk at its cap mid-sentence may sample this many more
 #: tokens to end the sentence (it ends at the first sentence or line end; at the cap plus this, in
 #: any case): a chunk cut mid-sentence by its cap reads as cut off.
@@ -462,6 +462,8 @@ class Interpreter:
             # that continues it; ending there, or any other token, would put U+FFFD in the topic
             # and in the chunk that copies it
             return GrammarState.TOPIC_CONT
+        if state == GrammarState.TOPIC_EMPTY and self.limits.independent_topics:
+            return GrammarState.TOPIC_OPENING  # no leaning first word (LEANING_WORDS)
         return state
 
     def _cap_ends(self, t: Thread) -> bool:

@@ -431,29 +431,37 @@ class InputProcessor:
                                 output_kind=inputs.output_kind, index=inputs.index)
 
     def _limits(self, limits: Limits | None, mode: str, lang: Dialect, replay: bool) -> Limits:
-        """The request's limits: its own or the engine's, ``fork_threshold`` checked where it
-        applies (an explicit one that cannot apply is refused; the engine's default is dropped)."""
+        """The request's limits: its own or the engine's, ``fork_threshold`` and
+        ``independent_topics`` checked where they apply (an explicit one that cannot apply is
+        refused; the engine's default is dropped)."""
         if limits is not None and not isinstance(limits, Limits):
             raise ParameterError("limits", limits, "a pasta_engine.Limits")
-        explicit = limits is not None and limits.fork_threshold != self.config.limits.fork_threshold
-        limits = limits or self.config.limits
-        if limits.fork_threshold is None:
+        default = self.config.limits
+        explicit_threshold = limits is not None and limits.fork_threshold != default.fork_threshold
+        explicit_topics = limits is not None and limits.independent_topics and not default.independent_topics
+        limits = limits or default
+        if limits.fork_threshold is None and not limits.independent_topics:
             return limits
-        # the knob acts where the main thread may open a promise (grammar state MAIN); a dialect
-        # whose grammar never starts the main thread there has no promise for it to decide
+        # both act on the PASTA-LANG grammar's states (the knob where the main thread may open a
+        # promise, the topic rule at a topic's first token): a dialect whose grammar never starts
+        # the main thread there has neither
         promises = lang.grammar_state(True, "", True) == GrammarState.MAIN
         why = ("a replay (its tokens are forced)" if replay
-               else f"mode {mode!r} (it decides forks in pasta and inline modes)" if mode == "sequential"
+               else f"mode {mode!r} (tags are acted on in pasta and inline modes)" if mode == "sequential"
                else f"the {lang.name!r} dialect (it decides PASTA-LANG promises)" if not promises
                else "a model without the PASTA-LANG pieces as tokens (train the adapter with --tag-tokens)"
                if not self.grammar else None)
         if why is None:
             return limits
-        if explicit:
+        if explicit_threshold and limits.fork_threshold is not None:
             raise ParameterError("fork_threshold", limits.fork_threshold,
                                  message=f"fork_threshold={limits.fork_threshold} cannot apply to {why}; leave it "
                                  "unset (None)")
-        return dataclasses.replace(limits, fork_threshold=None)  # the engine's default knob: where it applies
+        if explicit_topics:
+            raise ParameterError("independent_topics", True,
+                                 message=f"independent_topics=True cannot apply to {why}; leave it False")
+        # the engine's defaults: where they apply
+        return dataclasses.replace(limits, fork_threshold=None, independent_topics=False)
 
 
 def _check_text(text: str, param: str, where: str) -> None:

@@ -128,6 +128,10 @@ class Engine:
             raise ParameterError("fork_threshold", self.config.limits.fork_threshold, message=(
                 f"fork_threshold={self.config.limits.fork_threshold} needs a model whose tokenizer has the PASTA-LANG "
                 "pieces as tokens (an adapter trained with --tag-tokens, such as the shipped one); leave it unset"))
+        if self.tag_tokens is None and self.config.limits.independent_topics:
+            raise ParameterError("independent_topics", True, message=(
+                "independent_topics=True needs a model whose tokenizer has the PASTA-LANG pieces as tokens (an "
+                "adapter trained with --tag-tokens, such as the shipped one); leave it False"))
         if self.tag_tokens is not None:
             self.model_runner.set_grammar(state_masks(self.tag_tokens, token_bytes_table(tokenizer),
                                                       self.model.config.vocab_size, self.eos_ids),

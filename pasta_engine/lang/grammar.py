@@ -44,6 +44,12 @@ applied to a whole step's logits in one tensor operation by the model runner):
   bytes of a character, and there nothing else is (``TOPIC_CONT``, set by the interpreter from
   its detokenizer; a character begun at the byte cap is finished first, so such a topic may run
   a few bytes over it): a topic never holds U+FFFD, as one did on the README's sample prompt;
+* a topic's first word, with ``Limits.independent_topics`` (``TOPIC_OPENING``, set by the
+  interpreter): as ``TOPIC_EMPTY``, and no token that is a word leaning on what came before
+  (:data:`LEANING_WORDS`: "Another", "Furthermore", "This", "Finally", ...). A chunk opens with
+  its topic's words (83% of the shipped adapter's chunks), so a chunk promised "Another
+  challenge" opens by leaning on a sibling its thread cannot see (issue 30; masking them raised
+  the forks passing the independence test from 70% to 93%: bench/results/leaning-topics-smollm2-cpu/);
 * inside the length: digits only (at least one, the first not ``0``; at most
   :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
 """
@@ -164,6 +170,17 @@ class GrammarState(enum.IntEnum):
     TOPIC_TAKEN = 10
     CHUNK_OPEN = 11
     TOPIC_CONT = 12
+    TOPIC_OPENING = 13
+
+
+#: Words that lean on what came before when they open a text: connectives, anaphora, sequence
+#: words (the single words of the independence measurement's leaning openings,
+#: :mod:`pasta_engine.tools.annotate_independent`). ``TOPIC_OPENING`` masks every token whose
+#: text, stripped and lower-cased, is one of them.
+LEANING_WORDS = frozenset(
+    "now then next finally lastly also another other additionally furthermore moreover however but and so thus "
+    "therefore overall this these that those it its they their he she his her such similarly likewise after "
+    "afterwards once remember meanwhile again still instead otherwise repeat step".split())
 
 
 def topic_key(topic: str) -> str:
@@ -266,6 +283,7 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
     # a topic starts with a letter (ASCII, or any non-ASCII byte: a letter of another script)
     topic_first = [i for i in topic_ok if re.search(rb"[A-Za-z\x80-\xff]", token_bytes[i])]
     digits_first = [i for i in digits if not token_bytes[i].startswith(b"0")]
+    leaning = {i for i in topic_first if token_bytes[i].decode("utf-8", "replace").strip().lower() in LEANING_WORDS}
     if not topic_first or not digits_first:
         raise ValueError("the vocabulary has no topic-text or no digit tokens: the promise grammar cannot be enforced")
     main_never = [tags.async_open, tags.async_close, tags.promise_length]
@@ -284,6 +302,7 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
         (False, [tags.promise_open, tags.sync, tags.async_open, tags.promise_length, tags.async_close,
                  *sorted(eos)]),  # CHUNK_OPEN
         (True, cont or topic_ok),  # TOPIC_CONT (a vocabulary without such tokens never gets here)
+        (True, [i for i in topic_first if i not in leaning] or topic_first),  # TOPIC_OPENING (never empty)
     ]
     assert len(out) == len(GrammarState)
     return out

@@ -255,6 +255,20 @@ def test_fork_threshold_is_a_request_field_refused_where_it_cannot_apply(server)
     assert code == 200 and ok["choices"][0]["message"]["content"] is not None
 
 
+def test_independent_topics_is_a_request_field_refused_where_it_cannot_apply(server):
+    """``pasta.independent_topics`` is in the schema; true on this server's model (no tag pieces as
+    tokens) is a 400 naming it, false is served, a non-boolean is a 400 naming it."""
+    doc = httpx.get(server.url + "/openapi.json", headers=auth(server)).json()
+    assert "independent_topics" in doc["components"]["schemas"]["PastaOptions"]["properties"]
+    for value, want in ((True, 400), ("maybe", 400), (False, 200)):
+        body = {"model": server.model, "messages": [{"role": "user", "content": "Hi."}], "temperature": 0,
+                "max_tokens": 4, "pasta": {"independent_topics": value}}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(server), timeout=120)
+        assert r.status_code == want, (value, r.text)
+        if want == 400:
+            assert r.json()["error"]["param"] == "pasta.independent_topics", r.text
+
+
 def test_length_cut_is_a_request_field(server):
     """``pasta.length_cut`` (issue 31 item 9) is in the schema, ``prefix`` or ``keep``; anything
     else is a 400 naming it."""

@@ -32,6 +32,7 @@ def _make_adapter(ckpt, out):
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(ckpt)
     vocab = len(tok)
+    torch.manual_seed(0)  # LoRA's own initialisation draws from the global generator: the same adapter every run
     model = wrap_lora(hf, LoraSettings(r=4, alpha=8, dropout=0.0), tokenizer=tok, tag_tokens=True)
     tags = tag_tokens_of(tok)
     assert tags is not None and len(tok) > vocab
@@ -452,3 +453,114 @@ def test_fork_threshold_is_refused_where_it_cannot_apply(tagged, tiny_engine):
     [res] = engine.generate(["Hi"], SamplingParams(max_new_tokens=2), mode="pasta")
     assert res.error is None
     assert engine.block_manager.num_free == engine.block_manager.num_pages
+
+
+def test_independent_topics_is_refused_where_it_cannot_apply(tagged, tiny_engine):
+    """Like the fork knob: a rule on the PASTA-LANG grammar's topic state, refused by name where no
+    topic is sampled under it (sequential, a replay, another dialect, a model without the tag
+    tokens), before the request takes any resource; the engine serves the next call."""
+    from pasta_engine import Limits
+    from pasta_engine.errors import ParameterError
+
+    ckpt, adapter, _, _ = tagged
+    engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
+    rule = Limits(independent_topics=True)
+    two = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ParameterError, match="independent_topics.*sequential"):
+        engine.add_request("Hi", two, "sequential", limits=rule)
+    with pytest.raises(ParameterError, match="independent_topics.*replay"):
+        engine.add_request("Hi", two, "pasta", annotated_response="Hello.", limits=rule)
+    with pytest.raises(ParameterError, match="independent_topics.*apar"):
+        engine.add_request("Hi", two, "pasta", limits=rule, dialect="apar")
+    with pytest.raises(ParameterError, match="independent_topics.*tag-tokens"):
+        tiny_engine.add_request("Hi", two, "pasta", limits=rule)
+    with pytest.raises(ParameterError, match="independent_topics.*tag-tokens"):
+        Engine.from_pretrained(tiny_engine.source, kv_cache_bytes=8 * 2**20, limits=rule)
+    assert engine.block_manager.num_free == engine.block_manager.num_pages
+    engine.add_request("Hi", two, "pasta", limits=rule)  # where it applies it is taken
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free == engine.block_manager.num_pages
+
+
+def test_a_topic_may_not_open_with_a_word_that_leans_on_a_sibling():
+    """A chunk opens with its topic's words: promised "Another challenge", it opens by leaning on a
+    sibling its thread cannot see. With Limits.independent_topics (off by default) the topic's first token
+    may not be a leaning word (any case, with or without its space); later in the topic it may."""
+    from pasta_engine.config import Limits
+    from pasta_engine.core.interpreter import Interpreter
+
+    tags = TagTokens(0, 1, 2, 3, 4, 5)
+    table = [b'<promise topic="', b'" tokens="', b'"/>', b"<async>", b"</async>", b"<sync/>", b"",
+             b"Another", b" another", b"This", b" Finally", b"Sleep", b" Then", b"Inad", b"equate", b"7"]
+    masks = state_masks(tags, table, len(table), eos_ids=[6])
+    allow, opening = masks[GrammarState.TOPIC_OPENING]
+    assert allow and opening == [11, 13, 14]  # "Sleep", and "Inad"/"equate" (not whole leaning words)
+    assert {7, 8, 9, 10, 12} <= set(masks[GrammarState.TOPIC_EMPTY][1])  # the rule is the new state's only
+    assert {7, 8, 9, 10, 12} <= set(masks[GrammarState.TOPIC][1])  # "Sleep then" is a topic
+
+    pieces = ["<EOS>", "a", '<promise topic="', "Sleep"]
+    decode = lambda ids: "".join(pieces[i] for i in ids if i != 0)  # noqa: E731
+
+    def first_topic_state(rule: bool) -> GrammarState:
+        it = Interpreter([1], decode=decode, eos_ids=[0], open_ids=[1], close_len=1, grammar=True,
+                         limits=Limits(max_threads=None, independent_topics=rule))
+        it.step_done(it.runnable_threads())
+        it.take_kv_ops()
+        it.on_token(0, 2)
+        [main] = [s for s in it.runnable_threads() if s.tid == 0]
+        return GrammarState(main.grammar)
+
+    assert first_topic_state(True) is GrammarState.TOPIC_OPENING
+    assert first_topic_state(False) is GrammarState.TOPIC_EMPTY
+    assert Limits().independent_topics is False
+
+
+def test_the_engine_keeps_a_leaning_word_out_of_a_topics_opening_when_asked(tagged):
+    """End to end: a model that wants to promise and to open every topic with a leaning word
+    ("another") gets it with the rule off and does not with Limits.independent_topics."""
+    from pasta_engine.config import Limits
+    from pasta_engine.lang.grammar import LEANING_WORDS
+
+    ckpt, adapter, _, _ = tagged
+
+    def first_topic_token(rule: bool) -> tuple[int, int]:
+        engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20, position_policy="constant:8",
+                                        limits=Limits(independent_topics=rule))
+        tok = engine.tokenizer
+        tags = tag_tokens_of(tok)
+        lean = next(i for i in range(len(tok)) if tok.decode([i]).strip().lower() in LEANING_WORDS
+                    and tok.decode([i]).strip().isalpha())
+
+        def hook(req, tid, row):
+            if tid == 0:  # the promise first (where it may open), then the leaning word
+                row[tags.promise_open] += 2e4
+                row[lean] += 1e4
+        engine.logits_hook = hook
+        [res] = engine.generate(["Hi"], SamplingParams(max_new_tokens=16), mode="pasta")
+        assert res.error is None, res.error
+        main = [t for t, th in zip(res.token_ids, res.threads) if th == 0]
+        return main[main.index(tags.promise_open) + 1], lean
+
+    got, lean = first_topic_token(False)
+    assert got == lean
+    got, lean = first_topic_token(True)
+    assert got != lean
+
+
+def test_the_leaning_words_are_the_independence_measurements_openings():
+    """The grammar's LEANING_WORDS and the lexical independence test's leaning openings are one
+    list: a topic the grammar lets through does not fail the test for its opening word."""
+    from pasta_engine.lang.grammar import LEANING_WORDS
+    from pasta_engine.tools.annotate_independent import _LEANS_ON
+
+    assert all(_LEANS_ON.fullmatch(w) or _LEANS_ON.fullmatch(w + " 2") for w in LEANING_WORDS)  # "step 2"
+    assert not _LEANS_ON.match("sleep")
+
+
+def test_limits_refuses_a_non_boolean_independent_topics():
+    from pasta_engine.config import Limits
+    from pasta_engine.errors import ParameterError
+
+    with pytest.raises(ParameterError, match="independent_topics"):
+        Limits(independent_topics="yes")

@@ -21,6 +21,7 @@ _PARAM_NAMES = {
     "length_cut": "pasta.length_cut",
     "distinct_topics": "pasta.distinct_topics",
     "chunk_clean_end": "pasta.chunk_clean_end",
+    "independent_topics": "pasta.independent_topics",
     "annotated_response": "pasta.annotated_response",
     "mode": "pasta.mode",
     "dialect": "pasta.dialect",

@@ -137,6 +137,9 @@ class PastaOptions(BaseModel):
         None, description="a chunk may not end empty or at a colon, comma or semicolon, and one at its cap "
         "mid-sentence gets up to 32 more tokens to end it (default true; where the sampler enforces the PASTA-LANG "
         "grammar)")
+    independent_topics: bool | None = Field(
+        None, description="a promise's topic may not open with a word that leans on what came before (Another, "
+        "Furthermore, This, Finally, ...; default false; where the sampler enforces the PASTA-LANG grammar)")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
     annotated_response: str | None = Field(None, description="replay this annotated response (forced decoding)")
 

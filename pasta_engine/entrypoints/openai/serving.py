@@ -160,7 +160,8 @@ class Server:
         limits = None
         if (pasta.max_threads is not None or pasta.max_forks is not None or pasta.max_fork_depth is not None
                 or pasta.fork_threshold is not None or pasta.length_cut is not None
-                or pasta.distinct_topics is not None or pasta.chunk_clean_end is not None):
+                or pasta.distinct_topics is not None or pasta.chunk_clean_end is not None
+                or pasta.independent_topics is not None):
             base = self.engine.engine.config.limits
             mt = (base.max_threads or 0) if pasta.max_threads is None else pasta.max_threads
             mf = base.max_forks if pasta.max_forks is None else pasta.max_forks
@@ -171,7 +172,9 @@ class Server:
                                          distinct_topics=base.distinct_topics if pasta.distinct_topics is None
                                          else pasta.distinct_topics,
                                          chunk_clean_end=base.chunk_clean_end
-                                         if pasta.chunk_clean_end is None else pasta.chunk_clean_end)
+                                         if pasta.chunk_clean_end is None else pasta.chunk_clean_end,
+                                         independent_topics=base.independent_topics
+                                         if pasta.independent_topics is None else pasta.independent_topics)
         more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                 top_k=top_k, seed=seed, return_logprobs=logprobs, stop=tuple(req.stops()), n=req.n,
