@@ -182,6 +182,8 @@ class Thread:
     inline_cap: int | None = None  # inline mode: the open chunk's cap (a child's), None: no cap (replay)
     inline_from: int = 0  # inline mode: n_sampled when the open chunk started
     inline_clean: int = 0  # inline mode: len(clean) when the open chunk started (its tail starts there)
+    inline_promise: tuple[int, int] | None = None  # inline mode: the open chunk's promise, a token span (penalties)
+    seen_epoch: int = 0  # bumped when the tokens the penalties count change other than by growing
     end_flush: bool = False  # ending once its children end: flush its last token then
     finish: str | None = None
     closed_by_interpreter: bool = False
@@ -435,13 +437,18 @@ class Interpreter:
         """Token ids thread ``tid`` counts for the penalties: the prompt, then for the main
         thread its own tokens, for a chunk its parent's tokens up to its own promise, which is
         left out (and so on up to the main thread), and its own (the inserted ``<async>``
-        included). A chunk writes about the topic it was promised and usually opens with the
+        included); in inline mode, a thread inside a chunk leaves that chunk's promise out the
+        same way until the chunk closes (:attr:`Thread.seen_epoch` is bumped at both ends, so an
+        incremental count knows to recount). A chunk writes about the topic it was promised and usually opens with the
         topic's words: counted, its own promise pushed it off them (promised "Start with the
         basics", a chunk wrote "**100%**"). Its siblings' promises stay counted, keeping it off
         their subjects (counting no promise at all read worse:
         bench/results/penalty-content-smollm2-cpu/)."""
         t = self.threads[tid]
         seen = t.tokens
+        if t.inline and t.inline_promise is not None:  # inline mode: the open chunk's own promise, as a child's
+            a, b = t.inline_promise
+            seen = seen[:a] + seen[b:]
         cut = t.promise_from
         while t.parent is not None:  # list concatenation (C speed): this runs per step per penalised thread
             seen = t.parent.tokens[:cut] + seen
@@ -667,6 +674,7 @@ class Interpreter:
             if thread.inline:
                 if isinstance(item, AsyncClose):
                     thread.inline, thread.inline_cap = False, None
+                    thread.inline_promise, thread.seen_epoch = None, thread.seen_epoch + 1
                 else:
                     self._note(thread, f"{item.raw} inside an inline chunk kept as text")
                 continue
@@ -685,6 +693,7 @@ class Interpreter:
             elif isinstance(item, AsyncOpen):
                 if thread.inline_pending:
                     thread.inline_pending, thread.inline = False, True
+                    thread.seen_epoch += 1
                 else:  # text, as split_threads reads it: only an <async> right after a promise opens a chunk
                     self._note(thread, "main thread wrote <async> itself; kept as text")
             elif isinstance(item, AsyncClose):
@@ -747,6 +756,7 @@ class Interpreter:
             self.n_inline += 1
             chunk = chunks[0]
             parent.inline_open = (header_ids[0], p, None if chunk is None else list(chunk))
+            parent.inline_promise = (_tokens_before_tag(parent, p.raw), len(parent.tokens))
             return True
         self.n_forks += len(branches)
         size = 0
@@ -797,6 +807,7 @@ class Interpreter:
             return
         self._insert(thread, ids, drops=True)  # the opening tag is left out of the clean text
         thread.inline, thread.inline_pending = True, False
+        thread.seen_epoch += 1  # its own promise leaves the penalties' count while its chunk is open
         thread.inline_from, thread.inline_clean = thread.n_sampled, len(thread.clean)
         thread.inline_cap = None if self.replay else self.dialect.child_cap(self.limits, p)
         if chunk is not None:
@@ -810,6 +821,7 @@ class Interpreter:
         chunk cut off by a length end)."""
         self._note(thread, f"inline chunk {why}; closed by the interpreter")
         thread.inline, thread.inline_cap = False, None
+        thread.inline_promise, thread.seen_epoch = None, thread.seen_epoch + 1
         ids = self.close_ids
         if self.max_positions is not None and thread.next_pos + len(ids) >= self.max_positions:
             self._note(thread, f"reached the model's context length of {self.max_positions} positions")

@@ -91,6 +91,7 @@ class _RequestSampling:
     rng: RandomStream
     penalised: bool
     seen: dict[int, SeenTokens] = field(default_factory=dict)
+    seen_epoch: dict[int, int] = field(default_factory=dict)  # the thread's Thread.seen_epoch when counted
 
 
 class Scheduler:
@@ -553,10 +554,13 @@ class Scheduler:
             seen = None
             if state.penalised:
                 seen = state.seen.get(s.tid)
-                if seen is not None:  # counted since its first penalised sample: add what it forwards now
+                epoch = threads[s.tid].seen_epoch
+                if seen is not None and state.seen_epoch[s.tid] == epoch:  # counted already: add what it forwards now
                     seen.add(step.tokens)
-                elif step.sample:  # counted once from its tokens (this step's included), then kept
+                elif step.sample or seen is not None:  # counted from its tokens (this step's included), then kept;
+                    # again when what it counts changed otherwise (an inline chunk's promise, in and out)
                     seen = state.seen[s.tid] = SeenTokens.recount(it.seen_tokens(s.tid), len(it.prompt_ids))
+                    state.seen_epoch[s.tid] = epoch
             row = None
             if step.sample:
                 if ends is None:

@@ -503,6 +503,28 @@ def test_inline_mode_decodes_each_chunk_in_place_in_one_thread():
     assert it.worst_case_kv().forks == 0
 
 
+def test_an_inline_chunks_penalty_leaves_its_own_promise_out_until_it_closes():
+    """As a forked chunk does: inside its inline chunk the thread counts every token but the
+    chunk's promise; once the chunk closes the promise counts again (main text), and each change
+    bumps ``seen_epoch`` so the scheduler's incremental counts recount."""
+    it = inline_interp()
+    main = it.main
+    drive(it, [(0, "a")])
+    assert main.seen_epoch == 0 and it.seen_tokens(0) == [0, 1] + main.tokens
+    drive(it, [(0, T)])  # the chunk opens right after its promise's token (<async> inserted)
+    k = main.tokens.index(PIECES.index(T))
+    assert main.inline and main.seen_epoch == 1
+    drive(it, [(0, "b")])
+    assert it.seen_tokens(0) == [0, 1] + main.tokens[:k] + main.tokens[k + 1:]
+    drive(it, [(0, "</async>"), (0, " ")])
+    assert not main.inline and main.seen_epoch == 2
+    assert it.seen_tokens(0) == [0, 1] + main.tokens  # its promise counts again
+    # a forked chunk's count, for comparison: the same rule
+    forked = make_interp(limits=Limits(max_threads=None))
+    drive(forked, [(0, "a"), (0, T), (1, "b")])
+    assert forked.seen_tokens(1) == [0, 1] + [PIECES.index("a")] + forked.threads[1].tokens
+
+
 def test_inline_chunk_has_a_chunks_grammar_state_then_the_main_threads():
     from pasta_engine.lang.grammar import GrammarState as G
 

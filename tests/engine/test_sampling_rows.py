@@ -90,6 +90,28 @@ def test_seen_counts_equal_a_recount_every_step_and_after_preemption(tiny_llama,
     assert all(r.stats.forks >= 1 for r in got)
 
 
+def test_seen_counts_equal_a_recount_every_step_in_inline_mode(tiny_llama, adapter):
+    """In inline mode what a thread counts shrinks while a chunk is open (its promise leaves the
+    count) and grows back when it closes; the incremental counts recount at both ends and equal a
+    full recount at every step."""
+    params = [SamplingParams(max_new_tokens=40, temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3)] * 2
+    engine = _forking_engine(tiny_llama, adapter, kv_cache_bytes=8 * 2**20)
+    run, checked = engine.model_runner.run, []
+
+    def checking_run(batch):
+        for row in batch.rows:
+            if row.seen is not None:
+                it = engine.scheduler.get(row.request_id).interp
+                assert row.seen == SeenTokens.recount(it.seen_tokens(row.tid), len(it.prompt_ids))
+                checked.append(it.threads[row.tid].inline)
+        return run(batch)
+
+    engine.model_runner.run = checking_run
+    got = engine.generate(PROMPTS[:2], params, mode="inline")
+    assert any(checked) and not all(checked)  # rows inside an inline chunk and outside
+    assert all(r.error is None for r in got)
+
+
 def _row(rid, tid=0, forced=None, grammar=0, seen=None, ends=(), threshold=None, rng=None, **params):
     from pasta_engine.core.batch import RandomStream
 
