@@ -439,8 +439,8 @@ class Interpreter:
         left out (and so on up to the main thread), and its own (the inserted ``<async>``
         included); in inline mode, a thread inside a chunk leaves that chunk's promise out the
         same way until the chunk closes (:attr:`Thread.seen_epoch` is bumped at both ends, so an
-        incremental count knows to recount). A chunk writes about the topic it was promised and usually opens with the
-        topic's words: counted, its own promise pushed it off them (promised "Start with the
+        incremental count knows to recount). A chunk writes about the topic it was promised and
+        usually opens with the topic's words: counted, its own promise pushed it off them (promised "Start with the
         basics", a chunk wrote "**100%**"). Its siblings' promises stay counted, keeping it off
         their subjects (counting no promise at all read worse:
         bench/results/penalty-content-smollm2-cpu/)."""

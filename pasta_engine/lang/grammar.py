@@ -49,7 +49,8 @@ applied to a whole step's logits in one tensor operation by the model runner):
   (:data:`LEANING_WORDS`: "Another", "Furthermore", "This", "Finally", ...). A chunk opens with
   its topic's words (83% of the shipped adapter's chunks), so a chunk promised "Another
   challenge" opens by leaning on a sibling its thread cannot see (issue 30; masking them raised
-  the forks passing the independence test from 70% to 93%: bench/results/leaning-topics-smollm2-cpu/);
+  the forks passing the lexical independence test from 70% to 93%, but did not read better
+  blind, so it is off by default: bench/results/leaning-topics-smollm2-cpu/);
 * inside the length: digits only (at least one, the first not ``0``; at most
   :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
 """
