@@ -182,8 +182,7 @@ class Thread:
     inline_cap: int | None = None  # inline mode: the open chunk's cap (a child's), None: no cap (replay)
     inline_from: int = 0  # inline mode: n_sampled when the open chunk started
     inline_clean: int = 0  # inline mode: len(clean) when the open chunk started (its tail starts there)
-    inline_promise: tuple[int, int] | None = None  # inline mode: the open chunk's promise, a token span (penalties)
-    seen_epoch: int = 0  # bumped when the tokens the penalties count change other than by growing
+    inline_promise: tuple[int, int] | None = None  # inline mode: the last chunk's promise, a token span (penalties)
     end_flush: bool = False  # ending once its children end: flush its last token then
     finish: str | None = None
     closed_by_interpreter: bool = False
@@ -198,6 +197,13 @@ class Thread:
     @property
     def ended(self) -> bool:
         return self.status in (ThreadStatus.FLUSH, ThreadStatus.DONE)
+
+    @property
+    def uncounted(self) -> tuple[int, int] | None:
+        """The span of its own tokens the penalties leave out: an open inline chunk's promise
+        (None: none). It changes only when a chunk opens or closes, so an incremental count of
+        the thread's seen tokens recounts when it changes (the scheduler's)."""
+        return self.inline_promise if self.inline else None
 
 
 _RUNNING = ThreadStatus.RUNNING
@@ -438,16 +444,15 @@ class Interpreter:
         thread its own tokens, for a chunk its parent's tokens up to its own promise, which is
         left out (and so on up to the main thread), and its own (the inserted ``<async>``
         included); in inline mode, a thread inside a chunk leaves that chunk's promise out the
-        same way until the chunk closes (:attr:`Thread.seen_epoch` is bumped at both ends, so an
-        incremental count knows to recount). A chunk writes about the topic it was promised and
-        usually opens with the topic's words: counted, its own promise pushed it off them (promised "Start with the
-        basics", a chunk wrote "**100%**"). Its siblings' promises stay counted, keeping it off
+        same way until the chunk closes (:attr:`Thread.uncounted`). A chunk writes about the
+        topic it was promised and usually opens with the topic's words: counted, its own promise
+        pushed it off them (promised "Start with the basics", a chunk wrote "**100%**"). Its siblings' promises stay counted, keeping it off
         their subjects (counting no promise at all read worse:
         bench/results/penalty-content-smollm2-cpu/)."""
         t = self.threads[tid]
         seen = t.tokens
-        if t.inline and t.inline_promise is not None:  # inline mode: the open chunk's own promise, as a child's
-            a, b = t.inline_promise
+        if t.uncounted is not None:  # inline mode: the open chunk's own promise, as a child's
+            a, b = t.uncounted
             seen = seen[:a] + seen[b:]
         cut = t.promise_from
         while t.parent is not None:  # list concatenation (C speed): this runs per step per penalised thread
@@ -674,7 +679,6 @@ class Interpreter:
             if thread.inline:
                 if isinstance(item, AsyncClose):
                     thread.inline, thread.inline_cap = False, None
-                    thread.inline_promise, thread.seen_epoch = None, thread.seen_epoch + 1
                 else:
                     self._note(thread, f"{item.raw} inside an inline chunk kept as text")
                 continue
@@ -693,7 +697,6 @@ class Interpreter:
             elif isinstance(item, AsyncOpen):
                 if thread.inline_pending:
                     thread.inline_pending, thread.inline = False, True
-                    thread.seen_epoch += 1
                 else:  # text, as split_threads reads it: only an <async> right after a promise opens a chunk
                     self._note(thread, "main thread wrote <async> itself; kept as text")
             elif isinstance(item, AsyncClose):
@@ -807,7 +810,6 @@ class Interpreter:
             return
         self._insert(thread, ids, drops=True)  # the opening tag is left out of the clean text
         thread.inline, thread.inline_pending = True, False
-        thread.seen_epoch += 1  # its own promise leaves the penalties' count while its chunk is open
         thread.inline_from, thread.inline_clean = thread.n_sampled, len(thread.clean)
         thread.inline_cap = None if self.replay else self.dialect.child_cap(self.limits, p)
         if chunk is not None:
@@ -821,7 +823,6 @@ class Interpreter:
         chunk cut off by a length end)."""
         self._note(thread, f"inline chunk {why}; closed by the interpreter")
         thread.inline, thread.inline_cap = False, None
-        thread.inline_promise, thread.seen_epoch = None, thread.seen_epoch + 1
         ids = self.close_ids
         if self.max_positions is not None and thread.next_pos + len(ids) >= self.max_positions:
             self._note(thread, f"reached the model's context length of {self.max_positions} positions")

@@ -91,7 +91,7 @@ class _RequestSampling:
     rng: RandomStream
     penalised: bool
     seen: dict[int, SeenTokens] = field(default_factory=dict)
-    seen_epoch: dict[int, int] = field(default_factory=dict)  # the thread's Thread.seen_epoch when counted
+    uncounted: dict[int, tuple[int, int] | None] = field(default_factory=dict)  # Thread.uncounted when counted
 
 
 class Scheduler:
@@ -554,13 +554,13 @@ class Scheduler:
             seen = None
             if state.penalised:
                 seen = state.seen.get(s.tid)
-                epoch = threads[s.tid].seen_epoch
-                if seen is not None and state.seen_epoch[s.tid] == epoch:  # counted already: add what it forwards now
+                uncounted = threads[s.tid].uncounted
+                if seen is not None and state.uncounted[s.tid] == uncounted:  # counted: add what it forwards now
                     seen.add(step.tokens)
                 elif step.sample or seen is not None:  # counted from its tokens (this step's included), then kept;
-                    # again when what it counts changed otherwise (an inline chunk's promise, in and out)
+                    # again when an inline chunk opens or closes (its promise leaves the count, then returns)
                     seen = state.seen[s.tid] = SeenTokens.recount(it.seen_tokens(s.tid), len(it.prompt_ids))
-                    state.seen_epoch[s.tid] = epoch
+                    state.uncounted[s.tid] = uncounted
             row = None
             if step.sample:
                 if ends is None:

@@ -505,19 +505,19 @@ def test_inline_mode_decodes_each_chunk_in_place_in_one_thread():
 
 def test_an_inline_chunks_penalty_leaves_its_own_promise_out_until_it_closes():
     """As a forked chunk does: inside its inline chunk the thread counts every token but the
-    chunk's promise; once the chunk closes the promise counts again (main text), and each change
-    bumps ``seen_epoch`` so the scheduler's incremental counts recount."""
+    chunk's promise; once the chunk closes the promise counts again (main text). ``Thread.uncounted``,
+    which the scheduler's incremental counts watch, changes at both ends."""
     it = inline_interp()
     main = it.main
     drive(it, [(0, "a")])
-    assert main.seen_epoch == 0 and it.seen_tokens(0) == [0, 1] + main.tokens
+    assert main.uncounted is None and it.seen_tokens(0) == [0, 1] + main.tokens
     drive(it, [(0, T)])  # the chunk opens right after its promise's token (<async> inserted)
     k = main.tokens.index(PIECES.index(T))
-    assert main.inline and main.seen_epoch == 1
+    assert main.inline and main.uncounted == (k, k + 1)
     drive(it, [(0, "b")])
     assert it.seen_tokens(0) == [0, 1] + main.tokens[:k] + main.tokens[k + 1:]
     drive(it, [(0, "</async>"), (0, " ")])
-    assert not main.inline and main.seen_epoch == 2
+    assert not main.inline and main.uncounted is None
     assert it.seen_tokens(0) == [0, 1] + main.tokens  # its promise counts again
     # a forked chunk's count, for comparison: the same rule
     forked = make_interp(limits=Limits(max_threads=None))

@@ -62,6 +62,24 @@ def _forking_engine(ckpt, adapter, **kw):
     return engine
 
 
+def _check_seen_counts(engine) -> list[tuple[int, bool]]:
+    """Wrap ``engine``'s model runner so that every penalised row's seen-token counts are checked
+    against a full recount before the step runs; returns the list of ``(tid, inside an inline
+    chunk)`` of the rows checked, filled as the engine runs."""
+    run, checked = engine.model_runner.run, []
+
+    def checking_run(batch):
+        for row in batch.rows:
+            if row.seen is not None:
+                it = engine.scheduler.get(row.request_id).interp
+                assert row.seen == SeenTokens.recount(it.seen_tokens(row.tid), len(it.prompt_ids))
+                checked.append((row.tid, it.threads[row.tid].inline))
+        return run(batch)
+
+    engine.model_runner.run = checking_run
+    return checked
+
+
 def test_seen_counts_equal_a_recount_every_step_and_after_preemption(tiny_llama, adapter):
     """The scheduler keeps each thread's seen-token counts incrementally (a thread's tokens are
     counted once, at its first penalised sample, then each step adds what it forwards); at every
@@ -73,19 +91,9 @@ def test_seen_counts_equal_a_recount_every_step_and_after_preemption(tiny_llama,
     want = _forking_engine(tiny_llama, adapter, kv_cache_bytes=8 * 2**20).generate(PROMPTS, params, mode="pasta")
     tight = _forking_engine(tiny_llama, adapter, kv_cache_bytes=48 * 1024, max_num_batched_tokens=6,
                             enable_prefix_caching=True)
-    run, checked = tight.model_runner.run, []
-
-    def checking_run(batch):
-        for row in batch.rows:
-            if row.seen is not None:
-                it = tight.scheduler.get(row.request_id).interp
-                assert row.seen == SeenTokens.recount(it.seen_tokens(row.tid), len(it.prompt_ids))
-                checked.append(row.tid)
-        return run(batch)
-
-    tight.model_runner.run = checking_run
+    checked = _check_seen_counts(tight)
     got = tight.generate(PROMPTS, params, mode="pasta")
-    assert tight.stats()["preemptions"] > 0 and any(checked) and len(checked) > 100
+    assert tight.stats()["preemptions"] > 0 and any(tid for tid, _ in checked) and len(checked) > 100
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert all(r.stats.forks >= 1 for r in got)
 
@@ -96,19 +104,9 @@ def test_seen_counts_equal_a_recount_every_step_in_inline_mode(tiny_llama, adapt
     full recount at every step."""
     params = [SamplingParams(max_new_tokens=40, temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3)] * 2
     engine = _forking_engine(tiny_llama, adapter, kv_cache_bytes=8 * 2**20)
-    run, checked = engine.model_runner.run, []
-
-    def checking_run(batch):
-        for row in batch.rows:
-            if row.seen is not None:
-                it = engine.scheduler.get(row.request_id).interp
-                assert row.seen == SeenTokens.recount(it.seen_tokens(row.tid), len(it.prompt_ids))
-                checked.append(it.threads[row.tid].inline)
-        return run(batch)
-
-    engine.model_runner.run = checking_run
+    checked = _check_seen_counts(engine)
     got = engine.generate(PROMPTS[:2], params, mode="inline")
-    assert any(checked) and not all(checked)  # rows inside an inline chunk and outside
+    assert any(inline for _, inline in checked) and not all(inline for _, inline in checked)  # in a chunk and out
     assert all(r.error is None for r in got)
 
 
