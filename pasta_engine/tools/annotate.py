@@ -129,11 +129,7 @@ class _Line:
 class _Item:
     content_start: int
     content_end: int  # offset just past the item's last non-space character
-    fork_start: int = -1  # where a fork of the item starts: right after its marker (see _list_unit)
-
-    def __post_init__(self) -> None:
-        if self.fork_start < 0:
-            self.fork_start = self.content_start
+    fork_start: int  # where a fork of the item starts: right after its marker (see _list_unit)
 
 
 @dataclass
@@ -284,7 +280,7 @@ def _list_unit(text: str, lines: list[_Line], i: int, units: list[_Unit]) -> int
         # model writing the plain text almost never does (the shipped adapter, trained on that,
         # forks after a numbered marker in 3 of 80 answers: bench/results/marker-fork-smollm2-cpu/).
         ln = lines[first]
-        fork = ln.marker_end if start <= ln.end and text[ln.marker_end:start].strip(" \t") == "" else start
+        fork = start if text[ln.marker_end:start].strip(" \t") else ln.marker_end  # content on the next line: start
         unit.items.append(_Item(start, end, fork))
     unit.end = max(it.content_end for it in unit.items)
     units.append(unit)
