@@ -124,14 +124,13 @@ class Engine:
         self.close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
         # PASTA-LANG pieces as tokens (an adapter that added them): the sampler enforces the grammar
         self.tag_tokens = tag_tokens_of(tokenizer)
-        if self.tag_tokens is None and self.config.limits.fork_threshold is not None:
-            raise ParameterError("fork_threshold", self.config.limits.fork_threshold, message=(
-                f"fork_threshold={self.config.limits.fork_threshold} needs a model whose tokenizer has the PASTA-LANG "
-                "pieces as tokens (an adapter trained with --tag-tokens, such as the shipped one); leave it unset"))
-        if self.tag_tokens is None and self.config.limits.independent_topics:
-            raise ParameterError("independent_topics", True, message=(
-                "independent_topics=True needs a model whose tokenizer has the PASTA-LANG pieces as tokens (an "
-                "adapter trained with --tag-tokens, such as the shipped one); leave it False"))
+        lim = self.config.limits
+        for name, value, unset in (("fork_threshold", lim.fork_threshold, None),
+                                   ("independent_topics", lim.independent_topics, False)):
+            if self.tag_tokens is None and value != unset:  # both act on the grammar's states
+                raise ParameterError(name, value, message=(
+                    f"{name}={value} needs a model whose tokenizer has the PASTA-LANG pieces as tokens (an adapter "
+                    f"trained with --tag-tokens, such as the shipped one); leave it {unset}"))
         if self.tag_tokens is not None:
             self.model_runner.set_grammar(state_masks(self.tag_tokens, token_bytes_table(tokenizer),
                                                       self.model.config.vocab_size, self.eos_ids),

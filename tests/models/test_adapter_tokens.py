@@ -428,59 +428,45 @@ def test_fork_threshold_forks_exactly_where_the_promise_is_likely_enough(tagged)
     assert res.error is None and res.stats.finish_reason in ("stop", "length")
 
 
-def test_fork_threshold_is_refused_where_it_cannot_apply(tagged, tiny_engine):
+@pytest.mark.parametrize("name", ["fork_threshold", "independent_topics"])
+def test_grammar_knobs_are_refused_where_they_cannot_apply(tagged, tiny_engine, name):
+    """The fork knob and the topic rule act on the PASTA-LANG grammar's states: each is refused by
+    name where no promise is sampled under the grammar (sequential, a replay, another dialect, a
+    model without the tag tokens; the engine's constructor too), before the request takes any
+    resource; where it applies it is taken, and the engine serves the next call."""
     from pasta_engine import Limits
     from pasta_engine.errors import ParameterError
 
     ckpt, adapter, _, _ = tagged
     engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
-    knob = Limits(fork_threshold=0.5)
+    knob = Limits(**{name: {"fork_threshold": 0.5, "independent_topics": True}[name]})
     two = SamplingParams(max_new_tokens=2)
-    with pytest.raises(ParameterError, match="fork_threshold.*sequential"):
+    with pytest.raises(ParameterError, match=f"{name}.*sequential"):
         engine.add_request("Hi", two, "sequential", limits=knob)
-    with pytest.raises(ParameterError, match="fork_threshold.*replay"):
+    with pytest.raises(ParameterError, match=f"{name}.*replay"):
         engine.add_request("Hi", two, "pasta", annotated_response="Hello.", limits=knob)
-    with pytest.raises(ParameterError, match="fork_threshold.*apar"):
+    with pytest.raises(ParameterError, match=f"{name}.*apar"):
         engine.add_request("Hi", two, "pasta", limits=knob, dialect="apar")
-    with pytest.raises(ParameterError, match="fork_threshold.*tag-tokens"):
+    with pytest.raises(ParameterError, match=f"{name}.*tag-tokens"):
         tiny_engine.add_request("Hi", two, "pasta", limits=knob)
-    for bad in (0.0, 1.5, float("nan"), True):
-        with pytest.raises(ParameterError, match="fork_threshold"):
-            Limits(fork_threshold=bad)
-    with pytest.raises(ParameterError, match="fork_threshold.*tag-tokens"):
+    with pytest.raises(ParameterError, match=f"{name}.*tag-tokens"):
         Engine.from_pretrained(tiny_engine.source, kv_cache_bytes=8 * 2**20, limits=knob)
-    # the engine serves the next call after each refusal
-    [res] = engine.generate(["Hi"], SamplingParams(max_new_tokens=2), mode="pasta")
+    assert engine.block_manager.num_free == engine.block_manager.num_pages
+    engine.add_request("Hi", two, "pasta", limits=knob)  # where it applies it is taken
+    while engine.has_unfinished_requests():
+        engine.step()
+    [res] = engine.generate(["Hi"], two, mode="pasta")
     assert res.error is None
     assert engine.block_manager.num_free == engine.block_manager.num_pages
 
 
-def test_independent_topics_is_refused_where_it_cannot_apply(tagged, tiny_engine):
-    """Like the fork knob: a rule on the PASTA-LANG grammar's topic state, refused by name where no
-    topic is sampled under it (sequential, a replay, another dialect, a model without the tag
-    tokens), before the request takes any resource; the engine serves the next call."""
+def test_the_fork_threshold_is_a_probability():
     from pasta_engine import Limits
     from pasta_engine.errors import ParameterError
 
-    ckpt, adapter, _, _ = tagged
-    engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
-    rule = Limits(independent_topics=True)
-    two = SamplingParams(max_new_tokens=2)
-    with pytest.raises(ParameterError, match="independent_topics.*sequential"):
-        engine.add_request("Hi", two, "sequential", limits=rule)
-    with pytest.raises(ParameterError, match="independent_topics.*replay"):
-        engine.add_request("Hi", two, "pasta", annotated_response="Hello.", limits=rule)
-    with pytest.raises(ParameterError, match="independent_topics.*apar"):
-        engine.add_request("Hi", two, "pasta", limits=rule, dialect="apar")
-    with pytest.raises(ParameterError, match="independent_topics.*tag-tokens"):
-        tiny_engine.add_request("Hi", two, "pasta", limits=rule)
-    with pytest.raises(ParameterError, match="independent_topics.*tag-tokens"):
-        Engine.from_pretrained(tiny_engine.source, kv_cache_bytes=8 * 2**20, limits=rule)
-    assert engine.block_manager.num_free == engine.block_manager.num_pages
-    engine.add_request("Hi", two, "pasta", limits=rule)  # where it applies it is taken
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert engine.block_manager.num_free == engine.block_manager.num_pages
+    for bad in (0.0, 1.5, float("nan"), True):
+        with pytest.raises(ParameterError, match="fork_threshold"):
+            Limits(fork_threshold=bad)
 
 
 def test_a_topic_may_not_open_with_a_word_that_leans_on_a_sibling():
