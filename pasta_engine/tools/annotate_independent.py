@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
+from ..lang.grammar import LEANING_WORDS
 from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, Text
 from ..lang.tags import parse as parse_events
 from .annotate import (
@@ -140,12 +141,13 @@ def opens_with_topic(topic: str, content: str) -> bool:
 
 
 #: Openings that lean on what came before: connectives, anaphora, sequence words. A piece that
-#: opens with one continues a sibling ("Finally, ...", "This means ...", "Another ...").
+#: opens with one continues a sibling ("Finally, ...", "This means ...", "Another ..."). Its single
+#: words are the grammar's :data:`~pasta_engine.lang.grammar.LEANING_WORDS` (the ones
+#: ``Limits.independent_topics`` keeps out of a topic's opening), then phrases and "step 2".
 _LEANS_ON = re.compile(
-    r"(now|then|next|finally|lastly|also|another|other|additionally|furthermore|moreover|however|but|and|so|thus|"
-    r"therefore|in fact|in summary|in conclusion|in short|overall|this|these|that|those|it|its|it's|they|their|he|"
-    r"she|his|her|such|similarly|likewise|as mentioned|as a result|after|afterwards|once|remember|some other|"
-    r"on the other hand|meanwhile|again|still|instead|otherwise|repeat|step\s*\d+)\b", re.IGNORECASE)
+    "(" + "|".join([*sorted(LEANING_WORDS - {"step"}), "it's", "in fact", "in summary", "in conclusion", "in short",
+                    "as mentioned", "as a result", "some other", "on the other hand", r"step\s*\d+"]) + r")\b",
+    re.IGNORECASE)
 
 
 def _bigrams(text: str) -> set[tuple[str, str]]:
