@@ -287,12 +287,15 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
     leaning = {i for i in topic_first if token_bytes[i].decode("utf-8", "replace").strip().lower() in LEANING_WORDS}
     if not topic_first or not digits_first:
         raise ValueError("the vocabulary has no topic-text or no digit tokens: the promise grammar cannot be enforced")
-    main_never = [tags.async_open, tags.async_close, tags.promise_length]
+    # outside a promise, its length and close pieces are stray tag text (a chunk that wrote
+    # `1. 20"/>` eight times showed it: bench/results/request-penalty-smollm2-cpu/)
+    main_never = [tags.async_open, tags.async_close, tags.promise_length, tags.promise_close]
+    chunk_never = [tags.promise_open, tags.sync, tags.async_open, tags.promise_length, tags.promise_close]
     out: list[tuple[bool, list[int]]] = [
         (False, []),  # FREE
         (False, main_never),  # MAIN
         (False, main_never + [tags.promise_open]),  # MAIN_NO_FORK
-        (False, [tags.promise_open, tags.sync, tags.async_open, tags.promise_length]),  # CHUNK
+        (False, chunk_never),  # CHUNK
         (True, topic_first),  # TOPIC_EMPTY
         (True, topic_ok + [tags.promise_length]),  # TOPIC
         (True, [tags.promise_length]),  # TOPIC_FULL
@@ -300,8 +303,7 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
         (True, digits + [tags.promise_close]),  # LENGTH
         (True, [tags.promise_close]),  # LENGTH_FULL
         (True, topic_ok),  # TOPIC_TAKEN
-        (False, [tags.promise_open, tags.sync, tags.async_open, tags.promise_length, tags.async_close,
-                 *sorted(eos)]),  # CHUNK_OPEN
+        (False, chunk_never + [tags.async_close, *sorted(eos)]),  # CHUNK_OPEN
         (True, cont or topic_ok),  # TOPIC_CONT (a vocabulary without such tokens never gets here)
         (True, [i for i in topic_first if i not in leaning] or topic_first),  # TOPIC_OPENING (never empty)
     ]

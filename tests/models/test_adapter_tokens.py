@@ -116,11 +116,13 @@ def test_the_grammar_mask_keeps_forbidden_pieces_out(tagged):
     ckpt, adapter, _, _ = tagged
     engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
     tags = tag_tokens_of(engine.tokenizer)
-    # the model wants </async> on the main thread and <async>: both are masked there
-    engine.logits_hook = _boost([tags.async_close, tags.async_open, tags.promise_length])
+    # the model wants </async> on the main thread, <async>, and a promise's length and close
+    # pieces outside a promise: all are masked there
+    stray = [tags.async_close, tags.async_open, tags.promise_length, tags.promise_close]
+    engine.logits_hook = _boost(stray)
     [res] = engine.generate(["Hi"], SamplingParams(max_new_tokens=12), mode="pasta")
     assert res.stats.finish_reason in ("stop", "length"), res.error
-    assert not set(res.token_ids) & {tags.async_close, tags.async_open, tags.promise_length}
+    assert not set(res.token_ids) & set(stray)
     # a model that wants to promise: the promise then follows the grammar to its close, and
     # the chunk never promises or syncs (no nesting) although the model prefers to
     state: dict = {}
@@ -129,7 +131,7 @@ def test_the_grammar_mask_keeps_forbidden_pieces_out(tagged):
         if tid == 0 and not state.get("promised"):
             row[tags.promise_open] += 1e4
         elif tid > 0:
-            row[[tags.promise_open, tags.sync]] += 1e4
+            row[[tags.promise_open, tags.sync, tags.promise_length, tags.promise_close]] += 1e4
     # a random model predicts 9999 tokens: reserve a constant range instead
     engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20, position_policy="constant:8")
     engine.logits_hook = hook
@@ -146,7 +148,8 @@ def test_the_grammar_mask_keeps_forbidden_pieces_out(tagged):
     assert res.stats.forks >= 1, res.annotated_text
     for tid, toks in by_thread.items():
         if tid > 0:
-            assert not set(toks) & {tags.promise_open, tags.sync}, res.annotated_text
+            assert not set(toks) & {tags.promise_open, tags.sync, tags.promise_length, tags.promise_close}, \
+                res.annotated_text
 
 
 def test_grammar_states_follow_the_parsers_pending_text():
