@@ -735,7 +735,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        _refuse_unused_fork_threshold(args)
+        _refuse_unused_pasta_flags(args)
         if args.command == "train":
             from .train_commands import run_train
 
@@ -775,21 +775,32 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
 
 
-def _refuse_unused_fork_threshold(args: argparse.Namespace) -> None:
-    """``--fork-threshold`` decides forks while the model samples in pasta mode: a command that
-    only replays annotated responses, or generates sequentially only, would ignore it, so it is
-    refused there (ParameterError naming the flag)."""
+#: The flags that ask for something only while the model samples in pasta mode: (flag as
+#: written, argparse destination, default). A replay forces the annotated tokens and sequential
+#: decoding has no grammar, so a value other than the default would be ignored there: it is
+#: refused, as the engine refuses the same fields of a request's ``Limits`` there. (The grammar
+#: rules that a ``--no-...`` flag turns off are vacuously off there.)
+PASTA_SAMPLING_FLAGS = (("--fork-threshold", "fork_threshold", None),
+                        ("--independent-topics", "independent_topics", False))
+
+
+def _refuse_unused_pasta_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag of :data:`PASTA_SAMPLING_FLAGS` set away from its default in a command that
+    only replays annotated responses, or generates sequentially only (ParameterError naming the
+    flag; before any model loads)."""
     from ..errors import ParameterError
 
-    value = getattr(args, "fork_threshold", None)
-    if value is None:
-        return
     replays = args.command == "replay" or (args.command == "bench" and args.bench_command == "speedup")
     sequential = args.command == "generate" and getattr(args, "mode", "pasta") == "sequential"
-    if replays or sequential:
-        what = "replays the annotated responses' tokens" if replays else "decodes sequentially (--mode sequential)"
-        raise ParameterError("--fork-threshold", value, message=f"--fork-threshold {value} decides forks while the "
-                             f"model samples in pasta mode, and this command {what}: leave it out")
+    if not (replays or sequential):
+        return
+    what = "replays the annotated responses' tokens" if replays else "decodes sequentially (--mode sequential)"
+    for flag, dest, default in PASTA_SAMPLING_FLAGS:
+        value = getattr(args, dest, default)
+        if value != default:
+            shown = value if default is None else ""
+            raise ParameterError(flag, value, message=f"{flag} {shown}".rstrip() + " acts while the model samples "
+                                 f"in pasta mode, and this command {what}: leave it out")
 
 
 def _check_utf8(text: str, what: str) -> None:
