@@ -44,6 +44,7 @@ judge: ``bench learned`` also writes AlpacaEval ``model_outputs`` for one.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -335,6 +336,9 @@ def geomean_positive(values: Iterable[float | None]) -> float | None:
 
 #: Pieces of PASTA-LANG tag text: the clean text a user reads holds none of them.
 TAG_TEXT_MARKERS = ("<promise", "<async", "</async", "<sync", '" tokens="')
+#: A promise's length and close without the rest of the tag (`20"/>`: a chunk that wrote the
+#: close piece as text showed this; an HTML attribute such as `width="20"/>` matches too).
+_LENGTH_CLOSE = re.compile(r'\d"/>')
 
 
 
@@ -382,8 +386,9 @@ def empty_list_items_from_tags(text: str, annotated: str) -> int:
 
 def has_tag_text(text: str) -> bool:
     """Whether ``text`` holds any piece of PASTA-LANG tag text (:data:`TAG_TEXT_MARKERS`): a
-    clean text that does shows the user a tag (for example a partial promise at a length cut)."""
-    return any(m in text for m in TAG_TEXT_MARKERS)
+    clean text that does shows the user a tag (for example a partial promise at a length cut),
+    or a promise's length and close (``20"/>``)."""
+    return any(m in text for m in TAG_TEXT_MARKERS) or _LENGTH_CLOSE.search(text) is not None
 
 
 def text_proxies(text: str) -> dict[str, Any]:
