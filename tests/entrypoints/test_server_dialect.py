@@ -281,3 +281,17 @@ def test_length_cut_is_a_request_field(server):
         assert r.status_code == want, (value, r.text)
         if want == 400:
             assert r.json()["error"]["param"] == "pasta.length_cut"
+
+
+def test_every_pasta_field_named_as_a_limit_reaches_the_request_limits():
+    """Each field of the ``pasta`` extension that has a ``Limits`` field of its name is copied
+    into the request's limits (``PASTA_LIMITS``): a knob added to both but not to the copy would
+    be accepted and then ignored."""
+    import dataclasses
+
+    from pasta_engine.config import Limits
+    from pasta_engine.entrypoints.openai.schema import PastaOptions
+    from pasta_engine.entrypoints.openai.serving import PASTA_LIMITS
+
+    limits = {f.name for f in dataclasses.fields(Limits)}
+    assert set(PASTA_LIMITS) == set(PastaOptions.model_fields) & limits

@@ -26,6 +26,11 @@ from ...lang.tokenization import decode
 from .auth import check_api_key
 from .errors import OpenAIError
 from .metrics import Meter, Metrics
+
+#: The ``pasta`` extension's fields that are :class:`~pasta_engine.config.Limits` fields of the
+#: same name (``max_threads`` 0 is Limits' None, unlimited).
+PASTA_LIMITS = ("max_threads", "max_forks", "max_fork_depth", "fork_threshold", "length_cut", "distinct_topics",
+                "chunk_clean_end", "independent_topics")
 from .schema import (MIN_TOP_P, ChatCompletionRequest, CompletionRequest, decode_json, engine_sampling_fields,
                      max_tokens_of)
 from .sse import EVENT_LOG_BYTES, EventLog
@@ -157,24 +162,11 @@ class Server:
         logprobs = req.logprobs if chat else req.logprobs == 0
         pasta = req.pasta
         _check_dialect(pasta.dialect)
-        limits = None
-        if (pasta.max_threads is not None or pasta.max_forks is not None or pasta.max_fork_depth is not None
-                or pasta.fork_threshold is not None or pasta.length_cut is not None
-                or pasta.distinct_topics is not None or pasta.chunk_clean_end is not None
-                or pasta.independent_topics is not None):
-            base = self.engine.engine.config.limits
-            mt = (base.max_threads or 0) if pasta.max_threads is None else pasta.max_threads
-            mf = base.max_forks if pasta.max_forks is None else pasta.max_forks
-            md = base.max_fork_depth if pasta.max_fork_depth is None else pasta.max_fork_depth
-            ft = base.fork_threshold if pasta.fork_threshold is None else pasta.fork_threshold
-            limits = dataclasses.replace(base, max_threads=mt or None, max_forks=mf, max_fork_depth=md,
-                                         fork_threshold=ft, length_cut=pasta.length_cut or base.length_cut,
-                                         distinct_topics=base.distinct_topics if pasta.distinct_topics is None
-                                         else pasta.distinct_topics,
-                                         chunk_clean_end=base.chunk_clean_end
-                                         if pasta.chunk_clean_end is None else pasta.chunk_clean_end,
-                                         independent_topics=base.independent_topics
-                                         if pasta.independent_topics is None else pasta.independent_topics)
+        # the request's limits: the engine's, with each field the request sets (null: the engine's)
+        given = {name: getattr(pasta, name) for name in PASTA_LIMITS if getattr(pasta, name) is not None}
+        if "max_threads" in given:
+            given["max_threads"] = given["max_threads"] or None  # 0: unlimited
+        limits = dataclasses.replace(self.engine.engine.config.limits, **given) if given else None
         more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                 top_k=top_k, seed=seed, return_logprobs=logprobs, stop=tuple(req.stops()), n=req.n,
