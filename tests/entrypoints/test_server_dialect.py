@@ -283,15 +283,21 @@ def test_length_cut_is_a_request_field(server):
             assert r.json()["error"]["param"] == "pasta.length_cut"
 
 
-def test_every_pasta_field_named_as_a_limit_reaches_the_request_limits():
-    """Each field of the ``pasta`` extension that has a ``Limits`` field of its name is copied
-    into the request's limits (``PASTA_LIMITS``): a knob added to both but not to the copy would
-    be accepted and then ignored."""
-    import dataclasses
 
+def test_each_pasta_limit_field_reaches_the_request_limits():
+    """Every ``pasta`` field that is a ``Limits`` field replaces the engine's value when given,
+    and only then; ``max_threads`` 0 is unlimited (None)."""
     from pasta_engine.config import Limits
     from pasta_engine.entrypoints.openai.schema import PastaOptions
-    from pasta_engine.entrypoints.openai.serving import PASTA_LIMITS
+    from pasta_engine.entrypoints.openai.serving import PASTA_LIMITS, request_limits
 
-    limits = {f.name for f in dataclasses.fields(Limits)}
-    assert set(PASTA_LIMITS) == set(PastaOptions.model_fields) & limits
+    base = Limits(max_threads=4)
+    assert request_limits(PastaOptions(), base) is None
+    changed = {"max_threads": 0, "max_forks": 3, "max_fork_depth": 1, "fork_threshold": 0.25, "length_cut": "keep",
+               "distinct_topics": False, "chunk_clean_end": False, "independent_topics": True}
+    assert set(changed) == set(PASTA_LIMITS)
+    for name, value in changed.items():
+        got = request_limits(PastaOptions(**{name: value}), base)
+        want = None if name == "max_threads" else value
+        assert getattr(got, name) == want != getattr(base, name), name
+        assert all(getattr(got, o) == getattr(base, o) for o in PASTA_LIMITS if o != name), name

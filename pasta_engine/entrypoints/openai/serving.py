@@ -26,16 +26,27 @@ from ...lang.tokenization import decode
 from .auth import check_api_key
 from .errors import OpenAIError
 from .metrics import Meter, Metrics
-
-#: The ``pasta`` extension's fields that are :class:`~pasta_engine.config.Limits` fields of the
-#: same name (``max_threads`` 0 is Limits' None, unlimited).
-PASTA_LIMITS = ("max_threads", "max_forks", "max_fork_depth", "fork_threshold", "length_cut", "distinct_topics",
-                "chunk_clean_end", "independent_topics")
-from .schema import (MIN_TOP_P, ChatCompletionRequest, CompletionRequest, decode_json, engine_sampling_fields,
-                     max_tokens_of)
+from .schema import (MIN_TOP_P, ChatCompletionRequest, CompletionRequest, PastaOptions, decode_json,
+                     engine_sampling_fields, max_tokens_of)
 from .sse import EVENT_LOG_BYTES, EventLog
 
 __all__ = ["MAX_BODY_BYTES", "Options", "Server", "Prompts"]
+
+#: The ``pasta`` extension's fields that are :class:`~pasta_engine.config.Limits` fields of the
+#: same name, derived from both (a knob added to both reaches the request's limits by itself;
+#: ``max_threads`` 0 is Limits' None, unlimited).
+PASTA_LIMITS = tuple(f.name for f in dataclasses.fields(Limits) if f.name in PastaOptions.model_fields)
+
+
+def request_limits(pasta: PastaOptions, base: Limits) -> Limits | None:
+    """A request's :class:`~pasta_engine.config.Limits`: ``base`` (the engine's) with each
+    :data:`PASTA_LIMITS` field the ``pasta`` extension sets (null: the engine's; ``max_threads``
+    0: unlimited); None when it sets none (the engine's limits apply). Raises ParameterError
+    (from ``Limits``) naming a field whose value ``Limits`` refuses."""
+    given = {name: getattr(pasta, name) for name in PASTA_LIMITS if getattr(pasta, name) is not None}
+    if "max_threads" in given:
+        given["max_threads"] = given["max_threads"] or None
+    return dataclasses.replace(base, **given) if given else None
 
 #: Default request-body limit (bytes).
 MAX_BODY_BYTES = 2**20
@@ -162,11 +173,7 @@ class Server:
         logprobs = req.logprobs if chat else req.logprobs == 0
         pasta = req.pasta
         _check_dialect(pasta.dialect)
-        # the request's limits: the engine's, with each field the request sets (null: the engine's)
-        given = {name: getattr(pasta, name) for name in PASTA_LIMITS if getattr(pasta, name) is not None}
-        if "max_threads" in given:
-            given["max_threads"] = given["max_threads"] or None  # 0: unlimited
-        limits = dataclasses.replace(self.engine.engine.config.limits, **given) if given else None
+        limits = request_limits(pasta, self.engine.engine.config.limits)
         more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                 top_k=top_k, seed=seed, return_logprobs=logprobs, stop=tuple(req.stops()), n=req.n,
