@@ -387,6 +387,16 @@ class Limits:
         if self.length_cut not in LENGTH_CUTS:
             raise ParameterError("length_cut", self.length_cut, " or ".join(repr(x) for x in LENGTH_CUTS))
 
+    #: The fields that act only where the sampler enforces the PASTA-LANG grammar while a model
+    #: samples in pasta or inline mode (a promise's decision, a topic's first token), each with
+    #: the value that leaves it off. Where they cannot act they are refused if asked for, or
+    #: dropped if they are the engine's default (``InputProcessor``, ``Engine``, the CLI).
+    GRAMMAR_KNOBS = (("fork_threshold", None), ("independent_topics", False))
+
+    def grammar_knobs(self) -> dict[str, Any]:
+        """The :attr:`GRAMMAR_KNOBS` set away from off, ``name -> value`` (empty: none)."""
+        return {name: getattr(self, name) for name, off in self.GRAMMAR_KNOBS if getattr(self, name) != off}
+
     def chunk_cap(self, predicted: int) -> int:
         """Most tokens a child forked for ``tokens="predicted"`` may sample."""
         return max(self.async_min_cap, math.ceil(self.cap_factor * min(predicted, self.max_promise_tokens)))

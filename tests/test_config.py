@@ -115,3 +115,13 @@ def test_unknown_engine_options_are_named():
         EngineConfig.from_kwargs(page_sise=4)
     assert EngineConfig.from_kwargs(page_size=4).page_size == 4
     assert EngineConfig(position_policy="constant:3").position_policy == PositionPolicy("constant", 3)
+
+
+def test_grammar_knobs_are_the_fields_set_away_from_off():
+    from pasta_engine.config import Limits
+
+    assert Limits().grammar_knobs() == {}
+    assert Limits(fork_threshold=0.3).grammar_knobs() == {"fork_threshold": 0.3}
+    assert Limits(fork_threshold=0.3, independent_topics=True).grammar_knobs() == {"fork_threshold": 0.3,
+                                                                                   "independent_topics": True}
+    assert all(hasattr(Limits(), name) for name, _ in Limits.GRAMMAR_KNOBS)

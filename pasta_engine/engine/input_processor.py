@@ -431,20 +431,19 @@ class InputProcessor:
                                 output_kind=inputs.output_kind, index=inputs.index)
 
     def _limits(self, limits: Limits | None, mode: str, lang: Dialect, replay: bool) -> Limits:
-        """The request's limits: its own or the engine's, ``fork_threshold`` and
-        ``independent_topics`` checked where they apply (an explicit one that cannot apply is
-        refused; the engine's default is dropped)."""
+        """The request's limits: its own or the engine's, the grammar knobs
+        (``Limits.GRAMMAR_KNOBS``: ``fork_threshold``, ``independent_topics``) checked where they
+        apply: one the request asks for that cannot apply is refused (ParameterError naming
+        it); the engine's default is dropped there."""
         if limits is not None and not isinstance(limits, Limits):
             raise ParameterError("limits", limits, "a pasta_engine.Limits")
         default = self.config.limits
-        explicit_threshold = limits is not None and limits.fork_threshold != default.fork_threshold
-        explicit_topics = limits is not None and limits.independent_topics and not default.independent_topics
-        limits = limits or default
-        if limits.fork_threshold is None and not limits.independent_topics:
-            return limits
-        # both act on the PASTA-LANG grammar's states (the knob where the main thread may open a
+        knobs = (limits or default).grammar_knobs()
+        if not knobs:
+            return limits or default
+        # all act on the PASTA-LANG grammar's states (the knob where the main thread may open a
         # promise, the topic rule at a topic's first token): a dialect whose grammar never starts
-        # the main thread there has neither
+        # the main thread there has none of them
         promises = lang.grammar_state(True, "", True) == GrammarState.MAIN
         why = ("a replay (its tokens are forced)" if replay
                else f"mode {mode!r} (tags are acted on in pasta and inline modes)" if mode == "sequential"
@@ -452,17 +451,12 @@ class InputProcessor:
                else "a model without the PASTA-LANG pieces as tokens (train the adapter with --tag-tokens)"
                if not self.grammar else None)
         if why is None:
-            return limits
-        if explicit_threshold and limits.fork_threshold is not None:
-            raise ParameterError("fork_threshold", limits.fork_threshold,
-                                 message=f"fork_threshold={limits.fork_threshold} cannot apply to {why}; leave it "
-                                 "unset (None)")
-        if explicit_topics:
-            raise ParameterError("independent_topics", True,
-                                 message=f"independent_topics=True cannot apply to {why}; leave it False")
-        # the engine's defaults: where they apply
-        return dataclasses.replace(limits, fork_threshold=None, independent_topics=False)
-
+            return limits or default
+        off = dict(Limits.GRAMMAR_KNOBS)
+        for name, value in knobs.items():
+            if limits is not None and value != getattr(default, name):  # the request asked for it
+                raise ParameterError(name, value, message=f"{name}={value} cannot apply to {why}; leave it {off[name]}")
+        return dataclasses.replace(limits or default, **off)  # the engine's defaults: only where they apply
 
 def _check_text(text: str, param: str, where: str) -> None:
     """Raise ParameterError when ``text`` is not valid Unicode (a lone surrogate, e.g. a byte that

@@ -124,13 +124,12 @@ class Engine:
         self.close_len = len(encode_tag(tokenizer, ASYNC_CLOSE))
         # PASTA-LANG pieces as tokens (an adapter that added them): the sampler enforces the grammar
         self.tag_tokens = tag_tokens_of(tokenizer)
-        lim = self.config.limits
-        for name, value, unset in (("fork_threshold", lim.fork_threshold, None),
-                                   ("independent_topics", lim.independent_topics, False)):
-            if self.tag_tokens is None and value != unset:  # both act on the grammar's states
-                raise ParameterError(name, value, message=(
-                    f"{name}={value} needs a model whose tokenizer has the PASTA-LANG pieces as tokens (an adapter "
-                    f"trained with --tag-tokens, such as the shipped one); leave it {unset}"))
+        knobs = self.config.limits.grammar_knobs()  # they act on the grammar's states
+        if self.tag_tokens is None and knobs:
+            name, value = next(iter(knobs.items()))
+            raise ParameterError(name, value, message=(
+                f"{name}={value} needs a model whose tokenizer has the PASTA-LANG pieces as tokens (an adapter "
+                f"trained with --tag-tokens, such as the shipped one); leave it {dict(Limits.GRAMMAR_KNOBS)[name]}"))
         if self.tag_tokens is not None:
             self.model_runner.set_grammar(state_masks(self.tag_tokens, token_bytes_table(tokenizer),
                                                       self.model.config.vocab_size, self.eos_ids),

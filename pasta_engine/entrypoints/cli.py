@@ -775,19 +775,13 @@ def _main(argv: Sequence[str] | None) -> int:
         return 2
 
 
-#: The flags that ask for something only while the model samples in pasta mode: (flag as
-#: written, argparse destination, default). A replay forces the annotated tokens and sequential
-#: decoding has no grammar, so a value other than the default would be ignored there: it is
-#: refused, as the engine refuses the same fields of a request's ``Limits`` there. (The grammar
-#: rules that a ``--no-...`` flag turns off are vacuously off there.)
-PASTA_SAMPLING_FLAGS = (("--fork-threshold", "fork_threshold", None),
-                        ("--independent-topics", "independent_topics", False))
-
-
 def _refuse_unused_pasta_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag of :data:`PASTA_SAMPLING_FLAGS` set away from its default in a command that
-    only replays annotated responses, or generates sequentially only (ParameterError naming the
-    flag; before any model loads)."""
+    """Refuse a grammar knob's flag (``Limits.GRAMMAR_KNOBS``: ``--fork-threshold``,
+    ``--independent-topics``) set away from off in a command that only replays annotated
+    responses, or generates sequentially only: it would be ignored there, as the engine's default
+    (the engine refuses the same fields of a request's ``Limits`` there). ParameterError naming
+    the flag, before any model loads."""
+    from ..config import Limits
     from ..errors import ParameterError
 
     replays = args.command == "replay" or (args.command == "bench" and args.bench_command == "speedup")
@@ -795,12 +789,13 @@ def _refuse_unused_pasta_flags(args: argparse.Namespace) -> None:
     if not (replays or sequential):
         return
     what = "replays the annotated responses' tokens" if replays else "decodes sequentially (--mode sequential)"
-    for flag, dest, default in PASTA_SAMPLING_FLAGS:
-        value = getattr(args, dest, default)
-        if value != default:
-            shown = value if default is None else ""
-            raise ParameterError(flag, value, message=f"{flag} {shown}".rstrip() + " acts while the model samples "
-                                 f"in pasta mode, and this command {what}: leave it out")
+    for name, off in Limits.GRAMMAR_KNOBS:
+        value = getattr(args, name, off)
+        if value != off:
+            flag = "--" + name.replace("_", "-")
+            shown = f"{flag} {value}" if off is None else flag  # a value flag, or a switch
+            raise ParameterError(flag, value, message=f"{shown} acts while the model samples in pasta mode, and "
+                                 f"this command {what}: leave it out")
 
 
 def _check_utf8(text: str, what: str) -> None:
