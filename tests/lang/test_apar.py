@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
@@ -141,9 +141,10 @@ _text = st.text(st.sampled_from(list("ab ,.\n-*:[]/1Fork")), max_size=8)
 def apar_traces(draw):
     """Lists of items (header, optional body, closed or not), stray or broken markers between.
 
-    A body left unclosed runs to the end of the trace, which then ends with "." (else its last
+    A body left unclosed runs to the end of the trace, which then ends with "x." (else its last
     line may be a bare list marker, which the interpreter's inserted close empties in pasta mode
-    only: an engine rule for every dialect, PASTA-LANG's too)."""
+    only: an engine rule for every dialect, PASTA-LANG's too; a bare "." is not enough, as a body
+    ending "\n1" then ends "\n1.", a bare marker)."""
     parts = [draw(_text)]
     for i in range(draw(st.integers(0, 4))):
         parts.append(f"\n{i + 1}. " + draw(_text))
@@ -154,11 +155,12 @@ def apar_traces(draw):
         elif kind == "stray":
             parts.append(draw(st.sampled_from([CHILD, CHILD_CLOSE, "[Fork ]", "[Fork", FORK, "[Forks]"])))
     text = "".join(parts) + draw(_text)
-    return text + "." if any(not c.closed for c in APAR.split_threads(text).chunks) else text
+    return text + "x." if any(not c.closed for c in APAR.split_threads(text).chunks) else text
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(annotated=apar_traces())
+@example(annotated="\n1. " + FORK + CHILD + "\n1x.")  # an unclosed body whose last line is "1x." (once a bare "1.")
 def test_any_apar_trace_round_trips_on_the_tiny_model(tiny_engine, annotated):
     want = APAR.clean_text(annotated)
     pasta, seq = replay(tiny_engine, annotated, "pasta"), replay(tiny_engine, annotated, "sequential")
