@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,41 @@ def manifest_lora_scale(manifest: dict[str, Any] | None, adapter_dir: str | Path
                               f"lora_scale={value!r}: expected a number in [0, 1]") from None
 
 
+def _pattern(cfg: dict[str, Any], field: str, adapter_dir: Path) -> dict[str, float]:
+    """``adapter_config.json``'s ``rank_pattern`` or ``alpha_pattern`` (peft: a module-name
+    pattern -> that module's rank or alpha), checked: an object of regular expressions to positive
+    numbers. Raises CheckpointError naming the adapter and the field otherwise."""
+    pat = cfg.get(field) or {}
+    bad = None
+    if not isinstance(pat, dict):
+        bad = f"{pat!r} is not an object"
+    else:
+        for k, v in pat.items():
+            try:
+                re.compile(k)
+            except re.error as e:
+                bad = f"key {k!r} is not a regular expression ({e})"
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                bad = f"{k!r}: {v!r} is not a positive number"
+            if field == "rank_pattern" and not bad and v != int(v):
+                bad = f"{k!r}: {v!r} is not a whole rank"
+    if bad:
+        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: adapter_config.json "
+                              f"{field}: {bad}")
+    return pat
+
+
+def _pattern_value(pattern: dict[str, float], module: str, default: float) -> float:
+    """The value of the first key of ``pattern`` that matches the end of ``module``'s dotted name
+    (``model.layers.0.self_attn.q_proj``), else ``default``: peft's ``get_pattern_key`` (the
+    key as a regular expression after an optional dotted prefix), so that an adapter merges here
+    as peft loads it."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
 def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_scale: float = 1.0) -> list[str]:
     """Merge a peft LoRA adapter into ``weights`` (a ``transformers`` state dict), in place.
 
@@ -199,13 +235,17 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
 
     Returns the names of the merged weights. The sum is computed in float32 and cast back to
     the weight's dtype. Trainable token rows (peft's ``trainable_token_indices``) replace rows of
-    the embedding, which grows to hold them (see the module docstring).
+    the embedding, which grows to hold them (see the module docstring). A module's rank and alpha
+    are peft's: ``rank_pattern`` and ``alpha_pattern`` (module-name patterns) override ``r`` and
+    ``lora_alpha`` per module.
 
     Raises FileNotFoundError for a folder that is no adapter, UnsupportedModelError for a peft
     option this merge does not implement (DoRA, biases, fan-in-fan-out, extra modules to save),
     ParameterError when a LoRA pair names a weight the checkpoint does not have or shapes disagree,
     CheckpointError (a ParameterError naming the adapter) for an ``adapter_config.json`` that is
-    not JSON or has no valid rank ``r``, or weights that cannot be read (truncated); ParameterError
+    not JSON or has no valid rank ``r``, a ``rank_pattern``/``alpha_pattern`` that is not an
+    object of regular expressions to positive numbers, a module whose tensors' rank is not its
+    configured one, or weights that cannot be read (truncated); ParameterError
     naming ``lora_scale`` for a scale outside ``[0, 1]``."""
     lora_scale = check_lora_scale(lora_scale)
     adapter_dir = Path(adapter_dir)
@@ -229,7 +269,8 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
         raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: adapter_config.json "
                               f"has lora_alpha={alpha!r}: expected a number")
     alpha = float(alpha)
-    scale = (alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r) * lora_scale
+    rank_pattern = _pattern(cfg, "rank_pattern", adapter_dir)
+    alpha_pattern = _pattern(cfg, "alpha_pattern", adapter_dir)
     tensors = _adapter_tensors(adapter_dir)
     merged = _merge_token_rows(weights, cfg, tensors, adapter_dir)
     for name, a in tensors.items():
@@ -247,6 +288,13 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: {name} "
                                   f"{tuple(a.shape)} and its lora_B {tuple(b.shape)} do not share a rank")
+        key = module.removeprefix("base_model.model.")
+        r_m = int(_pattern_value(rank_pattern, key, r))
+        alpha_m = float(_pattern_value(alpha_pattern, key, alpha))
+        if a.shape[0] != r_m:
+            raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: {name} has rank "
+                                  f"{a.shape[0]} but adapter_config.json gives {key} r={r_m} (r, rank_pattern)")
+        scale = (alpha_m / (r_m**0.5) if cfg.get("use_rslora") else alpha_m / r_m) * lora_scale
         delta = b.float() @ a.float()
         if delta.shape != w.shape:
             raise ParameterError("adapter", str(adapter_dir),

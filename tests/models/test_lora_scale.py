@@ -117,3 +117,82 @@ def test_the_cli_refuses_lora_scale_with_no_adapter(tiny_llama, capsys):
                "--max-new-tokens", "2", "--kv-cache-mb", "1"])
     _, err = capsys.readouterr()
     assert rc == 2 and "--lora-scale" in err and "--no-adapter" in err
+
+
+# ---- per-module rank and alpha (peft's rank_pattern and alpha_pattern)
+
+
+def _adapter_two_modules(tmp_path, **cfg):
+    """Rank-2 LoRA pairs on a q_proj and an mlp down_proj (4x3 each), config fields ``cfg`` added."""
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 2, "lora_alpha": 4, "bias": "none", "target_modules": ["q_proj", "down_proj"], **cfg}))
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 10
+    b = torch.arange(8, dtype=torch.float32).reshape(4, 2) / 10
+    save_file({f"base_model.model.model.layers.0.{m}.lora_{x}.weight": t.clone()
+               for m in ("self_attn.q_proj", "mlp.down_proj") for x, t in (("A", a), ("B", b))},
+              str(d / "adapter_model.safetensors"))
+    return d, b @ a
+
+
+def _two_weights():
+    return {"model.layers.0.self_attn.q_proj.weight": torch.ones(4, 3),
+            "model.layers.0.mlp.down_proj.weight": torch.ones(4, 3)}
+
+
+@pytest.mark.parametrize("s", [0.5, 1.0])
+def test_alpha_pattern_sets_one_modules_scale_apart(tmp_path, s):
+    # alpha 4 / r 2 = 2 everywhere, but the attention projections' alpha is 1: scale 0.5 there
+    d, delta = _adapter_two_modules(tmp_path, alpha_pattern={r"self_attn\.[qkvo]_proj": 1})
+    w = _two_weights()
+    merge_lora(w, d, lora_scale=s)
+    torch.testing.assert_close(w["model.layers.0.self_attn.q_proj.weight"], 1 + s * 0.5 * delta, rtol=0, atol=1e-6)
+    torch.testing.assert_close(w["model.layers.0.mlp.down_proj.weight"], 1 + s * 2.0 * delta, rtol=0, atol=1e-6)
+
+
+def test_a_pattern_matches_the_end_of_the_module_name_as_peft_does(tmp_path):
+    # "proj" alone matches neither module's last part in full ("q_proj", "down_proj"): no override
+    d, delta = _adapter_two_modules(tmp_path, alpha_pattern={"proj": 100})
+    w = _two_weights()
+    merge_lora(w, d)
+    torch.testing.assert_close(w["model.layers.0.mlp.down_proj.weight"], 1 + 2.0 * delta, rtol=0, atol=1e-6)
+
+
+def test_rank_pattern_must_agree_with_the_tensors(tmp_path):
+    d, _ = _adapter_two_modules(tmp_path, rank_pattern={"down_proj": 4})
+    with pytest.raises(CheckpointError, match=r"rank 2 but adapter_config.json gives model.layers.0.mlp.down_proj r=4"):
+        merge_lora(_two_weights(), d)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("alpha_pattern", {"q_proj": 0}, "not a positive number"),
+    ("alpha_pattern", {"q_proj": "2"}, "not a positive number"),
+    ("alpha_pattern", {"(": 2}, "not a regular expression"),
+    ("alpha_pattern", ["q_proj"], "not an object"),
+    ("rank_pattern", {"q_proj": 1.5}, "not a whole rank"),
+])
+def test_a_bad_pattern_is_refused_naming_the_field(tmp_path, field, value, says):
+    d, _ = _adapter_two_modules(tmp_path, **{field: value})
+    with pytest.raises(CheckpointError, match=f"{field}: .*{says}"):
+        merge_lora(_two_weights(), d)
+
+
+def test_the_merge_equals_peft_with_patterns(tiny_llama, tmp_path):
+    """peft's own merge of an adapter with rank_pattern and alpha_pattern is ours."""
+    peft = pytest.importorskip("peft", reason="needs peft (the test extra)")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32)
+    base = {k: v.clone() for k, v in load_file(str(next(tiny_llama.glob("*.safetensors")))).items()}
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                          rank_pattern={"down_proj": 2}, alpha_pattern={r"self_attn\.v_proj": 3})
+    pm = peft.get_peft_model(model, cfg)
+    pm.save_pretrained(tmp_path / "adapter")
+    merged = pm.merge_and_unload().state_dict()
+    names = merge_lora(base, tmp_path / "adapter")
+    assert any("down_proj" in n for n in names) and any("v_proj" in n for n in names)
+    for n in names:
+        torch.testing.assert_close(base[n], merged[n], rtol=1e-5, atol=1e-6)
