@@ -337,8 +337,9 @@ def geomean_positive(values: Iterable[float | None]) -> float | None:
 #: Pieces of PASTA-LANG tag text: the clean text a user reads holds none of them.
 TAG_TEXT_MARKERS = ("<promise", "<async", "</async", "<sync", '" tokens="')
 #: A promise's length and close without the rest of the tag (`20"/>`: a chunk that wrote the
-#: close piece as text showed this; an HTML attribute such as `width="20"/>` matches too).
-_LENGTH_CLOSE = re.compile(r'\d"/>')
+#: close piece as text showed this). A number that opens with `="` is an attribute's value
+#: (HTML's `<img width="20"/>`), not a promise's length: not counted.
+_LENGTH_CLOSE = re.compile(r'(?<![\d])(?<!=")\d+"/>')
 
 
 
