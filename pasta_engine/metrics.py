@@ -339,7 +339,7 @@ TAG_TEXT_MARKERS = ("<promise", "<async", "</async", "<sync", '" tokens="')
 #: A promise's length and close without the rest of the tag (`20"/>`: a chunk that wrote the
 #: close piece as text showed this). A number that opens with `="` is an attribute's value
 #: (HTML's `<img width="20"/>`), not a promise's length: not counted.
-_LENGTH_CLOSE = re.compile(r'(?<![\d])(?<!=")\d+"/>')
+_LENGTH_CLOSE = re.compile(r'(?<!\d)(?<!=")\d+"/>')
 
 
 
