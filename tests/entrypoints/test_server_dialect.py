@@ -283,7 +283,6 @@ def test_length_cut_is_a_request_field(server):
             assert r.json()["error"]["param"] == "pasta.length_cut"
 
 
-
 def test_each_pasta_limit_field_reaches_the_request_limits():
     """Every ``pasta`` field that is a ``Limits`` field replaces the engine's value when given,
     and only then; ``max_threads`` 0 is unlimited (None)."""
