@@ -2,7 +2,8 @@
 context (the question, the main thread's text before its promise with tags removed, the chunk's
 topic as its opening): no tag token in the chunk's context. Same weights (shipped adapter, its
 lora_scale), greedy, penalty 1.1, up to 120 tokens, pasta mode with max_forks 0 (the grammar masks
-every tag piece, as a chunk's does), cut at the first paragraph end after a finished sentence.
+every tag piece, as a chunk's does), cut at the first paragraph end after a finished sentence. LORA_SCALE=S in the environment writes
+the chunks at another lora_scale (0: the base model's weights; ../base-chunks-smollm2-cpu/).
 Usage: python clean_chunks.py ROWS OUT_DIR"""
 import json, re, sys, os
 from pasta_engine.engine.llm_engine import Engine
@@ -11,7 +12,8 @@ from pasta_engine.config import SamplingParams
 rows = [json.loads(l) for l in open(sys.argv[1])][: int(os.environ.get("LIMIT", "999"))]
 out = sys.argv[2]; os.makedirs(out, exist_ok=True)
 from pasta_engine.config import Limits
-eng = Engine.from_pretrained(threads=int(os.environ.get("THREADS", "2")), limits=Limits(max_forks=0))
+scale = float(os.environ["LORA_SCALE"]) if "LORA_SCALE" in os.environ else None  # None: the manifest's
+eng = Engine.from_pretrained(threads=int(os.environ.get("THREADS", "2")), limits=Limits(max_forks=0), lora_scale=scale)
 tok = eng.tokenizer
 tags = eng.tag_tokens
 stop_ids = sorted(set(x for x in tags.ids if x is not None))
