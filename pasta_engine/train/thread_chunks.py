@@ -23,8 +23,10 @@ Each promise gets a descriptive topic of the rewritten chunk
 most specific words, never a sibling's topic), so a topic says what its chunk covers, and the
 rewritten chunk's length (Pred-10x, :func:`~pasta_engine.tools.annotate.round_to_tens`). (While
 the chunks are written, each earlier sibling shows as the topic of its original text.) Text after a ``<sync/>``
-(a conclusion) is kept as the base model wrote it. A continuation that runs out of tokens is cut
-at its last sentence end; one with no sentence end keeps the original chunk.
+(a conclusion) is kept as the base model wrote it. A continuation that runs out of tokens, or
+whose line or paragraph ends mid-sentence where the original chunk ends a sentence (a one-line item
+broken off at its line end), is cut at its last sentence end; one with no sentence end keeps the
+original chunk.
 """
 
 from __future__ import annotations
@@ -156,19 +158,29 @@ def _is_item_line(before: str) -> bool:
     return bool(re.fullmatch(r"\s*(?:[-*+]|\d{1,3}[.)])\s*", line))
 
 
+def _ends_sentence(text: str) -> bool:
+    """Whether ``text`` (right-stripped) ends with a sentence end (``.``, ``!``, ``?``, then any
+    closing quotes or brackets)."""
+    ends = list(_SENTENCE_END.finditer(text))
+    return bool(ends) and ends[-1].end() == len(text)
+
+
 def _finish(job: ChunkJob, continuation: str, finish_reason: str) -> tuple[str, str]:
-    """The rewritten chunk and how it ended: ``stop`` (its unit ended), ``cut`` (out of
-    tokens, cut at its last sentence end) or ``original`` (no usable rewrite)."""
+    """The rewritten chunk and how it ended: ``stop`` (its unit ended), ``cut`` (cut at its last
+    sentence end: out of tokens, or its unit ended mid-sentence where the original chunk ends a
+    sentence, as a one-line item whose line breaks before its sentence ends) or ``original`` (no
+    usable rewrite)."""
     text = job.opening + continuation
     trail = job.content[len(job.content.rstrip()):]  # the original's trailing whitespace stays
-    if finish_reason == "stop" or finish_reason == "eos":
-        body = text.rstrip()
-        if len(body) > len(job.opening.rstrip()) and "<" not in continuation:
-            return body + trail, "stop"
+    if "<" in continuation:  # tag-like text is never kept
         return job.content, "original"
-    ends = list(_SENTENCE_END.finditer(text))
-    if ends and ends[-1].end() > len(job.opening) and "<" not in continuation:
-        return text[: ends[-1].end()] + trail, "cut"
+    body = text.rstrip()
+    if finish_reason in ("stop", "eos") and len(body) > len(job.opening.rstrip()) and (
+            _ends_sentence(body) or not _ends_sentence(job.content.rstrip())):
+        return body + trail, "stop"  # its unit ended as the original's did (a phrase item may end without a stop)
+    ends = list(_SENTENCE_END.finditer(body))
+    if ends and ends[-1].end() > len(job.opening):
+        return body[: ends[-1].end()] + trail, "cut"
     return job.content, "original"
 
 

@@ -55,6 +55,15 @@ def test_a_rewrite_ends_at_its_unit_or_a_sentence_or_keeps_the_original():
     assert _finish(para, " that.", "stop") == ("Also that.\n", "stop")  # the original's trailing whitespace stays
 
 
+def test_a_rewrite_whose_line_breaks_mid_sentence_is_cut_or_kept_original():
+    job = ChunkJob(prefix="x Go to", opening="Go to", stop=("\n",), max_new_tokens=48, content="Go to bed early.")
+    assert _finish(job, " sleep at ten. Then read a", "stop") == ("Go to sleep at ten.", "cut")
+    assert _finish(job, " sleep and then", "stop") == ("Go to bed early.", "original")  # no sentence end
+    assert _finish(job, ' sleep at ten." ', "eos") == ('Go to sleep at ten."', "stop")  # a closing quote ends it too
+    phrase = ChunkJob(prefix="- Red", opening="Red", stop=("\n",), max_new_tokens=48, content="Red apples")
+    assert _finish(phrase, " pears and plums", "stop") == ("Red pears and plums", "stop")  # the original is a phrase
+
+
 def test_assemble_puts_new_topics_lengths_and_chunks_in_place():
     new = ["Sleep at ten, every single night of the week.", "No phones.", "Walk after dinner."]
     out = assemble(SLEEP_TIPS, ["bedtime", "screens", "walking"], new, _words)
