@@ -242,9 +242,13 @@ class PieceScore:
 
 @dataclass
 class _Piece:
-    start: int
+    start: int  # where a fork of it starts (a list item: right after its marker)
     end: int
     candidate: bool
+    text_start: int = -1  # where its text starts (after a marker's spaces), measured from here; -1: start
+
+    def text(self, response: str) -> str:
+        return response[max(self.start, self.text_start):self.end]
 
 
 def _pieces(response: str, count: CountTokens, min_tokens: int) -> list[_Piece]:
@@ -259,7 +263,9 @@ def _pieces(response: str, count: CountTokens, min_tokens: int) -> list[_Piece]:
             many = len(unit.items) >= 2
             for it in unit.items:
                 if it.content_end > it.content_start and count(response[it.content_start:it.content_end]) >= min_tokens:
-                    out.append(_Piece(it.content_start, it.content_end, many))
+                    # from right after the marker, as the other annotators fork an item: a token
+                    # boundary of the plain text ("1." " **Point"), not after the marker's space
+                    out.append(_Piece(it.fork_start, it.content_end, many, it.content_start))
         elif unit.kind in ("para", "code"):
             body = response[unit.start:unit.end]
             if count(body) < min_tokens:
@@ -325,7 +331,7 @@ def annotate_independent(
     outstanding: list[tuple[_Piece, str]] = []
 
     def fork(p: _Piece) -> None:
-        topic = descriptive_topic(response[p.start:p.end], topics, idf)
+        topic = descriptive_topic(p.text(response), topics, idf)
         forks.append(_Fork(p.start, p.end))
         topics.append(topic)
         outstanding.append((p, topic))
@@ -336,8 +342,9 @@ def annotate_independent(
                 fork(p)
                 scores.append(PieceScore(p.start, p.end, True, 0.0, "fork"))
             continue
-        alone = _alone(response, [(o.start, o.end, topic) for o, topic in outstanding], p.start)
-        dep = float(dependence(response[:p.start], alone, response[p.start:p.end]))
+        at = max(p.start, p.text_start)
+        alone = _alone(response, [(max(o.start, o.text_start), o.end, topic) for o, topic in outstanding], at)
+        dep = float(dependence(response[:at], alone, p.text(response)))
         if dep > threshold:
             syncs.append(p.start)
             outstanding.clear()

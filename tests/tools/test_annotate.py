@@ -165,19 +165,23 @@ def test_sot_chunks_are_the_points_and_the_skeleton_stays_on_main():
     assert th.main.startswith(INTRO)
 
 
-def test_list_forks_sit_at_token_boundaries_of_the_plain_text(smollm2_dir):
+@pytest.mark.parametrize("annotator", ["sot", "independent"])
+def test_list_forks_sit_at_token_boundaries_of_the_plain_text(smollm2_dir, annotator):
     """A byte-level BPE tokenizer starts a word with its space ("1." " **" "Keep"): each promise
     of a list item goes where the plain answer's own tokens have a boundary, so a model trained on
     the annotation forks where its text has one (after "1. " it would first have to sample a bare
-    space token, which it never does writing plain text)."""
+    space token, which it never does writing plain text). The same for the ``independent``
+    annotator (every item measured independent here)."""
     from transformers import AutoTokenizer
 
     from pasta_engine.lang.tokenization import encode_text
+    from pasta_engine.tools.annotate_independent import annotate_independent
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     bullets = NUMBERED.replace("1. ", "- ").replace("2. ", "- ").replace("3. ", "- ")
     for response in (NUMBERED, bullets):
-        a = annotate_sot(response)
+        outro_leans = lambda seen, alone, piece: 0.9 if piece.startswith("Small") else 0.0  # noqa: E731
+        a = annotate_sot(response) if annotator == "sot" else annotate_independent(response, outro_leans)[0]
         offsets = promise_offsets_in_response(a.annotated)
         assert len(offsets) == 3
         ends, at = set(), 0

@@ -70,7 +70,7 @@ def test_a_sync_before_a_fork_waits_outside_the_new_chunk():
     four = ANSWER.replace(OUTRO, "4. " + ITEMS[0].replace("Keep", "Hold"))
     a, scores = annotate_independent(four, scripted({"Skip": 0.9}), threshold=0.3)
     assert [s.decision for s in scores] == ["fork", "fork", "sync+fork", "fork"]
-    assert '3. <sync/><promise topic=' in a.annotated and "<async><sync/>" not in a.annotated
+    assert '3.<sync/><promise topic=' in a.annotated and "<async><sync/>" not in a.annotated
     assert verify_annotation(four, a.annotated) is None
     inside = a.annotated.replace("<async>", "<async><sync/>", 1)
     assert verify_annotation(four, inside) is not None
