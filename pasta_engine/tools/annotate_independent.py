@@ -247,8 +247,13 @@ class _Piece:
     candidate: bool
     text_start: int = -1  # where its text starts (after a marker's spaces), measured from here; -1: start
 
+    @property
+    def at(self) -> int:
+        """Where its text starts: what is measured, labelled and scored (:class:`PieceScore`)."""
+        return max(self.start, self.text_start)
+
     def text(self, response: str) -> str:
-        return response[max(self.start, self.text_start):self.end]
+        return response[self.at:self.end]
 
 
 def _pieces(response: str, count: CountTokens, min_tokens: int) -> list[_Piece]:
@@ -340,11 +345,10 @@ def annotate_independent(
         if not outstanding:
             if p.candidate:
                 fork(p)
-                scores.append(PieceScore(p.start, p.end, True, 0.0, "fork"))
+                scores.append(PieceScore(p.at, p.end, True, 0.0, "fork"))
             continue
-        at = max(p.start, p.text_start)
-        alone = _alone(response, [(max(o.start, o.text_start), o.end, topic) for o, topic in outstanding], at)
-        dep = float(dependence(response[:at], alone, p.text(response)))
+        alone = _alone(response, [(o.at, o.end, topic) for o, topic in outstanding], p.at)
+        dep = float(dependence(response[:p.at], alone, p.text(response)))
         if dep > threshold:
             syncs.append(p.start)
             outstanding.clear()
@@ -354,7 +358,7 @@ def annotate_independent(
         if p.candidate:
             fork(p)
             decision = "sync+fork" if decision == "sync" else "fork"
-        scores.append(PieceScore(p.start, p.end, p.candidate, dep, decision))
+        scores.append(PieceScore(p.at, p.end, p.candidate, dep, decision))
     kept, syncs = _drop_lone_forks(response, forks, syncs, count, min_chunk_tokens)
     topics = [t for f, t in zip(forks, topics) if f in kept]
     forks = kept

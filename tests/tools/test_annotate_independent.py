@@ -76,6 +76,16 @@ def test_a_sync_before_a_fork_waits_outside_the_new_chunk():
     assert verify_annotation(four, inside) is not None
 
 
+def test_a_piece_is_scored_where_it_is_measured():
+    """A list item forks right after its marker, but is measured, scored and labelled from its
+    text (``bench/reader_independence.py`` asks a reader about the pieces measured)."""
+    measured: list[int] = []
+    a, scores = annotate_independent(ANSWER, lambda s, al, p: measured.append(len(s)) or 0.0, threshold=math.inf)
+    assert len(measured) == 3 and set(measured) <= {s.start for s in scores}
+    assert all(not ANSWER[s.start].isspace() for s in scores)
+    assert "1.<promise" in a.annotated and "1. <promise" not in a.annotated
+
+
 def test_a_lone_fork_is_decoded_inline():
     two = "Try this:\n\n1. Walk for twenty minutes after every single meal.\n2. As said in one, walk after meals."
     a, _ = annotate_independent(two, scripted({"As": 2.0}), threshold=0.3)
