@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import InitVar, dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 from .errors import ParameterError
@@ -391,11 +392,12 @@ class Limits:
     #: samples in pasta or inline mode (a promise's decision, a topic's first token), each with
     #: the value that leaves it off. Where they cannot act they are refused if asked for, or
     #: dropped if they are the engine's default (``InputProcessor``, ``Engine``, the CLI).
-    GRAMMAR_KNOBS = (("fork_threshold", None), ("independent_topics", False))
+    #: Read-only: ``name -> off``.
+    GRAMMAR_KNOBS = MappingProxyType({"fork_threshold": None, "independent_topics": False})
 
     def grammar_knobs(self) -> dict[str, Any]:
         """The :attr:`GRAMMAR_KNOBS` set away from off, ``name -> value`` (empty: none)."""
-        return {name: getattr(self, name) for name, off in self.GRAMMAR_KNOBS if getattr(self, name) != off}
+        return {name: getattr(self, name) for name, off in self.GRAMMAR_KNOBS.items() if getattr(self, name) != off}
 
     def chunk_cap(self, predicted: int) -> int:
         """Most tokens a child forked for ``tokens="predicted"`` may sample."""

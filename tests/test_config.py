@@ -124,4 +124,7 @@ def test_grammar_knobs_are_the_fields_set_away_from_off():
     assert Limits(fork_threshold=0.3).grammar_knobs() == {"fork_threshold": 0.3}
     assert Limits(fork_threshold=0.3, independent_topics=True).grammar_knobs() == {"fork_threshold": 0.3,
                                                                                    "independent_topics": True}
-    assert all(hasattr(Limits(), name) for name, _ in Limits.GRAMMAR_KNOBS)
+    # each knob's off value is its field's default, and the table cannot be changed at run time
+    assert all(getattr(Limits(), name) == off for name, off in Limits.GRAMMAR_KNOBS.items())
+    with pytest.raises(TypeError):
+        Limits.GRAMMAR_KNOBS["fork_threshold"] = 0.5  # type: ignore[index]

@@ -452,11 +452,12 @@ class InputProcessor:
                if not self.grammar else None)
         if why is None:
             return limits or default
-        off = dict(Limits.GRAMMAR_KNOBS)
+        off = Limits.GRAMMAR_KNOBS
         for name, value in knobs.items():
             if limits is not None and value != getattr(default, name):  # the request asked for it
                 raise ParameterError(name, value, message=f"{name}={value} cannot apply to {why}; leave it {off[name]}")
         return dataclasses.replace(limits or default, **off)  # the engine's defaults: only where they apply
+
 
 def _check_text(text: str, param: str, where: str) -> None:
     """Raise ParameterError when ``text`` is not valid Unicode (a lone surrogate, e.g. a byte that

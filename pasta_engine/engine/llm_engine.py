@@ -129,7 +129,7 @@ class Engine:
             name, value = next(iter(knobs.items()))
             raise ParameterError(name, value, message=(
                 f"{name}={value} needs a model whose tokenizer has the PASTA-LANG pieces as tokens (an adapter "
-                f"trained with --tag-tokens, such as the shipped one); leave it {dict(Limits.GRAMMAR_KNOBS)[name]}"))
+                f"trained with --tag-tokens, such as the shipped one); leave it {Limits.GRAMMAR_KNOBS[name]}"))
         if self.tag_tokens is not None:
             self.model_runner.set_grammar(state_masks(self.tag_tokens, token_bytes_table(tokenizer),
                                                       self.model.config.vocab_size, self.eos_ids),

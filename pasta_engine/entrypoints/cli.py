@@ -789,7 +789,7 @@ def _refuse_unused_pasta_flags(args: argparse.Namespace) -> None:
     if not (replays or sequential):
         return
     what = "replays the annotated responses' tokens" if replays else "decodes sequentially (--mode sequential)"
-    for name, off in Limits.GRAMMAR_KNOBS:
+    for name, off in Limits.GRAMMAR_KNOBS.items():
         value = getattr(args, name, off)
         if value != off:
             flag = "--" + name.replace("_", "-")
