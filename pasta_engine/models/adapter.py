@@ -194,22 +194,22 @@ def _pattern(cfg: dict[str, Any], field: str, adapter_dir: Path) -> dict[str, fl
     pattern -> that module's rank or alpha), checked: an object of regular expressions to positive
     numbers. Raises CheckpointError naming the adapter and the field otherwise."""
     pat = cfg.get(field) or {}
-    bad = None
+
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: "
+                               f"adapter_config.json {field}: {why}")
+
     if not isinstance(pat, dict):
-        bad = f"{pat!r} is not an object"
-    else:
-        for k, v in pat.items():
-            try:
-                re.compile(k)
-            except re.error as e:
-                bad = f"key {k!r} is not a regular expression ({e})"
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                bad = f"{k!r}: {v!r} is not a positive number"
-            if field == "rank_pattern" and not bad and v != int(v):
-                bad = f"{k!r}: {v!r} is not a whole rank"
-    if bad:
-        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: adapter_config.json "
-                              f"{field}: {bad}")
+        raise refuse(f"{pat!r} is not an object")
+    for k, v in pat.items():
+        try:
+            re.compile(k)
+        except re.error as e:
+            raise refuse(f"key {k!r} is not a regular expression ({e})") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise refuse(f"{k!r}: {v!r} is not a positive number")
+        if field == "rank_pattern" and v != int(v):
+            raise refuse(f"{k!r}: {v!r} is not a whole rank")
     return pat
 
 

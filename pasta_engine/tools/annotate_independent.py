@@ -243,14 +243,9 @@ class PieceScore:
 @dataclass
 class _Piece:
     start: int  # where a fork of it starts (a list item: right after its marker)
+    at: int  # where its text starts (after a marker's spaces): what is measured, labelled and scored
     end: int
     candidate: bool
-    text_start: int = -1  # where its text starts (after a marker's spaces), measured from here; -1: start
-
-    @property
-    def at(self) -> int:
-        """Where its text starts: what is measured, labelled and scored (:class:`PieceScore`)."""
-        return max(self.start, self.text_start)
 
     def text(self, response: str) -> str:
         return response[self.at:self.end]
@@ -270,13 +265,13 @@ def _pieces(response: str, count: CountTokens, min_tokens: int) -> list[_Piece]:
                 if it.content_end > it.content_start and count(response[it.content_start:it.content_end]) >= min_tokens:
                     # from right after the marker, as the other annotators fork an item: a token
                     # boundary of the plain text ("1." " **Point"), not after the marker's space
-                    out.append(_Piece(it.fork_start, it.content_end, many, it.content_start))
+                    out.append(_Piece(it.fork_start, it.content_start, it.content_end, many))
         elif unit.kind in ("para", "code"):
             body = response[unit.start:unit.end]
             if count(body) < min_tokens:
                 continue
             start = unit.start + (len(body) - len(body.lstrip()))
-            out.append(_Piece(start, unit.end, unit.kind == "para" and not first and not _is_title(body)))
+            out.append(_Piece(start, start, unit.end, unit.kind == "para" and not first and not _is_title(body)))
     return out
 
 
