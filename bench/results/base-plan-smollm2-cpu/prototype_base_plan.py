@@ -10,7 +10,19 @@ without the siblings it cannot see. Theoretical content speedup of each annotate
 
 Usage: python prototype_base_plan.py BASE_OUTPUTS_JSON OUT_DIR [ANNOTATOR]  (default mixed; independent:
 fork only the pieces the lexical independence measure passes)
+
+PLAN_IN_PROMPT=1 (the skeleton variant, ../skeleton-plan-smollm2-cpu/): every chunk's writer also
+sees the whole plan, every promise's topic of its answer, later siblings' included, appended to
+the question ("Cover these points: A; B; C."), as Skeleton-of-Thought's point expansion sees its
+skeleton (Ning et al., ICLR 2024, arXiv 2307.15337, section 2).
+
+SIBLINGS=natural (../natural-siblings-smollm2-cpu/): an earlier sibling of the same group shows,
+where `chunk_jobs` puts its topic, as `N. Topic` after a list marker (with the space the marker
+takes) and not at all as a paragraph, so the base model reads no line of bare topic words
+("proposed explanation maya") that neither it nor a thread ever writes.
 """
+import re
+import os
 import json
 import statistics
 import sys
@@ -28,11 +40,39 @@ from pasta_engine.train.thread_chunks import rewrite_chunks
 base = json.load(open(sys.argv[1]))
 out = Path(sys.argv[2])
 annotator = sys.argv[3] if len(sys.argv) > 3 else "mixed"
+if os.environ.get("SIBLINGS") == "natural":
+    import dataclasses
+
+    import pasta_engine.train.thread_chunks as thread_chunks
+    _chunk_jobs = thread_chunks.chunk_jobs
+
+    def natural_jobs(annotated, topics, count_tokens, max_new_tokens=256):
+        marks = [f"\x00{k}\x00" for k in range(len(topics))]
+        jobs = _chunk_jobs(annotated, marks, count_tokens, max_new_tokens)
+        out = []
+        for job in jobs:
+            prefix = job.prefix
+            for k, mark in enumerate(marks):
+                item = re.search(r"(?m)^[ \t]*(?:[-*+]|\d{1,3}[.)])[ \t]*" + re.escape(mark), prefix)
+                prefix = prefix.replace(mark, (" " + topics[k]) if item else "")
+            out.append(dataclasses.replace(job, prefix=re.sub(r"\n{3,}", "\n\n", prefix)))
+        return out
+
+    thread_chunks.chunk_jobs = natural_jobs
 rows = [PromptRow(r["instruction"], r["output"], "vicuna", "stop") for r in base]
 engine = Engine.from_pretrained(adapter=None, threads=2)
 count = count_tokens_fn(engine.tokenizer)
 examples, counts = build_examples(rows, count, max_response_tokens=1024, annotator=annotator)
 idf = document_frequencies(r.output for r in rows)
+if os.environ.get("PLAN_IN_PROMPT") == "1":
+    from pasta_engine.train.thread_chunks import _events, chunk_topics
+    plans = {}
+    for e in examples:
+        topics = chunk_topics([x[2] or "" for x in _events(e.annotated) if x[0] == "promise"], idf)
+        if topics:
+            plans[e.prompt] = f"{e.prompt}\n\nCover these points: " + "; ".join(topics) + "."
+    format_prompt = engine.format_prompt
+    engine.format_prompt = lambda prompt, mode="pasta", **kw: format_prompt(plans.get(prompt, prompt), mode, **kw)
 rewritten, chunk_counts = rewrite_chunks(engine, examples, out, count_tokens=count, idf=idf,
                                          repetition_penalty=1.1, max_new_tokens=256, batch=16)
 by_prompt = {e.prompt: e for e in rewritten}
