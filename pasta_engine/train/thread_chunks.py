@@ -31,6 +31,7 @@ original chunk.
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import sys
@@ -222,7 +223,8 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
     """Rewrite every chunk of ``examples`` in its own thread's context with ``engine`` (the base
     model, sequential mode, greedy with ``repetition_penalty``) and write ``out/examples.jsonl``
     (:class:`TrainExample` rows, appended per ``batch`` of answers: an interrupted run resumes)
-    and ``out/summary.json``.
+    and ``out/summary.json``. A run whose ``examples.jsonl`` was gzipped (``examples.jsonl.gz``
+    only) resumes from it: the rows are unpacked to ``examples.jsonl`` first.
 
     Args:
         engine: an :class:`~pasta_engine.engine.llm_engine.Engine` with the base weights.
@@ -238,6 +240,9 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
 
     out.mkdir(parents=True, exist_ok=True)
     log = out / "examples.jsonl"
+    packed = out / "examples.jsonl.gz"
+    if not log.exists() and packed.exists():  # a stored run, gzipped to keep a repository small: resume from it
+        log.write_bytes(gzip.decompress(packed.read_bytes()))
     done: dict[tuple[str, str], dict[str, Any]] = {}
     if log.exists():
         for line in log.read_text(encoding="utf-8").splitlines():

@@ -4,6 +4,7 @@ commands (`train chunks`, `train sft --examples`) on a tiny model."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,12 @@ def test_rewrite_chunks_prompts_the_base_model_as_each_thread_sees_the_answer_an
     assert counts == {"answers": 2, "stop": 3, "cut": 0, "original": 0}
     again, _ = rewrite_chunks(eng, [ex, plain], tmp_path, count_tokens=_words, progress=False)
     assert len(eng.calls) == 1 and again == got  # read back from examples.jsonl: no second generation
+    # a stored run keeps its rows gzipped: it resumes from examples.jsonl.gz alone
+    log = tmp_path / "examples.jsonl"
+    (tmp_path / "examples.jsonl.gz").write_bytes(gzip.compress(log.read_bytes()))
+    log.unlink()
+    packed, _ = rewrite_chunks(eng, [ex, plain], tmp_path, count_tokens=_words, progress=False)
+    assert len(eng.calls) == 1 and packed == got and log.exists()
 
 
 def test_train_chunks_then_sft_on_its_examples(tiny_llama, tmp_path, capsys):
