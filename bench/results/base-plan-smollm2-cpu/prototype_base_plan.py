@@ -21,9 +21,9 @@ where `chunk_jobs` puts its topic, as `N. Topic` after a list marker (with the s
 takes) and not at all as a paragraph, so the base model reads no line of bare topic words
 ("proposed explanation maya") that neither it nor a thread ever writes.
 """
-import re
-import os
 import json
+import os
+import re
 import statistics
 import sys
 from pathlib import Path
