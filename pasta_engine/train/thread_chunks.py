@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..lang.tags import AsyncClose, AsyncOpen, Promise, Sync, Text, parse, promise_tag, strip_tags
+from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, Text, parse, promise_tag, strip_tags
 from ..tools.annotate import round_to_tens
 from .data import TrainExample
 
@@ -50,7 +50,7 @@ __all__ = ["OPENING_WORDS", "ChunkJob", "chunk_jobs", "chunk_opening", "assemble
 OPENING_WORDS = 3
 
 _BOLD = re.compile(r"\*\*[^*\n]{1,80}\*\*:?")
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
+_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s|$)")
 
 
 def chunk_opening(content: str) -> str:
@@ -92,9 +92,11 @@ def _events(annotated: str) -> list[Any]:
                 p = out[-1]
                 out[-1] = ("promise", p[1], "".join(chunk))
                 chunk = None
-            else:
+            elif not isinstance(e, Malformed):  # a malformed tag's characters come next as TagText
                 chunk.append(e.text if isinstance(e, Text) else getattr(e, "raw", ""))
             continue
+        if isinstance(e, Malformed):
+            continue  # a diagnostic: its characters come next as TagText (a Text)
         if isinstance(e, Promise):
             out.append(("promise", e, None))
         elif isinstance(e, AsyncOpen) and out and out[-1][0] == "promise" and out[-1][2] is None:
@@ -115,7 +117,10 @@ def chunk_jobs(annotated: str, topics: Sequence[str], count_tokens: Callable[[st
                max_new_tokens: int = 256) -> list[ChunkJob]:
     """A :class:`ChunkJob` per promise of ``annotated`` (in order), each chunk's ``prefix`` the
     clean text its thread sees: main-thread text before its promise; an earlier promise of the
-    same group (no ``<sync/>`` since) as its topic in ``topics``; an earlier group's chunks in full.
+    same group (no ``<sync/>`` since) as its topic in ``topics`` (after a list marker, with a space);
+    an earlier group's chunks in full, as the answer had them (not as rewritten: the chunks of one
+    answer are rewritten together). A chunk's unit ends at its line (a one-line list item) or its
+    paragraph (``"\n\n"``, or ``"\r\n\r\n"`` in an answer with CRLF line ends).
 
     Args:
         annotated: an annotated answer (promises followed by their ``<async>`` chunks).
@@ -143,12 +148,14 @@ def chunk_jobs(annotated: str, topics: Sequence[str], count_tokens: Callable[[st
             content = x[2] or ""
             opening = chunk_opening(content)
             body = content.strip()
-            stop = ("\n",) if body and "\n" not in body and _is_item_line("".join(seen)) else ("\n\n",)
+            before = "".join(seen)
+            stop = ("\n",) if body and "\n" not in body and _is_item_line(before) else ("\n\n", "\r\n\r\n")
             budget = min(max_new_tokens, max(48, 2 * count_tokens(content)))
             jobs.append(ChunkJob(prefix="".join(seen) + opening, opening=opening, stop=stop,
                                  max_new_tokens=budget, content=content))
             group.append((len(seen), content))
-            seen.append(topics[k])
+            # a topic after a marker that the promise follows directly ("1.<promise") reads "1. topic"
+            seen.append((" " if _is_item_line(before) and not before[-1:].isspace() else "") + topics[k])
             k += 1
     return jobs
 
@@ -159,35 +166,70 @@ def _is_item_line(before: str) -> bool:
     return bool(re.fullmatch(r"\s*(?:[-*+]|\d{1,3}[.)])\s*", line))
 
 
+def _sentence_ends(text: str) -> list[int]:
+    """Offsets just past each sentence end of ``text`` (``.``, ``!``, ``?``, then any closing
+    quotes, straight or curly, or brackets, then whitespace or the end), leaving out a numbered
+    list marker alone at its line start (``2.`` in ``"...\n2. Run it"``)."""
+    out = []
+    for m in _SENTENCE_END.finditer(text):
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        if not re.fullmatch(r"[ \t]*\d{1,3}\.", text[line_start: m.end()]):
+            out.append(m.end())
+    return out
+
+
 def _ends_sentence(text: str) -> bool:
-    """Whether ``text`` (right-stripped) ends with a sentence end (``.``, ``!``, ``?``, then any
-    closing quotes or brackets)."""
-    ends = list(_SENTENCE_END.finditer(text))
-    return bool(ends) and ends[-1].end() == len(text)
+    """Whether ``text`` (right-stripped) ends with a sentence end (:func:`_sentence_ends`)."""
+    ends = _sentence_ends(text)
+    return bool(ends) and ends[-1] == len(text)
+
+
+def _sibling_item(job: ChunkJob, continuation: str) -> int | None:
+    """Where ``continuation`` of a list item's chunk starts the next item of the same list (a line
+    with the item's own kind of marker at its indentation: a tight list has no blank line for the
+    ``"\n\n"`` stop of a multi-line item to end at), or None."""
+    before = job.prefix[: len(job.prefix) - len(job.opening)]
+    line = before.rsplit("\n", 1)[-1]
+    m = re.fullmatch(r"([ \t]*)(?:([-*+])|\d{1,3}([.)]))[ \t]*", line)
+    if not m:
+        return None
+    marker = re.escape(m.group(2)) if m.group(2) else r"\d{1,3}" + re.escape(m.group(3))
+    nxt = re.search(r"\n" + re.escape(m.group(1)) + marker + r"[ \t]", continuation)
+    return nxt.start() if nxt else None
+
+
+def _tag_like(text: str) -> bool:
+    """Whether ``text`` holds PASTA-LANG tag text, well-formed or not (``x < 10`` does not)."""
+    return any(type(e) is not Text for e in parse(text))
 
 
 def _finish(job: ChunkJob, continuation: str, finish_reason: str) -> tuple[str, str]:
     """The rewritten chunk and how it ended: ``stop`` (its unit ended), ``cut`` (cut at its last
     sentence end: out of tokens, or its unit ended mid-sentence where the original chunk ends a
     sentence, as a one-line item whose line breaks before its sentence ends) or ``original`` (no
-    usable rewrite)."""
+    usable rewrite, or tag-like text in it). A list item's rewrite ends before the next item of
+    its list (:func:`_sibling_item`)."""
+    at = _sibling_item(job, continuation)
+    if at is not None:  # the next item of a tight list: the unit ended before it
+        continuation, finish_reason = continuation[:at], "stop"
     text = job.opening + continuation
     trail = job.content[len(job.content.rstrip()):]  # the original's trailing whitespace stays
-    if "<" in continuation:  # tag-like text is never kept
+    if _tag_like(continuation):  # tag-like text is never kept
         return job.content, "original"
     body = text.rstrip()
     if finish_reason in ("stop", "eos") and len(body) > len(job.opening.rstrip()) and (
             _ends_sentence(body) or not _ends_sentence(job.content.rstrip())):
         return body + trail, "stop"  # its unit ended as the original's did (a phrase item may end without a stop)
-    ends = list(_SENTENCE_END.finditer(body))
-    if ends and ends[-1].end() > len(job.opening):
-        return body[: ends[-1].end()] + trail, "cut"
+    ends = _sentence_ends(body)
+    if ends and ends[-1] > len(job.opening):
+        return body[: ends[-1]] + trail, "cut"
     return job.content, "original"
 
 
 def assemble(annotated: str, topics: Sequence[str], chunks: Sequence[str], count_tokens: Callable[[str], int]) -> str:
     """``annotated`` with each promise's topic, length (the new chunk's tokens, Pred-10x) and
-    chunk replaced. Raises ValueError when the counts do not match the promises."""
+    chunk replaced (a promise without a chunk stays as it was). Raises ValueError when the counts
+    do not match the promises."""
     ev = _events(annotated)
     n = sum(1 for x in ev if x[0] == "promise")
     if not len(topics) == len(chunks) == n:
@@ -198,6 +240,9 @@ def assemble(annotated: str, topics: Sequence[str], chunks: Sequence[str], count
             out.append(x[1])
         elif x[0] == "sync":
             out.append(x[1])
+        elif x[2] is None:  # a promise the answer gave no chunk: it stays as it was
+            out.append(x[1].raw)
+            k += 1
         else:
             out.append(promise_tag(topics[k], round_to_tens(count_tokens(chunks[k]))) + "<async>" + chunks[k]
                        + "</async>")
@@ -245,13 +290,22 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
         log.write_bytes(gzip.decompress(packed.read_bytes()))
     done: dict[tuple[str, str], dict[str, Any]] = {}
     if log.exists():
-        for line in log.read_text(encoding="utf-8").splitlines():
-            if line.strip():
+        lines = log.read_text(encoding="utf-8").splitlines()
+        last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
                 r = json.loads(line)
-                done[(r["prompt"], r["source"])] = r
+            except json.JSONDecodeError as e:
+                if i != last:
+                    raise ValueError(f"{log}: line {i + 1} is not a JSON row ({e}); remove the file to start over") from None
+                log.write_text("".join(x + "\n" for x in lines[:i]), encoding="utf-8")  # cut off by an interrupted run
+                break
+            done[(r["prompt"], r["source"])] = r
     counts = {"answers": len(examples), "stop": 0, "cut": 0, "original": 0}
     t0 = time.perf_counter()
-    todo = [e for e in examples if (e.prompt, e.annotated) not in done]
+    todo = list({(e.prompt, e.annotated): e for e in examples if (e.prompt, e.annotated) not in done}.values())
     for at in range(0, len(todo), batch):
         part = todo[at: at + batch]
         plan = []
@@ -262,6 +316,8 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
         for j, (e, _, jobs) in enumerate(plan):
             head = engine.format_prompt(e.prompt, mode="sequential")
             for i, job in enumerate(jobs):
+                if not job.content.strip():
+                    continue  # a promise with no chunk, or an empty one: nothing to rewrite, it stays
                 prompts.append(head + engine.encode(job.prefix))
                 params.append(SamplingParams(max_new_tokens=job.max_new_tokens, temperature=0.0,
                                              repetition_penalty=repetition_penalty, stop=list(job.stop)))

@@ -32,7 +32,7 @@ def test_each_chunk_sees_its_siblings_as_topics_and_a_synced_group_in_full():
         # after the <sync/> the earlier chunks are seen in full
         "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens.\n\nAlso: Walk daily.",
     ]
-    assert [j.stop for j in jobs] == [("\n",), ("\n",), ("\n\n",)]  # list items end at their line
+    assert [j.stop for j in jobs] == [("\n",), ("\n",), ("\n\n", "\r\n\r\n")]  # list items end at their line
     assert [j.max_new_tokens for j in jobs] == [48, 48, 48]
     assert chunk_jobs(SLEEP_TIPS, ["a", "b", "c"], _words, max_new_tokens=10)[0].max_new_tokens == 10
     with pytest.raises(ValueError, match="3 promises but 2 topics"):
@@ -117,7 +117,7 @@ def test_rewrite_chunks_prompts_the_base_model_as_each_thread_sees_the_answer_an
     assert prompts == [[1, 2] + eng.encode(j.prefix) for j in jobs]
     new = split_threads(got[0].annotated).chunks  # the topics then say what the rewritten chunks cover
     assert [c.topic for c in new] == chunk_topics([c.content for c in new])
-    assert [tuple(p.stop) for p in params] == [("\n",), ("\n",), ("\n\n",)]
+    assert [tuple(p.stop) for p in params] == [("\n",), ("\n",), ("\n\n", "\r\n\r\n")]
     assert all(p.temperature == 0 and p.repetition_penalty == 1.1 for p in params)
     assert [c.content for c in split_threads(got[0].annotated).chunks] == [
         "Go to bed rewritten.", "Avoid screens. rewritten.", "Walk daily. rewritten."]
@@ -182,3 +182,62 @@ def test_train_sft_system_prompt_is_trained_and_recorded(tiny_llama, tmp_path):
     assert main(["train", "sft", "--prompts", str(prompts), "--out", str(tmp_path / "b"),
                  "--adapter", str(tmp_path / "a" / "adapter"), *args]) == 0
     assert json.loads((tmp_path / "b" / "adapter" / "manifest.json").read_text())["pasta_prompt"]["system"] == ""
+
+
+def test_a_malformed_tag_is_seen_once_and_a_topic_after_a_bare_marker_gets_its_space():
+    ann = ('Intro <sync> here.\n1.<promise topic="a" tokens="10"/><async> Use <asyncx> in code.</async>\n'
+           '2.<promise topic="b" tokens="10"/><async> Second item text.</async>')
+    jobs = chunk_jobs(ann, ["use", "second"], _words)
+    # the parser reports a malformed tag and then gives its characters as text: counted once
+    assert jobs[0].prefix == "Intro <sync> here.\n1. Use <asyncx> in"
+    assert jobs[1].prefix == "Intro <sync> here.\n1. use\n2. Second item text."  # "1. use", not "1.use"
+    out = assemble(ann, ["use", "second"], [c.content for c in split_threads(ann).chunks], _words)
+    assert strip_tags(out) == strip_tags(ann)
+
+
+def test_a_list_item_ends_before_the_next_item_and_never_on_a_bare_marker():
+    tight = ChunkJob(prefix="Plan:\n1. Pack bags:", opening=" Pack bags:", stop=("\n\n",), max_new_tokens=48,
+                     content=" Pack bags:\n   - clothes\n   - shoes")
+    # a multi-line item of a tight list: no blank line comes, the next item's marker ends the unit
+    assert _finish(tight, "\n   - clothes\n   - a toothbrush.\n2. Book the train.\n3. Leave.", "length") == (
+        " Pack bags:\n   - clothes\n   - a toothbrush.", "stop")
+    bullet = ChunkJob(prefix="- Red", opening="Red", stop=("\n\n",), max_new_tokens=48, content="Red apples.")
+    assert _finish(bullet, " apples.\n  - a nested dash stays.\n- Green pears.", "length") == (
+        "Red apples.\n  - a nested dash stays.", "stop")
+    para = ChunkJob(prefix="x To install it", opening="To install it", stop=("\n\n",), max_new_tokens=48,
+                    content="To install it, run these steps.\n1. Download it.\n2. Run it.")
+    # "2." alone at its line start is a list marker, not a sentence end to cut at
+    assert _finish(para, ", follow these steps:\n1. Download the installer\n2. Run the", "length") == (para.content, "original")
+    assert _finish(para, ", run this. Then:\n1. Download it\n2. Run", "length") == ("To install it, run this.", "cut")
+
+
+def test_a_curly_quote_ends_a_sentence_and_a_comparison_is_not_a_tag():
+    job = ChunkJob(prefix="x He said", opening="He said", stop=("\n",), max_new_tokens=48, content="He said no.")
+    assert _finish(job, " “go home.”\n", "stop") == ("He said “go home.”", "stop")
+    assert _finish(job, " it. Then “go", "length") == ("He said it.", "cut")
+    code = ChunkJob(prefix="x Check that", opening="Check that", stop=("\n",), max_new_tokens=48, content="Check it.")
+    assert _finish(code, " x < 10 holds.", "stop") == ("Check that x < 10 holds.", "stop")
+    assert _finish(code, " <sync/> holds.", "stop") == ("Check it.", "original")
+
+
+def test_rewrite_chunks_skips_empty_chunks_repeats_and_a_row_cut_off_by_an_interrupted_run(tmp_path):
+    ex = TrainExample(SLEEP_PROMPT, SLEEP_TIPS, "koala", "mixed", 3, 30)
+    empty = TrainExample("empty", 'Tips:\n1.<promise topic="a" tokens="10"/><async> </async>\n2.<promise topic="b" '
+                         'tokens="10"/><async> Walk daily.</async>\n3.<promise topic="c" tokens="10"/>', "koala", "mixed", 3, 5)
+    eng = _FakeEngine()
+    got, counts = rewrite_chunks(eng, [ex, ex, empty], tmp_path / "run", count_tokens=_words, progress=False)
+    [(prompts, _)] = eng.calls
+    assert len(prompts) == 3 + 1  # the repeated answer once; of the third only its chunk with text
+    assert got[0] == got[1]  # each copy counts its own chunks; the empty chunk and the chunkless promise stay
+    assert counts == {"answers": 3, "stop": 7, "cut": 0, "original": 2}
+    assert split_threads(got[2].annotated).chunks[0].content == " "  # the empty chunk kept, not written
+    assert got[2].annotated.endswith('3.<promise topic="c" tokens="10"/>')  # no chunk invented
+    log = tmp_path / "run" / "examples.jsonl"
+    rows = log.read_text(encoding="utf-8").splitlines()
+    log.write_text(rows[0] + "\n" + rows[1][:40], encoding="utf-8")  # killed while writing the second row
+    again, _ = rewrite_chunks(eng, [ex, empty], tmp_path / "run", count_tokens=_words, progress=False)
+    assert len(eng.calls) == 2 and eng.calls[1][0] == prompts[3:] and again == [got[0], got[2]]
+    assert len(log.read_text(encoding="utf-8").splitlines()) == 2  # the cut-off row replaced, not appended to
+    log.write_text("{oops\n" + rows[0] + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="line 1 is not a JSON row"):
+        rewrite_chunks(eng, [ex], tmp_path / "run", count_tokens=_words, progress=False)
