@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 from ..lang.grammar import LEANING_WORDS
-from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, Text
+from ..lang.tags import AsyncClose, AsyncOpen, Promise, Sync, Text
 from ..lang.tags import parse as parse_events
 from .annotate import (
     _BOLD_LEAD, MIN_CHUNK_TOKENS, Annotation, CountTokens, _finish, _Fork, _is_title, _precheck, _units,
@@ -67,7 +67,7 @@ Dependence = Callable[[str, str, str], float]
 #: bench/results/independence-smollm2-cpu/README.md).
 DEFAULT_THRESHOLD = 0.5
 
-_WORD = re.compile(r"[A-Za-z][A-Za-z'\-]*[A-Za-z]|[A-Za-z]")
+_WORD = re.compile(r"[^\W\d_](?:[^\W\d_]|['\-])*[^\W\d_]|[^\W\d_]")  # letters of any script
 #: Function words and generic answer words, never a topic word.
 _STOP = frozenset(
     """a about above after again against all also am an and any are as at be because been before being below between
@@ -407,8 +407,8 @@ def check_forks(annotated: str, dependence: Dependence, threshold: float = DEFAU
         elif isinstance(e, Sync):
             close()
             outstanding.clear()
-        elif isinstance(e, (Text, Malformed)):  # a malformed tag is text the reader sees
-            t = e.text if isinstance(e, Text) else e.raw
+        elif isinstance(e, Text):  # a malformed tag's characters come as TagText (a Text) after its diagnostic
+            t = e.text
             if chunk is not None:
                 chunk.append(t)
             seen.append(t)

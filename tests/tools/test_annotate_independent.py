@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pasta_engine.lang.tags import Promise, Sync, parse, strip_tags
 from pasta_engine.tools.annotate import verify_annotation
 from pasta_engine.tools.annotate_independent import (
-    annotate_independent, descriptive_topic, document_frequencies, opens_with_topic,
+    annotate_independent, check_forks, descriptive_topic, document_frequencies, opens_with_topic,
 )
 
 INTRO = "Here are a few ways to sleep better at night:"
@@ -111,8 +111,18 @@ def test_descriptive_topics_plan_the_chunk_and_never_repeat():
     second = descriptive_topic("Water your plants early in the morning with rain water.", taken=[first], idf=idf)
     assert second != first and second
     assert descriptive_topic("a an the of", taken=["point 1"]) == "point 2"
+    # words of any script are words: not "die nchner cke", and Cyrillic gives words, not "point 1"
+    assert descriptive_topic("Die Münchner Brücke ist sehr alt und schön.") == "die münchner brücke"
+    assert descriptive_topic("Москва большой город России.") == "москва большой город"
     assert opens_with_topic("Keep a schedule", "**Keep a schedule**: go to bed")
     assert not opens_with_topic("", "anything")
+
+
+def test_check_forks_reads_a_malformed_tag_once():
+    ann = ('Intro <sync> here.\n1.<promise topic="a" tokens="10"/><async> Use <asyncx> in code.</async>\n'
+           '2.<promise topic="b" tokens="10"/><async> Second item text.</async>')
+    checks = check_forks(ann, lambda seen, alone, piece: 0.0)
+    assert [c.chunk for c in checks] == [" Use <asyncx> in code.", " Second item text."]
 
 
 def test_topics_in_one_answer_are_distinct():
