@@ -632,8 +632,21 @@ class Scheduler:
                     # the step wrote (the rest of) the prompt's KV: its whole pages enter the cache
                     bm.cache_prefix(req.views[main], it.prompt_ids, min(n_prompt, s.positions[-1] + 1))
             it.step_done(steps)
-        at = 0
         out: list[tuple[Request, list[tuple[int, int]]]] = []
+        try:
+            self._take_sampled(by_req, sampled, out)
+        except BaseException:
+            # a request that ended in this step before the exception is no longer running, so
+            # fail_running will not see it: its final output comes from take_ended instead
+            self.ended.extend(r for r, _ in out if r.finished and r not in self.ended)
+            raise
+        return out
+
+    def _take_sampled(self, by_req: dict[str, tuple[Request | None, list[ScheduledThread]]],
+                      sampled: SampledTokens | None, out: list[tuple[Request, list[tuple[int, int]]]]) -> None:
+        """Hand each request of ``by_req`` its sampled tokens, ending those that finished;
+        append ``(request, taken tokens)`` to ``out`` as each is done."""
+        at = 0
         if sampled is not None:
             errors, all_toks, all_lps = sampled.errors, sampled.token_ids, sampled.logprobs  # waits for the tokens
         else:
@@ -666,7 +679,6 @@ class Scheduler:
             if it.done:
                 self._end(req, it.finish)
             out.append((req, taken))
-        return out
 
 
 def _masked_ends(req: Request) -> tuple[int, ...]:

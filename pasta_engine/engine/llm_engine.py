@@ -461,8 +461,9 @@ class Engine:
         all their pages."""
         with self._lock:
             kept = list(self._kept.values())
+            outputs = self._step()  # if it raises, the kept outputs stay kept for the next call
             self._kept.clear()
-            return kept + self._step()
+            return kept + outputs
 
     def _step(self) -> list[RequestOutput]:
         try:

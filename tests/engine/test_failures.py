@@ -50,6 +50,34 @@ def test_an_exception_in_the_model_forward_frees_every_page(engine, fresh_tokens
     assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == fresh_tokens
 
 
+def test_a_request_that_finished_in_a_step_that_then_raised_still_gets_its_final_output(engine):
+    """A request ends in postprocess; an exception on a later request of the same step (Ctrl-C in
+    its token handling) must not lose the ended one: it comes out of the next step, its id free."""
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2), mode="sequential", request_id="A")
+    engine.add_request([8, 9, 10], SamplingParams(max_new_tokens=10), mode="sequential", request_id="B")
+    b = engine.scheduler.waiting[1]
+    b.interp.on_token = fail_on_call(2, KeyboardInterrupt())(b.interp.on_token)  # the step A takes its last token
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            seen += engine.step()
+    after = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in after] == [("A", "length"), ("B", "error")]
+    assert not engine.has_unfinished_requests() and all_free(engine)
+    engine.add_request([5, 6], SamplingParams(max_new_tokens=2), request_id="A")  # the id is free again
+
+
+def test_outputs_kept_by_generate_survive_a_step_that_raises(engine, monkeypatch):
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2), mode="sequential", request_id="A")
+    engine.generate([[8, 9, 10]], SamplingParams(max_new_tokens=6), mode="sequential")  # A ends inside: kept
+    engine.add_request([11, 12], SamplingParams(max_new_tokens=4), mode="sequential", request_id="B")
+    monkeypatch.setattr(engine.model, "forward", fail_on_call(1, Boom("forward failed"))(engine.model.forward))
+    with pytest.raises(Boom):
+        engine.step()
+    got = [(o.request_id, o.finish_reason) for o in engine.step()]
+    assert got == [("A", "length"), ("B", "error")] and all_free(engine)
+
+
 def test_an_exception_in_a_kv_append_frees_every_page(engine, fresh_tokens, monkeypatch):
     append = engine.block_manager.append
     for n in (2, 7, 15):
