@@ -334,6 +334,8 @@ class Interpreter:
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_positions = max_positions
         self.replay = forced_main is not None
+        # a replay writes at most its trace's tokens, however large max_new_tokens is
+        self._trace_tokens = (len(forced_main) + _count_forced_tokens(forced_chunks or [])) if self.replay else None
         self.grammar = bool(grammar) and mode != "sequential" and not self.replay
         self._forced_chunks = [None if c is None else c if isinstance(c, ForcedChunk) else [int(t) for t in c]
                                for c in (forced_chunks or [])]
@@ -417,23 +419,24 @@ class Interpreter:
 
     def worst_case_kv(self) -> KVBound:
         """The most KV the request can write over its whole life, in tokens (its prompt, every
-        token it may sample, the inserted ``<async>`` tags of its forks and a dialect's join
+        token it may sample (a replay: its trace's, however large ``max_new_tokens``), the inserted ``<async>`` tags of its forks and a dialect's join
         text) and forks (a replay forks only for the chunks its trace holds; sequential and
         inline modes never fork: an inline chunk writes its inserted opening tag, and the
         closing tag when the interpreter ends it, into the one thread)."""
         # the opening tag's tokens, or a bound by bytes on a branch header of the dialect's own,
         # and the join's text
         per_fork = max(len(self.open_ids), self.dialect.inserted_bytes(self.limits)) + len(self.join_ids)
+        sampled = self.max_new_tokens if self._trace_tokens is None else min(self.max_new_tokens, self._trace_tokens)
         if self.mode == "sequential":
-            return KVBound(len(self.prompt_ids) + self.max_new_tokens, 0)
+            return KVBound(len(self.prompt_ids) + sampled, 0)
         if self.replay:
             chunks = _count_chunks(self._forced_chunks)
         else:
             chunks = min(self.limits.max_forks, self.max_new_tokens)
         if self.mode == "inline":
             inserted = chunks * (per_fork + len(self.close_ids))
-            return KVBound(len(self.prompt_ids) + self.max_new_tokens + inserted, 0)
-        return KVBound(len(self.prompt_ids) + self.max_new_tokens + chunks * per_fork, chunks)
+            return KVBound(len(self.prompt_ids) + sampled + inserted, 0)
+        return KVBound(len(self.prompt_ids) + sampled + chunks * per_fork, chunks)
 
     def peek_kv_ops(self) -> tuple[KVOp, ...]:
         """The KV operations :meth:`take_kv_ops` would return, left in place."""
@@ -1019,6 +1022,12 @@ def _clean_tail(t: Thread, chars: int = 8) -> str:
         i -= 1
         tail = t.clean[i] + tail
     return tail
+
+
+def _count_forced_tokens(chunks: Sequence) -> int:
+    """Tokens a replay's forced chunks sample, nested ones included."""
+    return sum(len(c.ids) + _count_forced_tokens(c.chunks) if isinstance(c, ForcedChunk) else len(c)
+               for c in chunks if c is not None)
 
 
 def _count_chunks(chunks: Sequence) -> int:

@@ -150,7 +150,7 @@ class Scheduler:
         does not fit after all."""
         bm = self.block_manager
         n = len(req.interp.prompt_ids)
-        pages = math.ceil(n / bm.page_size) + 1
+        pages = math.ceil(n / bm.page_size)  # the prefill's; the first token needs no more
         if pages > bm.num_pages:
             return (f"the prompt's {n} tokens need {pages} KV pages but the cache has {bm.describe()}; "
                     f"raise kv_cache_bytes or shorten the prompt")

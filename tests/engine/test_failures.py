@@ -275,6 +275,23 @@ def test_a_replay_that_fits_the_kv_cache_is_not_refused(tiny_llama):
     short = Engine.from_pretrained(tiny_llama, kv_cache_bytes=(peak - 1) * per_page, page_size=4)
     [r] = short.replay(["tips"], [THREE_CHUNKS])
     assert r.stats.finish_reason == "error" and "KV cache exhausted" in r.error and all_free(short)
+    # the bound counts the trace's tokens, not a large max_new_tokens the replay never reaches
+    [r] = engine.replay(["tips"], [THREE_CHUNKS], params=SamplingParams(max_new_tokens=4096))
+    assert r.stats.finish_reason == "stop" and r.token_ids == ref.token_ids and all_free(engine)
+
+
+def test_a_prompt_that_fills_the_kv_cache_exactly_runs(tiny_llama):
+    """Its prefill needs its pages and its first token no more: a prompt of every cache token,
+    asked for one token, runs (it was refused for a page its first token does not take)."""
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=4 * 2**20, page_size=4)
+    per_page = engine.model_runner.kv_cache_bytes // engine.model_runner.num_pages
+    small = Engine.from_pretrained(tiny_llama, kv_cache_bytes=20 * per_page, page_size=4)
+    for n in (77, 79, 80):
+        [r] = small.generate([[5] * n], SamplingParams(max_new_tokens=1), mode="sequential")
+        assert r.stats.finish_reason == "length" and len(r.token_ids) == 1 and all_free(small)
+    with pytest.raises(ContextLengthError, match="the prompt's 81 tokens need 21 KV pages"):
+        small.generate([[5] * 81], SamplingParams(max_new_tokens=1), mode="sequential")
+    assert all_free(small)
 
 
 @pytest.mark.parametrize("prompt_len", [58, 63])
