@@ -84,6 +84,33 @@ def test_a_bad_sampling_value_is_a_400_naming_the_field(server, body, param):
         assert err["param"] == param and err["type"] == "invalid_request_error", err
 
 
+REPLAY = {"prompt": PROMPT, "pasta": {"annotated_response": 'A <promise topic="t" tokens="10"/><async>b c</async> d'}}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": 0.8}, "temperature"), ({"top_p": 0.5}, "top_p"), ({"top_k": 3}, "top_k"),
+    ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.3}, "repetition_penalty"),
+    ({"presence_penalty": 1.0}, "presence_penalty"), ({"ignore_eos": True}, "ignore_eos"),
+    ({"min_tokens": 5}, "min_tokens"), ({"stop_token_ids": [7]}, "stop_token_ids"),
+])
+def test_a_sampling_field_with_a_replay_is_refused_not_ignored(server, body, param):
+    """A replay's tokens are forced: a field that acts only where tokens are sampled would be
+    ignored there, so it is a 400 naming it; the values that ask for nothing (greedy, no
+    filter, no penalty) and a seed are fine."""
+    r = _post(server, {**REPLAY, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "cannot apply to a replay" in r.json()["error"]["message"]
+    ok = _post(server, {**REPLAY, "temperature": 0, "top_p": 1, "top_k": -1, "seed": 5, "repetition_penalty": 1})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "A b c d", ok.text
+
+
+def test_events_and_a_negative_seed_are_refused_where_they_cannot_act(server):
+    r = _post(server, {**BASE, "pasta": {"mode": "sequential", "events": True}})  # events stream: stream=true only
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pasta.events", r.text
+    r = _post(server, {**BASE, "seed": -5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
 def test_openapi_describes_the_honoured_fields(server):
     doc = httpx.get(server.url + "/openapi.json", headers={"Authorization": f"Bearer {server.api_key}"}).json()
     props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]

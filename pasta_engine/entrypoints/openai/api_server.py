@@ -18,9 +18,13 @@ event logs), :mod:`.metrics` (Prometheus), :mod:`.auth` (API key, ``Host`` check
   (:mod:`pasta_engine.engine.streaming`).
 * the ``pasta`` extension: in a request, ``{"mode": "pasta" | "sequential" | "inline", "dialect": "pasta" |
   "apar" | "multiverse", "position_policy": ..., "max_threads": N (0 = unlimited), "max_forks":
-  N, "max_fork_depth": N (>= 1), "fork_threshold": p (0 < p <= 1), "events": bool, "annotated_response": str}`` (``dialect``: the language the model writes,
+  N, "max_fork_depth": N (>= 1), "fork_threshold": p (0 < p <= 1), "length_cut": "prefix" | "keep",
+  "distinct_topics": bool, "chunk_clean_end": bool, "independent_topics": bool, "events": bool
+  (stream=true only), "annotated_response": str}`` (:class:`.schema.PastaOptions` has each
+  field's meaning; ``dialect``: the language the model writes,
   :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`, default PASTA-LANG; ``annotated_response``
-  replays that response, written in that dialect: forced decoding); in each choice of a
+  replays that response, written in that dialect: forced decoding, so a sampling field set with
+  it is a 400); in each choice of a
   response, ``{"annotated_text", "stats": {content_tokens, content_speedup, decode_steps,
   tokens_decoded, tag_tokens, critical_path, token_parallelism, threads, ...}, "diagnostics",
   "mode", "dialect"}``
@@ -43,8 +47,8 @@ are tokenized and checked against the context on worker threads with their own t
 copies, never on the engine thread, so a long prompt never stalls other requests' steps. With
 ``allowed_hosts`` set, a request whose ``Host`` header names another host is refused (400):
 ``serve`` sets it by default when it binds a loopback address without an API key, so that a web
-page cannot use the local server through DNS rebinding. The API key (``/v1`` routes and
-``/openapi.json``) is compared in constant time; the ``Bearer`` scheme is case-insensitive.
+page cannot use the local server through DNS rebinding. The API key (``/v1`` routes,
+``/tokenize``, ``/detokenize`` and ``/openapi.json``) is compared in constant time; the ``Bearer`` scheme is case-insensitive.
 ``/health``, ``/version`` and ``/metrics`` need no key (as in vLLM).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: a bad parameter or
@@ -103,7 +107,7 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     Args:
         engine: the async engine (the app never shuts it down).
         model_name: the name ``/v1/models`` lists and requests must use (or leave out).
-        api_key: when set, every ``/v1`` route and ``/openapi.json`` need ``Authorization:
+        api_key: when set, every ``/v1`` route, ``/tokenize``, ``/detokenize`` and ``/openapi.json`` need ``Authorization:
             Bearer <api_key>``; an empty key, or one with whitespace or control characters (a
             header cannot carry them intact, so it could never match), is a ParameterError.
         defaults: sampling values for requests that leave them out (max_tokens, temperature,

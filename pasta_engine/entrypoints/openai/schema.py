@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -165,7 +165,7 @@ class _Request(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0,
                                 description=f"nucleus mass; below {MIN_TOP_P} taken as {MIN_TOP_P} (the top token)")
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="0 or -1: all tokens")
-    seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED, description="choice i uses seed + i")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="choice i uses seed + i")
     stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOPS} non-empty strings")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -329,6 +329,25 @@ def check_supported(req: _Request) -> None:
     if req.stream_options is not None and not req.stream:
         raise ParameterError("stream_options", req.stream_options.model_dump(),
                              message="stream_options is only allowed with stream=true")
+    if req.pasta.events and not req.stream:
+        raise ParameterError("pasta.events", True, message="pasta.events streams each step's thread events: it is "
+                             "only allowed with stream=true")
+    if req.pasta.annotated_response is not None:
+        for name, neutral in _SAMPLING_FIELDS.items():
+            value = getattr(req, name)
+            if value is not None and not neutral(value):
+                raise ParameterError(name, value, message=f"{name}={value!r} cannot apply to a replay "
+                                     "(pasta.annotated_response: its tokens are forced, none is sampled); leave it out")
+
+
+#: Request fields that act only where tokens are sampled, so never in a replay, each with the
+#: values that ask for nothing a forced token could differ by (greedy, no filter, no penalty).
+_SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "temperature": lambda v: v < 1e-5, "top_p": lambda v: v == 1, "top_k": lambda v: v in (0, -1),
+    "min_p": lambda v: v == 0, "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1, "min_tokens": lambda v: v == 0, "ignore_eos": lambda v: not v,
+    "stop_token_ids": lambda v: not v,
+}
 
 
 def max_tokens_of(req: _Request) -> tuple[str, int] | None:
