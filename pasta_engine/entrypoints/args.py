@@ -171,6 +171,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, 
                        help="never sample end-of-sequence: every response runs to --max-new-tokens (vLLM's ignore_eos, "
                        "for fixed-length benchmarks)")
     g.add_argument("--seed", type=nonneg_int, default=0)
+    # each flag's default, so a command where sampling does not happen can refuse one that was set
+    p.set_defaults(sampling_defaults={a.dest: a.default for a in g._group_actions})
 
 
 def add_run_args(p: argparse.ArgumentParser, timing: bool = False, resume: bool | None = None,

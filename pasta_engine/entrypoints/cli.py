@@ -736,6 +736,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _refuse_unused_pasta_flags(args)
+        _refuse_unused_flags(args)
         if args.command == "train":
             from .train_commands import run_train
 
@@ -796,6 +797,42 @@ def _refuse_unused_pasta_flags(args: argparse.Namespace) -> None:
             shown = f"{flag} {value}" if off is None else flag  # a value flag, or a switch
             raise ParameterError(flag, value, message=f"{shown} acts while the model samples in pasta mode, and "
                                  f"this command {what}: leave it out")
+
+
+def _refuse_unused_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag set in a command, or a mode, where nothing reads it (ParameterError naming
+    it, before any model loads): a prompt with ``--prompts-file``; ``--compare-transformers``
+    outside ``--mode sequential`` and ``both``; ``--baseline base`` in pasta or inline mode (it
+    gives the sequential side the base weights); ``--warmup`` or ``--repeats`` outside ``--mode
+    both`` (``generate``, ``replay``); sampling flags in ``bench speedup`` unless ``--annotator
+    model`` samples the traces."""
+    from ..errors import ParameterError
+    from ..tools.bench import DEFAULT_REPEATS
+
+    def refuse(flag: str, value: Any, why: str) -> None:
+        raise ParameterError(flag, value, message=f"{flag} {value} {why}: leave it out")
+
+    if args.command == "generate" and args.prompt is not None and args.prompts_file is not None:
+        refuse("prompt", repr(args.prompt), f"and --prompts-file {args.prompts_file} both give the prompts")
+    mode = getattr(args, "mode", None)
+    if args.command in ("generate", "replay"):
+        if getattr(args, "compare_transformers", False) and mode not in ("sequential", "both"):
+            raise ParameterError("--compare-transformers", True, message=f"--compare-transformers times transformers "
+                                 f"against the sequential answer, and --mode {mode} decodes none: use --mode "
+                                 "sequential or both")
+        if getattr(args, "baseline", "same") != "same" and mode not in ("sequential", "both"):
+            refuse("--baseline", args.baseline, f"chooses the sequential answer's weights, and --mode {mode} decodes none")
+        if mode != "both":
+            for flag, default in (("warmup", 1), ("repeats", DEFAULT_REPEATS)):
+                if getattr(args, flag, default) != default:
+                    refuse("--" + flag, getattr(args, flag), f"times the two sides of --mode both, and this run is "
+                           f"--mode {mode}")
+    if args.command == "bench" and args.bench_command == "speedup" and args.annotator != "model":
+        for name, default in getattr(args, "sampling_defaults", {}).items():
+            if getattr(args, name) != default:
+                flag = "--" + name.replace("_", "-")
+                refuse(flag, getattr(args, name), "acts only where --annotator model samples the traces; this run "
+                       "replays them")
 
 
 def _check_utf8(text: str, what: str) -> None:

@@ -118,7 +118,7 @@ def test_max_fork_depth_caps_a_nested_multiverse_replay(cache, tmp_path, capsys,
     traces = tmp_path / "traces.jsonl"
     traces.write_text(json.dumps({"prompt": "Two things?", "annotated_response": NESTED}) + "\n")
     rc = main(["replay", "--traces", str(traces), "--dialect", "multiverse", "--json", "--preset", "tiny-llama",
-               "--kv-cache-mb", "16", "--max-threads", "0", "--max-fork-depth", str(depth), "--repeats", "1",
+               "--kv-cache-mb", "16", "--max-threads", "0", "--max-fork-depth", str(depth),
                "--no-progress"])
     out, err = capsys.readouterr()
     assert rc == 0, err

@@ -230,3 +230,21 @@ def test_independent_topics_where_nothing_samples_in_pasta_mode_is_refused(tiny_
     _, err = capsys.readouterr()
     assert code == 2
     _one_error_line(err, flag)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "a prompt", "--prompts-file", "p.txt"], "prompt"),
+    (["generate", "--mode", "pasta", "--compare-transformers"], "--compare-transformers"),
+    (["generate", "--mode", "inline", "--baseline", "base"], "--baseline"),
+    (["generate", "--mode", "sequential", "--repeats", "9"], "--repeats"),
+    (["replay", "--traces", "t.jsonl", "--warmup", "4"], "--warmup"),
+    (["bench", "speedup", "--traces", "t.jsonl", "--out", "o", "--temperature", "1.5"], "--temperature"),
+    (["bench", "speedup", "--traces", "t.jsonl", "--out", "o", "--ignore-eos"], "--ignore-eos"),
+])
+def test_a_flag_nothing_reads_in_that_command_or_mode_is_refused_before_any_model_loads(argv, flag, capsys):
+    """A flag is honoured or refused, never ignored: these act only in another mode or command."""
+    from pasta_engine.entrypoints.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pasta-engine: error: {flag} ") and ("leave it out" in err or "use --mode" in err), err
