@@ -36,8 +36,9 @@ applied to a whole step's logits in one tensor operation by the model runner):
   after, the defect blind readers named in forked answers (a chunk at its cap mid-sentence is the
   interpreter's to finish, :func:`ends_sentence`);
 * inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one;
-  the first holds a letter, so a topic is never a bare number), then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
-  :data:`MAX_TOPIC_BYTES` bytes (UTF-8) must end; a topic equal to one already promised in the
+  the first holds a letter or a non-ASCII byte, so a topic is never a bare number), then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
+  :data:`MAX_TOPIC_BYTES` bytes (UTF-8) or more must end (the token that reaches the cap may
+  carry it past, by that token's bytes; the masks are per state, not per byte left); a topic equal to one already promised in the
   same response (:func:`topic_key`: case, spacing and punctuation ignored) may not end there
   (``TOPIC_TAKEN``: it must say something more), so siblings are never promised the same topic;
   a token that starts with a UTF-8 continuation byte is topic text only right after the first
@@ -240,9 +241,12 @@ def grammar_state(is_main: bool, pending: str, can_fork: bool = True,
     ``<promise topic="`` prefix is (the piece token writes exactly that prefix)."""
     if not is_main:
         return GrammarState.CHUNK_OPEN if tail is not None and not chunk_may_end(tail) else GrammarState.CHUNK
-    if not pending.startswith(PROMISE_OPEN):
+    # the parser holds back a broken partial tag before a promise too ("<" then the piece): the
+    # promise is what follows the piece (a topic holds no "<", so it is the last one)
+    at = pending.rfind(PROMISE_OPEN)
+    if at < 0:
         return GrammarState.MAIN if can_fork else GrammarState.MAIN_NO_FORK
-    rest = pending[len(PROMISE_OPEN):]
+    rest = pending[at + len(PROMISE_OPEN):]
     topic, sep, digits = rest.partition(PROMISE_LENGTH)
     if not sep:
         if not topic:

@@ -167,6 +167,11 @@ def test_grammar_states_follow_the_parsers_pending_text():
     assert grammar_state(True, '<promise topic="a" tokens="') is GrammarState.LENGTH_EMPTY
     assert grammar_state(True, '<promise topic="a" tokens="3') is GrammarState.LENGTH
     assert grammar_state(True, '<promise topic="a" tokens="3000') is GrammarState.LENGTH_FULL
+    # a broken partial tag held back before the piece ("<" then it) does not switch the promise's
+    # grammar off: the parser still takes what follows as a promise
+    assert grammar_state(True, '<<promise topic="') is GrammarState.TOPIC_EMPTY
+    assert grammar_state(True, '<pro<promise topic="Sleep') is GrammarState.TOPIC
+    assert grammar_state(True, '<<promise topic="a" tokens="3') is GrammarState.LENGTH
 
 
 def test_a_topic_already_promised_may_not_end_there():
