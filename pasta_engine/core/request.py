@@ -7,6 +7,7 @@ its counters); :meth:`Request.result` builds what the engine hands back
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -137,6 +138,7 @@ class Request:
     error: str | None = None
     count_content_tokens: Callable[[str], int] | None = None
     renderer: OutputRenderer | None = None
+    _written: RequestResult | None = field(default=None, repr=False)  # before the last restart (reset)
 
     def __post_init__(self) -> None:
         if self.interp is None:
@@ -147,14 +149,25 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def reset(self) -> None:
-        """Back to its start, for a restart after preemption (pages must be released first)."""
+        """Back to its start, for a restart after preemption (pages must be released first).
+        What it had written is kept (:meth:`result`) until the restart has sampled as much."""
+        if self.interp is not None and self.interp.total_sampled and (
+                self._written is None or self.interp.total_sampled > self._written.stats.tokens_decoded):
+            self._written = self.result()
         self.interp = self.make_interpreter()
         self.views = {}
         self.steps = self.prefill_tokens = self.cached_tokens = self.max_width = 0
 
     def result(self) -> RequestResult:
-        """The response as it stands (the whole response once finished)."""
+        """The response as it stands (the whole response once finished). A request that ends
+        (abort, error) after a restart from preemption, before the restart has sampled as many
+        tokens as it had written before it, gives that earlier response (its text was streamed),
+        with this end's finish reason and error."""
         it = self.interp
+        if self._written is not None and it.total_sampled < self._written.stats.tokens_decoded:
+            w = self._written
+            return dataclasses.replace(w, error=self.error, stats=dataclasses.replace(
+                w.stats, finish_reason=self.finish_reason or "", preemptions=self.preemptions, wall_s=self.wall_s))
         sp = render.spliced(it)
         st = it.structure()
         cp = metrics.critical_path(st)

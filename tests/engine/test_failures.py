@@ -305,3 +305,32 @@ def test_a_prompt_at_the_context_edge_runs_no_forward_whose_token_is_dropped(tmp
     assert len(r.token_ids) == 64 - prompt_len and max(r.positions) == 63
     assert r.stats.decode_steps == engine.stats()["steps"] == 64 - prompt_len
     assert all_free(engine)
+
+
+def test_an_abort_after_a_preemption_keeps_what_was_streamed(tiny_llama):
+    """A preempted request restarts from its prompt; aborted before the restart catches up, its
+    result is what it had written (the text already streamed), not the restart's shorter one."""
+    probe = Engine.from_pretrained(tiny_llama, kv_cache_bytes=4 * 2**20, page_size=4)
+    per_page = probe.model_runner.kv_cache_bytes // probe.model_runner.num_pages
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=20 * per_page, page_size=4)
+    sp = SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=1.0, seed=1)
+    for rid, p in (("A", [5, 6, 7, 8, 9, 10, 11, 12]), ("B", [13, 14, 15, 16, 17, 18, 19, 20])):
+        engine.add_request(p, sp, mode="sequential", request_id=rid)
+    outs: dict[str, list] = {"A": [], "B": []}
+    while engine.stats()["preemptions"] == 0:
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    victim = engine.scheduler.waiting[0].request_id
+    streamed = outs[victim][-1].text
+    assert streamed
+    for o in engine.step():
+        outs[o.request_id].append(o)
+    assert engine.abort(victim)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    last = outs[victim][-1]
+    assert last.finished and last.finish_reason == "abort"
+    assert last.result.text == last.text == "".join(o.delta_text for o in outs[victim])
+    assert last.result.text.startswith(streamed) and last.result.stats.finish_reason == "abort"
+    assert all_free(engine)
