@@ -240,6 +240,20 @@ class AsyncEngine:
         ids = [int(t) for t in token_ids]
         return await self._call(lambda: [self.engine.decode([t]) for t in ids])
 
+    async def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes (a byte-level token that holds part of a character gives that
+        part, not U+FFFD), read on the engine thread from the tokenizer's byte table
+        (:func:`~pasta_engine.lang.detokenizer.token_bytes_table`). Raises EngineDeadError."""
+        from ..lang.detokenizer import token_bytes_table
+
+        ids = [int(t) for t in token_ids]
+
+        def read() -> list[bytes]:
+            table = token_bytes_table(self.engine.tokenizer)
+            return [table[t] if t < len(table) else self.engine.decode([t]).encode("utf-8") for t in ids]
+
+        return await self._call(read)
+
     async def stats(self) -> dict[str, Any]:
         """:meth:`Engine.stats` read on the engine thread after every command sent before
         this call (so an abort or a cancelled iterator is already applied), plus ``open``:

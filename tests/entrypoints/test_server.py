@@ -90,6 +90,13 @@ def test_logprobs_and_stop(server, client):
     assert len(content) == r.usage.completion_tokens and all(t.logprob <= 0 for t in content)
     c = client.completions.create(model=server.model, prompt="abc", logprobs=0, max_tokens=6)
     assert len(c.choices[0].logprobs.token_logprobs) == c.usage.completion_tokens
+    # a token's bytes are its own: joined they rebuild the text where a character spans tokens
+    text = "Caf\u00e9 \u2615 ok."
+    u = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}], logprobs=True,
+                                       extra_body={"pasta": {"annotated_response": text, "mode": "sequential"}})
+    assert u.choices[0].message.content == text
+    joined = b"".join(bytes(t.bytes) for t in u.choices[0].logprobs.content[:-1])  # the last token is EOS
+    assert joined.decode("utf-8") == text
     s = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
                                        stop=["is all"], extra_body={"pasta": {"annotated_response": ANNOTATED}})
     assert s.choices[0].message.content == strip_tags(ANNOTATED).split("is all")[0]

@@ -224,13 +224,17 @@ class Server:
 
     async def logprobs(self, out: StreamOutput, chat: bool) -> dict[str, Any] | None:
         """OpenAI's logprobs object for a finished choice: every sampled token in spliced order
-        (tag tokens included, the inserted ``<async>`` tokens left out)."""
+        (tag tokens included, the inserted ``<async>`` tokens left out). A chat token's ``bytes``
+        are the token's own (joined, they rebuild its text even where a character spans two
+        tokens); a completion's ``text_offset`` indexes the concatenation of its ``tokens`` (the
+        sampled text with its tags, not ``text``, which has none)."""
         r = out.result
         pairs = [(t, lp) for t, lp in zip(r.token_ids, r.logprobs or []) if lp is not None]
         texts = await self.engine.decode_tokens([t for t, _ in pairs])
         if chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                for s, (_, lp) in zip(texts, pairs)]}
+            raw = await self.engine.token_bytes([t for t, _ in pairs])
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(b), "top_logprobs": []}
+                                for s, b, (_, lp) in zip(texts, raw, pairs)]}
         offsets, at = [], 0
         for s in texts:
             offsets.append(at)
