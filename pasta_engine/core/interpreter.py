@@ -400,9 +400,12 @@ class Interpreter:
         if self.finish is not None:
             return []
         flush, queued, running, done = ThreadStatus.FLUSH, ThreadStatus.QUEUED, _RUNNING, ThreadStatus.DONE
-        waiting = ThreadStatus.WAITING
+        waiting, stalled = ThreadStatus.WAITING, ThreadStatus.STALLED
+        # an ended thread waiting for its children flushes its last token now: it may be the fork
+        # its children need (a path whose cap-th token opens a nested block)
         steps = [ThreadStep(t.tid, t.pending, t.pending_pos, False) for t in self.threads
-                 if t.pending and (t.status is flush or t.status is waiting or (t.status is done and not t.released))]
+                 if t.pending and (t.status is flush or t.status is waiting or (t.status is done and not t.released)
+                                   or (t.status is stalled and t.finish is not None))]
         for t in self.threads:
             status = t.status
             if status is running or status is queued:

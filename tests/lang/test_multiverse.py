@@ -186,6 +186,15 @@ def test_caps_decode_blocks_inline_with_the_same_text(tok, trace, depth, max_for
     check_round_trip(tok, trace, Limits(max_threads=None, max_forks=max_forks, max_fork_depth=depth))
 
 
+def test_a_path_that_ends_on_the_fork_of_a_nested_block_still_forks_it(tok):
+    """A path whose last token opens a nested block (the trace ends inside it, or the path's cap
+    is reached there) ends waiting for that block's paths, which need its fork token's KV: it
+    flushes the token at once (pasta mode raised "must run with a fork or join but was not picked")."""
+    ann = "<Parallel><Goal><Outline>1</Outline></Goal><Path><Parallel><Goal><Outline>2</Outline></Goal><Path>x"
+    texts = {mode: dry_run(tok, ann, mode).result().text for mode in ("pasta", "sequential")}
+    assert texts == {"pasta": "x", "sequential": "x"}
+
+
 def test_split_threads_and_splice_are_inverse():
     th = M.split_threads(NESTED)
     assert [c.content is not None for c in th.chunks] == [True, True]  # the main thread's two paths
