@@ -422,10 +422,11 @@ class Interpreter:
 
     def worst_case_kv(self) -> KVBound:
         """The most KV the request can write over its whole life, in tokens (its prompt, every
-        token it may sample (a replay: its trace's, however large ``max_new_tokens``), the inserted ``<async>`` tags of its forks and a dialect's join
-        text) and forks (a replay forks only for the chunks its trace holds; sequential and
-        inline modes never fork: an inline chunk writes its inserted opening tag, and the
-        closing tag when the interpreter ends it, into the one thread)."""
+        token it may sample (a replay: its trace's, however large ``max_new_tokens``), the
+        inserted ``<async>`` tags of its forks and a dialect's join text) and forks (a replay
+        forks only for the chunks its trace holds; sequential and inline modes never fork: an
+        inline chunk writes its inserted opening tag, and the closing tag when the interpreter
+        ends it, into the one thread)."""
         # the opening tag's tokens, or a bound by bytes on a branch header of the dialect's own,
         # and the join's text
         per_fork = max(len(self.open_ids), self.dialect.inserted_bytes(self.limits)) + len(self.join_ids)

@@ -821,7 +821,8 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
                                  f"against the sequential answer, and --mode {mode} decodes none: use --mode "
                                  "sequential or both")
         if getattr(args, "baseline", "same") != "same" and mode not in ("sequential", "both"):
-            refuse("--baseline", args.baseline, f"chooses the sequential answer's weights, and --mode {mode} decodes none")
+            refuse("--baseline", args.baseline,
+                   f"chooses the sequential answer's weights, and --mode {mode} decodes none")
         if mode != "both":
             for flag, default in (("warmup", 1), ("repeats", DEFAULT_REPEATS)):
                 if getattr(args, flag, default) != default:

@@ -36,10 +36,12 @@ applied to a whole step's logits in one tensor operation by the model runner):
   after, the defect blind readers named in forked answers (a chunk at its cap mid-sentence is the
   interpreter's to finish, :func:`ends_sentence`);
 * inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one;
-  the first holds a letter or a non-ASCII byte, so a topic is never a bare number), then ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
+  the first holds a letter or a non-ASCII byte, so a topic is never a bare number), then
+  ``" tokens="``; end-of-sequence is masked until the tag closes; a topic of
   :data:`MAX_TOPIC_BYTES` bytes (UTF-8) or more must end (the token that reaches the cap may
-  carry it past, by that token's bytes; the masks are per state, not per byte left); a topic equal to one already promised in the
-  same response (:func:`topic_key`: case, spacing and punctuation ignored) may not end there
+  carry it past, by that token's bytes; the masks are per state, not per byte left); a topic
+  equal to one already promised in the same response (:func:`topic_key`: case, spacing and
+  punctuation ignored) may not end there
   (``TOPIC_TAKEN``: it must say something more), so siblings are never promised the same topic;
   a token that starts with a UTF-8 continuation byte is topic text only right after the first
   bytes of a character, and there nothing else is (``TOPIC_CONT``, set by the interpreter from

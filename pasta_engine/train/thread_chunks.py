@@ -299,7 +299,8 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
                 r = json.loads(line)
             except json.JSONDecodeError as e:
                 if i != last:
-                    raise ValueError(f"{log}: line {i + 1} is not a JSON row ({e}); remove the file to start over") from None
+                    raise ValueError(f"{log}: line {i + 1} is not a JSON row ({e}); remove the file to start "
+                                     "over") from None
                 log.write_text("".join(x + "\n" for x in lines[:i]), encoding="utf-8")  # cut off by an interrupted run
                 break
             done[(r["prompt"], r["source"])] = r

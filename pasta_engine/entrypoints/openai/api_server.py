@@ -48,8 +48,9 @@ copies, never on the engine thread, so a long prompt never stalls other requests
 ``allowed_hosts`` set, a request whose ``Host`` header names another host is refused (400):
 ``serve`` sets it by default when it binds a loopback address without an API key, so that a web
 page cannot use the local server through DNS rebinding. The API key (``/v1`` routes,
-``/tokenize``, ``/detokenize`` and ``/openapi.json``) is compared in constant time; the ``Bearer`` scheme is case-insensitive.
-``/health``, ``/version`` and ``/metrics`` need no key (as in vLLM).
+``/tokenize``, ``/detokenize`` and ``/openapi.json``) is compared in constant time; the
+``Bearer`` scheme is case-insensitive. ``/health``, ``/version`` and ``/metrics`` need no key
+(as in vLLM).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: a bad parameter or
 a prompt over the context is 400 naming the parameter, an unknown model 404, a missing or wrong
@@ -107,8 +108,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
     Args:
         engine: the async engine (the app never shuts it down).
         model_name: the name ``/v1/models`` lists and requests must use (or leave out).
-        api_key: when set, every ``/v1`` route, ``/tokenize``, ``/detokenize`` and ``/openapi.json`` need ``Authorization:
-            Bearer <api_key>``; an empty key, or one with whitespace or control characters (a
+        api_key: when set, every ``/v1`` route, ``/tokenize``, ``/detokenize`` and
+            ``/openapi.json`` need ``Authorization: Bearer <api_key>``; an empty key, or one with whitespace or control characters (a
             header cannot carry them intact, so it could never match), is a ParameterError.
         defaults: sampling values for requests that leave them out (max_tokens, temperature,
             top_p, top_k; default: :class:`SamplingParams`'s).
