@@ -53,7 +53,7 @@ def _realized(timed: Path) -> dict | None:
     for key in ("geomean_realized_content_speedup", "realized_content_speedup"):
         if key in s:
             return {"realized": s[key], "spread": s.get("realized_content_speedup_spread"),
-                    "theoretical_timed": s.get("geomean_content_speedup"), "prompts": s.get("answers", s.get("traces"))}
+                    "theoretical_timed": s.get("geomean_content_speedup"), "prompts": s.get("answers", s.get("traces", s.get("prompts")))}
     return None
 
 
@@ -79,11 +79,14 @@ def point(p: dict, base: Path) -> dict:
 def table(points: list[dict]) -> str:
     lines = ["| operating point | theoretical | realized | forked | win rate (both orders) | 95% interval | "
              "first / reversed | W-L-T |", "|---|---|---|---|---|---|---|---|"]
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1%}"  # an order nobody has judged yet
+
     for q in points:
         real = f"{q['realized']:.2f}x" if q.get("realized") else "-"
         lines.append(f"| {q['label']} | {q['theoretical_content_speedup']:.2f}x | {real} | {q['fork_rate']:.0%} | "
                      f"{q['win_rate']:.1%} | {q['win_rate_ci95'][0]:.1%}-{q['win_rate_ci95'][1]:.1%} | "
-                     f"{q['win_rate_first_order']:.1%} / {q['win_rate_reversed_order']:.1%} | "
+                     f"{pct(q['win_rate_first_order'])} / {pct(q['win_rate_reversed_order'])} | "
                      f"{'-'.join(map(str, q['wins_losses_ties']))} |")
     return "\n".join(lines) + "\n"
 

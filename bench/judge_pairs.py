@@ -26,7 +26,14 @@ from pasta_engine.tools.judge import read_blind_sides, write_blind_pairs
 
 def make(candidate: Path, baseline: Path, out: Path, seed: int, label: str) -> None:
     cand = json.loads(candidate.read_text())
-    by_instruction = {r["instruction"]: r for r in json.loads(baseline.read_text())}
+    base_rows = json.loads(baseline.read_text())
+    for path, rows in ((candidate, cand), (baseline, base_rows)):
+        seen: set[str] = set()
+        for r in rows:
+            if r["instruction"] in seen:  # rows are paired by instruction: a repeat would pair wrongly
+                raise SystemExit(f"{path} holds the instruction {r['instruction'][:60]!r} twice")
+            seen.add(r["instruction"])
+    by_instruction = {r["instruction"]: r for r in base_rows}
     if sorted(r["instruction"] for r in cand) != sorted(by_instruction):
         raise SystemExit("the two outputs files must hold the same instructions")
     base = [by_instruction[r["instruction"]] for r in cand]  # paired by instruction, in the candidate's order

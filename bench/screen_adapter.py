@@ -58,7 +58,7 @@ def main() -> None:
     import torch
 
     from pasta_engine import Engine, Limits, SamplingParams
-    from pasta_engine.metrics import geomean, summarize_text_proxies
+    from pasta_engine.metrics import geomean_positive, summarize_text_proxies
     from pasta_engine.tools.annotate_independent import LexicalDependence, check_forks
 
     rows = [r for r in json.loads(args.prompts.read_text()) if r.get("dataset") == "vicuna"][: args.limit]
@@ -96,8 +96,10 @@ def main() -> None:
     summary = {
         "what": "untimed screen on the vicuna split (see bench/screen_adapter.py)",
         "label": label, "prompts": len(out_rows),
-        "geomean_content_speedup": geomean([o["content_speedup"] for o in out_rows]),
-        "geomean_content_speedup_forked": geomean([o["content_speedup"] for o in forked]) if forked else None,
+        # an answer without content has no speedup: left out of the means, counted in empty_answers
+        "geomean_content_speedup": geomean_positive(o["content_speedup"] for o in out_rows),
+        "geomean_content_speedup_forked": geomean_positive(o["content_speedup"] for o in forked),
+        "empty_answers": sum(o["content_speedup"] <= 0 for o in out_rows),
         "forked": len(forked), "fork_rate": len(forked) / len(out_rows),
         "mean_threads": sum(o["threads"] for o in out_rows) / len(out_rows),
         "tag_token_fraction": sum(o["tag_tokens"] for o in out_rows) / decoded if decoded else 0.0,

@@ -131,6 +131,12 @@ def test_judge_pairs_round_trip_counts_wins_from_the_candidates_side(tmp_path):
     assert (s["first_order"]["wins"], s["first_order"]["win_rate"]) == (6, 1.0)
     assert (s["reversed_order"]["losses"], s["reversed_order"]["ties"]) == (5, 1)
     assert s["reversed_order"]["win_rate"] == 0.5 / 6 and s["orders_agree"] == 0
+    # rows are paired by instruction: a file that repeats one is refused, not paired wrongly
+    (tmp_path / "b.json").write_text(json.dumps(base + [{"instruction": "q0", "output": "base again"}]))
+    run = subprocess.run([sys.executable, str(BENCH / "judge_pairs.py"), "make", "--candidate", str(tmp_path / "c.json"),
+                          "--baseline", str(tmp_path / "b.json"), "--out", str(tmp_path / "j2"), "--seed", "3"],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert run.returncode != 0 and "holds the instruction 'q0' twice" in run.stderr
 
 
 def test_frontier_writes_its_table_and_plot_from_stored_rows(tmp_path):
@@ -161,6 +167,17 @@ def test_frontier_writes_its_table_and_plot_from_stored_rows(tmp_path):
     assert all(p["win_rate_ci95"][0] <= p["win_rate"] <= p["win_rate_ci95"][1] for p in got)
     assert "| p1 | 1.80x |" in (out / "frontier.md").read_text()
     assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    # a point whose second reader has not judged yet is a row with "-" for that order
+    j = json.loads((tmp_path / "j0" / "summary.json").read_text())
+    j["reversed_order"]["win_rate"] = None
+    for r in j["rows"]:
+        r["reversed_order"] = None
+    (tmp_path / "j0" / "summary.json").write_text(json.dumps(j))
+    run = subprocess.run([sys.executable, str(BENCH / "frontier.py"), "--points", str(tmp_path / "points.json"),
+                          "--out", str(out), "--base", str(tmp_path)], capture_output=True, text=True, env=ENV,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "62.5% / - |" in (out / "frontier.md").read_text()
 
 
 def test_run_gpu_fails_without_a_gpu_and_when_a_stage_fails(tmp_path):
@@ -202,3 +219,37 @@ def test_bench_host_measures_a_given_worktree_with_the_sampler(tmp_path):
     res = json.loads(out.read_text())
     assert res["engine_path"] == str(root.resolve()) and res["return_logprobs"] is True
     assert res["results"][0]["threads"] == 1
+
+
+def test_screen_adapter_counts_an_empty_answer_instead_of_crashing(tmp_path, monkeypatch):
+    """bench/screen_adapter.py: an answer with no content (the model ended at once: content
+    speedup 0) is left out of the geometric means and counted, and the summary is written."""
+    import runpy
+    from types import SimpleNamespace as NS
+
+    import pasta_engine
+
+    class FakeEngine:
+        lora_scale = 1.0
+
+        @classmethod
+        def from_pretrained(cls, *a, **k):
+            return cls()
+
+        def generate(self, prompts, params, mode, progress):
+            def res(text, content):
+                st = NS(forks=0, content_tokens=content, critical_path=content + 1, tag_tokens=0,
+                        content_speedup=content / (content + 1) if content else 0.0, tokens_decoded=content + 1,
+                        finish_reason="stop")
+                return NS(stats=st, text=text, annotated_text=text, error=None)
+
+            return [res("Hello there.", 3), res("", 0)]
+
+    monkeypatch.setattr(pasta_engine, "Engine", FakeEngine)
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": "a", "dataset": "vicuna"}, {"instruction": "b", "dataset": "vicuna"}]))
+    monkeypatch.setattr(sys, "argv", ["screen_adapter.py", "--prompts", str(prompts), "--out", str(tmp_path / "out"),
+                                      "--adapter", "none"])
+    runpy.run_path(str(BENCH / "screen_adapter.py"), run_name="__main__")
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["empty_answers"] == 1 and s["geomean_content_speedup"] == 0.75

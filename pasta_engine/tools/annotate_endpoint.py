@@ -23,7 +23,7 @@ import re
 from typing import Callable
 
 from ..lang.grammar import MAX_TOPIC_BYTES
-from ..lang.tags import Promise, Text, parse, promise_tag, split_threads
+from ..lang.tags import Malformed, Promise, Text, parse, promise_tag, split_threads
 from .annotate import Annotation, CountTokens, approx_token_count, round_to_tens, verify_annotation
 from .endpoint import ChatEndpoint
 
@@ -103,7 +103,7 @@ def _measured(annotated: str, count: CountTokens) -> str:
             k += 1
         elif isinstance(e, Text):
             out.append(e.text)
-        else:
+        elif not isinstance(e, Malformed):  # a malformed tag's characters come next as TagText (a Text)
             out.append(e.raw)
     return "".join(out)
 

@@ -164,18 +164,28 @@ def write_blind_pairs(questions: Sequence[str], candidates: Sequence[str], basel
     (out / "key.json").write_text(json.dumps({**(meta or {}), "seed": seed, "rows": key}, indent=1) + "\n")
 
 
-def _verdict_file(path: Path) -> dict[int, str]:
-    out = {}
+def _verdict_file(path: Path, ids: set[int]) -> dict[int, str]:
+    """``id -> "A" | "B" | "tie"`` of a reader's verdict file. Raises ValueError naming the file
+    and line of a line that is not a verdict, holds an id not among ``ids`` (the key's rows),
+    or repeats an id."""
+    out: dict[int, str] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             v = json.loads(line)
-            verdict = str(v["verdict"]).strip()
-            out[int(v["id"])] = {"A": "A", "B": "B", "TIE": "tie"}[verdict.upper()]
+            rid, verdict = v["id"], str(v["verdict"]).strip()
+            if type(rid) is not int:  # not 1.9, not true
+                raise TypeError(f"id {rid!r} is not an integer")
+            choice = {"A": "A", "B": "B", "TIE": "tie"}[verdict.upper()]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path} line {n} is not a verdict (a JSON object with an int 'id' and a 'verdict' of "
                              f"A, B or tie): {line[:80]!r}") from e
+        if rid not in ids:
+            raise ValueError(f"{path} line {n}: id {rid} is not a row of the key (ids {min(ids)}-{max(ids)})")
+        if rid in out:
+            raise ValueError(f"{path} line {n}: id {rid} was judged on an earlier line already")
+        out[rid] = choice
     return out
 
 
@@ -185,10 +195,11 @@ def read_blind_sides(out: Path) -> list[dict[str, Any]]:
     ``"loss"``, ``"tie"`` or None (not judged), from ``out/verdicts.jsonl`` (the reader of
     ``pairs.jsonl``) and ``out/verdicts_reversed.jsonl`` (a second reader, every order reversed);
     a missing verdict file counts as nothing judged. Raises ValueError naming the file and line
-    of a line that is not a verdict."""
+    of a line that is not a verdict, names a row the key does not have, or repeats an id."""
     key = json.loads((out / "key.json").read_text())
     files = [out / "verdicts.jsonl", out / "verdicts_reversed.jsonl"]
-    fwd, rev = (_verdict_file(f) if f.exists() else {} for f in files)
+    ids = {k["id"] for k in key["rows"]}
+    fwd, rev = (_verdict_file(f, ids) if f.exists() else {} for f in files)
 
     def side(verdict: str | None, cand: str) -> str | None:
         return None if verdict is None else "tie" if verdict == "tie" else "win" if verdict == cand else "loss"

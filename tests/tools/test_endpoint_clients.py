@@ -69,6 +69,15 @@ def test_endpoint_annotation_is_kept_with_measured_lengths_and_capped_topics():
     assert seen[0]["model"] == "big-model" and seen[0]["temperature"] == 0
 
 
+def test_endpoint_annotation_keeps_malformed_tag_text_of_the_answer_once():
+    """An answer that holds tag-like text (``<promise topic="x">`` with no closing ``/``) comes
+    back exactly: the parser reports it and gives its characters as text, counted once."""
+    answer = ANSWER.replace("Both help", 'Use <promise topic="x"> as text. Both help')
+    ep = fake_endpoint([_tagged(answer)])
+    a = annotate_with_endpoint(ep, "How do I sleep better?", answer, count_tokens=lambda s: len(s.split()))
+    assert strip_tags(a.annotated) == answer and a.promises == 2
+
+
 @pytest.mark.parametrize("reply, why", [
     (_tagged(ANSWER).replace("Keep a regular", "Keep a steady"), "stripping the tags"),  # reworded
     (_tagged(ANSWER).replace("</async>\n2.", "\n2.", 1), "chunk"),  # a chunk never closed

@@ -519,6 +519,14 @@ def test_blind_pair_files_round_trip_and_bad_verdicts_name_the_line(tmp_path):
     (tmp_path / "verdicts.jsonl").write_text('{"id": 0, "verdict": "C"}\n')
     with pytest.raises(ValueError, match="verdicts.jsonl line 1"):
         read_blind_sides(tmp_path)
+    # an id that is no row, not an integer, or judged twice is an error, never joined or dropped
+    for lines, why in ((['{"id": 7, "verdict": "A"}'], "id 7 is not a row"),
+                       (['{"id": 1.9, "verdict": "A"}'], "line 1 is not a verdict"),
+                       (['{"id": true, "verdict": "A"}'], "line 1 is not a verdict"),
+                       (['{"id": 0, "verdict": "A"}', '{"id": 0, "verdict": "B"}'], "line 2: id 0 was judged")):
+        (tmp_path / "verdicts.jsonl").write_text("\n".join(lines) + "\n")
+        with pytest.raises(ValueError, match=why):
+            read_blind_sides(tmp_path)
 
 
 def test_proxy_pair_agreement_counts_pairs_the_reader_separates():
