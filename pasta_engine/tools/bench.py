@@ -528,12 +528,13 @@ def summarize_speedup(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     forked = [r for r in rows if r["forks"] > 0]
 
     def geos(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        full = [r for r in rs if r["content_speedup"] > 0]  # every mean over the same answers: with content
         return {
-            "geomean_content_speedup": _geo([r["content_speedup"] for r in rs]),
-            "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in rs]),
-            "geomean_realized_over_theoretical": _geo([r["realized_over_theoretical"] for r in rs]),
-            "geomean_step_speedup": _geo([r["step_speedup"] for r in rs]),
-            "geomean_token_parallelism": _geo([r["token_parallelism"] for r in rs]),
+            "geomean_content_speedup": _geo([r["content_speedup"] for r in full]),
+            "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in full]),
+            "geomean_realized_over_theoretical": _geo([r["realized_over_theoretical"] for r in full]),
+            "geomean_step_speedup": _geo([r["step_speedup"] for r in full]),
+            "geomean_token_parallelism": _geo([r["token_parallelism"] for r in full]),
             "tag_token_fraction": tag_token_fraction(sum(r["tag_tokens"] for r in rs),
                                                      sum(r["tokens_decoded"] for r in rs)),
         }
@@ -577,8 +578,10 @@ def summary_warnings(answers: int, forked: int, geo_all: float | None, geo_forke
 
 
 def _summary_warnings(rows: Sequence[dict[str, Any]], forked: Sequence[dict[str, Any]]) -> list[str]:
-    """:func:`summary_warnings` of :func:`speedup_row` or :func:`pareto_row` rows."""
-    return summary_warnings(len(rows), len(forked), _geo([r["realized_content_speedup"] for r in rows]),
+    """:func:`summary_warnings` of :func:`speedup_row` or :func:`pareto_row` rows (the answers
+    with content, as the summary's means)."""
+    full = [r for r in rows if r["content_speedup"] > 0]
+    return summary_warnings(len(full), len(forked), _geo([r["realized_content_speedup"] for r in full]),
                             _geo([r["realized_content_speedup"] for r in forked]), timing_summary(rows))
 
 
@@ -650,7 +653,7 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
         repeats: runs per prompt and mode, interleaved (:func:`timed_runs`); the fastest counts
             and the spread is recorded (:func:`timing_record`, :data:`TIMING_STATISTIC`).
         resume: keep the rows of an earlier run in ``out`` and run the rest.
-        progress: a tqdm bar on stderr (prompts, content tokens/s of the pasta runs).
+        progress: a tqdm bar on stderr (prompts, decoded tokens/s of the pasta runs, tags included).
         dialect: the language the traces are written in (a name of
             :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`): both sides replay with it, and
             ``settings``, the summary and each row record it.
@@ -774,7 +777,9 @@ def summarize_pareto(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "prompts": n,
         "geomean_content_speedup": _geo([r["content_speedup"] for r in rows]),
-        "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in rows]),
+        # over the same answers as the theoretical figure: those with content
+        "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in rows
+                                                  if r["content_speedup"] > 0]),
         "geomean_end_to_end_speedup": _geo([r["end_to_end_speedup"] for r in rows]),
         "geomean_length_ratio": _geo([r["length_ratio"] for r in rows]),
         "cut_fraction_sequential": cut_fraction(r["finish_reason_sequential"] for r in rows),

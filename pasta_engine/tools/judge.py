@@ -73,7 +73,8 @@ def parse_verdict(reply: str, where: str = "the judge") -> Verdict:
     if m is None:
         raise JudgeReplyError(f"{where}: the reply holds no JSON object: {head!r}")
     try:
-        obj = json.loads(m.group(0))
+        # the first object: a "}" in words after it is not part of it
+        obj, _ = json.JSONDecoder().raw_decode(reply, m.start())
     except json.JSONDecodeError as e:
         raise JudgeReplyError(f"{where}: the reply's JSON does not parse ({e.msg}): {head!r}") from None
     if not isinstance(obj, dict):

@@ -44,6 +44,23 @@ def test_timing_record_takes_the_fastest_and_warns_beyond_the_spread():
     assert timing_summary([{"index": 7, "timing": rec}, {"index": 8, "timing": ok}])["realized_beyond_theoretical"] == [7]
 
 
+def test_every_speedup_mean_is_over_the_answers_with_content():
+    """An answer without content (content speedup 0) is left out of the theoretical mean, so the
+    realized and ratio means and the fork warning leave it out too: all cover the same answers."""
+    from pasta_engine.tools.bench import summarize_speedup
+
+    def row(cs, rs, content, forks=1):
+        return {"forks": forks, "threads": forks + 1, "content_speedup": cs, "realized_content_speedup": rs,
+                "realized_over_theoretical": rs / cs if cs else None, "step_speedup": 1.0, "token_parallelism": 1.0,
+                "tag_tokens": 0, "tokens_decoded": content + 1, "wall_s": 1.0, "wall_s_sequential": rs,
+                "content_tokens": content, "same_text": True}
+
+    s = summarize_speedup([row(2.0, 2.0, 100), row(0.0, 0.25, 0, forks=0)])
+    assert s["empty_answers"] == 1
+    assert s["geomean_content_speedup"] == s["geomean_realized_content_speedup"] == 2.0
+    assert s["geomean_realized_over_theoretical"] == 1.0 and s["warnings"] == []
+
+
 def test_fork_warnings():
     from pasta_engine.tools.bench import fork_warnings
 

@@ -123,6 +123,8 @@ def test_parse_verdict_reads_json_and_refuses_what_is_not_a_verdict():
                       '"reason": "B answers."}\n```')
     assert (v.verdict, v.confidence, v.score_a, v.score_b) == ("B", "high", 3.0, 8.0)
     assert parse_verdict('{"verdict": "Tie"}').verdict == "tie"
+    # the first object only: a brace in the words after it is not part of it
+    assert parse_verdict('{"verdict": "A"} (I weighed {clarity} most)').verdict == "A"
     for bad, msg in [("A is better.", "no JSON object"), ('{"verdict": "C"}', "'verdict' must be"),
                      ('{"verdict": "A", "score_a": 11}', "'score_a' must be a number from 1 to 10"),
                      ("{verdict: A}", "does not parse"), ("[1]", "no JSON object")]:
