@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..lang.tags import (
-    ASYNC_CLOSE, ASYNC_OPEN, SYNC, AsyncClose, AsyncOpen, Malformed, Promise, Sync, Text, parse, promise_tag, splice,
+    ASYNC_CLOSE, ASYNC_OPEN, SYNC, AsyncClose, AsyncOpen, Malformed, Promise, Sync, Text, clean_text, parse, promise_tag,
+    splice,
     split_threads,
 )
 
@@ -360,7 +361,9 @@ def _has_tags(response: str) -> bool:
 def verify_annotation(response: str, annotated: str) -> str | None:
     """Check the annotator guarantees; returns None when they hold, else what failed.
 
-    Checks: ``strip_tags(annotated) == response``; no Malformed tag beyond those already in
+    Checks: ``strip_tags(annotated) == response`` and ``clean_text(annotated) == response``
+    (the clean text drops a list item a tag emptied, so a tag beside an empty item the response
+    holds would lose it); no Malformed tag beyond those already in
     ``response``; every chunk closed and directly after its promise (split_threads then
     splice gives ``annotated`` back, with one chunk per promise); no sync inside a chunk; topics
     without newlines."""
@@ -368,6 +371,8 @@ def verify_annotation(response: str, annotated: str) -> str | None:
     stripped = "".join(e.text for e in events if isinstance(e, Text))
     if stripped != response:
         return "stripping the tags does not give the response back"
+    if clean_text(annotated) != response:  # what a reader is shown, and what a replay decodes
+        return "a tag beside an empty list item of the response makes the clean text drop it"
     before = sum(isinstance(e, Malformed) for e in parse(response)) if "<" in response else 0
     if sum(isinstance(e, Malformed) for e in events) != before:
         return "a malformed tag appeared"

@@ -338,3 +338,18 @@ def test_annotation_names_the_annotator_that_placed_its_promises():
         assert a.promises > 0 and a.annotator == name and annotate(text, name).annotator == name
     plain = annotate("Sleep well.", "mixed")
     assert plain.promises == 0 and plain.annotator is None
+
+
+def test_an_annotation_never_loses_an_empty_list_item_of_the_answer():
+    """The clean text drops a list item a tag emptied, so a tag beside an empty item the answer
+    itself holds (``1.`` alone on its line) would lose a line of the answer: every annotator's
+    clean text is the answer exactly (else the answer is left unannotated)."""
+    from pasta_engine.lang.tags import clean_text
+
+    one = "First point with quite a few words in it to pass the minimum length easily"
+    two = "Second point with quite a few words in it to pass the minimum length easily"
+    for answer in (f"Intro:\n\n1. {one}\n   -\n2. {two}\n", f"Intro:\n\n- {one}\n- {two}\n\n1.\nThe end.\n",
+                   f"- {one}\n- {two}\n\n\u2022\nConclusion text here.\n"):
+        for name in ("sot", "apar", "mixed"):
+            a = annotate(answer, name)
+            assert clean_text(a.annotated) == answer and strip_tags(a.annotated) == answer, (name, a.annotated)
