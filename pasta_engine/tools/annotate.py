@@ -361,9 +361,9 @@ def _has_tags(response: str) -> bool:
 def verify_annotation(response: str, annotated: str) -> str | None:
     """Check the annotator guarantees; returns None when they hold, else what failed.
 
-    Checks: ``strip_tags(annotated) == response`` and ``clean_text(annotated) == response``
-    (the clean text drops a list item a tag emptied, so a tag beside an empty item the response
-    holds would lose it); no Malformed tag beyond those already in
+    Checks: ``strip_tags(annotated) == response``, and the clean text unchanged by the tags
+    (``clean_text(annotated) == clean_text(response)``: the clean text drops a list item a tag
+    emptied, so a tag beside an empty item the response holds would lose it); no Malformed tag beyond those already in
     ``response``; every chunk closed and directly after its promise (split_threads then
     splice gives ``annotated`` back, with one chunk per promise); no sync inside a chunk; topics
     without newlines."""
@@ -371,7 +371,7 @@ def verify_annotation(response: str, annotated: str) -> str | None:
     stripped = "".join(e.text for e in events if isinstance(e, Text))
     if stripped != response:
         return "stripping the tags does not give the response back"
-    if clean_text(annotated) != response:  # what a reader is shown, and what a replay decodes
+    if clean_text(annotated) != clean_text(response):  # what a reader is shown, and what a replay decodes
         return "a tag beside an empty list item of the response makes the clean text drop it"
     before = sum(isinstance(e, Malformed) for e in parse(response)) if "<" in response else 0
     if sum(isinstance(e, Malformed) for e in events) != before:
