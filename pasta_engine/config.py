@@ -212,6 +212,7 @@ class SamplingParams:
         check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             check_int("seed", self.seed, 0, MAX_SEED)
+            object.__setattr__(self, "seed", int(self.seed))  # a numpy integer too: torch's generator needs an int
         check_bool("return_logprobs", self.return_logprobs)
         if logprobs is not None:
             check_int("logprobs", logprobs, 0)
@@ -374,8 +375,10 @@ class Limits:
         check_int("max_threads", self.max_threads, 1, none_ok=True)
         check_int("max_forks", self.max_forks, 0)
         check_int("async_min_cap", self.async_min_cap, 1)
-        check_float("cap_factor", self.cap_factor, 0.0, lo_open=True)
-        check_int("max_promise_tokens", self.max_promise_tokens, 0)
+        # bounded so that a chunk's cap stays a finite integer (1e308 overflowed in chunk_cap
+        # inside a step, failing every request in it)
+        check_float("cap_factor", self.cap_factor, 0.0, MAX_CAP_FACTOR, lo_open=True)
+        check_int("max_promise_tokens", self.max_promise_tokens, 0, 2**31 - 1)
         check_int("max_fork_depth", self.max_fork_depth, 1)
         if self.fork_threshold is not None:
             check_float("fork_threshold", self.fork_threshold, 0.0, 1.0, lo_open=True)
@@ -403,6 +406,9 @@ class Limits:
         """Most tokens a child forked for ``tokens="predicted"`` may sample."""
         return max(self.async_min_cap, math.ceil(self.cap_factor * min(predicted, self.max_promise_tokens)))
 
+
+#: The largest :attr:`Limits.cap_factor` (a chunk may sample this many times its predicted length).
+MAX_CAP_FACTOR = 1e6
 
 PROMPT_SPECIAL_TOKENS = ("text", "control")
 #: Values of :attr:`EngineConfig.thread_policy` (the first is the default).

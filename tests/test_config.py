@@ -53,6 +53,11 @@ def test_sampling_params_accept_the_edges():
     assert SamplingParams(temperature=1e-45).greedy  # below 1e-5: greedy, as vLLM, never a NaN softmax
     assert SamplingParams(temperature=GREEDY_TEMPERATURE * 2).greedy is False
     assert SamplingParams(temperature=1).temperature == 1  # an int temperature is a number
+    # a numpy integer seed is an int to the sampler (torch's generator refused it mid-request)
+    np = pytest.importorskip("numpy")
+    seed = SamplingParams(seed=np.int64(7)).seed
+    assert type(seed) is int and seed == 7
+    assert Limits(cap_factor=1e6, max_promise_tokens=2**31 - 1).chunk_cap(10) == 10**7
 
 
 @pytest.mark.parametrize(
@@ -67,6 +72,9 @@ def test_sampling_params_accept_the_edges():
         ({"max_promise_tokens": -3}, "max_promise_tokens"),
         ({"cap_factor": 10**400}, "cap_factor"),
         ({"fork_threshold": 10**400}, "fork_threshold"),
+        # accepted before, then overflowed in chunk_cap inside a step, failing every request in it
+        ({"cap_factor": 1e308}, "cap_factor"),
+        ({"max_promise_tokens": 10**400}, "max_promise_tokens"),
     ],
 )
 def test_limits_reject_bad_values(kwargs, field):
