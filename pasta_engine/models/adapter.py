@@ -224,7 +224,8 @@ def _pattern_value(pattern: dict[str, float], module: str, default: float) -> fl
     return default
 
 
-def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_scale: float = 1.0) -> list[str]:
+def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_scale: float = 1.0, *,
+               tied_head: bool = False) -> list[str]:
     """Merge a peft LoRA adapter into ``weights`` (a ``transformers`` state dict), in place.
 
     Args:
@@ -232,6 +233,8 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
         adapter_dir: a folder with peft's ``adapter_config.json`` and ``adapter_model.safetensors``.
         lora_scale: multiplies each low-rank delta (in ``[0, 1]``; see the module docstring);
             the added token rows are written as trained whatever it is.
+        tied_head: the model ties its LM head to the embedding: a LoRA pair on ``lm_head`` is
+            refused (the head is the embedding, so a merged copy of it would be dropped).
 
     Returns the names of the merged weights. The sum is computed in float32 and cast back to
     the weight's dtype. Trainable token rows (peft's ``trainable_token_indices``) replace rows of
@@ -240,7 +243,8 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
     ``lora_alpha`` per module.
 
     Raises FileNotFoundError for a folder that is no adapter, UnsupportedModelError for a peft
-    option this merge does not implement (DoRA, biases, fan-in-fan-out, extra modules to save),
+    option this merge does not implement (DoRA, biases and ``lora_bias``, fan-in-fan-out, extra
+    modules to save, LoRA on an embedding),
     ParameterError when a LoRA pair names a weight the checkpoint does not have or shapes disagree,
     CheckpointError (a ParameterError naming the adapter) for an ``adapter_config.json`` that is
     not JSON or has no valid rank ``r``, a ``rank_pattern``/``alpha_pattern`` that is not an
@@ -258,8 +262,9 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
     for opt, bad in (("use_dora", True), ("fan_in_fan_out", True)):
         if cfg.get(opt) == bad:
             raise UnsupportedModelError(f"LoRA option {opt}={bad} is not supported")
-    if cfg.get("bias", "none") != "none" or cfg.get("modules_to_save"):
-        raise UnsupportedModelError("LoRA adapters with trained biases or modules_to_save are not supported")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias") or cfg.get("modules_to_save"):
+        raise UnsupportedModelError("LoRA adapters with trained biases (bias, lora_bias) or modules_to_save are not "
+                                    "supported")
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: adapter_config.json "
@@ -272,6 +277,12 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
     rank_pattern = _pattern(cfg, "rank_pattern", adapter_dir)
     alpha_pattern = _pattern(cfg, "alpha_pattern", adapter_dir)
     tensors = _adapter_tensors(adapter_dir)
+    # tensors this merge has no rule for are refused, never dropped: LoRA on an embedding
+    # (lora_embedding_A/B), a LoRA bias (lora_B.bias)
+    unsupported = [n for n in tensors if ".lora_embedding_" in n or (".lora_B." in n and n.endswith(".bias"))]
+    if unsupported:
+        raise UnsupportedModelError(f"adapter {str(adapter_dir)!r}: {unsupported[0]} is not supported (LoRA on "
+                                    "embeddings and LoRA biases are not merged)")
     merged = _merge_token_rows(weights, cfg, tensors, adapter_dir)
     for name, a in tensors.items():
         if ".lora_A." not in name:
@@ -281,6 +292,9 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
         if b is None:
             raise ParameterError("adapter", str(adapter_dir), message=f"{name} has no lora_B partner")
         base = module.removeprefix("base_model.model.") + ".weight"
+        if tied_head and base == "lm_head.weight":
+            raise UnsupportedModelError(f"adapter {str(adapter_dir)!r} adapts lm_head, which the model ties to its "
+                                        "embedding: such an adapter cannot be merged (train it without lm_head)")
         if base not in weights:
             raise ParameterError("adapter", str(adapter_dir),
                                  message=f"the adapter adapts {base!r}, which the checkpoint does not have")

@@ -167,7 +167,7 @@ def load_model(
         weights = _read_weights(path, where, dtype, kw)
         sliced = False
     if adapter is not None:
-        merge_lora(weights, adapter, lora_scale)
+        merge_lora(weights, adapter, lora_scale, tied_head=cfg.tie_word_embeddings or "lm_head.weight" not in weights)
     _check_finite(weights, where, adapter)
     if adapter is not None:
         rows = weights["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in weights else cfg.vocab_size

@@ -196,3 +196,42 @@ def test_the_merge_equals_peft_with_patterns(tiny_llama, tmp_path):
     assert any("down_proj" in n for n in names) and any("v_proj" in n for n in names)
     for n in names:
         torch.testing.assert_close(base[n], merged[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra, cfg, match", [
+    ({"base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(2, 5),
+      "base_model.model.model.embed_tokens.lora_embedding_B": torch.ones(3, 2)}, {}, "lora_embedding_A is not supported"),
+    ({"base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.ones(4)}, {}, "is not supported"),
+    ({}, {"lora_bias": True}, "lora_bias"),
+])
+def test_tensors_the_merge_has_no_rule_for_are_refused_not_dropped(tmp_path, extra, cfg, match):
+    """peft's LoRA on an embedding and its LoRA biases were skipped without a word (the merged
+    model then differed from peft's); they are refused."""
+    from pasta_engine.errors import UnsupportedModelError
+
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "bias": "none",
+                                                       "target_modules": ["q_proj"], **cfg}))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 3),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(4, 2), **extra},
+              str(d / "adapter_model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=match):
+        merge_lora(_weights(), d)
+
+
+def test_a_lora_on_a_tied_lm_head_is_refused(tmp_path):
+    """With the head tied to the embedding, a merged copy of lm_head is dropped at load, and its
+    delta with it: the merge refuses such an adapter (an untied head merges)."""
+    from pasta_engine.errors import UnsupportedModelError
+
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "bias": "none",
+                                                       "target_modules": ["lm_head"]}))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.ones(2, 3),
+               "base_model.model.lm_head.lora_B.weight": torch.ones(5, 2)}, str(d / "adapter_model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="adapts lm_head, which the model ties"):
+        merge_lora({**_weights(), "lm_head.weight": torch.zeros(5, 3)}, d, tied_head=True)
+    w = {**_weights(), "lm_head.weight": torch.zeros(5, 3)}
+    assert merge_lora(w, d) == ["lm_head.weight"] and w["lm_head.weight"].abs().sum() > 0
