@@ -109,7 +109,7 @@ def _token_indices(cfg: dict[str, Any], module: str) -> list[int]:
         return [int(i) for i in spec]
     if isinstance(spec, dict):
         for name, ids in spec.items():
-            if module.endswith(name):
+            if module == name or module.endswith("." + name):
                 return [int(i) for i in ids]
     return []
 
@@ -124,7 +124,7 @@ def _merge_token_rows(weights: dict[str, torch.Tensor], cfg: dict[str, Any], ten
             continue
         module = name.removesuffix(".token_adapter.trainable_tokens_delta").removeprefix("base_model.model.")
         base = module + ".weight"
-        idx = _token_indices(cfg, module.split(".")[-1])
+        idx = _token_indices(cfg, module)  # the full name: a key may be "model.embed_tokens" (peft matches suffixes)
         if base not in weights or not idx or len(idx) != values.shape[0] or values.dim() != 2:
             raise ParameterError("adapter", str(adapter_dir), message=f"trainable token rows {name} "
                                  f"{tuple(values.shape)} do not fit {base!r} with indices {idx}")

@@ -235,3 +235,19 @@ def test_a_lora_on_a_tied_lm_head_is_refused(tmp_path):
         merge_lora({**_weights(), "lm_head.weight": torch.zeros(5, 3)}, d, tied_head=True)
     w = {**_weights(), "lm_head.weight": torch.zeros(5, 3)}
     assert merge_lora(w, d) == ["lm_head.weight"] and w["lm_head.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("key", ["embed_tokens", "model.embed_tokens"])
+def test_trainable_token_indices_as_a_dict_matches_a_module_name_suffix_as_peft_does(tmp_path, key):
+    d = tmp_path / "adapter"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "bias": "none",
+                                                       "target_modules": ["q_proj"],
+                                                       "trainable_token_indices": {key: [5]}}))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 3),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(4, 2),
+               "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta": torch.full((1, 3), 7.0)},
+              str(d / "adapter_model.safetensors"))
+    w = _weights()
+    merge_lora(w, d)
+    torch.testing.assert_close(w["model.embed_tokens.weight"][5], torch.full((3,), 7.0))
