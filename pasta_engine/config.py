@@ -198,6 +198,8 @@ class SamplingParams:
     def __post_init__(self, max_tokens: int | None, logprobs: int | None) -> None:
         if max_tokens is not None:
             check_int("max_tokens", max_tokens, 1)
+            if self.max_new_tokens is not None:
+                check_int("max_new_tokens", self.max_new_tokens, 1)  # a bad one is named itself, first
             if self.max_new_tokens is not None and self.max_new_tokens != max_tokens:
                 raise ParameterError("max_tokens", max_tokens, message=(
                     f"max_tokens={max_tokens} disagrees with max_new_tokens={self.max_new_tokens!r}: give one of them"))

@@ -53,6 +53,9 @@ def test_sampling_params_accept_the_edges():
     assert SamplingParams(temperature=1e-45).greedy  # below 1e-5: greedy, as vLLM, never a NaN softmax
     assert SamplingParams(temperature=GREEDY_TEMPERATURE * 2).greedy is False
     assert SamplingParams(temperature=1).temperature == 1  # an int temperature is a number
+    # with both lengths given, a bad max_new_tokens is named, not the max_tokens it "disagrees" with
+    with pytest.raises(ParameterError, match="invalid max_new_tokens='5'"):
+        SamplingParams(max_new_tokens="5", max_tokens=5)
     # a numpy integer seed is an int to the sampler (torch's generator refused it mid-request)
     np = pytest.importorskip("numpy")
     seed = SamplingParams(seed=np.int64(7)).seed
