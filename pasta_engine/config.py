@@ -124,13 +124,14 @@ class SamplingParams:
             ParameterError (no alternatives are returned). Init only, like ``max_tokens``.
         repetition_penalty: in [0.01, 100]; 1 = none (a smaller one multiplies logits past
             float32's range). Before sampling, the logit of every token the
-            thread has seen (the prompt, and the response tokens visible to it: a chunk sees the
-            main thread up to its own promise, which it does not count, and its own tokens; see
+            thread counts (the prompt, and of the response: the main thread its own tokens, not a
+            chunk's even after the ``<sync/>`` that makes it visible; a chunk the main thread up
+            to its own promise, which it does not count, and its own tokens; see
             ``Interpreter.seen_tokens``) is divided by it when positive and
             multiplied by it when negative (Keskar et al. 2019, "CTRL", section 4.1; the rule of
             ``transformers``' and vLLM's ``repetition_penalty``).
         presence_penalty: in [-2, 2]; 0 = none. Subtracted from the logit of every token that
-            occurs in the response tokens the thread sees (those of ``repetition_penalty``'s
+            occurs in the response tokens the thread counts (those of ``repetition_penalty``'s
             set without the prompt: vLLM and OpenAI count output tokens only).
         frequency_penalty: in [-2, 2]; 0 = none. ``frequency_penalty * count`` is subtracted from
             each token's logit, ``count`` its occurrences in the same response tokens (OpenAI's
