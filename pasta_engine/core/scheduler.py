@@ -51,8 +51,9 @@ per-request width (``Limits.max_threads``) is applied first in both, in the inte
 models it; in a decode step a thread forwards one token, so the budget is also the step's rows.
 
 KV memory: before a step the scheduler checks that the free pages cover the worst case the
-step can allocate; if not, it preempts the most recently admitted request (its pages are freed
-and it restarts from its prompt later, with the same seed, so its output is unchanged). A
+step can allocate; if not, it preempts the most recently admitted among the requests restarted
+least often, and not the last victim while another could go (its pages are freed and it restarts
+from its prompt later, with the same seed, so its output is unchanged). A
 request that cannot get a page even alone ends with ``finish_reason="error"``; the others go
 on. Every way a request ends (finish, abort, error, an exception escaping a step) releases
 every page it held.
