@@ -14,7 +14,9 @@ cache (:class:`~pasta_engine.core.block_manager.BlockManager`). Measured:
   per-thread level), the best peer for a shared prefix, when it imports (GPU).
 
 Per kernel: median, p10 and p90 microseconds over ``repeats`` timed calls after ``warmup``
-(on a GPU ``triton.testing.do_bench``'s CUDA events with the L2 cache flushed); the bytes the
+calls (on a GPU ``triton.testing.do_bench``'s CUDA events with the L2 cache flushed, which reads
+``warmup`` and ``repeats`` as milliseconds; the record's ``repeats_unit`` says which, and each
+kernel's ``calls`` how many were timed); the bytes the
 tree kernel must read (prefix once + every suffix, K and V, plus queries and outputs) and its
 bandwidth as a fraction of the measured device-to-device copy bandwidth (the physical limit).
 
@@ -199,6 +201,7 @@ def bench_tree_attention(shape: KernelShape, *, device: str = "auto", warmup: in
                 kernels["flashinfer_cascade"] = fi
     rec: dict[str, Any] = {"shape": asdict(shape), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda"
                            else "cpu", "interpreter": dev.type == "cpu", "warmup": warmup, "repeats": repeats,
+                           "repeats_unit": "ms" if dev.type == "cuda" else "calls",
                            "tolerance_abs": tol, "kernels": {}}
     if peers and dev.type == "cuda" and "flashinfer_cascade" not in kernels:
         rec["flashinfer_cascade"] = why

@@ -24,6 +24,7 @@ def test_bench_kernels_checks_every_kernel_and_writes_json(tmp_path, capsys):
     assert [(r["shape"]["threads"], r["shape"]["suffix"]) for r in rows] == [(1, 0), (1, 9), (3, 0), (3, 9)]
     for r in rows:
         assert r["interpreter"] and r["physical_limit_us"] is None and "not a performance figure" in r["note"]
+        assert r["repeats_unit"] == "calls" and all(k["calls"] == r["repeats"] for k in r["kernels"].values())
         assert set(r["kernels"]) == {"tree", "plain", "sdpa_per_thread"}
         for k in r["kernels"].values():
             assert k["max_abs_error"] <= r["tolerance_abs"] and k["calls"] == 2 and k["p10_us"] <= k["p90_us"]
