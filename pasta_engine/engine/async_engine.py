@@ -243,13 +243,16 @@ class AsyncEngine:
     async def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Each token's own bytes (a byte-level token that holds part of a character gives that
         part, not U+FFFD), read on the engine thread from the tokenizer's byte table
-        (:func:`~pasta_engine.lang.detokenizer.token_bytes_table`). Raises EngineDeadError."""
-        from ..lang.detokenizer import token_bytes_table
+        (:func:`~pasta_engine.lang.detokenizer.token_bytes_for`, built once per tokenizer); a
+        tokenizer it does not reproduce gives each token's decoded text as UTF-8. Raises
+        EngineDeadError."""
+        from ..lang.detokenizer import token_bytes_for
 
         ids = [int(t) for t in token_ids]
 
         def read() -> list[bytes]:
-            table = token_bytes_table(self.engine.tokenizer)
+            tb = token_bytes_for(self.engine.tokenizer)
+            table = tb.table if tb is not None else []
             return [table[t] if t < len(table) else self.engine.decode([t]).encode("utf-8") for t in ids]
 
         return await self._call(read)
