@@ -400,12 +400,14 @@ class Interpreter:
         if self.finish is not None:
             return []
         flush, queued, running, done = ThreadStatus.FLUSH, ThreadStatus.QUEUED, _RUNNING, ThreadStatus.DONE
-        waiting, stalled = ThreadStatus.WAITING, ThreadStatus.STALLED
-        # an ended thread waiting for its children flushes its last token now: it may be the fork
-        # its children need (a path whose cap-th token opens a nested block)
+        waiting = ThreadStatus.WAITING
+        # a thread whose pending token forks children runs with that fork (the scheduler appends
+        # its KV as it forks their views), whatever its status: one that ended on its fork token
+        # (a path whose cap-th token opens a nested block) waits for those very children
+        forking = {op.parent for op in self.kv_ops if type(op) is KVFork} if self.kv_ops else ()
         steps = [ThreadStep(t.tid, t.pending, t.pending_pos, False) for t in self.threads
                  if t.pending and (t.status is flush or t.status is waiting or (t.status is done and not t.released)
-                                   or (t.status is stalled and t.finish is not None))]
+                                   or (t.tid in forking and t.status is not running and t.status is not queued))]
         for t in self.threads:
             status = t.status
             if status is running or status is queued:
