@@ -151,7 +151,7 @@ def chunk_jobs(annotated: str, topics: Sequence[str], count_tokens: Callable[[st
             before = "".join(seen)
             stop = ("\n",) if body and "\n" not in body and _is_item_line(before) else ("\n\n", "\r\n\r\n")
             budget = min(max_new_tokens, max(48, 2 * count_tokens(content)))
-            jobs.append(ChunkJob(prefix="".join(seen) + opening, opening=opening, stop=stop,
+            jobs.append(ChunkJob(prefix=before + opening, opening=opening, stop=stop,
                                  max_new_tokens=budget, content=content))
             group.append((len(seen), content))
             # a topic after a marker that the promise follows directly ("1.<promise") reads "1. topic"
@@ -160,10 +160,13 @@ def chunk_jobs(annotated: str, topics: Sequence[str], count_tokens: Callable[[st
     return jobs
 
 
+#: A list marker alone on its line: indentation, a bullet or a number with its ``.``/``)``, spaces.
+_ITEM_MARKER = re.compile(r"([ \t]*)(?:([-*+])|\d{1,3}([.)]))[ \t]*")
+
+
 def _is_item_line(before: str) -> bool:
     """Whether the text before a promise ends with a list marker on its line (``- ``, ``1. ``)."""
-    line = before.rsplit("\n", 1)[-1]
-    return bool(re.fullmatch(r"\s*(?:[-*+]|\d{1,3}[.)])\s*", line))
+    return _ITEM_MARKER.fullmatch(before.rsplit("\n", 1)[-1]) is not None
 
 
 def _sentence_ends(text: str) -> list[int]:
@@ -189,8 +192,7 @@ def _sibling_item(job: ChunkJob, continuation: str) -> int | None:
     with the item's own kind of marker at its indentation: a tight list has no blank line for the
     ``"\n\n"`` stop of a multi-line item to end at), or None."""
     before = job.prefix[: len(job.prefix) - len(job.opening)]
-    line = before.rsplit("\n", 1)[-1]
-    m = re.fullmatch(r"([ \t]*)(?:([-*+])|\d{1,3}([.)]))[ \t]*", line)
+    m = _ITEM_MARKER.fullmatch(before.rsplit("\n", 1)[-1])
     if not m:
         return None
     marker = re.escape(m.group(2)) if m.group(2) else r"\d{1,3}" + re.escape(m.group(3))
