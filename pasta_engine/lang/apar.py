@@ -50,7 +50,7 @@ from __future__ import annotations
 from typing import Any, Collection, Sequence
 
 from .dialect import (AsyncClose, AsyncOpen, BaseDialect, Chunk, Malformed, Parsed, Promise, TagText, Text, Threads,
-                      policy_reserve, register_dialect)
+                      policy_reserve, register_dialect, source_text)
 from .grammar import GrammarState
 from .prompts import PastaPrompt
 from .tags import clean_from_items
@@ -198,10 +198,6 @@ def _merge(items: list[Parsed]) -> list[Parsed]:
     return merged
 
 
-def _raw(e: Parsed) -> str:
-    return e.text if isinstance(e, Text) else e.raw
-
-
 class AparDialect(BaseDialect):
     """APAR (Liu et al. 2024, arXiv 2401.06761) as a dialect (see the module docstring):
     ``[Fork]`` forks, ``[Child]`` (inserted) ... ``[/Child]`` is the item's body, every child
@@ -286,7 +282,7 @@ class AparDialect(BaseDialect):
                     continue
                 if not isinstance(e, Text):
                     diags.append(f"{e.raw} inside a child's body kept as text (no nesting)")
-                body.append(_raw(e))
+                body.append(source_text(e))
                 continue
             if isinstance(e, Promise):
                 place_lead()
@@ -306,7 +302,7 @@ class AparDialect(BaseDialect):
                 if not isinstance(e, Text):
                     diags.append(f"{e.raw} without a {FORK} right before it kept as text")
                 place_lead()
-                main.append(_raw(e))
+                main.append(source_text(e))
         place_lead()
         if body is not None:
             chunks[-1].content, chunks[-1].closed = "".join(body), False
@@ -323,7 +319,7 @@ class AparDialect(BaseDialect):
         for e in self.parse(main):
             if isinstance(e, Malformed):
                 continue  # a diagnostic: its characters come as TagText
-            out.append(_raw(e))
+            out.append(source_text(e))
             if isinstance(e, Promise):
                 c = chunks[i] if i < len(chunks) else None
                 content = c.content if isinstance(c, Chunk) else c

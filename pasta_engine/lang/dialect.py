@@ -57,7 +57,7 @@ from typing import Any, Collection, Protocol, Sequence, Union, runtime_checkable
 from .prompts import NO_PROMPT, PastaPrompt
 
 __all__ = [
-    "Text", "TagText", "Promise", "AsyncOpen", "AsyncClose", "Sync", "Markup", "Malformed", "Parsed",
+    "Text", "TagText", "Promise", "AsyncOpen", "AsyncClose", "Sync", "Markup", "Malformed", "Parsed", "source_text",
     "Chunk", "Threads", "TraceFork", "TraceThread",
     "TextParser", "Dialect", "BaseDialect", "DIALECT_MEMBERS", "as_dialect", "check_dialect",
     "policy_reserve", "dialect_prompt",
@@ -146,6 +146,13 @@ class Malformed:
 
 #: What a parser emits: text (plain or tag-like), a tag event, or a diagnostic beside the text.
 Parsed = Union[Text, TagText, Promise, AsyncOpen, AsyncClose, Sync, Markup, Malformed]
+
+
+def source_text(e: Parsed) -> str:
+    """The characters of the parsed text that ``e`` stands for: a text run's text, a tag's raw
+    text, and nothing for a :class:`Malformed` diagnostic (its characters come as the
+    :class:`TagText` and :class:`Text` beside it). Joined over ``parse(s)``, gives ``s`` back."""
+    return e.text if isinstance(e, Text) else "" if isinstance(e, Malformed) else e.raw
 
 
 # --------------------------------------------------------------------------- traces

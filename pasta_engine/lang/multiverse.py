@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence
 
 from .dialect import (AsyncClose, BaseDialect, Chunk, Malformed, Markup, Parsed, Promise, TagText, Text, Threads,
-                      TraceFork, TraceThread, register_dialect)
+                      TraceFork, TraceThread, register_dialect, source_text)
 from .prompts import PastaPrompt
 from .tags import clean_from_items
 
@@ -303,10 +303,6 @@ def _merge(items: list[Parsed]) -> list[Parsed]:
     return out
 
 
-def _raw(e: Parsed) -> str:
-    return e.text if isinstance(e, Text) else "" if isinstance(e, Malformed) else e.raw
-
-
 class MultiverseDialect(BaseDialect):
     """Multiverse (module docstring): forks at ``</Goal>``, one path per outline, joins its
     paths at once and concludes after them; nests. It overrides every default of
@@ -443,7 +439,7 @@ class MultiverseDialect(BaseDialect):
         parts: list[str] = []
         i = 0
         for e in _merge(parser.feed(main) + parser.finish()):
-            parts.append(_raw(e))
+            parts.append(source_text(e))
             if isinstance(e, GoalFork):
                 for k in range(1, len(e.outlines) + 1):
                     c = chunks[i] if i < len(chunks) else None

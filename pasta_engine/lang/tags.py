@@ -50,7 +50,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
-from .dialect import AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, Sync, TagText, Text, Threads
+from .dialect import AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, Sync, TagText, Text, Threads, source_text
 
 __all__ = [
     "Text",
@@ -576,9 +576,7 @@ def splice(main: str, chunks: Sequence[Chunk | str | None]) -> str:
     out: list[str] = []
     i = 0
     for e in parse(main):
-        if isinstance(e, Malformed):
-            continue
-        out.append(e.text if isinstance(e, Text) else e.raw)
+        out.append(source_text(e))
         if isinstance(e, Promise):
             if i < len(chunks) and chunks[i] is not None:
                 c = chunks[i]

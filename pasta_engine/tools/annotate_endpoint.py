@@ -23,7 +23,8 @@ import re
 from typing import Callable
 
 from ..lang.grammar import MAX_TOPIC_BYTES
-from ..lang.tags import Malformed, Promise, Text, parse, promise_tag, split_threads
+from ..lang.dialect import source_text
+from ..lang.tags import Promise, parse, promise_tag, split_threads
 from .annotate import Annotation, CountTokens, approx_token_count, round_to_tens, verify_annotation
 from .endpoint import ChatEndpoint
 
@@ -101,10 +102,8 @@ def _measured(annotated: str, count: CountTokens) -> str:
             content = chunks[k].content or "" if k < len(chunks) else ""
             out.append(promise_tag(_topic(e.topic), round_to_tens(count(content))))
             k += 1
-        elif isinstance(e, Text):
-            out.append(e.text)
-        elif not isinstance(e, Malformed):  # a malformed tag's characters come next as TagText (a Text)
-            out.append(e.raw)
+        else:
+            out.append(source_text(e))
     return "".join(out)
 
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..lang.tags import AsyncClose, AsyncOpen, Malformed, Promise, Sync, Text, parse, promise_tag, strip_tags
+from ..lang.dialect import source_text
+from ..lang.tags import AsyncClose, AsyncOpen, Promise, Sync, Text, parse, promise_tag, strip_tags
 from ..tools.annotate import round_to_tens
 from .data import TrainExample
 
@@ -92,21 +93,17 @@ def _events(annotated: str) -> list[Any]:
                 p = out[-1]
                 out[-1] = ("promise", p[1], "".join(chunk))
                 chunk = None
-            elif not isinstance(e, Malformed):  # a malformed tag's characters come next as TagText
-                chunk.append(e.text if isinstance(e, Text) else getattr(e, "raw", ""))
+            else:
+                chunk.append(source_text(e))
             continue
-        if isinstance(e, Malformed):
-            continue  # a diagnostic: its characters come next as TagText (a Text)
         if isinstance(e, Promise):
             out.append(("promise", e, None))
         elif isinstance(e, AsyncOpen) and out and out[-1][0] == "promise" and out[-1][2] is None:
             chunk = []
         elif isinstance(e, Sync):
             out.append(("sync", e.raw))
-        elif isinstance(e, Text):
-            out.append(("text", e.text))
-        else:
-            out.append(("text", getattr(e, "raw", "")))
+        else:  # text, tag-like text, a stray tag; a Malformed diagnostic is "" (source_text)
+            out.append(("text", source_text(e)))
     if chunk is not None:  # an unclosed last chunk
         p = out[-1]
         out[-1] = ("promise", p[1], "".join(chunk))
