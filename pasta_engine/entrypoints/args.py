@@ -18,6 +18,9 @@ from ..config import THREAD_POLICIES
 from ..layers.backends import backend_info, backend_names
 from ..tools.presets import PRESETS
 
+#: ``--warmup``'s default: untimed runs of each side before ``--mode both`` times anything.
+DEFAULT_WARMUP = 1
+
 __all__ = [
     "positive_int",
     "nonneg_int",
@@ -157,22 +160,26 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, 
     arguments are the flags' defaults, and ``repetition_penalty=None`` leaves that flag and
     ``--ignore-eos`` out (``serve``: per-request fields there, not server-wide defaults)."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
-                   help="tokens a response may hold, all threads together")
-    g.add_argument("--temperature", type=float, default=temperature,
-                   help=f"0 (or below 1e-5) = greedy (default: {temperature:g})")
-    g.add_argument("--top-p", type=float, default=top_p, help=f"(default: {top_p:g})")
-    g.add_argument("--top-k", type=nonneg_int, default=0, help="0 = all tokens")
+    added = [
+        g.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+                       help="tokens a response may hold, all threads together"),
+        g.add_argument("--temperature", type=float, default=temperature,
+                       help=f"0 (or below 1e-5) = greedy (default: {temperature:g})"),
+        g.add_argument("--top-p", type=float, default=top_p, help=f"(default: {top_p:g})"),
+        g.add_argument("--top-k", type=nonneg_int, default=0, help="0 = all tokens"),
+    ]
     if repetition_penalty is not None:
-        g.add_argument("--repetition-penalty", type=float, default=repetition_penalty,
-                       help="CTRL's penalty on tokens already seen, per thread (1 = none; default: "
-                       f"{repetition_penalty:g})")
-        g.add_argument("--ignore-eos", action="store_true",
-                       help="never sample end-of-sequence: every response runs to --max-new-tokens (vLLM's ignore_eos, "
-                       "for fixed-length benchmarks)")
-    g.add_argument("--seed", type=nonneg_int, default=0)
+        added += [
+            g.add_argument("--repetition-penalty", type=float, default=repetition_penalty,
+                           help="CTRL's penalty on tokens already seen, per thread (1 = none; default: "
+                           f"{repetition_penalty:g})"),
+            g.add_argument("--ignore-eos", action="store_true",
+                           help="never sample end-of-sequence: every response runs to --max-new-tokens (vLLM's "
+                           "ignore_eos, for fixed-length benchmarks)"),
+        ]
+    added.append(g.add_argument("--seed", type=nonneg_int, default=0))
     # each flag's default, so a command where sampling does not happen can refuse one that was set
-    p.set_defaults(sampling_defaults={a.dest: a.default for a in g._group_actions})
+    p.set_defaults(sampling_defaults={a.dest: a.default for a in added})
 
 
 def add_run_args(p: argparse.ArgumentParser, timing: bool = False, resume: bool | None = None,
@@ -184,7 +191,7 @@ def add_run_args(p: argparse.ArgumentParser, timing: bool = False, resume: bool 
     g = p.add_argument_group("run")
     g.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     if timing:
-        g.add_argument("--warmup", type=nonneg_int, default=1,
+        g.add_argument("--warmup", type=nonneg_int, default=DEFAULT_WARMUP,
                        help="untimed runs in each mode before timing (of the first prompt; bench speedup: also of the "
                        "trace with the most promises)")
         g.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS,

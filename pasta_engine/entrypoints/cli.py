@@ -808,6 +808,7 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
     model`` samples the traces."""
     from ..errors import ParameterError
     from ..tools.bench import DEFAULT_REPEATS
+    from .args import DEFAULT_WARMUP
 
     def refuse(flag: str, value: Any, why: str) -> None:
         raise ParameterError(flag, value, message=f"{flag} {value} {why}: leave it out")
@@ -824,7 +825,7 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
             refuse("--baseline", args.baseline,
                    f"chooses the sequential answer's weights, and --mode {mode} decodes none")
         if mode != "both":
-            for flag, default in (("warmup", 1), ("repeats", DEFAULT_REPEATS)):
+            for flag, default in (("warmup", DEFAULT_WARMUP), ("repeats", DEFAULT_REPEATS)):
                 if getattr(args, flag, default) != default:
                     refuse("--" + flag, getattr(args, flag), f"times the two sides of --mode both, and this run is "
                            f"--mode {mode}")
