@@ -24,6 +24,7 @@ GENERATE_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1
 from ..lang.dialect import DIALECT_NAMES
 from ..tools.annotate import ANNOTATORS
 from .args import (
+    DEFAULT_WARMUP,
     adapter_choice,
     add_baseline_arg,
     add_endpoint_args,
@@ -808,7 +809,6 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
     model`` samples the traces."""
     from ..errors import ParameterError
     from ..tools.bench import DEFAULT_REPEATS
-    from .args import DEFAULT_WARMUP
 
     def refuse(flag: str, value: Any, why: str) -> None:
         raise ParameterError(flag, value, message=f"{flag} {value} {why}: leave it out")
