@@ -528,7 +528,7 @@ def summarize_speedup(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     forked = [r for r in rows if r["forks"] > 0]
 
     def geos(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        full = [r for r in rs if r["content_speedup"] > 0]  # every mean over the same answers: with content
+        full = _with_content(rs)  # every mean over the same answers
         return {
             "geomean_content_speedup": _geo([r["content_speedup"] for r in full]),
             "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in full]),
@@ -577,10 +577,16 @@ def summary_warnings(answers: int, forked: int, geo_all: float | None, geo_forke
     return out
 
 
+def _with_content(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows whose answer has content (content speedup > 0): every speedup mean of a summary
+    is over these, the theoretical one's answers (the others count as ``empty_answers``)."""
+    return [r for r in rows if r["content_speedup"] > 0]
+
+
 def _summary_warnings(rows: Sequence[dict[str, Any]], forked: Sequence[dict[str, Any]]) -> list[str]:
     """:func:`summary_warnings` of :func:`speedup_row` or :func:`pareto_row` rows (the answers
     with content, as the summary's means)."""
-    full = [r for r in rows if r["content_speedup"] > 0]
+    full = _with_content(rows)
     return summary_warnings(len(full), len(forked), _geo([r["realized_content_speedup"] for r in full]),
                             _geo([r["realized_content_speedup"] for r in forked]), timing_summary(rows))
 
@@ -777,9 +783,7 @@ def summarize_pareto(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "prompts": n,
         "geomean_content_speedup": _geo([r["content_speedup"] for r in rows]),
-        # over the same answers as the theoretical figure: those with content
-        "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in rows
-                                                  if r["content_speedup"] > 0]),
+        "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in _with_content(rows)]),
         "geomean_end_to_end_speedup": _geo([r["end_to_end_speedup"] for r in rows]),
         "geomean_length_ratio": _geo([r["length_ratio"] for r in rows]),
         "cut_fraction_sequential": cut_fraction(r["finish_reason_sequential"] for r in rows),

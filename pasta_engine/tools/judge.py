@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -59,22 +58,19 @@ class Verdict:
     reason: str = field(default="", compare=False)
 
 
-_OBJECT = re.compile(r"\{.*\}", re.S)
-
-
 def parse_verdict(reply: str, where: str = "the judge") -> Verdict:
     """The :class:`Verdict` in a judge's ``reply``: the first ``{...}`` span parsed as JSON (a
     code fence or words around it are ignored), ``verdict`` case-insensitive (``"a"``, ``"Tie"``).
 
     Raises :class:`JudgeReplyError` naming ``where`` when there is no JSON object, the verdict is
     missing or not A/B/tie, or a score is not a number from 1 to 10."""
-    m = _OBJECT.search(reply)
+    start = reply.find("{")
     head = " ".join(reply.split())[:200]
-    if m is None:
+    if start < 0:
         raise JudgeReplyError(f"{where}: the reply holds no JSON object: {head!r}")
     try:
-        # the first object: a "}" in words after it is not part of it
-        obj, _ = json.JSONDecoder().raw_decode(reply, m.start())
+        # the first object only: a "}" in words after it is not part of it
+        obj, _ = json.JSONDecoder().raw_decode(reply, start)
     except json.JSONDecodeError as e:
         raise JudgeReplyError(f"{where}: the reply's JSON does not parse ({e.msg}): {head!r}") from None
     if not isinstance(obj, dict):
@@ -183,7 +179,7 @@ def _verdict_file(path: Path, ids: set[int]) -> dict[int, str]:
             raise ValueError(f"{path} line {n} is not a verdict (a JSON object with an int 'id' and a 'verdict' of "
                              f"A, B or tie): {line[:80]!r}") from e
         if rid not in ids:
-            raise ValueError(f"{path} line {n}: id {rid} is not a row of the key (ids {min(ids)}-{max(ids)})")
+            raise ValueError(f"{path} line {n}: id {rid} is not a row of the key ({len(ids)} rows)")
         if rid in out:
             raise ValueError(f"{path} line {n}: id {rid} was judged on an earlier line already")
         out[rid] = choice
