@@ -109,8 +109,9 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         engine: the async engine (the app never shuts it down).
         model_name: the name ``/v1/models`` lists and requests must use (or leave out).
         api_key: when set, every ``/v1`` route, ``/tokenize``, ``/detokenize`` and
-            ``/openapi.json`` need ``Authorization: Bearer <api_key>``; an empty key, or one with whitespace or control characters (a
-            header cannot carry them intact, so it could never match), is a ParameterError.
+            ``/openapi.json`` need ``Authorization: Bearer <api_key>``; an empty key, or one with
+            whitespace or control characters (a header cannot carry them intact, so it could
+            never match), is a ParameterError.
         defaults: sampling values for requests that leave them out (max_tokens, temperature,
             top_p, top_k; default: :class:`SamplingParams`'s).
         seed: seed of the random source that picks a seed for requests that give none.

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ...config import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, PositionPolicy, SamplingParams
+from ...config import GREEDY_TEMPERATURE, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, PositionPolicy, SamplingParams
 from ...errors import ParameterError
 from ...lang.dialect import DIALECT_NAMES
 from .errors import OpenAIError
@@ -343,7 +343,7 @@ def check_supported(req: _Request) -> None:
 #: Request fields that act only where tokens are sampled, so never in a replay, each with the
 #: values that ask for nothing a forced token could differ by (greedy, no filter, no penalty).
 _SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "temperature": lambda v: v < 1e-5, "top_p": lambda v: v == 1, "top_k": lambda v: v in (0, -1),
+    "temperature": lambda v: v < GREEDY_TEMPERATURE, "top_p": lambda v: v == 1, "top_k": lambda v: v in (0, -1),
     "min_p": lambda v: v == 0, "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
     "repetition_penalty": lambda v: v == 1, "min_tokens": lambda v: v == 0, "ignore_eos": lambda v: not v,
     "stop_token_ids": lambda v: not v,
