@@ -25,7 +25,10 @@ text that merely holds a ``<`` is the known tag heads ``<promise``, ``<async``, 
   tag-like from its ``<`` through the next ``>`` (included), stopping before a line break or the
   next ``<`` and after at most :data:`MAX_TAG_CHARS` characters past the point it broke (so
   ``<promise topic="t" tokens="N"/>`` is tag-like as a whole, and so is
-  ``<promise topic="an unclosed topic`` up to its line break);
+  ``<promise topic="an unclosed topic`` up to its line break); a promise whose topic broke on a
+  line break or an angle bracket is tag-like through its ``/>`` when the rest of the tag follows
+  (``<promise topic="a\nb" tokens="3"/>`` as a whole: the parser holds that rest back until it
+  closes the tag or cannot, and then reads it by the rule before);
 * a would-be tag still held back when the text ends (a partial tag at a length cut or end of
   sequence) is tag-like when it got as far as a known head (``<promise topic="x" tokens="1``,
   ``<sync/``);
@@ -98,6 +101,10 @@ _PROMISE = "<promise"
 _ATTRS = ("topic", "tokens")
 # A buffer that fails to become a tag is reported as malformed only when it got this far.
 _KNOWN_HEADS = ("<promise", "<async", "</async", "<sync")
+# Characters a topic may not hold; a promise broken by one inside its topic is left out whole
+# when the rest of it follows (``<promise topic="a\nb" tokens="3"/>``).
+_TOPIC_BREAKS = "<>\n"
+_TOPIC_OPEN = re.compile(r"""\btopic\s*=\s*(["'])[^"'<>\n]*\Z""")
 
 
 #: PASTA-LANG's tags as events.
@@ -230,6 +237,11 @@ class TagParser:
     # starts is decided (only while _buf holds it)
     _count: int = 0  # characters consumed
     _junk: int = 0  # after a malformed tag: characters it may still run on (0: none)
+    # after a promise broke inside its topic on '\n', '<' or '>': the broken tag (``prefix``,
+    # the topic's quote) and the characters held since, with the offset of the first
+    _tail: tuple[str, str] | None = None
+    _tail_text: str = ""
+    _tail_at: int = 0
 
     def feed(self, piece: str | int) -> list[Parsed]:
         """Consume one piece (text, or a special-token id). Returns the completed items.
@@ -239,7 +251,7 @@ class TagParser:
         out: list[Parsed] = []
         i, n = 0, len(text)
         while i < n:
-            if not self._buf and not self._junk:
+            if not self._buf and not self._junk and self._tail is None:
                 # fast path: text up to the next '<' cannot be part of a tag
                 j = text.find("<", i)
                 if j < 0:
@@ -259,7 +271,7 @@ class TagParser:
         """Consume ``text`` when it is all text: no ``<`` in it and no partial tag held back
         (what :meth:`feed` would return as one :class:`Text`, or nothing for ``""``); returns
         True then. Otherwise consumes nothing and returns False (call :meth:`feed`)."""
-        if self._buf or self._junk or "<" in text:
+        if self._buf or self._junk or self._tail is not None or "<" in text:
             return False
         self._count += len(text)
         return True
@@ -269,6 +281,8 @@ class TagParser:
         diagnostic when it got as far as a known tag head (``<promise topic="x" tokens="1``),
         else plain :class:`Text` (``<``, ``<prom``)."""
         out: list[Parsed] = []
+        if self._tail is not None:  # the topic's tail never closed the tag: read as before
+            self._release_tail(out)
         self._junk = 0
         buf, self._buf = self._buf, ""
         if buf.startswith(_KNOWN_HEADS):  # tag-like: what a '<' broke before it goes too, as mid-text
@@ -283,10 +297,13 @@ class TagParser:
     @property
     def pending(self) -> str:
         """Characters held back because they may still become a tag (or be left out with one)."""
-        return "".join(self._broken) + self._buf
+        return "".join(self._broken) + self._buf + self._tail_text
 
     def _push(self, ch: str, out: list[Parsed], at: int) -> None:
         """Consume character ``ch`` found at offset ``at`` of the input."""
+        if self._tail is not None:
+            self._push_tail(ch, out)
+            return
         if not self._buf:
             if self._junk:  # the rest of a malformed tag, through its '>'
                 if ch != "<" and ch != "\n":
@@ -323,6 +340,13 @@ class TagParser:
                 out.append(Malformed(raw=buf, reason="malformed tag"))
                 out.append(TagText(prefix))
                 self._junk = MAX_TAG_CHARS
+                topic = _TOPIC_OPEN.search(prefix) if ch in _TOPIC_BREAKS else None
+                if topic is not None:
+                    # a topic broken by a line break or an angle bracket: the rest of the tag
+                    # (``…" tokens="N"/>``) is held until it closes the tag or cannot
+                    self._tail, self._tail_text, self._tail_at = (prefix, topic.group(1)), "", at
+                    self._push_tail(ch, out)
+                    return
             elif ch == "<":
                 # "<pro" broken by a '<': if that '<' starts a tag (or tag-like text), the two
                 # must not meet again once it is left out ("<pro<sync/>mise ..." would read as
@@ -332,6 +356,36 @@ class TagParser:
                 out.append(Text("".join(self._broken) + prefix))
                 self._broken = []
             self._push(ch, out, at)
+
+    def _push_tail(self, ch: str, out: list[Parsed]) -> None:
+        """Hold ``ch`` as part of a broken topic's tail. The tail is tag-like (left out with its
+        promise) once the promise with the topic's bad characters blanked out scans as complete;
+        when it no longer can, the held characters are read again as they were before (the
+        rest of a malformed tag, :attr:`_junk`)."""
+        prefix, quote = self._tail
+        tail = self._tail_text + ch
+        end = tail.find(quote)
+        topic_rest = tail if end < 0 else tail[:end]
+        blanked = "".join(" " if c in _TOPIC_BREAKS else c for c in topic_rest) + ("" if end < 0 else tail[end:])
+        status, _ = _scan(prefix + blanked)
+        if status == "done":
+            self._tail, self._tail_text = None, ""
+            self._junk = 0
+            out.append(TagText(tail))
+        elif status == "partial":
+            self._tail_text = tail
+        else:
+            self._tail_text = tail
+            self._release_tail(out)
+
+    def _release_tail(self, out: list[Parsed]) -> None:
+        """Read the held tail again as the rest of a malformed tag (what it was before it was
+        held): tag-like through a ``>``, stopping at a line break or ``<``."""
+        held, at = self._tail_text, self._tail_at
+        self._tail, self._tail_text = None, ""
+        self._junk = MAX_TAG_CHARS
+        for k, c in enumerate(held):
+            self._push(c, out, at + k)
 
     def _flush_broken(self, out: list[Parsed]) -> None:
         if self._broken:

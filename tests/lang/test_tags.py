@@ -43,6 +43,7 @@ NEAR_MISSES = [
     '<promise topic="x" tokens="N"/>',  # tokens not a number
     '<promise topic="x" tokens="1000000000"/>',  # runaway digits
     '<promise topic="a<b" tokens="3"/>',
+    '<promise topic="a\nb" tokens="3"/>',
     "<async",
     "</asyn>",
     "<sync/",
@@ -267,6 +268,35 @@ def test_malformed_tags_are_left_out_of_the_clean_text():
         assert clean_text(text) == want, text
         # nothing is lost: only the clean text leaves it out
         assert strip_tags(text) == text.replace("<sync/>", "")
+
+
+def test_a_promise_broken_inside_its_topic_is_left_out_whole():
+    # a topic may not hold a line break or an angle bracket; the rest of such a promise
+    # (its tokens attribute and '/>') is tag-like too, so no tag text reaches the clean text
+    for text in [
+        'A <promise topic="foo\nbar" tokens="3"/> B',
+        'A <promise topic="a<b" tokens="3"/> B',
+        'A <promise topic="a>b" tokens="3"/> B',
+        "A <promise tokens='3' topic='a\n\nb'/> B",
+    ]:
+        assert clean_text(text) == "A  B", text
+        assert strip_tags(text) == text
+        for cut in range(1, len(text)):  # the same split anywhere (streaming)
+            assert normalize(parse([text[:cut], text[cut:]])) == normalize(parse(text)), (text, cut)
+    # a tail that never closes the tag is read as before: text after the line break, and a
+    # tag after it is still a tag
+    assert clean_text('A <promise topic="a\nb" tokens="3"<sync/>C') == 'A \nb" tokens="3"C'
+    assert clean_text('A <promise topic="a\nnext line') == "A \nnext line"
+    p = TagParser()
+    assert p.feed('x <promise topic="a\nb" tok') == [
+        Text("x "),
+        Malformed(raw='<promise topic="a\n', reason="malformed tag"),
+        TagText('<promise topic="a'),
+    ]
+    assert p.pending == '\nb" tok'  # held: it may still close the tag
+    assert p.feed("ens") == []
+    assert not p.feed_plain("x")
+    assert normalize(p.finish()) == [Text('\nb" tokens')]
 
 
 def test_prose_with_angle_brackets_keeps_its_characters():
