@@ -42,6 +42,8 @@ Where the line between tag and text falls (character by character):
   shown, with a :class:`~.dialect.Malformed` diagnostic); so is a would-be tag that got as far as its
   name and broke on a character that is not a word character (``<Path x>``: ``<Path`` is
   tag-like, `` x>`` is text);
+* ``</Path>`` inside a path closes it with whatever it left open (a nested block cut by the
+  path's end or cap: the interpreter's ``</Path>`` follows it), as HTML's implied end tags do;
 * so is a partial tag (``<`` and at least one more character of a tag) cut by another ``<``
   (``<Concl</Path>``: what a path cut inside a tag and closed by the interpreter reads as);
 * a name followed by a word character is a word, and text (``<Pathway>``, ``<Goals>``), and so is
@@ -269,9 +271,15 @@ class MultiverseParser:
                 st.pop()
                 out.append(Markup(raw, end))
                 return
-        elif top != name:
+        elif top != name and not (name == PATH and PATH in st):
             bad = f"{raw} without an open <{name}>"
         else:
+            while st[-1] != name:  # </Path> closes what its path left open (a block cut by its end)
+                inner = st.pop()
+                if inner == GOAL:
+                    self._outlines.pop()
+                elif inner == OUTLINE:
+                    self._outline = None
             st.pop()
             if name == OUTLINE:
                 self._outlines[-1].append("".join(self._outline or []))
@@ -399,6 +407,9 @@ class MultiverseDialect(BaseDialect):
                     stack.append(CONCLUSION)
                     continue  # the join's inserted text
             t.items.append(("tag", raw))
+            if name == PATH and not opening:
+                while stack and stack[-1] != PATH:  # as the parser: it closes what its path left open
+                    stack.pop()
             if name == PATH and not opening and len(threads) > 1 and len(stack) == base:
                 t.closed = True  # the thread's own path ends
                 stack.pop()

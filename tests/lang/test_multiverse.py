@@ -272,3 +272,14 @@ def test_annotated_alpaca_eval_answers_replay_to_the_answer(tok, alpaca_outputs)
             assert pasta.result().text == answer
             assert pasta.interp.n_forks >= 2 and pasta.steps == critical_path(pasta.interp.structure())
     assert forked >= 15, forked  # most AlpacaEval answers hold a list
+
+
+def test_a_path_closed_inside_a_nested_block_closes_the_block_too(tok):
+    """A path that ends while a block it opened is still open (its end or cap came inside the
+    nested goal): the ``</Path>`` the interpreter writes closes that block as well, so the
+    parent's conclusion is shown; it was read as tag-like text inside the open goal, and the
+    final text dropped the conclusion the stream had shown."""
+    ann = ("<Parallel><Goal><Outline>o</Outline></Goal><Path>\n1:a<Parallel><Goal><Outline>x"
+           "</Path><Conclusion>\nDone.</Conclusion></Parallel>")
+    assert M.clean_text(ann) == "a\nDone."
+    check_round_trip(tok, ann)
