@@ -36,7 +36,7 @@ def check_window(sliding_window: int | None, q_positions: torch.Tensor | None, k
                  rows: int, k_cache: torch.Tensor, fn: str) -> int:
     """The window to pass to a kernel (0: none). Raises ValueError naming ``sliding_window``
     when it is not a positive int or its position inputs are missing or malformed:
-    ``q_positions`` ``[rows]`` int32/int64 and ``key_positions`` ``[num_pages, page_size]`` int32
+    ``q_positions`` ``[rows]`` int32/int64 (unit stride) and ``key_positions`` ``[num_pages, page_size]`` int32
     (unit last stride), both on the cache's device."""
     if sliding_window is None:
         return 0
@@ -44,9 +44,11 @@ def check_window(sliding_window: int | None, q_positions: torch.Tensor | None, k
         raise ValueError(f"{fn}: sliding_window must be a positive int (tokens) or None, got {sliding_window!r}")
     if q_positions is None or key_positions is None:
         raise ValueError(f"{fn}: sliding_window={sliding_window} needs q_positions and key_positions")
-    if q_positions.dim() != 1 or q_positions.shape[0] < rows or q_positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{fn}: sliding_window needs q_positions [{rows}] int32/int64, got "
-                         f"{tuple(q_positions.shape)} {q_positions.dtype}")
+    if (q_positions.dim() != 1 or q_positions.shape[0] < rows or q_positions.dtype not in (torch.int32, torch.int64)
+            or (q_positions.shape[0] > 1 and q_positions.stride(0) != 1)):
+        raise ValueError(f"{fn}: sliding_window needs q_positions [{rows}] int32/int64 with a unit stride (the "
+                         f"kernels read it as contiguous: pass .contiguous()), got {tuple(q_positions.shape)} "
+                         f"{q_positions.dtype}, stride {tuple(q_positions.stride())}")
     if (tuple(key_positions.shape) != tuple(k_cache.shape[:2]) or key_positions.dtype != torch.int32
             or key_positions.stride(-1) != 1):
         raise ValueError(f"{fn}: sliding_window needs key_positions [{k_cache.shape[0]}, {k_cache.shape[1]}] int32 "

@@ -298,7 +298,7 @@ def extend_attention(
     cap_log2 = check_softcap(logit_softcap, fn) * _LOG2E
     if t == 0 or nb == 0 or max_q_len == 0:
         return out
-    block_d = triton.next_power_of_2(d)
+    block_d = max(16, triton.next_power_of_2(d))
     page_block = triton.next_power_of_2(k_cache.shape[1])
     rows = max_q_len * group
     auto_m, auto_n, num_warps = _tile_config(block_d, rows, q.dtype)
@@ -424,10 +424,11 @@ def _register() -> None:
     # the tiles extend_attention picks for a prompt prefill (thousands of rows) and an inserted
     # tag (a few rows), page_size 16: Llama-3-8B and Qwen3-8B (D=128, group 4), SmolLM2-135M
     # (D=64, group 3), Gemma-7B (D=256, group 1), Gemma-2-9B's sliding layers (D=256, group 2,
-    # window and soft-cap), Phi-3-mini (D=96 in a 128-wide tile, group 1, window)
+    # window and soft-cap), Phi-3-mini (D=96 in a 128-wide tile, group 1, window), and the test
+    # suite's tiny models (D=4 in a 16-wide tile: tl.dot needs K >= 16)
     for d, group, window, softcap in ((128, 4, False, False), (64, 3, False, False), (256, 1, False, False),
-                                      (256, 2, True, True), (96, 1, True, False)):
-        block_d = triton.next_power_of_2(d)
+                                      (256, 2, True, True), (96, 1, True, False), (4, 2, False, False)):
+        block_d = max(16, triton.next_power_of_2(d))
         for rows in (4096, 12):
             bm, bn, _ = _tile_config(block_d, rows, torch.bfloat16)
             options = " window" * window + " softcap" * softcap

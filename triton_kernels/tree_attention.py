@@ -276,6 +276,8 @@ class DecodePlan:
     partials: bool
     pages_read: int  # pages streamed per KV head (for bytes-read accounting)
     grid_work: int | None = None  # programs to launch along work items (a capacity when captured)
+    rows: int = 0  # query rows the plan was built for (0: a capacity plan, checked by its load)
+    group: int = 0  # the GQA group it was built for (0: a capacity plan)
 
 
 PLAN_ARRAYS = (
@@ -424,7 +426,7 @@ def plan_lists(
         row_indptr=row_part_start + [len(row_parts)], num_rows=[len(views)],
     )
     info = dict(n_work=len(w_rowset), n_parts=n_parts, block_m=block_m or need_m, mode=mode,
-                partials=any(n > 1 for n in row_nparts), pages_read=total)
+                partials=any(n > 1 for n in row_nparts), pages_read=total, rows=len(views), group=group)
     return arrays, info
 
 
@@ -511,12 +513,14 @@ def tree_decode_attention(
         k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, same dtype and strides as q's dtype.
         plan: :func:`build_plan` for these rows.
         scale: softmax scale (``head_dim ** -0.5`` for Llama).
-        out: ``[R, Hq, D]`` output (allocated when None).
+        out: ``[R, Hq, D]`` output of q's dtype and device, last dim contiguous (allocated when
+            None).
         merge: ``inline``, ``separate``, or a callable
             ``merge(part_o, part_lse, row_indptr, row_parts, out)`` given every row's partials
             (see the module docstring).
         block_n: KV tokens per inner iteration (a multiple of 16 and of the page size or a divisor).
-        grid_work: launch this many work programs (a capacity for CUDA graphs; default the plan's).
+        grid_work: launch this many work programs (a capacity for CUDA graphs; default the plan's;
+            at least the plan's work items).
         workspace: scratch buffers (:class:`DecodeWorkspace`); None allocates them for this call.
         sliding_window: row r sees only the keys whose logical position is
             ``> q_positions[r] - sliding_window`` (tokens); None: no window.
@@ -527,8 +531,9 @@ def tree_decode_attention(
             last stride (with ``sliding_window``).
 
     Returns ``out``: softmax(q k^T * scale) v per row and head. Raises ValueError on shape or
-    dtype mismatches, naming ``sliding_window``/``logit_softcap`` when their inputs are missing
-    or invalid.
+    dtype mismatches (``out`` included), on a plan built for more rows or another GQA group than
+    the call's, on a ``grid_work`` below the plan's work items, naming
+    ``sliding_window``/``logit_softcap`` when their inputs are missing or invalid.
 
     Example (two threads over a shared 8-token prefix of pages 0-1 and a private page each; runs
     on a GPU, or on the CPU under ``TRITON_INTERPRET=1`` in float16/float32)::
@@ -561,9 +566,20 @@ def tree_decode_attention(
     cap_log2 = check_softcap(logit_softcap, "tree_decode_attention") * LOG2E
     if not (merge in ("inline", "separate") or callable(merge)):
         raise ValueError(f"merge must be 'inline', 'separate' or a callable, got {merge!r}")
+    group = hq // hkv
+    if plan.rows and r < plan.rows:
+        raise ValueError(f"the plan covers {plan.rows} query rows but q has {r}: build the plan for these rows")
+    if plan.group and plan.group != group:
+        raise ValueError(f"the plan was built for GQA group {plan.group}, the call's is {group} "
+                         f"({hq} query heads / {hkv} KV heads): pass group={group} to build_plan")
+    if grid_work is not None and grid_work < plan.n_work:
+        raise ValueError(f"grid_work={grid_work} is below the plan's {plan.n_work} work items (rows would go "
+                         f"unwritten and the merge counters stay set): pass at least {plan.n_work}, or None")
     if out is None:
         out = torch.empty((r, hq, d), dtype=q.dtype, device=q.device)
-    group = hq // hkv
+    elif tuple(out.shape) != (r, hq, d) or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be a [{r}, {hq}, {d}] {q.dtype} tensor on {q.device} with a contiguous last "
+                         f"dim, got {tuple(out.shape)} {out.dtype} on {out.device}, strides {tuple(out.stride())}")
     group_pad = _next_pow2(group)
     block_d = max(16, _next_pow2(d))
     part_o, part_lse, counters = (workspace or DecodeWorkspace()).get(plan.n_parts, r, hq, hkv, d, q.device)

@@ -121,6 +121,8 @@ def test_missing_or_bad_options_are_named():
                               key_positions=pos.long())
     with pytest.raises(ValueError, match="logit_softcap must be a positive number"):
         tree_decode_attention(q, k, k, plan, 1.0, logit_softcap=-1.0)
+    with pytest.raises(ValueError, match="unit stride"):  # read as contiguous: the window fell elsewhere
+        tree_decode_attention(q, k, k, plan, 1.0, sliding_window=8, q_positions=torch.arange(4)[::2], key_positions=pos)
     idx = extend_indices([1], [[0]], [[2]], "cpu")
     with pytest.raises(ValueError, match="sliding_window=8 needs q_positions"):
         extend_attention(q, k, k, *idx, 1.0, sliding_window=8)

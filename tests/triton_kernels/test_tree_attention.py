@@ -185,6 +185,36 @@ def test_bad_inputs_are_named():
         tree_decode_attention(torch.zeros(1, 2, 64), k[:, :, :1], k[:, :, :1], plan, 1.0, merge="later")
 
 
+def test_a_call_that_does_not_fit_its_plan_or_out_is_refused():
+    """Each of these was accepted and answered with garbage (or wrote past ``out``, or left the
+    workspace's merge counters set so the next correct call merged unwritten partials)."""
+    rng = random.Random(5)
+    kv, views = random_forest(rng, 2, 4, 2, 16, torch.float32)
+    k, v = kv.layer(0)
+    n = len(views)
+    q = torch.randn(n, 4, 16)
+    plan = build_plan(plan_views(views), group=2, num_kv_heads=2, device="cpu", mode="tree", target_work=9)
+    assert plan.n_work > 1 and plan.rows == n
+    for bad, match in [
+        (dict(out=torch.empty(n, 4, 32)[..., ::2]), "contiguous last"),  # strided last dim
+        (dict(out=torch.empty(n, 4, 8)), "out must be"),  # too small: wrote past its end
+        (dict(out=torch.empty(n, 4, 16, dtype=torch.float64)), "out must be"),
+        (dict(grid_work=1), "grid_work=1 is below"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tree_decode_attention(q, k, v, plan, 0.25, **bad)
+    with pytest.raises(ValueError, match=f"covers {n} query rows but q has {n - 1}"):
+        tree_decode_attention(q[: n - 1], k, v, plan, 0.25)
+    small = build_plan(plan_views(views), group=1, num_kv_heads=2, device="cpu", mode="tree", target_work=9)
+    with pytest.raises(ValueError, match="GQA group 1, the call's is 2"):
+        tree_decode_attention(q, k, v, small, 0.25)
+    ws = DecodeWorkspace()  # a refused call leaves the workspace as it was: the next call is right
+    with pytest.raises(ValueError):
+        tree_decode_attention(q, k, v, plan, 0.25, grid_work=1, workspace=ws)
+    got = tree_decode_attention(q, k, v, plan, 0.25, workspace=ws, grid_work=plan.n_work + 3)
+    torch.testing.assert_close(got, reference(q, kv, views, 0.25), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64), (8, 1, 64)])
 @pytest.mark.parametrize("merge", ["inline", "separate"])
