@@ -107,7 +107,9 @@ class RequestResult:
     def to_dict(self, include_trace: bool = False) -> dict[str, Any]:
         """JSON-ready dict; per-token positions/threads and prompt ids only with ``include_trace``."""
         d = asdict(self)
-        if not self.choices:
+        if self.choices:  # each completion as its own dict, with the same rule
+            d["choices"] = [c.to_dict(include_trace) for c in self.choices]
+        else:
             d.pop("choices")
         if not include_trace:
             d.pop("positions")

@@ -192,7 +192,10 @@ class IncrementalDetokenizer:
     token; :meth:`flush` returns what is still held back (an incomplete character decodes as
     U+FFFD). After every push that ends on a whole character, the deltas so far plus
     :meth:`pending_text` equal the tokenizer's decoding of all ids pushed (nothing emitted is
-    ever taken back).
+    ever taken back). One exception: where a byte-fallback tokenizer (Llama-2's SentencePiece
+    ``<0x..>`` tokens) was given invalid UTF-8, its decoder replaces every byte of the run of
+    byte tokens and this replaces only the invalid sequences (``"\ufffd\n"`` for E6 then 0A
+    where ``decode`` gives two U+FFFD); a token id past the tokenizer decodes to nothing.
 
     Args:
         decode: ``ids -> str`` with special tokens decoded to their text (used without a table).
@@ -215,7 +218,10 @@ class IncrementalDetokenizer:
         token_id = int(token_id)
         self.ids.append(token_id)
         if self._table is not None:
-            data = self._tail + self._table.table[token_id]
+            table = self._table.table
+            # an id past the tokenizer (a model's vocabulary rows padded past it, e.g. Qwen2.5's
+            # 152064 for 151665 tokens) decodes to nothing, as tokenizer.decode has it
+            data = self._tail + (table[token_id] if 0 <= token_id < len(table) else b"")
             try:  # whole characters (the common case); else TokenBytes.decode keeps the tail
                 text, self._tail = data.decode("utf-8"), b""
             except UnicodeDecodeError:

@@ -158,6 +158,10 @@ def test_n_completions_per_prompt_as_vllm_returns_them(engine):
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
     one = engine.generate([PROMPT], SamplingParams(max_new_tokens=6), mode="sequential")[0]
     assert len(one.outputs) == 1 and one.outputs[0].result is one and "choices" not in one.to_dict()
+    # to_dict: each completion follows the same rule (its trace fields only with include_trace)
+    trace = ("positions", "threads", "prompt_ids", "choices")
+    assert all(not any(k in c for k in trace) for c in res[0].to_dict()["choices"])
+    assert all("positions" in c for c in res[0].to_dict(include_trace=True)["choices"])
     assert _all_free(engine)
 
 

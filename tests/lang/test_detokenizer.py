@@ -104,3 +104,12 @@ def test_unsupported_decoders_get_no_table():
         pass
 
     assert TokenBytes.from_tokenizer(NoBackend()) is None
+
+
+def test_an_id_past_the_tokenizer_decodes_to_nothing(smol_tok):
+    """A model whose vocabulary rows are padded past its tokenizer (Qwen2.5: 152064 rows for
+    151665 tokens) can sample such an id; the table raised IndexError inside the engine step."""
+    ids = smol_tok.encode("Hello", add_special_tokens=False) + [len(smol_tok), len(smol_tok) + 7]
+    fast = IncrementalDetokenizer(None, token_bytes_for(smol_tok))
+    got = "".join(fast.push(t) for t in ids) + fast.flush()
+    assert got == smol_tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == "Hello"
