@@ -412,10 +412,11 @@ def train_bonbon(
                 for key in ("sft", "ipo", "margin"):
                     parts_acc[key] += parts[key] / len(chunk)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
+            lr_used = opt.param_groups[0]["lr"]  # this step's (the scheduler's step below sets the next)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            curve.add(step=s + 1, lr=sched.get_last_lr()[0], **parts_acc)
+            curve.add(step=s + 1, lr=lr_used, **parts_acc)
             bar.update(1)
             bar.set_postfix(loss=f"{parts_acc['loss']:.2f}", margin=f"{parts_acc['margin']:.2f}")
         bar.close()

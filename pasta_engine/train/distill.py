@@ -74,7 +74,8 @@ def reading_order(layout: PastaLayout, is_content: Sequence[bool], decode: Any,
     parent's at the parent's clean offset when it forked (``layout.forks``; before the parent's
     character there), recursively. Returns ``(text, starts)``: ``starts[i]`` is the character
     offset in ``text`` where token ``i`` starts, -1 for tag tokens and the end-of-sequence token
-    (left out of the text).
+    (left out of the text) and for a token that starts inside a character (a byte-level piece
+    after the first of one character: it has no character offset, so no teacher row).
 
     For PASTA-LANG the text equals the annotated response less its tags (chunks stay where they
     are written); the rebuild from threads also holds for a dialect whose chunks go elsewhere.
@@ -96,8 +97,11 @@ def reading_order(layout: PastaLayout, is_content: Sequence[bool], decode: Any,
     local: dict[int, tuple[str, list[int]]] = {}  # tid -> (text, start of each of its content tokens)
     for tid, idx in by_thread.items():
         ids = [layout.token_ids[i] for i in idx]
-        starts = [len(decode(ids[:k])) for k in range(len(ids))]
-        local[tid] = (decode(ids), starts)
+        prefixes = [decode(ids[:k]) for k in range(len(ids))]
+        # a token that starts inside a character (byte-level pieces of one emoji) has no
+        # character offset: the cut character decodes as one U+FFFD, which would give it the
+        # next character's start (and another place's teacher row)
+        local[tid] = (decode(ids), [-1 if p.endswith("\ufffd") else len(p) for p in prefixes])
     kids: dict[int, list[tuple[int, int]]] = {}
     for child, (parent, at) in layout.forks.items():
         kids.setdefault(parent, []).append((at, child))
@@ -114,7 +118,7 @@ def reading_order(layout: PastaLayout, is_content: Sequence[bool], decode: Any,
         for fc, child in sorted(kids.get(tid, [])) + [(len(text), None)]:
             fc = min(max(fc, at), len(text))
             while k < len(idx) and st[k] < fc:
-                starts[idx[k]] = length + st[k] - at
+                starts[idx[k]] = length + st[k] - at if st[k] >= 0 else -1
                 k += 1
             parts.append(text[at:fc])
             length += fc - at
@@ -122,7 +126,7 @@ def reading_order(layout: PastaLayout, is_content: Sequence[bool], decode: Any,
             if child is not None:
                 emit(child)
         while k < len(idx):
-            starts[idx[k]] = length + st[k] - at
+            starts[idx[k]] = length + st[k] - at if st[k] >= 0 else -1
             k += 1
 
     emit(layout.main_tid)

@@ -14,6 +14,7 @@ from ..lang.dialect import Dialect, dialect_prompt
 from ..lang.pasta import PASTA
 from ..lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
 from ..lang.tokenization import encode_prompt, eos_token_ids
+from ..models.config import ModelConfig
 from .layout import PastaLayout, pasta_layout
 
 __all__ = ["layout_for", "forward_log_softmax", "forward_logprobs", "pasta_logprobs"]
@@ -61,7 +62,16 @@ def forward_log_softmax(model: Any, layout: PastaLayout) -> torch.Tensor:
     additive mask (model dtype) and ``[1, T]`` int64 position ids on the model's device (no
     sliding window: transformers does not apply one to a given 4D mask, so windowed models are
     trained on responses shorter than their window); the log-softmax is taken in
-    float32 only at the query rows that predict a sampled token."""
+    float32 only at the query rows that predict a sampled token.
+
+    Raises ValueError when the layout reaches a position at or past the model's sliding window:
+    the dense mask would train other log-probabilities than the engine's windowed attention
+    computes."""
+    windows = [w for w in ModelConfig.from_hf(_model_config(model)).sliding_windows if w is not None]
+    if windows and layout.position_ids and max(layout.position_ids) >= min(windows):
+        raise ValueError(f"this example reaches position {max(layout.position_ids)}, past the model's sliding "
+                         f"window of {min(windows)} tokens, which the training forward does not apply: train on "
+                         f"shorter prompts and responses (e.g. --max-response-tokens)")
     param = next(model.parameters())
     dev = param.device
     ids = torch.tensor([layout.input_ids], dtype=torch.long, device=dev)

@@ -117,7 +117,9 @@ def pasta_layout(
     )
     req = Request(request_id="layout", index=0, mode="pasta", params=SamplingParams(max_new_tokens=max_new),
                   make_interpreter=make)
-    pages = (len(prompt_ids) + 4 * max_new) // page_size + 64
+    # bookkeeping only (no KV is stored): room for every token plus the two part-filled pages a
+    # fork may leave (the parent's sealed page and the child's own)
+    pages = (len(prompt_ids) + 4 * max_new) // page_size + 2 * (min(limits.max_forks, max_new) + 1) + 64
     sched = Scheduler(BlockManager(pages, page_size), max_running_requests=1)
     sched.add(req)
     input_ids: list[int] = []
@@ -142,6 +144,8 @@ def pasta_layout(
                 targets.append((st.step.tid, len(input_ids) - 1, st.step.forced))
         forced = [st.step.forced for st in batch.sampling]
         sched.postprocess(batch, SampledTokens(forced, [0.0] * len(forced)))
+    if req.error is not None:  # a cut layout would train the wrong tokens: say so instead
+        raise RuntimeError(f"the layout's dry run ended with an error: {req.error}")
     it = req.interp
     # spliced order: each thread's sampled tokens follow its inserted ones
     per_thread: dict[int, list[int]] = {}

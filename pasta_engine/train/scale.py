@@ -156,8 +156,11 @@ class ModelShape:
 
     def params(self, added_rows: int = 0) -> int:
         """Parameters of the whole model (embedding of ``vocab + added_rows`` rows, the LM head
-        unless tied, every layer's projections, biases and norms, the final norm): exact for
-        these architectures (tests/train/test_scale.py checks it against ``transformers``)."""
+        unless tied, every layer's projections, q/k/v biases and norms, the final norm): exact for
+        the configurations tests/train/test_scale.py checks against ``transformers`` (Llama,
+        Qwen2, Qwen3, Gemma, Gemma 2 as published). Not counted: ``o_proj``'s bias of a Llama
+        config with ``attention_bias``, the MLP biases of ``mlp_bias``, Gemma 3's q/k norms
+        (hundreds of parameters per layer: nothing at the memory scale this plans for)."""
         per_layer = sum(i * o for i, o in self.linears().values()) + self.norms_per_layer * self.hidden
         if self.qkv_bias:
             per_layer += (self.heads + 2 * self.kv_heads) * self.head_dim

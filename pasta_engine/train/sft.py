@@ -246,7 +246,9 @@ def train_sft(
     order = [list(range(len(examples))) for _ in range(settings.epochs)]
     for e, o in enumerate(order):
         random.Random(settings.seed * 1000 + e).shuffle(o)
-    flat = [i for o in order for i in o][: total * settings.grad_accum]
+    # each epoch cut to whole optimizer steps before the next begins: a step never spans two
+    # epochs (which could hold one example twice) and no epoch is skipped
+    flat = [i for o in order for i in o[: per_epoch * settings.grad_accum]][: total * settings.grad_accum]
     limits = Limits(max_threads=None)
     bar = tqdm(total=total, initial=state["step"], unit="step", desc="sft", file=sys.stderr,
                disable=not (progress and dp.is_main), dynamic_ncols=True)
@@ -301,6 +303,7 @@ def train_sft(
             if scaler is not None:
                 scaler.unscale_(opt)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))  # of the global batch's gradient
+            lr_used = opt.param_groups[0]["lr"]  # this step's (the scheduler's step below sets the next)
             if scaler is None:
                 opt.step()
             else:
@@ -314,7 +317,7 @@ def train_sft(
             state["world_size"] = dp.world_size
             run_tokens += forwarded
             curve.add(step=state["step"], examples=state["step"] * settings.grad_accum,
-                      loss=loss_mean, lr=sched.get_last_lr()[0], tokens=tokens, grad_norm=grad_norm,
+                      loss=loss_mean, lr=lr_used, tokens=tokens, grad_norm=grad_norm,
                       elapsed_s=round(state["elapsed_s"], 1), ended=sum(examples[i].ended for i in batch),
                       **{k: round(v, 4) for k, v in extra.items()})
             bar.update(1)

@@ -142,3 +142,29 @@ def test_train_sft_content_loss_distill(tiny_llama, tmp_path, capsys):
     rc = main(["train", "sft", "--prompts", str(prompts), "--model", str(tiny_llama), "--out", str(tmp_path / "x"),
                "--grad-accum", "1", "--max-steps", "1", "--content-loss", "distill"])
     assert rc != 0 and "--tag-tokens" in capsys.readouterr().err
+
+
+def test_a_token_that_starts_inside_a_character_has_no_start(smollm2_dir):
+    """Byte-level pieces of one emoji: the cut character decoded as one U+FFFD gave the piece
+    after it the next character's start, and so another place's teacher row."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from pasta_engine.lang.detokenizer import token_bytes_for
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tags = add_tag_tokens(tok)
+    cfg = AutoConfig.from_pretrained(smollm2_dir)
+    trace = ('Ideas 😀😀:\n1. <promise topic="x" tokens="8"/><async>Smile 😀😀😀 a lot.</async>\n'
+             '2. <promise topic="y" tokens="8"/><async>Laugh 😂😂.</async>\n<sync/>\nEnd 🎉🎉.')
+    layout = layout_for(SimpleNamespace(config=cfg), tok, "Q?", trace)
+    mask = content_mask(layout.token_ids, tags)
+    eos = eos_token_ids(tok, cfg)
+    text, starts = reading_order(layout, mask, tok.decode, eos)
+    table = token_bytes_for(tok).table
+    content = [(t, s0) for t, s0, c in zip(layout.token_ids, starts, mask) if c and t not in eos]
+    inside = [(t, s0) for t, s0 in content if table[t][0] & 0xC0 == 0x80]  # a UTF-8 continuation byte first
+    assert inside and all(s0 == -1 for _, s0 in inside)
+    whole = [(t, s0) for t, s0 in content if table[t][0] & 0xC0 != 0x80]
+    assert all(s0 >= 0 and text[s0:].encode().startswith(table[t]) for t, s0 in whole)

@@ -120,6 +120,38 @@ def test_a_few_sft_steps_lower_the_loss_and_the_adapter_merges_exactly(tiny_llam
     assert again["optimizer_steps"] == 10 and len(json.loads((tmp_path / "run" / "loss.json").read_text())) == 10
 
 
+def test_an_optimizer_step_stays_in_one_epoch_and_logs_its_own_lr(tiny_llama, tmp_path, monkeypatch):
+    """7 examples, 4 per step, 3 epochs: 3 steps of 4 different examples, one epoch's shuffle
+    each (the epochs ran together: a step held one example twice and the third epoch was never
+    used); loss.json's learning rate is the one the step used, not the next step's."""
+    import random
+
+    from pasta_engine.train import sft as sftmod
+    from pasta_engine.train.common import LoraSettings, lr_lambda
+    from pasta_engine.train.data import TrainExample
+
+    seen: list[int] = []
+    real = sftmod.layout_for
+
+    def spy(model, tok, prompt, *a, **k):
+        seen.append(int(prompt.split()[-1].rstrip(".")))
+        return real(model, tok, prompt, *a, **k)
+
+    monkeypatch.setattr(sftmod, "layout_for", spy)
+    ex = [TrainExample(f"Give me tips {i}.", ANNOTATED, "m", "s", 3, 40) for i in range(7)]
+    settings = sftmod.SFTSettings(epochs=3, grad_accum=4, warmup=2, lr=1e-2, seed=0,
+                                  lora=LoraSettings(r=2, alpha=4, dropout=0.0))
+    summary = sftmod.train_sft(ex, tmp_path / "run", settings, base=str(tiny_llama), progress=False)
+    assert summary["optimizer_steps"] == 3
+    steps = [seen[i : i + 4] for i in range(0, 12, 4)]
+    for e, step in enumerate(steps):
+        order = list(range(7))
+        random.Random(settings.seed * 1000 + e).shuffle(order)
+        assert step == order[:4]  # epoch e's first four, four different examples
+    curve = json.loads((tmp_path / "run" / "loss.json").read_text())
+    assert [p["lr"] for p in curve] == pytest.approx([1e-2 * lr_lambda(s, 2, 3) for s in range(3)])
+
+
 def test_sft_continues_an_adapter_with_the_tag_decisions_weighted(tiny_llama, tmp_path):
     from transformers import AutoTokenizer
 
