@@ -230,7 +230,10 @@ def save_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any, 
         shutil.rmtree(tmp)
     peft_model.save_pretrained(str(tmp / "adapter"), save_embedding_layers=False)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "state": state,
-                "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+                "torch_rng": torch.get_rng_state(),
+                # the CUDA generators too: dropout on a GPU draws from them
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
+               tmp / "trainer.pt")
     final = out / "checkpoint"
     if final.exists():
         import shutil
@@ -260,6 +263,8 @@ def load_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any) 
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])
+    if blob.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(blob["cuda_rng"])
     return blob["state"]
 
 
