@@ -225,11 +225,12 @@ class Scheduler:
         req.views.clear()
 
     def _end(self, req: Request, reason: str, error: str | None = None) -> None:
+        """Free ``req``'s pages and take it out of the queues, then end its interpreter: the
+        bookkeeping first, so an interpreter (or a request's own dialect) that raises while it
+        is cancelled cannot leave the request running with its pages; its exception goes into
+        the request's error."""
         self._free(req)
         self._sampling.pop(req.request_id, None)
-        if not req.interp.done:
-            req.interp.cancel(reason)
-            req.interp.take_kv_ops()  # the pages are freed above
         if req in self.running:
             self.running.remove(req)
             req.wall_s = time.perf_counter() - req.start_s
@@ -238,6 +239,12 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error
+        if not req.interp.done:
+            try:
+                req.interp.cancel(reason)
+                req.interp.take_kv_ops()  # the pages are freed above
+            except Exception as e:  # noqa: BLE001 - pinned on this request, never on the step
+                req.error = (f"{error}; " if error else "") + f"ending the request's interpreter raised {e!r}"
 
     # ------------------------------------------------------------------ admission, preemption
 
@@ -672,11 +679,17 @@ class Scheduler:
                 req.max_width = max(req.max_width, n_sample)
                 on_token = it.on_token
                 keep_lps = req.params.return_logprobs
-                for s, tok, lp in zip(sampling, toks, lps if keep_lps else toks):
-                    before = it.total_sampled
-                    on_token(s.tid, tok, lp if keep_lps else None)
-                    if it.total_sampled != before:
-                        taken.append((s.tid, tok))
+                try:
+                    for s, tok, lp in zip(sampling, toks, lps if keep_lps else toks):
+                        before = it.total_sampled
+                        on_token(s.tid, tok, lp if keep_lps else None)
+                        if it.total_sampled != before:
+                            taken.append((s.tid, tok))
+                except Exception as e:  # noqa: BLE001 - e.g. a request's own dialect: it fails alone
+                    self.fail(req, f"handling a sampled token raised {e!r}")
+                    self.ended.remove(req)
+                    out.append((req, taken))
+                    continue
             if it.done:
                 self._end(req, it.finish)
             out.append((req, taken))

@@ -68,3 +68,47 @@ def test_a_request_and_its_replay_are_formatted_with_their_dialects_prompt(tiny_
                          .messages("Give me two tips."), tiny_engine.config.prompt_special_tokens)
     assert res.prompt_ids == want != tiny_engine.format_prompt("Give me two tips.", "pasta")
     assert res.stats.forks == 2
+
+
+def test_a_dialect_that_raises_mid_decode_fails_its_request_alone(tiny_engine):
+    """A request's own Dialect object whose parser raises: the exception escaped the step (every
+    running request failed with it), and ending the request called the parser again, which
+    raised again and left it running with its pages for good. Now only that request ends,
+    with an error, and the other decodes on."""
+    from pasta_engine.lang import tags
+    from pasta_engine.lang.pasta import PastaDialect
+
+    class BadParser(tags.TagParser):
+        fed = 0
+
+        def feed(self, piece):
+            BadParser.fed += 1
+            if BadParser.fed > 3:
+                raise ValueError("this dialect's parser has a bug")
+            return super().feed(piece)
+
+        def feed_plain(self, piece):
+            return False  # every piece through feed
+
+    class BadDialect(PastaDialect):
+        name = "bad"
+
+        def parser(self):
+            return BadParser()
+
+    eng = tiny_engine
+    free = eng.block_manager.num_free
+    eng.add_request([7, 8, 9], SamplingParams(max_new_tokens=12, ignore_eos=True), mode="sequential",
+                    request_id="good")
+    eng.add_request([7, 8, 9], SamplingParams(max_new_tokens=12, ignore_eos=True), dialect=BadDialect(),
+                    request_id="bad")
+    ended = {}
+    for _ in range(40):
+        for o in eng.step():
+            if o.finished:
+                ended[o.request_id] = o
+        if not eng.has_unfinished_requests():
+            break
+    assert ended["bad"].finish_reason == "error" and "parser has a bug" in ended["bad"].result.error
+    assert ended["good"].finish_reason == "length" and len(ended["good"].result.token_ids) == 12
+    assert eng.block_manager.num_free == free and not eng.abort("bad")
