@@ -206,9 +206,11 @@ def start_tensor_parallel(model: Any, device: torch.device, dtype: torch.dtype, 
                                             lora_scale=lora_scale)
         except Exception as e:  # noqa: BLE001  (reported after the workers say how their loads went)
             error = e
-        failed = group.failed_ranks(error is not None)
+        # a worker hung while loading fails the start within START_TIMEOUT_S, not the control
+        # group's month
+        failed = group.failed_ranks(error is not None, timeout_s=START_TIMEOUT_S)
         if failed:
-            messages = group.gather_to_rank0(None if error is None else _describe(error))
+            messages = group.gather_to_rank0(None if error is None else _describe(error), timeout_s=START_TIMEOUT_S)
             if error is not None:
                 raise error
             raise RuntimeError("a tensor-parallel worker could not load its shard: "
@@ -318,7 +320,8 @@ class TensorParallelModel:
         try:
             self._send(("step", inputs, fault))
             out, failures = _guarded_forward(self.shard, self.group, fault.get(0),
-                                             lambda: self.runner.forward_rows(inputs), lambda: execute(inputs))
+                                             lambda: self.runner.forward_rows(inputs), lambda: execute(inputs),
+                                             timeout_s=self.step_timeout_s)
         except CommError as e:
             self._die(str(e))
             raise EngineDeadError(f"tensor-parallel engine is dead: {e}") from e
@@ -410,11 +413,14 @@ def _describe(e: BaseException) -> str:
 
 
 def _guarded_forward(model: Any, group: ParallelGroup, fault_after: int | None, rows: Callable[[], int],
-                     run: Callable[[], torch.Tensor | None]) -> tuple[Any, TensorParallelStepError | None]:
+                     run: Callable[[], torch.Tensor | None],
+                     timeout_s: float | None = None) -> tuple[Any, TensorParallelStepError | None]:
     """Run one rank's forward with the row-parallel all-reduces on ``group``; if it raises,
     complete the all-reduces the other ranks will still make (``2 * num_layers`` per forward)
     with zeros ``[rows(), hidden]`` (the step's rows: its graph bucket when graphed), then
-    exchange the ranks' status.
+    exchange the ranks' status, waiting at most ``timeout_s`` seconds for the others (rank 0:
+    the step timeout, so a worker hung after its all-reduces fails the step in time; None: the
+    control group's timeout, for a worker).
 
     Returns ``(result, None)`` or ``(None, error)`` on rank 0 (the error naming every failed
     rank), ``(result, None)`` / ``(None, None)`` on the workers. Raises CommError when a
@@ -443,10 +449,10 @@ def _guarded_forward(model: Any, group: ParallelGroup, fault_after: int | None, 
             group.all_reduce(pad.zero_())
     finally:
         model.row_parallel_reduce = None
-    failed = group.failed_ranks(error is not None)
+    failed = group.failed_ranks(error is not None, timeout_s=timeout_s)
     if not failed:
         return out, None
-    messages = group.gather_to_rank0(None if error is None else _describe(error))
+    messages = group.gather_to_rank0(None if error is None else _describe(error), timeout_s=timeout_s)
     if group.rank != 0:
         return None, None
     err = TensorParallelStepError({r: messages[r] for r in failed})

@@ -88,15 +88,26 @@ class ParallelGroup:
             raise CommError(f"status exchange failed on rank {self.rank}: {type(e).__name__}: {e}") from e
         return [r for r, f in enumerate(flags.tolist()) if f]
 
-    def gather_to_rank0(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` (picklable), in rank order, on rank 0 (None on the others).
-        Raises CommError."""
-        out = [None] * self.size if self.rank == 0 else None
+    def gather_to_rank0(self, obj: Any, timeout_s: float | None = None) -> list[Any] | None:
+        """Every rank's ``obj`` (picklable), in rank order, on rank 0 (None on the others): two
+        all-gathers on the control group (each rank's pickled size, then the bytes padded to
+        the largest), each waiting at most ``timeout_s`` seconds (None: the group's timeout;
+        ``dist.gather_object`` takes none). Raises CommError."""
+        data = pickle.dumps(obj)
         try:
-            dist.gather_object(obj, out, dst=0, group=self.control_group)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+            _wait(dist.all_gather(sizes, size, group=self.control_group, async_op=True), timeout_s)
+            n = max(int(x.item()) for x in sizes)
+            mine = torch.zeros(n, dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            parts = [torch.zeros(n, dtype=torch.uint8) for _ in range(self.size)]
+            _wait(dist.all_gather(parts, mine, group=self.control_group, async_op=True), timeout_s)
         except Exception as e:  # noqa: BLE001
             raise CommError(f"gather failed on rank {self.rank}: {type(e).__name__}: {e}") from e
-        return out
+        if self.rank != 0:
+            return None
+        return [pickle.loads(p[: int(k.item())].numpy().tobytes()) for p, k in zip(parts, sizes)]
 
 
 def _wait(work: Any, timeout_s: float | None) -> None:

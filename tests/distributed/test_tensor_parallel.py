@@ -291,3 +291,33 @@ def test_two_gpu_ranks_with_cuda_graphs_equal_one_process(tiny_llama):
         assert engine.model_runner.cuda_graphs.replays > 0
     finally:
         engine.shutdown()
+
+
+def test_rank_0s_status_exchange_after_a_forward_waits_only_the_step_timeout():
+    """A worker hung after its all-reduces kept rank 0 in the status exchange for the control
+    group's timeout (a month): step() blocked as long as the worker hung (40 s against a 3 s step
+    timeout). Rank 0 now hands the step timeout to the exchange and to the gather after it."""
+    from types import SimpleNamespace
+
+    from pasta_engine.distributed.executor import _guarded_forward
+
+    waits = []
+
+    class Group:
+        rank = 0
+
+        def all_reduce(self, x):
+            return x
+
+        def failed_ranks(self, failed, timeout_s=None):
+            waits.append(("status", timeout_s))
+            return [1]
+
+        def gather_to_rank0(self, obj, timeout_s=None):
+            waits.append(("gather", timeout_s))
+            return [None, "RuntimeError: boom"]
+
+    model = SimpleNamespace(config=SimpleNamespace(num_layers=1), row_parallel_reduce=None)
+    out, err = _guarded_forward(model, Group(), None, lambda: 1, lambda: "logits", timeout_s=3.0)
+    assert out is None and isinstance(err, TensorParallelStepError) and "boom" in str(err)
+    assert waits == [("status", 3.0), ("gather", 3.0)]
