@@ -77,6 +77,9 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
         self.fallbacks = 0
+        # the last replay attempt: (its inputs, the rows it forwarded: its bucket, or None when
+        # it ran eagerly), for a tensor-parallel rank that pads the others' all-reduces
+        self.last: tuple[StepInputs, int | None] | None = None
         # largest first, as nano-vllm: smaller graphs reuse the memory pool
         self.entries: dict[int, _Entry] = {b: self._capture(b) for b in reversed(self.buckets)}
 
@@ -108,7 +111,8 @@ class CudaGraphs:
     def rows(self, inputs: StepInputs) -> int | None:
         """The rows a replay of ``inputs`` forwards (its bucket), or None when the step runs
         eagerly for its shape (not pure decode, more sequences than the largest bucket); a
-        step whose plan is over the bucket's capacity also runs eagerly (:meth:`replay`)."""
+        step whose plan is over the bucket's capacity also runs eagerly (:meth:`replay`, which
+        records what it ran in :attr:`last`)."""
         meta = inputs.meta
         return self.bucket(len(meta.q_lens)) if meta.is_decode else None
 
@@ -121,7 +125,9 @@ class CudaGraphs:
         meta = inputs.meta
         if b is None or not self.entries[b].backend.plan(meta):
             self.fallbacks += 1
+            self.last = (inputs, None)
             return None
+        self.last = (inputs, b)
         n = len(meta.q_lens)
         host = self._host
         host[:, :n] = torch.tensor([inputs.input_ids, inputs.positions, meta.slots], dtype=torch.long)

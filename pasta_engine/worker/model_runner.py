@@ -255,8 +255,16 @@ class ModelRunner:
     def forward_rows(self, inputs: StepInputs) -> int:
         """Rows the forward of ``inputs`` runs: its graph bucket when a graph replays it, else
         its ``T`` tokens (the rows of each all-reduce, for a tensor-parallel rank whose part
-        failed and completes the others' all-reduces)."""
-        rows = self.cuda_graphs.rows(inputs) if self.cuda_graphs is not None else None
+        failed and completes the others' all-reduces). Once a replay of ``inputs`` was tried,
+        what it ran: its bucket, or ``T`` where a plan over the bucket's capacity sent it to the
+        eager forward (as on every rank: the plan is the same)."""
+        g = self.cuda_graphs
+        if g is None:
+            rows = None
+        elif g.last is not None and g.last[0] is inputs:
+            rows = g.last[1]
+        else:
+            rows = g.rows(inputs)
         return rows if rows is not None else len(inputs.input_ids)
 
     def sampling_batch(self, rows: Sequence[SamplingRow], vocab: int) -> SamplingBatch:

@@ -171,3 +171,25 @@ def test_a_tensor_parallel_rank_captures_its_graphs_when_asked_once(tiny_llama, 
     rank.capture_graphs()
     rank.capture_graphs()
     assert rank.cuda_graphs == "graphs" and captured == [rank.kv_cache]
+
+
+def test_a_tensor_parallel_rank_pads_with_the_rows_the_step_ran():
+    """A graphed decode step whose plan is over its bucket's capacity runs eagerly with T rows
+    on every rank; a rank whose part failed padded the others' all-reduces with the bucket's
+    rows (4 against 3: gloo aborts the process on the size mismatch). CPU: the graph's
+    bookkeeping only (capturing needs CUDA)."""
+    from types import SimpleNamespace
+
+    from pasta_engine.worker.cuda_graphs import CudaGraphs
+    from pasta_engine.worker.model_runner import ModelRunner
+
+    graphs = CudaGraphs.__new__(CudaGraphs)  # no capture: the entries' plans say "over capacity"
+    graphs.buckets, graphs.fallbacks, graphs.last = (1, 2, 4, 8), 0, None
+    graphs.entries = {b: SimpleNamespace(backend=SimpleNamespace(plan=lambda meta: False)) for b in graphs.buckets}
+    inputs = SimpleNamespace(meta=SimpleNamespace(is_decode=True, q_lens=[1, 1, 1]), input_ids=[5, 6, 7])
+    runner = SimpleNamespace(cuda_graphs=graphs)
+    assert ModelRunner.forward_rows(runner, inputs) == 4  # before the step: its bucket
+    assert graphs.replay(inputs) is None and graphs.fallbacks == 1
+    assert ModelRunner.forward_rows(runner, inputs) == 3  # it ran eagerly: T rows, as the others
+    other = SimpleNamespace(meta=inputs.meta, input_ids=[5, 6, 7])
+    assert ModelRunner.forward_rows(runner, other) == 4  # another step's inputs: not this record
