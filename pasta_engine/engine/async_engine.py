@@ -29,15 +29,19 @@ Failure model (docs/DESIGN.md section 7): a bad request raises
 iteration of :meth:`AsyncEngine.generate`) and takes no resource; a request that fails in flight
 ends with ``finish_reason="error"``; cancelling an iterator (its task cancelled, ``aclose``, a
 client gone) aborts its request, and the engine thread frees its KV pages before its next step;
-an exception escaping a step (an error the engine cannot pin on one request) marks the engine
-dead: every open request's iterator and every later call raise
-:class:`~pasta_engine.errors.EngineDeadError` instead of hanging.
+a command that fails on the engine thread (a bad abort, a call that raises) fails its own caller
+only; an exception escaping a step (an error the engine cannot pin on one request) marks the
+engine dead: every open request's iterator, every command in flight and every later call raise
+:class:`~pasta_engine.errors.EngineDeadError` instead of hanging, and the thread's last act is
+:meth:`Engine.shutdown` (tensor-parallel workers and the process group stopped).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import operator
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -53,6 +57,8 @@ from .llm_engine import Engine, Prompt
 from .streaming import OutputKind
 
 __all__ = ["AsyncEngine", "StreamOutput", "CompletionOutput", "RequestStream", "format_chat", "CHAT_ROLES"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -159,10 +165,12 @@ class RequestStream:
         return out
 
     def abort(self) -> None:
-        """Abort the request (no wait: the engine thread frees its pages before its next step)."""
+        """Abort the request (no wait: the engine thread frees its pages before its next step).
+        It aborts this stream's request only: once that has finished, a later request that
+        reuses its id is left alone."""
         if not self.finished:
             self.finished = True
-            self.engine._post_command(("abort", self.request_id, None, None))
+            self.engine._post_command(("drop", (self.request_id, self._collector), None, None))
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,8 +244,10 @@ class AsyncEngine:
 
     async def decode_tokens(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's text (special tokens kept), decoded on the engine thread (the tokenizer
-        is shared with its detokenizers). Raises EngineDeadError."""
-        ids = [int(t) for t in token_ids]
+        is shared with its detokenizers). Raises ParameterError naming ``token_ids`` for an id
+        that is not an integer (a bool is not one) or lies outside the model's vocabulary, before
+        anything is queued; EngineDeadError."""
+        ids = self._token_ids(token_ids)
         return await self._call(lambda: [self.engine.decode([t]) for t in ids])
 
     async def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
@@ -245,10 +255,11 @@ class AsyncEngine:
         part, not U+FFFD), read on the engine thread from the tokenizer's byte table
         (:func:`~pasta_engine.lang.detokenizer.token_bytes_for`, built once per tokenizer); a
         tokenizer it does not reproduce gives each token's decoded text as UTF-8. Raises
-        EngineDeadError."""
+        ParameterError naming ``token_ids`` for an id that is not an integer (a bool is not one)
+        or lies outside the model's vocabulary, before anything is queued; EngineDeadError."""
         from ..lang.detokenizer import token_bytes_for
 
-        ids = [int(t) for t in token_ids]
+        ids = self._token_ids(token_ids)
 
         def read() -> list[bytes]:
             tb = token_bytes_for(self.engine.tokenizer)
@@ -256,6 +267,34 @@ class AsyncEngine:
             return [table[t] if t < len(table) else self.engine.decode([t]).encode("utf-8") for t in ids]
 
         return await self._call(read)
+
+    def _token_ids(self, token_ids: Any) -> list[int]:
+        """``token_ids`` as a list of ints, each in ``[0, vocab_size)``; ParameterError naming
+        ``token_ids`` otherwise (a negative id would index the byte table from its end)."""
+        vocab = self.engine.input_processor.vocab_size
+        expected = f"a list of integer token ids from 0 to {vocab - 1} (the model's vocabulary)"
+        if isinstance(token_ids, (str, bytes, bytearray, dict)):
+            raise ParameterError("token_ids", token_ids, expected)
+        try:
+            items = list(token_ids)
+        except TypeError:
+            raise ParameterError("token_ids", token_ids, expected) from None
+        ids = []
+        for j, t in enumerate(items):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                t = operator.index(t)
+            except TypeError:
+                raise ParameterError("token_ids", token_ids, message=(
+                    f"token_ids[{j}] is {t!r} ({type(t).__name__}), not an integer token id: give integers from 0 "
+                    f"to {vocab - 1}")) from None
+            if not 0 <= t < vocab:
+                raise ParameterError("token_ids", token_ids, message=(
+                    f"token_ids[{j}] is {t}, outside the model's vocabulary of {vocab} tokens: give ids from 0 to "
+                    f"{vocab - 1}"))
+            ids.append(t)
+        return ids
 
     async def stats(self) -> dict[str, Any]:
         """:meth:`Engine.stats` read on the engine thread after every command sent before
@@ -321,7 +360,14 @@ class AsyncEngine:
         collector = _Collector(kind)
         fut = loop.create_future()
         self._post_command(("add", _Add(inputs, kind, events, collector), loop, fut))
-        rid = await fut
+        try:
+            rid = await fut
+        except asyncio.CancelledError:
+            # cancelled after _accept handed over the id but before this task resumed: nobody
+            # else knows the request, so it is aborted here (only while it is still this one)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._post_command(("drop", (fut.result(), collector), None, None))
+            raise
         return RequestStream(self, rid, collector)
 
     async def generate(
@@ -347,7 +393,10 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; when this returns its pages are free. Returns False when no
-        unfinished request has that id. Raises EngineDeadError."""
+        unfinished request has that id. Raises ParameterError naming ``request_id`` when it is
+        not a string (before anything is queued), EngineDeadError."""
+        if not isinstance(request_id, str):
+            raise ParameterError("request_id", request_id, "a request id string (the id add_request gave)")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._post_command(("abort", request_id, loop, fut))
@@ -356,8 +405,9 @@ class AsyncEngine:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort every open request (their iterators end with ``finish_reason="abort"``), stop
         the engine thread and wait for it (at most ``timeout_s`` seconds); the thread's last act
-        is :meth:`Engine.shutdown` (tensor-parallel workers stopped). Later calls raise
-        EngineDeadError. Safe to call twice."""
+        is :meth:`Engine.shutdown` (tensor-parallel workers stopped), also when the engine died
+        of an error (then this only waits for that). Later calls raise EngineDeadError. Safe to
+        call twice."""
         with self._state:
             if self._dead is None:
                 self._dead = EngineDeadError("the async engine was shut down")
@@ -375,10 +425,10 @@ class AsyncEngine:
 
     def _post_command(self, cmd: tuple) -> None:
         """Queue a command for the engine thread; raise EngineDeadError if it is dead (a
-        fire-and-forget abort is dropped instead: the dead engine holds nothing)."""
+        fire-and-forget abort, ``drop``, is dropped instead: the dead engine holds nothing)."""
         with self._state:
             if self._dead is not None:
-                if cmd[0] == "abort" and cmd[3] is None:
+                if cmd[0] == "drop":
                     return
                 raise self._dead
             self._commands.put(cmd)
@@ -392,6 +442,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        cmd = None  # the command being handled (its caller must hear if the thread dies now)
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
@@ -405,10 +456,21 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
         except BaseException as e:  # noqa: BLE001 - the engine cannot go on: every request must hear of it
-            self._die(e)
+            self._die(e, cmd)
 
     def _handle(self, cmd: tuple) -> None:
+        """Carry out one command. One that fails fails its own caller (its future gets the
+        error; a fire-and-forget one is logged): a bad command never kills the engine."""
         what, payload, loop, fut = cmd
+        try:
+            self._do(what, payload, loop, fut)
+        except Exception as e:  # noqa: BLE001 - the command's own error, not the engine's
+            if fut is not None:
+                _post(loop, _settle, fut, None, e)
+            else:
+                logger.exception("the async engine's %r command failed; the engine goes on", what)
+
+    def _do(self, what: str, payload: Any, loop: asyncio.AbstractEventLoop | None, fut: asyncio.Future | None) -> None:
         if what == "add":
             add: _Add = payload
             try:  # tokenized here: the tokenizer is shared with this thread's detokenizers
@@ -417,13 +479,17 @@ class AsyncEngine:
                 _post(loop, _settle, fut, None, e)
                 return
             self._tracked[rid] = _Tracked(add.events, add.kind, loop, add.collector)
-            if not _post(loop, self._accept, fut, rid):
+            if not _post(loop, self._accept, fut, rid, add.collector):
                 self.engine.abort(rid)
-        elif what == "abort":
-            # a stream closed after its request finished, in a race with the final output: nothing to say
-            ok = self.engine.abort(payload) if payload in self._tracked or fut is not None else False
-            if fut is not None:
-                _post(loop, _settle, fut, ok, None)
+        elif what == "abort":  # AsyncEngine.abort: whatever request has that id
+            _post(loop, _settle, fut, self.engine.abort(payload), None)
+        elif what == "drop":  # a stream's own abort: only while its request is the one tracked under the id
+            rid, collector = payload
+            t = self._tracked.get(rid)
+            # a stream closed after its request finished (in a race with the final output, or the
+            # id reused since by another request): nothing to do
+            if t is not None and t.collector is collector:
+                self.engine.abort(rid)
         elif what == "call":
             try:
                 value, err = payload(), None
@@ -431,10 +497,10 @@ class AsyncEngine:
                 value, err = None, e
             _post(loop, _settle, fut, value, err)
 
-    def _accept(self, fut: asyncio.Future, rid: str) -> None:
+    def _accept(self, fut: asyncio.Future, rid: str, collector: _Collector) -> None:
         """On the caller's loop: hand over the request id, or abort it when nobody waits."""
         if fut.cancelled():
-            self._post_command(("abort", rid, None, None))
+            self._post_command(("drop", (rid, collector), None, None))
         else:
             fut.set_result(rid)
 
@@ -491,7 +557,10 @@ class AsyncEngine:
         self._fail_pending(self._dead or EngineDeadError("the async engine was shut down"))
         self.engine.shutdown()  # tensor-parallel workers stop now, not at process exit
 
-    def _die(self, exc: BaseException) -> None:
+    def _die(self, exc: BaseException, cmd: tuple | None = None) -> None:
+        """The thread's end after an error: every request, the command ``cmd`` it was handling
+        and every queued one hear EngineDeadError; then :meth:`Engine.shutdown` stops what
+        outlives the engine (tensor-parallel workers, the process group)."""
         err = EngineDeadError(f"the engine stopped after an error it could not pin on one request: "
                               f"{type(exc).__name__}: {exc}")
         err.__cause__ = exc
@@ -501,7 +570,13 @@ class AsyncEngine:
         for rid in self._tracked:  # free their pages (a failed step already has; an error elsewhere has not)
             with contextlib.suppress(Exception):
                 self.engine.abort(rid)
+        if cmd is not None and cmd[3] is not None:  # taken off the queue: _fail_pending would not see it
+            _post(cmd[2], _settle, cmd[3], None, self._dead)
         self._fail_pending(self._dead)
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - the engine is dead already; its callers have heard why
+            logger.exception("Engine.shutdown() failed after the async engine died")
 
     def _fail_pending(self, err: EngineDeadError) -> None:
         """Every open request and every queued command hears ``err`` (the thread is ending)."""
@@ -541,7 +616,7 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> bool:
 
 
 def _settle(fut: asyncio.Future, value: Any, err: BaseException | None) -> None:
-    if fut.cancelled():
+    if fut.done():  # cancelled, or settled already (a command handled just before the thread died)
         return
     if err is not None:
         fut.set_exception(err)

@@ -39,6 +39,9 @@ from .streaming import OutputKind
 __all__ = [
     "CHAT_ROLES",
     "MODES",
+    "MESSAGE_KEYS",
+    "TEXT_PART_KEYS",
+    "check_mode",
     "Prompt",
     "RequestInputs",
     "ProcessedRequest",
@@ -59,6 +62,18 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 #: decodes each promise's chunk in place in the same thread (no fork): the same weights
 #: sequentially; the baseline for realized speedup of a PASTA-LANG model (it gets pasta's prompt).
 MODES = ("pasta", "sequential", "inline")
+#: The keys a chat message may have, and those a text part of its content may have: any other
+#: (``name``, ``tool_calls``, ``tool_call_id``, ``cache_control``, ...) is refused, not dropped.
+MESSAGE_KEYS = ("role", "content")
+TEXT_PART_KEYS = ("type", "text")
+
+
+def check_mode(mode: Any) -> str:
+    """Return ``mode`` when it is one of :data:`MODES`; raise ParameterError naming ``mode``
+    otherwise."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ParameterError("mode", mode, ", ".join(repr(m) for m in MODES[:-1]) + f" or {MODES[-1]!r}")
+    return mode
 
 
 def is_chat(prompt: Any) -> bool:
@@ -238,9 +253,11 @@ class InputProcessor:
             chat_template: False for a text completion (a string prompt as plain text).
             index: the prompt's place in a list of prompts, named in errors.
 
-        Raises ParameterError naming ``prompt`` (None, bytes, an empty prompt, non-integer or
-        out-of-vocabulary ids, a lone surrogate), ``messages`` or ``dialect``;
-        ContextLengthError for a prompt with no room under the context length."""
+        Raises ParameterError naming ``mode`` (not one of :data:`MODES`), ``prompt`` (None,
+        bytes, an empty prompt, non-integer or out-of-vocabulary ids, a lone surrogate),
+        ``messages`` or ``dialect``; ContextLengthError for a prompt with no room under the
+        context length."""
+        check_mode(mode)
         where = f"prompt {index}" if index is not None else "the prompt"
         named = f"prompt {index}" if index is not None else "prompt"  # the engine's earlier wording
         if isinstance(prompt, str):
@@ -270,15 +287,19 @@ class InputProcessor:
         Args:
             messages: ``[{"role": "system" | "developer" | "user" | "assistant", "content": str
                 or a list of {"type": "text", "text": str} parts}, ...]``, ending with a user
-                message.
+                message. A message has no other key and a part no other key
+                (:data:`MESSAGE_KEYS`, :data:`TEXT_PART_KEYS`): ``name``, ``tool_calls``,
+                ``cache_control`` and the like are refused, since the prompt would not honour them.
             mode: in ``pasta`` and ``inline`` modes the dialect's system prompt (its
                 instructions, then the messages' own system text) and its example exchanges
                 come first.
             dialect: the request's dialect (a name or a Dialect; None: PASTA-LANG, whose prompt
                 is ``config.pasta_prompt``; any other brings its own).
 
-        Raises ParameterError naming ``messages`` (with the index of the bad one), or
-        ``dialect`` for an unknown one; ContextLengthError for text that cannot fit."""
+        Raises ParameterError naming ``mode`` (not one of :data:`MODES`), ``messages`` (with the
+        index of the bad one and, for a key it does not take, the key), or ``dialect`` for an
+        unknown one; ContextLengthError for text that cannot fit."""
+        check_mode(mode)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ParameterError("messages", messages, "a non-empty list of {role, content} objects")
         system: list[str] = []
@@ -288,12 +309,23 @@ class InputProcessor:
             if role not in CHAT_ROLES:
                 raise ParameterError("messages", messages, message=f"messages[{i}]: role {role!r} is not supported: "
                                      f"expected one of {', '.join(CHAT_ROLES)}")
+            extra = next((k for k in m if k not in MESSAGE_KEYS), None)
+            if extra is not None:
+                raise ParameterError("messages", messages, message=(
+                    f"messages[{i}]: key {extra!r} is not supported: a message has only 'role' and 'content' "
+                    f"(remove {extra!r}; the engine does not honour it)"))
             content = m.get("content")
             if isinstance(content, list):
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in content):
                     raise ParameterError("messages", messages, message=f"messages[{i}]: only text content parts "
                                          f"({{\"type\": \"text\", \"text\": ...}}) are supported")
+                for j, part in enumerate(content):
+                    extra = next((k for k in part if k not in TEXT_PART_KEYS), None)
+                    if extra is not None:
+                        raise ParameterError("messages", messages, message=(
+                            f"messages[{i}]: content part {j}: key {extra!r} is not supported: a text part has only "
+                            f"'type' and 'text' (remove {extra!r}; the engine does not honour it)"))
                 content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise ParameterError("messages", messages, message=f"messages[{i}]: content must be a string or a "
@@ -359,7 +391,10 @@ class InputProcessor:
         """``params`` with the stop strings of a separate ``stop`` argument (the async engine's)
         in ``params.stop``: the one place a request's stop strings are gathered.
 
-        Raises ParameterError naming ``stop`` for a bad list, or when both give strings."""
+        Raises ParameterError naming ``params`` when it is neither None nor a SamplingParams,
+        ``stop`` for a bad list, or when both give strings."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ParameterError("params", params, "a pasta_engine.SamplingParams")
         if stop is None:
             return params
         stops = [stop] if isinstance(stop, str) else stop
@@ -384,9 +419,7 @@ class InputProcessor:
         ``params``, ``n``, ``limits``, ``fork_threshold``, ``position_policy``,
         ``annotated_response``, ``prompt``, ``messages``, ``stop_token_ids``), and
         ContextLengthError for a prompt with no room under the context length."""
-        mode = inputs.mode
-        if not isinstance(mode, str) or mode not in MODES:
-            raise ParameterError("mode", mode, "'pasta', 'sequential' or 'inline'")
+        mode = check_mode(inputs.mode)
         lang = resolve_dialect(inputs.dialect)
         if mode == "inline" and (lang.nesting or lang.fork_joins):
             raise ParameterError("mode", mode, message=(

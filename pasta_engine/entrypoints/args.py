@@ -62,16 +62,19 @@ nonneg_int = _int_at_least(0)
 
 # The CPU thread policy lives with the engine (Engine.from_pretrained applies it); the CLI's
 # --threads flag passes through to it.
-from ..worker.cpu_threads import AUTO_THREADS_MAX, AUTO_THREADS_POLICY, busy_cores, cpu_threads  # noqa: E402,F401
+from ..worker.cpu_threads import AUTO_THREADS_MAX, AUTO_THREADS_POLICY, MAX_THREADS, busy_cores, cpu_threads  # noqa: E402,F401
 
 
 def _threads_flag(text: str) -> str | int:
     if text == "auto":
         return text
     try:
-        return positive_int(text)
+        n = positive_int(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected auto or an integer >= 1, got {text!r}") from None
+        n = 0
+    if not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer from 1 to {MAX_THREADS}, got {text!r}")
+    return n
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -13,10 +13,13 @@ import os
 
 from ..errors import ParameterError
 
-__all__ = ["AUTO_THREADS_MAX", "AUTO_THREADS_POLICY", "busy_cores", "cpu_threads", "check_threads"]
+__all__ = ["AUTO_THREADS_MAX", "AUTO_THREADS_POLICY", "MAX_THREADS", "busy_cores", "cpu_threads", "check_threads"]
 
 #: The most threads ``--threads auto`` gives.
 AUTO_THREADS_MAX = 4
+#: The most threads ``threads=N`` (``--threads N``) may ask for: far above any machine's cores,
+#: far below what torch's ``set_num_threads`` (a C int) overflows on.
+MAX_THREADS = 4096
 AUTO_THREADS_POLICY = (f"the cores this process may use that other work leaves free (the larger of the 1-minute load "
                        f"average and the processes running now), at most {AUTO_THREADS_MAX}, at least 1")
 
@@ -57,10 +60,11 @@ def cpu_threads(flag: str | int = "auto") -> int:
 
 
 def check_threads(threads: object) -> None:
-    """Refuse a ``threads`` value that is not ``"auto"``, None or an integer >= 1 (ParameterError
-    naming ``threads``)."""
+    """Refuse a ``threads`` value that is not ``"auto"``, None or an integer from 1 to
+    :data:`MAX_THREADS` (ParameterError naming ``threads``)."""
     if threads is None or threads == "auto":
         return
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
         raise ParameterError("threads", threads, "'auto' (the default: the cores other work leaves free, at most "
-                             f"{AUTO_THREADS_MAX}), None (leave torch's setting alone), or an integer >= 1")
+                             f"{AUTO_THREADS_MAX}), None (leave torch's setting alone), or an integer from 1 to "
+                             f"{MAX_THREADS}")

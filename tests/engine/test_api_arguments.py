@@ -16,6 +16,8 @@ from pasta_engine.errors import CheckpointError
     (dict(tokenizer="/nonexistent"), "tokenizer"),
     (dict(tokenizer=5), "tokenizer"),
     (dict(kv_cache_bytes=2**62), "kv_cache_bytes"),
+    (dict(threads=2**31), "threads"),  # past a C int: torch.set_num_threads would fail, naming nothing
+    (dict(threads=4097), "threads"),
 ])
 def test_from_pretrained_names_a_bad_argument(tiny_llama, kwargs, param):
     kwargs = {"model": tiny_llama, **kwargs}
@@ -64,3 +66,16 @@ def test_an_aborted_id_is_refused_until_step_reports_the_abort(tiny_llama):
     while engine.has_unfinished_requests():
         finals += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finals] == ["r"] and finals[0].finish_reason == "length"
+
+
+def test_check_threads_bounds():
+    """``threads``: "auto", None or 1 to MAX_THREADS; anything else names ``threads`` and says
+    what is allowed (before the engine is built)."""
+    from pasta_engine.worker.cpu_threads import MAX_THREADS, check_threads
+
+    for ok in ("auto", None, 1, MAX_THREADS):
+        check_threads(ok)
+    for bad in (0, -1, MAX_THREADS + 1, 2**31, 2**63, True, 2.0, "4"):
+        with pytest.raises(ParameterError, match=f"an integer from 1 to {MAX_THREADS}") as e:
+            check_threads(bad)
+        assert e.value.param == "threads" and e.value.value == bad

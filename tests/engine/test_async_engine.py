@@ -320,3 +320,156 @@ def test_streams_through_preemptions_send_each_token_and_character_once(tiny_lla
         assert [t for o in outs for t in o.token_ids] == final.result.token_ids  # sequential: in order, once
         assert "".join(o.text for o in outs) == final.result.text
     assert any(o[-1].stats.preemptions for o in runs)
+
+
+def test_a_task_cancelled_after_its_request_was_accepted_aborts_it(aengine):
+    """The engine accepted the request and handed its id to the caller's future, but the task was
+    cancelled before it resumed from add_request: add_request aborts the request itself (nobody
+    else knows its id), instead of letting it decode to max_new_tokens."""
+    real_accept = aengine._accept
+    task = None
+
+    def accept_then_cancel(fut, rid, *rest):
+        real_accept(fut, rid, *rest)  # the id is handed over...
+        task.cancel()  # ...and the task is cancelled before it resumes from `await fut`
+
+    async def main():
+        nonlocal task
+        before = await aengine.stats()
+        aengine._accept = accept_then_cancel
+        try:
+            task = asyncio.create_task(aengine.add_request(
+                [7, 8, 9], SamplingParams(max_new_tokens=400, ignore_eos=True), mode="sequential", request_id="late"))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            del aengine._accept
+        while (s := await aengine.stats())["open"] or s["running"] or s["waiting"]:
+            await asyncio.sleep(0.01)
+        return before, s
+
+    before, after = asyncio.run(main())
+    assert after["steps"] - before["steps"] < 400  # aborted, not decoded to the end
+    assert all_pages_free(after)
+
+
+def test_a_bad_command_fails_its_caller_alone(aengine):
+    """abort() with an id that is not a string is refused (ParameterError naming request_id); a
+    command that fails on the engine thread anyway fails its own caller, and the engine (and
+    every other request) goes on."""
+    async def main():
+        other = await aengine.add_request([7, 8, 9], SamplingParams(max_new_tokens=30, ignore_eos=True),
+                                          mode="sequential")
+        for bad in (["x"], None, 5):
+            with pytest.raises(ParameterError, match="request id string") as e:
+                await asyncio.wait_for(aengine.abort(bad), 10)
+            assert e.value.param == "request_id"
+        # past the check, the engine thread's own handling of a command that raises (unhashable id)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        aengine._post_command(("abort", ["x"], loop, fut))
+        with pytest.raises(TypeError):
+            await asyncio.wait_for(fut, 10)
+        outs = [o async for o in other]
+        return outs, await aengine.stats()
+
+    outs, stats = asyncio.run(main())
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 30
+    assert aengine.is_running and all_pages_free(stats)
+
+
+def test_a_dying_engine_settles_the_command_in_flight_and_shuts_the_engine_down(tiny_llama):
+    """An error that ends the engine thread while it handles a command: that command's caller
+    gets EngineDeadError (it was off the queue, so nothing else would settle it), and the thread's
+    last act is Engine.shutdown() (what stops tensor-parallel workers), once."""
+    a = AsyncEngine(_engine(tiny_llama))
+    engine_shutdowns = []
+    real_shutdown = a.engine.shutdown
+    a.engine.shutdown = lambda: (engine_shutdowns.append(1), real_shutdown())
+
+    def fatal():
+        raise SystemExit("the engine thread ends")  # not an Exception: it escapes the command's handling
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="SystemExit"):
+            await asyncio.wait_for(a._call(fatal), 10)
+        with pytest.raises(EngineDeadError):
+            await a.stats()
+
+    asyncio.run(main())
+    a.shutdown()  # waits for the thread
+    assert a.errored and not a.is_running
+    assert engine_shutdowns == [1]
+    a.shutdown()
+    assert engine_shutdowns == [1]
+
+
+def test_a_dead_async_engine_stops_its_tensor_parallel_workers(tiny_llama):
+    """A step error kills the async engine; its thread then shuts the engine down: no worker
+    process and no process group is left (a new tensor-parallel engine may start)."""
+    import torch.distributed as dist
+
+    eng = Engine.from_pretrained(tiny_llama, tensor_parallel_size=2, kv_cache_bytes=8 * 2**20, page_size=4)
+    procs = list(eng.model.procs)
+    a = AsyncEngine(eng)
+    try:
+        eng.model.fail_next_step(1, after_reduces=1)
+
+        async def main():
+            with pytest.raises(EngineDeadError, match="TensorParallelStepError"):
+                async for _ in a.generate([7, 8, 9], mode="sequential"):
+                    pass
+
+        asyncio.run(main())
+        a.shutdown()  # waits for the engine thread, whose last act stopped the workers
+        assert a.errored
+        assert not [p for p in procs if p.is_alive()]
+        assert not dist.is_initialized()
+    finally:
+        a.shutdown()
+        eng.shutdown()  # the old code left them running: do not leak them into later tests
+
+
+def test_a_stale_stream_abort_leaves_a_request_that_reused_the_id_alone(aengine):
+    """A stream closed before reading its request's final output posts an abort; if the id was
+    reused meanwhile (the engine frees an id once the final output is out), the new request of
+    another caller is not aborted."""
+    async def main():
+        old = await aengine.add_request([7, 8, 9], SamplingParams(max_new_tokens=2, ignore_eos=True),
+                                        mode="sequential", request_id="job")
+        while (await aengine.stats())["open"]:  # finished in the engine; its final output waits unread
+            await asyncio.sleep(0.01)
+        new = await aengine.add_request([7, 8, 9], SamplingParams(max_new_tokens=200, ignore_eos=True),
+                                        mode="sequential", request_id="job")
+        old.abort()  # stale: its request finished
+        outs = [o async for o in new]
+        # the stream's own abort still works while its request runs
+        third = await aengine.add_request([7, 8, 9], SamplingParams(max_new_tokens=400, ignore_eos=True),
+                                          mode="sequential", request_id="job")
+        third.abort()
+        while (s := await aengine.stats())["open"] or s["running"] or s["waiting"]:
+            await asyncio.sleep(0.01)
+        return outs, s
+
+    outs, stats = asyncio.run(main())
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 200
+    assert all_pages_free(stats)
+
+
+def test_token_bytes_and_decode_tokens_refuse_ids_outside_the_vocabulary(aengine):
+    """A negative id would read another token's bytes (Python's negative index), True would be
+    token 1: both are refused, naming token_ids, as are non-integers and ids past the vocabulary."""
+    vocab = aengine.engine.input_processor.vocab_size
+
+    async def main():
+        for call in (aengine.token_bytes, aengine.decode_tokens):
+            for bad in ([-1], [True], [vocab], [5, 2**70], [1.0], ["5"], [None], "5", 5):
+                with pytest.raises(ParameterError) as e:
+                    await call(bad)
+                assert e.value.param == "token_ids", (call, bad)
+        good = await aengine.token_bytes([vocab - 1, 0]), await aengine.decode_tokens([vocab - 1, 0])
+        return good, await aengine.stats()
+
+    (raw, texts), stats = asyncio.run(main())
+    assert len(raw) == len(texts) == 2 and all(isinstance(b, bytes) for b in raw)
+    assert stats["open"] == 0

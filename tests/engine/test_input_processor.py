@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import re
 
 import httpx
 import pytest
@@ -245,3 +246,50 @@ def test_inline_mode_is_pasta_without_forks_through_the_engine(engine):
     s = inl.stats
     assert s.decode_steps == s.tokens_decoded == s.critical_path > pas.stats.critical_path
     assert _all_free(engine)
+
+
+def test_merge_stop_refuses_params_that_are_not_sampling_params():
+    """merge_stop (AsyncEngine.add_request's first check) names ``params`` for a bad one, as
+    process does without ``stop``, instead of an AttributeError on ``params.stop``."""
+    for params in ({"max_new_tokens": 3}, "greedy", 5):
+        for stop in (["x"], None):
+            with pytest.raises(ParameterError, match="SamplingParams") as e:
+                InputProcessor.merge_stop(params, stop)
+            assert e.value.param == "params" and e.value.value == params
+    assert InputProcessor.merge_stop(None, None) is None
+
+
+@pytest.mark.parametrize("mode", ["bogus", None, 5, "Pasta"])
+def test_tokenize_and_format_chat_refuse_an_unknown_mode(engine, mode):
+    """An unknown mode is refused where a prompt is formatted too (Engine.format_prompt,
+    format_chat), not taken for pasta."""
+    from pasta_engine.engine.async_engine import format_chat
+
+    for call in (lambda: engine.format_prompt("hi", mode=mode),
+                 lambda: engine.input_processor.tokenize([{"role": "user", "content": "hi"}], mode),
+                 lambda: format_chat(engine, [{"role": "user", "content": "hi"}], mode=mode)):
+        with pytest.raises(ParameterError, match="'pasta', 'sequential' or 'inline'") as e:
+            call()
+        assert e.value.param == "mode" and e.value.value == mode
+
+
+@pytest.mark.parametrize("message, key, where", [
+    ({"role": "user", "content": "hi", "name": "bob"}, "name", "messages[1]: key 'name'"),
+    ({"role": "user", "content": "hi", "tool_call_id": "t1"}, "tool_call_id", "messages[1]: key 'tool_call_id'"),
+    ({"role": "assistant", "content": "hi", "tool_calls": []}, "tool_calls", "messages[1]: key 'tool_calls'"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+     "cache_control", "messages[1]: content part 0: key 'cache_control'"),
+])
+def test_format_chat_refuses_message_keys_it_does_not_honour(engine, message, key, where):
+    """A chat message has role and content, a text part type and text: any other key is refused
+    (naming the message and the key), never dropped from the prompt without a word."""
+    messages = [{"role": "system", "content": "Be brief."}, message, {"role": "user", "content": "hi"}]
+    for call in (lambda: engine.input_processor.format_chat(messages),
+                 lambda: engine.add_request(messages, SamplingParams(max_new_tokens=2))):
+        with pytest.raises(ParameterError, match=re.escape(where)) as e:
+            call()
+        assert e.value.param == "messages" and key in str(e.value)
+    assert not engine.has_unfinished_requests()
+    plain = [{"role": "user", "content": "hi"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert engine.input_processor.format_chat(parts) == engine.input_processor.format_chat(plain)

@@ -101,6 +101,8 @@ def test_errors_are_one_line_not_tracebacks(tmp_path, capsys):
         (["generate", "x", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1, got 0"),
         (["generate", "x", "--max-threads", "-2"], "--max-threads: expected an integer >= 0, got -2"),
         (["generate", "x", "--seed", "1.5"], "--seed: expected an integer >= 0, got '1.5'"),
+        (["generate", "x", "--threads", "4097"], "--threads: expected auto or an integer from 1 to 4096, got '4097'"),
+        (["generate", "x", "--threads", "0"], "--threads: expected auto or an integer from 1 to 4096, got '0'"),
         (["bench", "speedup", "--traces", "t", "--out", "o", "--repeats", "0"], "--repeats: expected an integer >= 1"),
     ],
 )
