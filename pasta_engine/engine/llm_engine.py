@@ -395,7 +395,10 @@ class Engine:
         Returns True when it aborted the request. Otherwise nothing changes and it says why:
         it returns False and logs a warning (logger ``pasta_engine.engine.llm_engine``) that
         the request has already finished (its final output, with its own finish reason, is or
-        was returned by :meth:`step`) or that no request has that id."""
+        was returned by :meth:`step`) or that no request has that id. Raises ParameterError
+        naming ``request_id`` when it is not a string."""
+        if not isinstance(request_id, str):
+            raise ParameterError("request_id", request_id, "a request id string (the id add_request gave)")
         with self._lock:
             req = self._requests.get(request_id)
             if req is not None and not req.finished:

@@ -66,6 +66,10 @@ def test_an_aborted_id_is_refused_until_step_reports_the_abort(tiny_llama):
     while engine.has_unfinished_requests():
         finals += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finals] == ["r"] and finals[0].finish_reason == "length"
+    for bad in (["r"], None, 3):  # a list raised TypeError (unhashable) from inside abort
+        with pytest.raises(ParameterError, match="request_id") as e:
+            engine.abort(bad)
+        assert e.value.param == "request_id"
 
 
 def test_check_threads_bounds():
