@@ -38,7 +38,7 @@ def test_threads_flag_sets_torch_threads(tiny_llama, built, capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["generate", "x", "--threads", "0"])
-    assert "--threads: expected auto or an integer >= 1, got '0'" in capsys.readouterr().err
+    assert "--threads: expected auto or an integer from 1 to 4096, got '0'" in capsys.readouterr().err
 
 
 def test_from_pretrained_applies_the_policy_and_refuses_a_bad_value(tiny_llama, monkeypatch):
