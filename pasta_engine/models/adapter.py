@@ -48,6 +48,14 @@ __all__ = ["merge_lora", "check_lora_scale", "manifest_lora_scale", "read_manife
 SHIPPED_ADAPTERS = Path(__file__).resolve().parents[1] / "adapters"
 
 
+#: peft ``LoraConfig`` fields whose non-default value changes what the adapter computes.
+_UNMERGED_OPTIONS = ("alora_invocation_tokens", "kasa_config", "use_bdlora", "use_qalora", "layer_replication",
+                     "target_parameters", "monteclora_config", "arrow_config", "use_kasa")
+#: ``init_lora_weights`` values after which peft rewrites the base weights on load.
+_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+#: The adapter tensors the merge reads.
+_MERGED_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".token_adapter.trainable_tokens_delta")
+
 def file_sha256(path: str | Path, chunk_bytes: int = 1 << 22) -> str:
     """Hex SHA-256 of a file (read in 4 MiB chunks)."""
     h = hashlib.sha256()
@@ -265,6 +273,19 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
     if cfg.get("bias", "none") != "none" or cfg.get("lora_bias") or cfg.get("modules_to_save"):
         raise UnsupportedModelError("LoRA adapters with trained biases (bias, lora_bias) or modules_to_save are not "
                                     "supported")
+    # peft options that change what the adapter computes beyond W + scale * B A: merging as if
+    # they were unset would give another model (KaSA's singular values, aLoRA's invocation,
+    # layer replication...), so each is refused when set, never dropped
+    for opt in _UNMERGED_OPTIONS:
+        if cfg.get(opt) not in (None, False, [], {}):
+            raise UnsupportedModelError(f"adapter {str(adapter_dir)!r}: LoRA option {opt}={cfg.get(opt)!r} is not "
+                                        "supported (the merge is W + scale * B A; merge it with peft first)")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_REWRITING_INITS):
+        raise UnsupportedModelError(f"adapter {str(adapter_dir)!r}: init_lora_weights={init!r} rewrites the base "
+                                    "weights when peft loads it (a residual, not the checkpoint's own), which this "
+                                    "merge does not do: convert it with peft's path_initial_model_for_weight_conversion "
+                                    "or merge it with peft first")
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: adapter_config.json "
@@ -283,6 +304,11 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
     if unsupported:
         raise UnsupportedModelError(f"adapter {str(adapter_dir)!r}: {unsupported[0]} is not supported (LoRA on "
                                     "embeddings and LoRA biases are not merged)")
+    # and any tensor it has no rule for at all (KaSA's lora_diag, a variant's extra factors)
+    unknown = [n for n in tensors if not n.endswith(_MERGED_SUFFIXES)]
+    if unknown:
+        raise UnsupportedModelError(f"adapter {str(adapter_dir)!r}: tensor {unknown[0]} is not supported (the merge "
+                                    "reads lora_A/lora_B weights and trainable token rows only)")
     merged = _merge_token_rows(weights, cfg, tensors, adapter_dir)
     for name, a in tensors.items():
         if ".lora_A." not in name:

@@ -203,6 +203,14 @@ def test_the_merge_equals_peft_with_patterns(tiny_llama, tmp_path):
       "base_model.model.model.embed_tokens.lora_embedding_B": torch.ones(3, 2)}, {}, "lora_embedding_A is not supported"),
     ({"base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.ones(4)}, {}, "is not supported"),
     ({}, {"lora_bias": True}, "lora_bias"),
+    # KaSA's singular values, aLoRA's invocation, base-rewriting inits: each merged as plain LoRA
+    # gave another model than peft's (up to 0.4 off in a weight of about 0.02), or one peft
+    # itself cannot merge
+    ({"base_model.model.model.layers.0.self_attn.q_proj.lora_diag": torch.ones(2)}, {}, "lora_diag is not supported"),
+    ({}, {"kasa_config": {"beta": 1e-4}}, "kasa_config"),
+    ({}, {"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+    ({}, {"init_lora_weights": "pissa_niter_4"}, "rewrites the base weights"),
+    ({}, {"init_lora_weights": "olora"}, "rewrites the base weights"),
 ])
 def test_tensors_the_merge_has_no_rule_for_are_refused_not_dropped(tmp_path, extra, cfg, match):
     """peft's LoRA on an embedding and its LoRA biases were skipped without a word (the merged
