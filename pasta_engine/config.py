@@ -281,7 +281,10 @@ class PositionPolicy:
     def __post_init__(self) -> None:
         if self.kind not in ("predicted", "none", "oracle", "constant"):
             raise ParameterError("position_policy", self.kind, "'predicted', 'none', 'oracle' or 'constant:K'")
-        check_int("position_policy constant", self.constant, 0)
+        check_int("position_policy constant", self.constant, 0, 10**9 - 1)  # as parse bounds K (str() parses back)
+        if self.constant and self.kind != "constant":  # it would be ignored
+            raise ParameterError("position_policy", self, message=f"position_policy {self.kind!r} takes no constant "
+                                 f"(got constant={self.constant}): use PositionPolicy('constant', K) for K positions")
 
     @classmethod
     def parse(cls, spec: "str | PositionPolicy") -> "PositionPolicy":

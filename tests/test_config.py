@@ -92,6 +92,14 @@ def test_position_policy_names_the_bad_spec(spec):
         PositionPolicy.parse(spec)
 
 
+def test_a_position_policy_refuses_a_constant_it_would_ignore_or_not_parse_back():
+    with pytest.raises(ParameterError, match="takes no constant"):
+        PositionPolicy("predicted", constant=500)  # behaved as constant=0
+    with pytest.raises(ParameterError, match="position_policy constant"):
+        PositionPolicy("constant", 10**12)  # str() gave "constant:1000000000000", which parse refuses
+    assert PositionPolicy.parse(str(PositionPolicy("constant", 10**9 - 1))).constant == 10**9 - 1
+
+
 def test_position_policy_parses_every_kind():
     assert str(PositionPolicy.parse(" Constant:7 ")) == "constant:7"
     assert PositionPolicy.parse("oracle").kind == "oracle"

@@ -90,8 +90,9 @@ class ModelConfig:
 
     Attributes:
         model_type: the ``transformers`` architecture name (a key of :data:`ARCHITECTURES`).
-        attention_bias: q/k/v projections have biases (Qwen2; any biases the checkpoint holds are
-            applied, this flag only says they are expected).
+        attention_bias: q/k/v projections have biases (Qwen2, or a config's ``attention_bias``);
+            the loader refuses a checkpoint whose biases disagree with the config (missing, or
+            present where the config uses none), so those it applies are the config's.
         max_position_embeddings: the context length, None when the checkpoint does not say.
         hidden_act: MLP gate activation, one of :data:`ACTIVATIONS`.
         norm_unit_offset: RMSNorm scales by ``1 + w`` in float32 and then casts (Gemma), instead
@@ -147,7 +148,8 @@ class ModelConfig:
     def from_hf(cls, cfg: Any) -> "ModelConfig":
         """From a ``transformers`` config. Raises UnsupportedModelError naming the
         architecture or option that is not implemented, CheckpointError naming a size that is
-        not an integer >= 1 (``num_attention_heads: 0``)."""
+        not an integer >= 1 (``num_attention_heads: 0``) or an attention scale field or soft-cap
+        that is not a finite number > 0 (Gemma 2's ``query_pre_attn_scalar``, its soft-caps)."""
         mt = getattr(cfg, "model_type", None)
         if mt not in ARCHITECTURES:
             raise UnsupportedModelError(
@@ -173,6 +175,17 @@ class ModelConfig:
             raise UnsupportedModelError(f"{heads} query heads are not a multiple of {kv} KV heads")
         max_pos = getattr(cfg, "max_position_embeddings", None)
         scale_from = arch.attention_scale_field
+        # each would pass the load and fail inside a step (a complex or infinite softmax scale, a
+        # soft-cap the kernels refuse) or make every logit 0 or NaN
+        fields = ([scale_from] if scale_from else []) + (
+            ["attn_logit_softcapping", "final_logit_softcapping"] if arch.softcaps else [])
+        for name in fields:
+            v = getattr(cfg, name, None)
+            if v is None and name != scale_from:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise CheckpointError("model", None, message=f"config.json: {name}={v!r} is not usable (expected a "
+                                      "finite number > 0" + ("" if name == scale_from else ", or null for none") + ")")
         return cls(
             model_type=mt,
             vocab_size=cfg.vocab_size,

@@ -134,9 +134,11 @@ def load_model(
     (a truncated ``.gguf`` or safetensors file, a ``config.json`` that is not JSON or has
     impossible sizes, weights whose shapes disagree with the config, a broken tokenizer);
     ParameterError naming ``tensor_parallel_size`` when ``tp_size`` does not divide the KV heads
-    or the intermediate size."""
+    or the intermediate size, ``dtype`` for one other than float32, float16 or bfloat16."""
     from transformers import AutoConfig
 
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # float8 failed as an unreadable checkpoint
+        raise ParameterError("dtype", dtype, "torch.float32, torch.float16 or torch.bfloat16")
     path, gguf = resolve_model_path(model)
     kw = {"gguf_file": gguf} if gguf else {}
     where = path / gguf if gguf else path
@@ -166,6 +168,8 @@ def load_model(
     if weights is None:
         weights = _read_weights(path, where, dtype, kw)
         sliced = False
+    else:  # read here, not by transformers: the same checks it makes (missing tensors, biases unused)
+        _check_tensor_names(hf_cfg, weights, where)
     if adapter is not None:
         merge_lora(weights, adapter, lora_scale, tied_head=cfg.tie_word_embeddings or "lm_head.weight" not in weights)
     _check_finite(weights, where, adapter)
@@ -347,9 +351,39 @@ def _read_weights(path: Path, where: Path, dtype: torch.dtype, kw: dict[str, Any
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError("model", str(where), message=f"the weights of {where} lack {missing[0]}{more}")
+    _refuse_unused_biases(sorted(info.get("unexpected_keys") or ()), where)
     weights = dict(hf_model.state_dict())
     del hf_model
     return weights
+
+
+def _refuse_unused_biases(unexpected: list[str], where: Path) -> None:
+    """A bias in the file that the config does not declare (``attention_bias``, ``mlp_bias``)
+    would be dropped: a Qwen2-style file under a Llama config loses its q/k/v biases. Raise
+    CheckpointError naming it (other unexpected entries, such as stored RoPE buffers, carry no
+    weight)."""
+    biases = [n for n in unexpected if n.endswith(".bias")]
+    if biases:
+        more = f" (and {len(biases) - 1} more)" if len(biases) > 1 else ""
+        raise CheckpointError("model", str(where), message=f"the weights of {where} hold {biases[0]}{more}, which its "
+                              "config does not use (set attention_bias / mlp_bias in config.json if the model has them)")
+
+
+def _check_tensor_names(hf_cfg: Any, weights: dict[str, torch.Tensor], where: Path) -> None:
+    """For weights read without ``transformers`` (a tensor-parallel shard): the parameters the
+    config's model has (built on the meta device, no memory) must all be there, and no bias it
+    does not use; as :func:`_read_weights` checks through ``transformers``. Raises
+    CheckpointError."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    expected = {n for n, _ in model.named_parameters()}  # a tied head is the embedding: listed once
+    missing = sorted(expected - set(weights))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError("model", str(where), message=f"the weights of {where} lack {missing[0]}{more}")
+    _refuse_unused_biases(sorted(set(weights) - expected), where)
 
 
 #: Files that hold a Hugging Face tokenizer (any of them present: the checkpoint has one).

@@ -7,7 +7,8 @@ heads, then the KV heads of K, then of V), the output projection, gate/up fused 
 separately (Llama, Mistral, Qwen, Gemma) or already fused (Phi-3's ``qkv_proj`` and
 ``gate_up_proj``: the table's ``fused_checkpoint``); :func:`adapt_checkpoint` does the one and
 checks the other, and precomputes the norm weights as the forward multiplies them (Gemma's
-``1 + w`` in float32). Biases are kept where the checkpoint has them (Qwen2's q/k/v).
+``1 + w`` in float32). Biases are those the config declares (Qwen2's q/k/v; the loader refuses a
+checkpoint whose biases disagree with its config).
 """
 
 from __future__ import annotations

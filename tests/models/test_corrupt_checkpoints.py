@@ -248,3 +248,59 @@ def test_an_adapter_with_impossible_token_fields_is_one_error(case, tiny_llama, 
                "--kv-cache-mb", "1"])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("field, value", [("query_pre_attn_scalar", 0), ("query_pre_attn_scalar", -4),
+                                          ("attn_logit_softcapping", 0.0), ("attn_logit_softcapping", -50.0),
+                                          ("final_logit_softcapping", 0.0)])
+def test_gemma2s_attention_scale_and_soft_caps_are_checked_at_load(field, value, tiny_gemma2, tmp_path):
+    """Each loaded and then failed inside a step (a complex softmax scale, a soft-cap the kernels
+    refuse), raised a bare ZeroDivisionError, or made every logit 0: refused at load, naming the
+    field."""
+    import re
+
+    path = _copy(tiny_gemma2, tmp_path / "ck", **{field: value})
+    with pytest.raises(CheckpointError, match=re.escape(f"{field}={value!r} is not usable")):
+        Engine.from_pretrained(path, kv_cache_bytes=2**20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn])
+def test_a_dtype_the_engine_does_not_run_is_refused_naming_dtype(dtype, tiny_llama):
+    """float8 failed as 'cannot read the weights of <the model>' (blaming the checkpoint);
+    float64 ran, though the docs name three dtypes."""
+    with pytest.raises(ParameterError, match="invalid dtype") as e:
+        Engine.from_pretrained(tiny_llama, dtype=dtype, kv_cache_bytes=2**20)
+    assert e.value.param == "dtype"
+
+
+def test_biases_the_config_does_not_use_are_refused_not_dropped(tiny_llama, tmp_path):
+    """A Llama config without attention_bias over a file with q/k/v biases (a mislabelled
+    Qwen2-style checkpoint) loaded without them."""
+    from safetensors.torch import load_file
+
+    d = _copy(tiny_llama, tmp_path / "ck")
+    w = load_file(d / "model.safetensors")
+    for p in ("q", "k", "v"):
+        w[f"model.layers.0.self_attn.{p}_proj.bias"] = torch.ones(w[f"model.layers.0.self_attn.{p}_proj.weight"].shape[0])
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"self_attn\.k_proj\.bias \(and 2 more\), which its config does not use"):
+        Engine.from_pretrained(d, kv_cache_bytes=2**20)
+
+
+def test_a_tensor_parallel_shards_names_are_checked_as_transformers_checks_them(tiny_llama):
+    """Shards are read without transformers: a missing untied lm_head was replaced by the
+    embedding, missing biases were left out, extra ones applied (tp_size 1 refused each)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from pasta_engine.models.loader import _check_tensor_names
+
+    cfg = AutoConfig.from_pretrained(tiny_llama)
+    cfg.tie_word_embeddings = False
+    w = load_file(tiny_llama / "model.safetensors")
+    w.setdefault("lm_head.weight", w["model.embed_tokens.weight"].clone())
+    _check_tensor_names(cfg, w, tiny_llama)  # complete: nothing to say
+    with pytest.raises(CheckpointError, match="lack lm_head.weight"):
+        _check_tensor_names(cfg, {k: v for k, v in w.items() if k != "lm_head.weight"}, tiny_llama)
+    with pytest.raises(CheckpointError, match="which its config does not use"):
+        _check_tensor_names(cfg, {**w, "model.layers.0.mlp.up_proj.bias": torch.ones(3)}, tiny_llama)
