@@ -291,7 +291,14 @@ def step_speedup(sequential_steps: int, pasta_steps: int) -> float:
 
 def realized_over_theoretical(realized: float, theoretical: float) -> float:
     """How much of the available speedup the engine turns into time (docs/DESIGN.md section 3):
-    realized content speedup / theoretical content speedup; 1 is the ideal."""
+    realized content speedup / theoretical content speedup (a ratio of ratios, no unit).
+
+    Its ideal is not 1: when every decode step costs the same, the realized speedup equals the
+    step speedup (:func:`step_speedup`), and the sequential side decodes one step more than
+    its content tokens (its end-of-sequence), so the ideal ratio is step speedup / theoretical,
+    (content tokens + 1) / content tokens at unlimited width: 1.05 for a 20-token answer, about
+    1 for long ones. Below it, a step with several threads costs more than a one-thread step
+    (or the run paid other overhead); well above it, the timing was disturbed."""
     return realized / theoretical
 
 

@@ -805,8 +805,9 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
     it, before any model loads): a prompt with ``--prompts-file``; ``--compare-transformers``
     outside ``--mode sequential`` and ``both``; ``--baseline base`` in pasta or inline mode (it
     gives the sequential side the base weights); ``--warmup`` or ``--repeats`` outside ``--mode
-    both`` (``generate``, ``replay``); sampling flags in ``bench speedup`` unless ``--annotator
-    model`` samples the traces."""
+    both`` (``generate``, ``replay``); sampling flags in ``bench speedup`` and ``bench annotate``
+    unless ``--annotator model`` samples the traces; ``--tokenizer`` in ``bench annotate
+    --annotator model`` (the model's own tokenizer counts there)."""
     from ..errors import ParameterError
     from ..tools.bench import DEFAULT_REPEATS
 
@@ -829,12 +830,17 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
                 if getattr(args, flag, default) != default:
                     refuse("--" + flag, getattr(args, flag), f"times the two sides of --mode both, and this run is "
                            f"--mode {mode}")
-    if args.command == "bench" and args.bench_command == "speedup" and args.annotator != "model":
+    if args.command == "bench" and args.bench_command in ("speedup", "annotate") and args.annotator != "model":
+        what = "replays them" if args.bench_command == "speedup" else f"annotates with --annotator {args.annotator}"
         for name, default in getattr(args, "sampling_defaults", {}).items():
             if getattr(args, name) != default:
                 flag = "--" + name.replace("_", "-")
-                refuse(flag, getattr(args, name), "acts only where --annotator model samples the traces; this run "
-                       "replays them")
+                refuse(flag, getattr(args, name), f"acts only where --annotator model samples the traces; this run "
+                       f"{what}")
+    if args.command == "bench" and args.bench_command == "annotate" and args.annotator == "model" \
+            and args.tokenizer is not None:
+        refuse("--tokenizer", args.tokenizer, "sets how sot, apar and endpoint annotations count promise lengths; "
+               "--annotator model counts with the model's own tokenizer")
 
 
 def _check_utf8(text: str, what: str) -> None:

@@ -25,20 +25,26 @@ annotated response.
 
 The runners write what they measure as they go (``prompts.jsonl`` grows one line per prompt),
 then ``summary.json`` with the aggregates and the run's settings (also after an interruption,
-marked ``complete: false``); ``resume=True`` keeps the rows of an earlier run of the same prompts
+marked ``complete: false``); ``resume=True`` keeps the rows of an earlier run of the same inputs
+(prompts, and each row's trace, annotator and dialect, or sampling settings: :func:`resumed_rows`)
 and runs the rest. Before timing, ``warmup`` untimed runs in each mode prepare the engine
-(speedup: the first trace and the one with the most promises, so that every thread-count bucket
+(speedup: the first trace and the one with the most forks, so that every thread-count bucket
 the run reaches, e.g. its CUDA graphs, exists before the clock starts). Each prompt then runs
-``repeats`` times per side, interleaved (:func:`timed_runs`): the fastest run of each side counts,
-and the spread of the runs is recorded beside it (:data:`TIMING_STATISTIC`,
-:func:`timing_record`); a realized speedup above the theoretical one by more than that spread,
-and a geomean realized speedup over answers that never forked, are warnings in the summary.
-Progress goes to stderr.
+once untimed on every side (its prompt enters the prefix cache, so that no timed run pays a
+prefill the other side skips), then ``repeats`` times per side, interleaved (:func:`timed_runs`):
+the fastest run of each side counts, and the spread of the runs is recorded beside it
+(:data:`TIMING_STATISTIC`, :func:`timing_record`); a realized speedup above its ideal (the step
+speedup: sequential / pasta decode steps) by more than that spread, and a geomean realized
+speedup over answers that never forked, are warnings in the summary. Every mean of a summary is
+over the same answers: those with content (and, for the end-to-end figures, a sequential answer
+with content too). Progress goes to stderr.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -76,6 +82,10 @@ __all__ = [
     "realized_beyond_theoretical",
     "fork_warnings",
     "summary_warnings",
+    "trace_forks",
+    "trace_sha256",
+    "sampling_record",
+    "resumed_rows",
 ]
 
 
@@ -205,11 +215,10 @@ def dialect_annotator(dialect: str) -> Callable[[str, Callable[[str], int]], str
 def annotate_rows_in_dialect(rows: Sequence[PromptRow], dialect: str,
                              count_tokens: Callable[[str], int] | None = None) -> list[TraceRow]:
     """Trace rows for ``rows`` (each with an ``output``) annotated by :func:`dialect_annotator`
-    (``dialect``): the trace's ``annotator`` is ``dialect:NAME`` and ``promises`` its forks.
+    (``dialect``): the trace's ``annotator`` is ``dialect:NAME`` and ``promises`` its forks (the
+    threads a replay forks: :func:`trace_forks`; a Multiverse block forks one per path).
     Raises BenchError for a row without ``output`` and as :func:`dialect_annotator`."""
-    from ..lang.dialect import Promise, get_dialect
-
-    annotate_fn, lang = dialect_annotator(dialect), get_dialect(dialect)
+    annotate_fn = dialect_annotator(dialect)
     count = count_tokens or approx_token_count
     out: list[TraceRow] = []
     bar = _bar(len(rows), f"annotating (dialect {dialect})")
@@ -218,7 +227,7 @@ def annotate_rows_in_dialect(rows: Sequence[PromptRow], dialect: str,
             if r.output is None:
                 raise BenchError(f"row {i} has no 'output' to annotate")
             annotated = annotate_fn(r.output, count)
-            forks = sum(isinstance(e, Promise) for e in lang.parse(annotated))
+            forks = trace_forks(annotated, dialect)
             out.append(TraceRow(r.instruction, annotated, f"dialect:{dialect}", response=r.output, promises=forks,
                                 index=i, dataset=r.dataset,
                                 note=None if forks else f"dialect {dialect}: left unannotated"))
@@ -226,6 +235,38 @@ def annotate_rows_in_dialect(rows: Sequence[PromptRow], dialect: str,
     finally:
         bar.close()
     return out
+
+
+def trace_forks(annotated: str, dialect: str = "pasta") -> int:
+    """The threads a pasta replay of ``annotated`` (written in ``dialect``) forks at unlimited
+    width and depth: every branch of every fork that has a chunk in the trace, nested ones
+    included (a Multiverse block forks one thread per path, inside a path too; a PASTA-LANG or
+    APAR fork marker without its chunk forks none), as
+    :func:`pasta_engine.core.replay.replay_script` counts them. Never raises on content;
+    raises ValueError for an unknown dialect name (:func:`~pasta_engine.lang.dialect.get_dialect`)."""
+    from ..lang.dialect import TraceFork, get_dialect
+
+    lang = get_dialect(dialect)
+    tree = lang.split_tree(annotated)
+    if tree is None:  # a flat dialect: one thread per fork marker with a chunk
+        return sum(1 for c in lang.split_threads(annotated).chunks if c.content is not None)
+
+    def forks(t: Any) -> int:
+        return sum(1 + forks(b) for it in t.items if isinstance(it, TraceFork) for b in it.branches if b is not None)
+
+    return forks(tree)
+
+
+def trace_sha256(annotated: str) -> str:
+    """SHA-256 hex digest of an annotated response's UTF-8 text: what identifies a ``bench
+    speedup`` row's input (``annotated_sha256``, checked by ``--resume``)."""
+    return hashlib.sha256(annotated.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def sampling_record(params: SamplingParams) -> dict[str, Any]:
+    """``params``' fields as JSON values (tuples as lists): what identifies a ``bench pareto``
+    row's input besides its prompt (``sampling``, checked by ``--resume``)."""
+    return json.loads(json.dumps({f.name: getattr(params, f.name) for f in dataclasses.fields(params)}, default=str))
 
 
 def _fastest(results: Sequence[Any]) -> Any:
@@ -257,13 +298,20 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def timed_runs(repeats: int, pasta: Callable[[], Any], clean: Callable[[Any], Any],
                sequential: Callable[[], Any] | None = None,
-               replay: Callable[[Any], Any] | None = None) -> dict[str, list[Any]]:
+               replay: Callable[[Any], Any] | None = None,
+               prime: Callable[[], Any] | None = None) -> dict[str, list[Any]]:
     """``repeats`` runs of each side of one prompt, interleaved (run i of every side one after
     the other, so a change in the machine's other load falls on all sides alike): ``pasta()``
     (a replay, or a generation), then ``replay(first pasta result)`` when given (a generated
     answer's annotated text replayed in pasta mode), then ``clean(first pasta result)`` (its
     clean text decoded sequentially), then ``sequential()`` when given (a sequential answer of
     its own, for the end-to-end speedup).
+
+    First, untimed, ``prime()`` (default: one run of every side, in the same order, its results
+    dropped): with prefix caching on (the engine's default) the first run of a prompt prefills
+    it and every later run reads it from the cache, so without this run the first pasta run
+    alone would pay the prompt's prefill. ``prime`` must leave the prompt in the cache of every
+    engine and mode the sides run (e.g. short generations of each mode, as a warm-up does).
 
     Give ``replay`` whenever ``pasta`` samples: the realized content speedup then sets the
     replay against the clean text's replay, both forced, so both sides do the same work (a
@@ -279,6 +327,15 @@ def timed_runs(repeats: int, pasta: Callable[[], Any], clean: Callable[[Any], An
     runs["clean_text_sequential"] = []
     if sequential is not None:
         runs["sequential"] = []
+    if prime is not None:
+        prime()
+    else:
+        first = pasta()
+        if replay is not None:
+            replay(first)
+        clean(first)
+        if sequential is not None:
+            sequential()
     for _ in range(repeats):
         runs["pasta"].append(pasta())
         if replay is not None:
@@ -295,20 +352,42 @@ def content_side(runs: dict[str, list[Any]]) -> str:
     return "pasta_replay" if "pasta_replay" in runs else "pasta"
 
 
-def realized_beyond_theoretical(realized: float, theoretical: float, paired: Sequence[float]) -> str | None:
-    """A warning when the realized content speedup exceeds the theoretical one by more than
-    the measured spread (max - min of the per-repeat realized speedups ``paired``; 0 with one
-    run): the engine cannot run the content faster than its critical path allows, so such a
-    figure measures something else (a cold first run, other load on the machine). None when it
-    does not."""
+def realized_beyond_theoretical(realized: float, theoretical: float, paired: Sequence[float],
+                                ideal: float | None = None) -> str | None:
+    """A warning when the realized content speedup exceeds its ideal by more than the measured
+    spread (max - min of the per-repeat realized speedups ``paired``; 0 with one run). The ideal
+    is ``ideal``, the step speedup (sequential / pasta decode steps: what the realized speedup
+    is when every step costs the same), or the theoretical content speedup ``theoretical`` when
+    no step counts are given. The step speedup is a little above the theoretical one: the
+    sequential side also decodes its end-of-sequence step, (content tokens + 1) / critical path
+    at unlimited width. No engine runs faster than its steps allow, so a figure beyond it
+    measures something else (a cold first run, other load on the machine). None when it does
+    not exceed it (or there is no theoretical speedup: an answer without content)."""
     if not theoretical or theoretical <= 0:
         return None
+    ceiling = theoretical if ideal is None else ideal
     width = max(paired) - min(paired) if paired else 0.0
-    if realized - theoretical <= width:
+    if realized - ceiling <= width:
         return None
-    return (f"realized content speedup {realized:.2f}x exceeds the theoretical {theoretical:.2f}x by more than the "
-            f"measured spread ({min(paired):.2f}x to {max(paired):.2f}x over {len(paired)} runs): the timing is "
-            "disturbed (other load, a cold engine); rerun with more --repeats or on a quiet machine")
+    what = (f"its ideal {ceiling:.2f}x (the step speedup, sequential / pasta decode steps; theoretical "
+            f"{theoretical:.2f}x)" if ideal is not None else f"the theoretical {theoretical:.2f}x")
+    return (f"realized content speedup {realized:.2f}x exceeds {what} by more than the measured spread "
+            f"({min(paired):.2f}x to {max(paired):.2f}x over {len(paired)} runs): the timing is disturbed (other load, a "
+            "cold engine); rerun with more --repeats or on a quiet machine")
+
+
+#: What :func:`realized_beyond_theoretical`'s warnings say (this version's and the earlier
+#: "exceeds the theoretical"), for :func:`timing_summary` to find them in a row's ``timing``.
+_BEYOND = ("exceeds its ideal", "exceeds the theoretical")
+
+
+def _step_speedup_of(clean: Any, pasta: Any) -> float | None:
+    """Sequential / pasta decode steps of two results, None when either has no step count
+    (``stats.decode_steps``)."""
+    try:
+        return step_speedup(clean.stats.decode_steps, pasta.stats.decode_steps)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def timing_record(runs: dict[str, list[Any]], theoretical: float) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -316,15 +395,20 @@ def timing_record(runs: dict[str, list[Any]], theoretical: float) -> tuple[dict[
     ``statistic``, ``runs``, ``wall_s`` (every run, per side), ``wall_s_spread`` and
     ``realized_content_speedup_spread`` (:func:`spread`; per-repeat ratios of the clean text's
     run over the :func:`content_side`'s in ``realized_content_speedup_runs``; ``theoretical``
-    is that side's content speedup), ``end_to_end_speedup_spread`` with a sequential side
-    (``pasta`` against ``sequential``),
+    is that side's content speedup), ``step_speedup`` (the fastest runs' sequential / pasta
+    decode steps: the ideal realized speedup; None when the results carry no step counts),
+    ``cached_tokens`` and ``prefill_tokens`` (every run's prompt tokens read from the prefix
+    cache and tokens prefilled, per side; only when the results carry them),
+    ``end_to_end_speedup_spread`` with a sequential side (``pasta`` against ``sequential``),
     ``same_tokens`` (every repeat decoded the same tokens; False: the fastest may be another
-    answer) and ``warnings`` (:func:`realized_beyond_theoretical`, differing repeats)."""
+    answer) and ``warnings`` (:func:`realized_beyond_theoretical` against the step speedup when
+    known, else the theoretical one; differing repeats)."""
     fastest = {side: _fastest(rs) for side, rs in runs.items()}
     side = content_side(runs)
     paired = [realized_speedup(c.stats.wall_s, p.stats.wall_s)
               for p, c in zip(runs[side], runs["clean_text_sequential"])]
     realized = realized_speedup(fastest["clean_text_sequential"].stats.wall_s, fastest[side].stats.wall_s)
+    ideal = _step_speedup_of(fastest["clean_text_sequential"], fastest[side])
     record: dict[str, Any] = {
         "statistic": TIMING_STATISTIC,
         "runs": len(runs["pasta"]),
@@ -332,12 +416,16 @@ def timing_record(runs: dict[str, list[Any]], theoretical: float) -> tuple[dict[
         "wall_s_spread": {side: spread([r.stats.wall_s for r in rs]) for side, rs in runs.items()},
         "realized_content_speedup_runs": paired,
         "realized_content_speedup_spread": spread(paired),
+        "step_speedup": ideal,
     }
+    for key in ("cached_tokens", "prefill_tokens"):
+        if all(hasattr(r.stats, key) for rs in runs.values() for r in rs):
+            record[key] = {side: [getattr(r.stats, key) for r in rs] for side, rs in runs.items()}
     if "sequential" in runs:
         record["end_to_end_speedup_spread"] = spread([realized_speedup(q.stats.wall_s, p.stats.wall_s)
                                                       for p, q in zip(runs["pasta"], runs["sequential"])])
     record["same_tokens"] = all(r.token_ids == rs[0].token_ids for rs in runs.values() for r in rs)
-    warnings = [w for w in [realized_beyond_theoretical(realized, theoretical, paired)] if w]
+    warnings = [w for w in [realized_beyond_theoretical(realized, theoretical, paired, ideal)] if w]
     if not record["same_tokens"]:
         warnings.append("the repeats decoded different tokens (sampling without a fixed seed?): the fastest run of a "
                         "side may be a shorter answer")
@@ -365,7 +453,8 @@ def timing_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Aggregates of the rows' ``timing`` records (rows without one are left out): the geometric
     means over prompts of each prompt's min / median / max per-repeat realized content speedup,
     the median over prompts of each side's relative wall-time spread ((max - min) / min), and
-    the rows whose realized speedup exceeded the theoretical one beyond their spread."""
+    the rows whose realized speedup exceeded its ideal beyond their spread
+    (:func:`realized_beyond_theoretical`). A summary passes the rows its means are over."""
     import statistics
 
     timed = [r for r in rows if r.get("timing")]
@@ -383,7 +472,7 @@ def timing_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                     for s in (r["timing"]["wall_s_spread"][side] for r in timed))
             for side in sides},
         "realized_beyond_theoretical": [r.get("index", i) for i, r in enumerate(timed)
-                                        if any("exceeds the theoretical" in w for w in r["timing"]["warnings"])],
+                                        if any(b in w for w in r["timing"]["warnings"] for b in _BEYOND)],
     }
 
 
@@ -396,12 +485,19 @@ def _has(row: Any, dotted: str) -> bool:
     return True
 
 
-def resumed_rows(out: Path, prompts: Sequence[str], resume: bool, need: str | None = None) -> list[dict[str, Any]]:
+def resumed_rows(out: Path, prompts: Sequence[str], resume: bool, need: str | None = None,
+                 inputs: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """With ``resume``: the rows of ``out/prompts.jsonl`` from an earlier run of the same
-    prompts (checked in order; a truncated last line is dropped). Raises BenchError naming
-    the file and row when they do not match, or when a row lacks the key path ``need``
-    (``"a.b"`` for a nested key: a row written by an older version, whose figures this one does
-    not compute the same way)."""
+    prompts (checked in order; a truncated last line is dropped) and, with ``inputs`` (one dict
+    per prompt), the same inputs: row i must hold every key of ``inputs[i]`` with that value
+    (``bench speedup``: ``annotated_sha256``, :func:`trace_sha256`, ``annotator`` and
+    ``dialect``; ``bench pareto``: ``sampling``, :func:`sampling_record`).
+
+    Raises BenchError naming the file and row, and saying to remove the file (or use another
+    ``--out``) or to resume with the same inputs: when a row is for another prompt; when it
+    lacks the key path ``need`` (``"a.b"`` for a nested key) or a key of ``inputs[i]`` (a row
+    written by an older version, whose figures this one does not compute the same way or whose
+    inputs it did not record); when an input differs."""
     path = out / "prompts.jsonl"
     if not resume or not path.exists():
         return []
@@ -420,18 +516,36 @@ def resumed_rows(out: Path, prompts: Sequence[str], resume: bool, need: str | No
         if need is not None and not _has(row, need):
             raise BenchError(f"--resume: {path} row {i + 1} has no {need!r} (written by an older pasta-engine); "
                              "run again without --resume or into another --out")
+        for key, want in (inputs[i] if inputs is not None else {}).items():
+            if key not in row:
+                raise BenchError(f"--resume: {path} row {i + 1} has no {key!r}: it was written by an older pasta-engine "
+                                 "that did not record its inputs, so this run cannot tell whether they are its own; "
+                                 f"remove {path} (or run into another --out) to measure again")
+            if row[key] != want:
+                same = "sampling flags" if key == "sampling" else "traces, annotator and --dialect"
+                raise BenchError(f"--resume: {path} row {i + 1} was measured with other inputs than this run's prompt "
+                                 f"{i + 1} ({_difference(key, row[key], want)}): remove {path} (or run into another "
+                                 f"--out) to measure these inputs, or resume with the same {same}")
     return rows
 
 
-def warmup_traces(traces: Sequence[TraceRow], dialect: str = "pasta") -> list[TraceRow]:
-    """The first trace and the one with the most forks (read in ``dialect``): replaying both
-    before timing warms up whatever the engine prepares per shape or per thread count (kernel
-    compilation, CUDA graph capture for each bucket of live threads up to the widest the run
-    reaches)."""
-    from ..lang.dialect import Promise, get_dialect
+def _difference(key: str, there: Any, here: Any) -> str:
+    """What differs between a resumed row's input ``key`` (``there``) and this run's (``here``),
+    in a few words (the fields that differ, for a dict; a digest's first 12 characters)."""
+    if isinstance(there, dict) and isinstance(here, dict):
+        fields = [k for k in dict.fromkeys([*there, *here]) if there.get(k) != here.get(k)]
+        return f"{key}: " + ", ".join(f"{k} {there.get(k)!r} there, {here.get(k)!r} here" for k in fields)
+    if key.endswith("sha256") and isinstance(there, str) and isinstance(here, str):
+        return f"{key} {there[:12]}... there, {here[:12]}... here: another annotated response"
+    return f"{key} {there!r} there, {here!r} here"
 
-    lang = get_dialect(dialect)
-    widest = max(traces, key=lambda t: sum(isinstance(e, Promise) for e in lang.parse(t.annotated_response)))
+
+def warmup_traces(traces: Sequence[TraceRow], dialect: str = "pasta") -> list[TraceRow]:
+    """The first trace and the one with the most forks (read in ``dialect``, counted as a replay
+    forks: :func:`trace_forks`): replaying both before timing warms up whatever the engine
+    prepares per shape or per thread count (kernel compilation, CUDA graph capture for each
+    bucket of live threads up to the widest the run reaches)."""
+    widest = max(traces, key=lambda t: trace_forks(t.annotated_response, dialect))
     return [traces[0]] if widest is traces[0] else [traces[0], widest]
 
 
@@ -485,8 +599,10 @@ def speedup_row(seq: Any, pasta: Any) -> dict[str, Any]:
     ``realized_over_theoretical``: realized / theoretical content speedup; ``step_speedup``:
     sequential / pasta decode steps; ``tokens_decoded``: tokens sampled by all threads in pasta
     mode, tags and EOS included; ``tag_tokens``: those that are not content (nor EOS);
-    ``token_parallelism``: tokens decoded / critical path; ``same_text``: the sequential
-    replay's text equals the pasta answer's."""
+    ``token_parallelism``: tokens decoded / critical path; ``prefill_tokens`` and
+    ``cached_tokens`` (``_sequential`` for the other side): tokens prefilled, and prompt tokens
+    read from the prefix cache instead; ``same_text``: the sequential replay's text equals the
+    pasta answer's."""
     s, q = pasta.stats, seq.stats
     realized = realized_speedup(q.wall_s, s.wall_s)
     return {
@@ -509,6 +625,8 @@ def speedup_row(seq: Any, pasta: Any) -> dict[str, Any]:
         "max_width": s.max_width,
         "prefill_tokens": s.prefill_tokens,
         "prefill_tokens_sequential": q.prefill_tokens,
+        "cached_tokens": s.cached_tokens,
+        "cached_tokens_sequential": q.cached_tokens,
         "preemptions": s.preemptions + q.preemptions,
         "same_text": seq.text == pasta.text,
         "diagnostics": list(pasta.diagnostics[:10]),
@@ -522,10 +640,14 @@ def summarize_speedup(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     tag-token fraction (tag tokens / tokens decoded, all prompts); totals and content
     throughputs (content tokens / second) per mode; the same geometric means over forked
     responses only; the spread of the repeats (``timing``, :func:`timing_summary`) and
-    ``warnings`` (:func:`summary_warnings`). Raises ValueError for no rows."""
+    ``warnings`` (:func:`summary_warnings`). Every mean, spread and fork count beside the
+    headline is over the same answers, those with content (:func:`_with_content`):
+    ``forked_responses`` counts those that forked (the answers of ``forked_only``); the thread
+    counts and totals are over every prompt. Raises ValueError for no rows."""
     if not rows:
         raise ValueError("no rows to summarize")
-    forked = [r for r in rows if r["forks"] > 0]
+    full = _with_content(rows)
+    forked = [r for r in full if r["forks"] > 0]
 
     def geos(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         full = _with_content(rs)  # every mean over the same answers
@@ -557,23 +679,24 @@ def summarize_speedup(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "content_tokens_per_s_sequential": content / wall_s if wall_s > 0 else None,
         "text_mismatches": sum(1 for r in rows if not r["same_text"]),
         "forked_only": geos(forked) if forked else None,
-        "timing": timing_summary(rows),
-        "warnings": _summary_warnings(rows, forked),
+        "timing": timing_summary(full),
+        "warnings": _summary_warnings(rows),
     }
 
 
 def summary_warnings(answers: int, forked: int, geo_all: float | None, geo_forked: float | None,
                      timing: dict[str, Any]) -> list[str]:
     """A summary's warnings: :func:`fork_warnings` of its geomean realized content speedup
-    (``geo_all`` over ``answers``, ``geo_forked`` over the ``forked`` ones), and the prompts
-    whose realized speedup exceeded the theoretical one beyond their spread (``timing``:
-    :func:`timing_summary`)."""
+    (``geo_all`` over ``answers``, ``geo_forked`` over the ``forked`` ones among them), and the
+    prompts whose realized speedup exceeded its ideal (the step speedup) beyond their spread
+    (``timing``: :func:`timing_summary`)."""
     out = fork_warnings(answers, forked, geo_all, geo_forked)
     beyond = timing.get("realized_beyond_theoretical") or []
     if beyond:
         shown = ", ".join(map(str, beyond[:10])) + (", ..." if len(beyond) > 10 else "")
-        out.append(f"{len(beyond)} of {answers} prompts have a realized content speedup above the theoretical one by "
-                   f"more than their measured spread (prompts {shown}): their timing is disturbed")
+        out.append(f"{len(beyond)} of {answers} prompts have a realized content speedup above its ideal (the step "
+                   f"speedup, sequential / pasta decode steps) by more than their measured spread (prompts {shown}): "
+                   "their timing is disturbed")
     return out
 
 
@@ -583,19 +706,29 @@ def _with_content(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["content_speedup"] > 0]
 
 
-def _summary_warnings(rows: Sequence[dict[str, Any]], forked: Sequence[dict[str, Any]]) -> list[str]:
-    """:func:`summary_warnings` of :func:`speedup_row` or :func:`pareto_row` rows (the answers
-    with content, as the summary's means)."""
+def _both_answers(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The :func:`pareto_row` rows whose two answers both have content: the end-to-end speedup,
+    the length ratio and the throughput ratio are taken over these (an empty answer has a
+    length ratio of 0 or none, and its latency is no speedup)."""
+    return [r for r in rows if r["content_tokens_pasta"] > 0 and r["content_tokens_sequential"] > 0]
+
+
+def _summary_warnings(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """:func:`summary_warnings` of :func:`speedup_row` or :func:`pareto_row` rows, every input
+    over the answers with content (the summary's means): their count, those that forked, both
+    geomeans and the timing."""
     full = _with_content(rows)
+    forked = [r for r in full if r["forks"] > 0]
     return summary_warnings(len(full), len(forked), _geo([r["realized_content_speedup"] for r in full]),
-                            _geo([r["realized_content_speedup"] for r in forked]), timing_summary(rows))
+                            _geo([r["realized_content_speedup"] for r in forked]), timing_summary(full))
 
 
 def plot_speedup(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
     """PNG with two panels: realized vs theoretical content speedup per prompt (y = x line),
-    and a histogram of threads per response. Uses matplotlib's Agg canvas (no display, no
-    global pyplot state). Raises ImportError with the install command when matplotlib is
-    missing."""
+    and a histogram of threads per response. The geomeans written on the first panel are the
+    summary's (:func:`summarize_speedup`: over the answers with content, whose count it gives
+    with the empty ones left out). Uses matplotlib's Agg canvas (no display, no global pyplot
+    state). Raises ImportError with the install command when matplotlib is missing."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -619,8 +752,12 @@ def plot_speedup(rows: Sequence[dict[str, Any]], path: Path, title: str = "") ->
     ax1.set_xlabel("content speedup, theoretical (content tokens / critical path)")
     ax1.set_ylabel("content speedup, realized (clean text sequential / pasta wall time)")
     ax1.set_title("realized vs theoretical content speedup per prompt")
-    geo_th, geo_re = _geo(th), _geo(re_)
-    ax1.text(0.98, 0.03, f"geomean: theoretical {geo_th or 0:.2f}x, realized {geo_re or 0:.2f}x\n{len(rows)} prompts",
+    full = _with_content(rows)  # the summary's answers
+    geo_th = _geo([r["content_speedup"] for r in full])
+    geo_re = _geo([r["realized_content_speedup"] for r in full])
+    empty = len(rows) - len(full)
+    ax1.text(0.98, 0.03, f"geomean: theoretical {geo_th or 0:.2f}x, realized {geo_re or 0:.2f}x\n{len(full)} prompts"
+             + (f" ({empty} empty answers left out)" if empty else ""),
              transform=ax1.transAxes, ha="right", va="bottom", fontsize=8)
     ax1.legend(loc="upper left", fontsize=8)
     threads = [r["threads"] for r in rows]
@@ -656,9 +793,12 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
         out: output folder (created).
         settings: what to record about the run (model, device, command line, ...); updated.
         warmup: untimed replays of :func:`warmup_traces` in each mode first.
-        repeats: runs per prompt and mode, interleaved (:func:`timed_runs`); the fastest counts
-            and the spread is recorded (:func:`timing_record`, :data:`TIMING_STATISTIC`).
-        resume: keep the rows of an earlier run in ``out`` and run the rest.
+        repeats: runs per prompt and mode, interleaved, after one untimed run of each (:func:`timed_runs`:
+            both sides then find the prompt in the prefix cache); the fastest counts and the
+            spread is recorded (:func:`timing_record`, :data:`TIMING_STATISTIC`).
+        resume: keep the rows of an earlier run in ``out`` and run the rest; raises BenchError
+            when those rows were measured from other inputs (another trace, annotator or
+            dialect) or by a version that did not record them (:func:`resumed_rows`).
         progress: a tqdm bar on stderr (prompts, decoded tokens/s of the pasta runs, tags included).
         dialect: the language the traces are written in (a name of
             :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`): both sides replay with it, and
@@ -670,7 +810,9 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
     if not traces:
         raise BenchError("no traces to run")
     out.mkdir(parents=True, exist_ok=True)
-    rows = resumed_rows(out, [t.prompt for t in traces], resume, need="content_speedup")
+    rows = resumed_rows(out, [t.prompt for t in traces], resume, need="content_speedup",
+                        inputs=[{"annotated_sha256": trace_sha256(t.annotated_response), "annotator": t.annotator,
+                                 "dialect": dialect} for t in traces])
     settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, timing_statistic=TIMING_STATISTIC,
                     batch_size=1, annotators=sorted({t.annotator for t in traces}), dialect=dialect,
                     sequential_side="the pasta answer's clean text (no tag tokens), replayed")
@@ -688,7 +830,7 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
                           lambda pas: engine.replay([t.prompt], [pas.text], mode="sequential", dialect=dialect)[0])
         fastest, timing = timing_record(runs, runs["pasta"][0].stats.content_speedup)
         return {"index": t.index if t.index is not None else i, "prompt": t.prompt, "annotator": t.annotator,
-                "dialect": dialect,
+                "dialect": dialect, "annotated_sha256": trace_sha256(t.annotated_response),
                 "promises": t.promises, "note": t.note,
                 **speedup_row(fastest["clean_text_sequential"], fastest["pasta"]), "timing": timing}
 
@@ -767,35 +909,47 @@ def pareto_row(seq: Any, pasta: Any, clean_seq: Any = None, pasta_replay: Any = 
 
 
 def summarize_pareto(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Aggregates of :func:`pareto_row` rows (geometric means over prompts, as the paper;
-    answers without content left out of the content figures and counted in
-    ``empty_answers``): the content speedups first, then the end-to-end speedup with its
-    length ratio and the fraction of answers cut by the token budget on each side, the
-    tag-token fraction and fork statistics; the content and end-to-end figures over forked
-    answers only (``forked_only``), the spread of the repeats (``timing``) and ``warnings``
-    (:func:`summary_warnings`). Raises ValueError for no rows."""
+    """Aggregates of :func:`pareto_row` rows (geometric means over prompts, as the paper): the
+    content speedups first, then the end-to-end speedup with its length ratio and the fraction
+    of answers cut by the token budget on each side, the tag-token fraction and fork statistics;
+    the content and end-to-end figures over forked answers only (``forked_only``), the spread
+    of the repeats (``timing``) and ``warnings`` (:func:`summary_warnings`).
+
+    Each mean is over the same answers as the figure it sits beside: the content figures
+    (speedups, token parallelism, step speedup, the spread of the repeats, the warnings' inputs
+    and ``forked_responses``, the answers of ``forked_only``) over the pasta answers with content
+    (the others counted in ``empty_answers``); the end-to-end speedup, the length ratio and the
+    throughput ratio together over the prompts where both answers have content (``end_to_end_prompts``;
+    ``end_to_end_left_out`` counts the rest). Cut fractions, finish reasons, fork rate, mean
+    forks and threads, chunk counts and throughputs are over every prompt. Raises ValueError for
+    no rows."""
     if not rows:
         raise ValueError("no rows to summarize")
     n = len(rows)
     wall_p = sum(r["wall_s"] for r in rows)
     wall_s = sum(r["wall_s_sequential"] for r in rows)
-    forked = [r for r in rows if r["forks"] > 0]
+    full = _with_content(rows)
+    both = _both_answers(rows)
+    forked = [r for r in full if r["forks"] > 0]
+    forked_both = _both_answers(forked)
     return {
         "prompts": n,
-        "geomean_content_speedup": _geo([r["content_speedup"] for r in rows]),
-        "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in _with_content(rows)]),
-        "geomean_end_to_end_speedup": _geo([r["end_to_end_speedup"] for r in rows]),
-        "geomean_length_ratio": _geo([r["length_ratio"] for r in rows]),
+        "geomean_content_speedup": _geo([r["content_speedup"] for r in full]),
+        "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in full]),
+        "geomean_end_to_end_speedup": _geo([r["end_to_end_speedup"] for r in both]),
+        "geomean_length_ratio": _geo([r["length_ratio"] for r in both]),
+        "end_to_end_prompts": len(both),
+        "end_to_end_left_out": n - len(both),
         "cut_fraction_sequential": cut_fraction(r["finish_reason_sequential"] for r in rows),
         "cut_fraction_pasta": cut_fraction(r["finish_reason"] for r in rows),
         "empty_answers": {"sequential": sum(1 for r in rows if r["content_tokens_sequential"] == 0),
                           "pasta": sum(1 for r in rows if r["content_tokens_pasta"] == 0)},
-        "geomean_throughput_ratio": _geo([r["throughput_ratio"] for r in rows]),
+        "geomean_throughput_ratio": _geo([r["throughput_ratio"] for r in both]),
         "tag_token_fraction": tag_token_fraction(sum(r["tag_tokens"] for r in rows),
                                                  sum(r["tokens_pasta"] for r in rows)),
-        "geomean_token_parallelism": _geo([r["token_parallelism"] for r in rows]),
-        "geomean_step_speedup": _geo([r["step_speedup"] for r in rows]),
-        "forked_responses": sum(1 for r in rows if r["forks"] > 0),
+        "geomean_token_parallelism": _geo([r["token_parallelism"] for r in full]),
+        "geomean_step_speedup": _geo([r["step_speedup"] for r in full]),
+        "forked_responses": len(forked),
         "fork_rate": sum(1 for r in rows if r["forks"] > 0) / n,
         "mean_forks": sum(r["forks"] for r in rows) / n,
         "mean_threads": sum(r["threads"] for r in rows) / n,
@@ -811,11 +965,12 @@ def summarize_pareto(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "prompts": len(forked),
             "geomean_content_speedup": _geo([r["content_speedup"] for r in forked]),
             "geomean_realized_content_speedup": _geo([r["realized_content_speedup"] for r in forked]),
-            "geomean_end_to_end_speedup": _geo([r["end_to_end_speedup"] for r in forked]),
-            "geomean_length_ratio": _geo([r["length_ratio"] for r in forked]),
+            "geomean_end_to_end_speedup": _geo([r["end_to_end_speedup"] for r in forked_both]),
+            "geomean_length_ratio": _geo([r["length_ratio"] for r in forked_both]),
+            "end_to_end_left_out": len(forked) - len(forked_both),
         } if forked else None,
-        "timing": timing_summary(rows),
-        "warnings": _summary_warnings(rows, forked),
+        "timing": timing_summary(full),
+        "warnings": _summary_warnings(rows),
     }
 
 
@@ -842,23 +997,35 @@ def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams
     Args: as :func:`run_speedup`, with the prompts and the :class:`SamplingParams` of both
     modes; ``sequential_engine``: the engine of the sequential answers (default ``engine``:
     the same weights; another, e.g. the base model's, for the end-to-end comparison against
-    it). The clean-text replay of the content speedup always runs on ``engine``. Returns
+    it). The clean-text replay of the content speedup always runs on ``engine``. Before the
+    timed runs of each prompt, short untimed answers of it in both modes (and a replay of the
+    pasta one's clean text) put it in the prefix cache of every engine, so that no timed run
+    pays a prefill the others skip. Each row records the sampling settings (``sampling``);
+    ``resume`` refuses rows measured with other ones (:func:`resumed_rows`). Returns
     ``{"summary": ..., "settings": ...}``."""
     seq_engine = engine if sequential_engine is None else sequential_engine
     if not prompts:
         raise BenchError("no prompts to run")
     out.mkdir(parents=True, exist_ok=True)
-    rows = resumed_rows(out, [p.instruction for p in prompts], resume, need="content_speedup")
+    sampling = sampling_record(params)
+    rows = resumed_rows(out, [p.instruction for p in prompts], resume, need="content_speedup",
+                        inputs=[{"sampling": sampling}] * len(prompts))
     settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, timing_statistic=TIMING_STATISTIC,
                     batch_size=1)
     if warmup and len(rows) < len(prompts):
         for e in {id(engine): engine, id(seq_engine): seq_engine}.values():
             e.model_runner.warm_up()  # the CPU GEMM choices, for every row count a step may have
+    short = SamplingParams(max_new_tokens=min(8, params.max_new_tokens or 8))
+
+    def prime(prompt: str) -> None:
+        """Short untimed answers of ``prompt`` on every engine and mode the sides run: each
+        caches the prompt (a warm-up's first prompt gets them too)."""
+        seq_engine.generate([prompt], short, mode="sequential")
+        res = engine.generate([prompt], short, mode="pasta")[0]
+        clean_text_replay(engine, prompt, res)
+
     for _ in range(warmup if len(rows) < len(prompts) else 0):
-        short = SamplingParams(max_new_tokens=min(8, params.max_new_tokens))
-        seq_engine.generate([prompts[0].instruction], short, mode="sequential")
-        res = engine.generate([prompts[0].instruction], short, mode="pasta")[0]
-        clean_text_replay(engine, prompts[0].instruction, res)
+        prime(prompts[0].instruction)
     label = settings.get("model", "")
     exports: dict[str, list[dict[str, str]]] = {
         mode: [export_row(r["instruction"], r[key], mode, label, r.get("dataset")) for r in rows]
@@ -870,13 +1037,15 @@ def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams
         runs = timed_runs(repeats, lambda: engine.generate([p.instruction], params, mode="pasta")[0],
                           lambda pas: engine.replay([p.instruction], [pas.text], mode="sequential")[0],
                           lambda: seq_engine.generate([p.instruction], params, mode="sequential")[0],
-                          replay=lambda pas: engine.replay([p.instruction], [pas.annotated_text], mode="pasta")[0])
+                          replay=lambda pas: engine.replay([p.instruction], [pas.annotated_text], mode="pasta")[0],
+                          prime=lambda: prime(p.instruction))
         fastest, timing = timing_record(runs, runs["pasta_replay"][0].stats.content_speedup)
         seq, pas = fastest["sequential"], fastest["pasta"]
         for mode, res in (("sequential", seq), ("pasta", pas)):
             exports[mode].append(export_row(p.instruction, res.text, mode, label, p.dataset))
         return {"index": i, "instruction": p.instruction, "dataset": p.dataset,
-                **pareto_row(seq, pas, fastest["clean_text_sequential"], fastest["pasta_replay"]), "timing": timing}
+                **pareto_row(seq, pas, fastest["clean_text_sequential"], fastest["pasta_replay"]), "sampling": sampling,
+                "timing": timing}
 
     try:
         _measure_rows(out, prompts, rows, measure, "bench pareto",

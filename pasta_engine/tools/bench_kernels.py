@@ -11,9 +11,11 @@ cache (:class:`~pasta_engine.core.block_manager.BlockManager`). Measured:
 - ``sdpa_per_thread``: torch's ``scaled_dot_product_attention`` per thread over a dense copy of
   its context (the reference the outputs are checked against);
 - ``flashinfer_cascade``: FlashInfer's ``MultiLevelCascadeAttentionWrapper`` (prefix level +
-  per-thread level), the best peer for a shared prefix, when it imports (GPU).
+  per-thread level, from the views' true page lengths: :func:`cascade_levels`), the best peer
+  for a shared prefix, when it imports (GPU).
 
-Per kernel: median, p10 and p90 microseconds over ``repeats`` timed calls after ``warmup``
+Per kernel: median, p10 and p90 (interpolated within the measured times), min and max
+microseconds over ``repeats`` timed calls after ``warmup``
 calls (on a GPU ``triton.testing.do_bench``'s CUDA events with the L2 cache flushed, which reads
 ``warmup`` and ``repeats`` as milliseconds; the record's ``repeats_unit`` says which, and each
 kernel's ``calls`` how many were timed); the bytes the
@@ -29,16 +31,17 @@ float32.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import ParameterError
 
-__all__ = ["KernelShape", "bench_tree_attention", "copy_bandwidth"]
+__all__ = ["KernelShape", "bench_tree_attention", "cascade_levels", "copy_bandwidth"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -116,7 +119,10 @@ def _times_us(fn: Callable[[], Any], device: torch.device, warmup: int, repeats:
 
 
 def _summary(times: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    """Median, p10, p90, min and max of ``times`` (microseconds, at least one) and their count.
+    The deciles interpolate between the measured times (``method="inclusive"``), so they lie
+    within [min, max] however few calls were timed."""
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) >= 2 else [times[0]] * 9
     return {"median_us": statistics.median(times), "p10_us": q[0], "p90_us": q[-1], "min_us": min(times),
             "max_us": max(times), "calls": len(times)}
 
@@ -231,25 +237,56 @@ def bench_tree_attention(shape: KernelShape, *, device: str = "auto", warmup: in
     return rec
 
 
+def cascade_levels(views: Sequence[Any], shape: KernelShape) -> list[dict[str, list[int]]]:
+    """The paged layout of a FlashInfer cascade over :func:`_forest`'s ``views``, from their
+    true page lengths: level 0 the prefix's ``ceil(prefix / page_size)`` pages, which every
+    thread shares and reads once (one request; its last page's length as the views hold it:
+    ``prefix % page_size`` tokens when threads fork off a prefix that ends inside a page), then
+    level 1 each thread's own pages after them (one request per thread). Each level is a dict of FlashInfer's plan arrays as lists:
+    ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``; in every request every
+    page is full but its last (FlashInfer's paged layout). A level no thread has tokens in (no
+    prefix, or no suffix) is left out, so there are one or two.
+
+    Raises ValueError when the views do not share the prefix's pages, or the prefix's or a
+    thread's own pages are not all full but the last (layouts this benchmark does not build)."""
+    page, n = shape.page_size, len(views)
+    shared = -(-shape.prefix // page)
+    if any(vw.pages[:shared] != views[0].pages[:shared] for vw in views):
+        raise ValueError("the threads do not share the prefix's pages")
+    levels = []
+    if shared:
+        lens = views[0].lens[:shared]
+        if any(x != page for x in lens[:-1]):
+            raise ValueError("the prefix's pages are not all full but the last")
+        levels.append({"qo_indptr": [0, n], "kv_indptr": [0, shared], "kv_indices": list(views[0].pages[:shared]),
+                       "kv_last_page_len": [lens[-1]]})
+    own = [(list(vw.pages[shared:]), list(vw.lens[shared:])) for vw in views]
+    if any(pages for pages, _ in own):
+        if any(not pages or any(x != page for x in lens[:-1]) for pages, lens in own):
+            raise ValueError("a thread's own pages are not all full but the last")
+        levels.append({"qo_indptr": list(range(n + 1)),
+                       "kv_indptr": [0, *itertools.accumulate(len(pages) for pages, _ in own)],
+                       "kv_indices": [p for pages, _ in own for p in pages],
+                       "kv_last_page_len": [lens[-1] for _, lens in own]})
+    return levels
+
+
 def _flashinfer_cascade(q, k, v, views, shape: KernelShape):
-    """A callable running FlashInfer's two-level cascade on the same paged cache, or (None, why)."""
+    """A callable running FlashInfer's cascade (:func:`cascade_levels`: the shared prefix, then
+    each thread's own pages) on the same paged cache, or (None, why)."""
     try:
         import flashinfer
     except Exception as e:  # noqa: BLE001  (not installed, or its import fails: JIT, CUDA mismatch)
         return None, f"import flashinfer failed: {type(e).__name__}: {e}"
     try:
-        n, dev, page = len(views), q.device, shape.page_size
+        dev, page = q.device, shape.page_size
         i32 = dict(dtype=torch.int32, device=dev)
-        prefix_pages = shape.prefix // page
+        levels = cascade_levels(views, shape)
         ws = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
-        wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
-        own = [vw.pages[prefix_pages:] for vw in views]
+        wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(len(levels), ws, "NHD")
         wrapper.plan(
-            [torch.tensor([0, n], **i32), torch.arange(n + 1, **i32)],
-            [torch.tensor([0, prefix_pages], **i32),
-             torch.tensor([0] + [sum(len(o) for o in own[: i + 1]) for i in range(n)], **i32)],
-            [torch.tensor(views[0].pages[:prefix_pages], **i32), torch.tensor([p for o in own for p in o], **i32)],
-            [torch.tensor([page], **i32), torch.tensor([vw.lens[-1] for vw in views], **i32)],
+            *([torch.tensor(lv[key], **i32) for lv in levels]
+              for key in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")),
             shape.heads, shape.kv_heads, shape.head_dim, page,
         )
         return (lambda: wrapper.run(q, (k, v))), None

@@ -240,6 +240,14 @@ def test_independent_topics_where_nothing_samples_in_pasta_mode_is_refused(tiny_
     (["replay", "--traces", "t.jsonl", "--warmup", "4"], "--warmup"),
     (["bench", "speedup", "--traces", "t.jsonl", "--out", "o", "--temperature", "1.5"], "--temperature"),
     (["bench", "speedup", "--traces", "t.jsonl", "--out", "o", "--ignore-eos"], "--ignore-eos"),
+    # bench annotate: only --annotator model samples, and it counts with the model's tokenizer
+    (["bench", "annotate", "--annotator", "sot", "--responses", "r.json", "--out", "t.jsonl", "--temperature", "0.9"],
+     "--temperature"),
+    (["bench", "annotate", "--annotator", "apar", "--responses", "r.json", "--out", "t.jsonl", "--seed", "7"], "--seed"),
+    (["bench", "annotate", "--annotator", "endpoint", "--responses", "r.json", "--out", "t.jsonl", "--max-new-tokens",
+      "3", "--endpoint-url", "http://127.0.0.1:9/v1", "--endpoint-model", "m"], "--max-new-tokens"),
+    (["bench", "annotate", "--annotator", "model", "--responses", "r.json", "--out", "t.jsonl", "--tokenizer",
+      "approx"], "--tokenizer"),
 ])
 def test_a_flag_nothing_reads_in_that_command_or_mode_is_refused_before_any_model_loads(argv, flag, capsys):
     """A flag is honoured or refused, never ignored: these act only in another mode or command."""
@@ -248,3 +256,13 @@ def test_a_flag_nothing_reads_in_that_command_or_mode_is_refused_before_any_mode
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pasta-engine: error: {flag} ") and ("leave it out" in err or "use --mode" in err), err
+
+
+def test_bench_annotate_takes_the_flags_its_annotator_reads(tmp_path, capsys):
+    """The refusals above leave alone what sot reads: --tokenizer (promise lengths)."""
+    responses = tmp_path / "r.json"
+    responses.write_text(json.dumps([{"instruction": "Tips?", "output": "Tips:\n- Sleep.\n- Walk.\n"}]))
+    rc = main(["bench", "annotate", "--annotator", "sot", "--responses", str(responses), "--out",
+               str(tmp_path / "t.jsonl"), "--tokenizer", "approx"])
+    assert rc == 0, capsys.readouterr().err
+    assert "tokens from approx" in capsys.readouterr().err

@@ -69,3 +69,49 @@ def test_the_kernel_docstring_example_runs():
         q[1:2, :, None].float(), ctx_k.transpose(0, 1)[None], ctx_v.transpose(0, 1)[None], scale=16 ** -0.5,
         enable_gqa=True)[0, :, 0]
     torch.testing.assert_close(out[1].float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("times", [[100.0, 200.0], [100.0, 110.0, 300.0], [100.0, 101.0, 102.0, 103.0, 400.0], [7.0]])
+def test_the_deciles_lie_within_the_measured_times(times):
+    """A CPU run times one call per repeat: with a few, the 'exclusive' deciles extrapolated
+    below the fastest call and above the slowest."""
+    from pasta_engine.tools.bench_kernels import _summary
+
+    s = _summary(times)
+    assert s["min_us"] <= s["p10_us"] <= s["median_us"] <= s["p90_us"] <= s["max_us"]
+    assert (s["min_us"], s["max_us"], s["calls"]) == (min(times), max(times), len(times))
+    if len(times) == 2:
+        assert (s["p10_us"], s["p90_us"]) == pytest.approx((110.0, 190.0))  # interpolated between the two
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("prefix, suffix", [(32, 20), (20, 20), (8, 20), (5, 1), (40, 9), (0, 20), (20, 0), (16, 0)])
+def test_the_flashinfer_cascade_plan_describes_each_threads_true_tokens(threads, prefix, suffix):
+    """FlashInfer's cascade (GPU only, not installed here) is planned from the views' true page
+    lengths: for every thread, its levels' pages (full but each request's last) are exactly
+    its KV, the prefix's partial last page included (a prefix that is not a multiple of the
+    page size was planned as full pages: 12 tokens too many at prefix 20)."""
+    from pasta_engine.tools.bench_kernels import KernelShape, _forest, cascade_levels
+
+    shape = KernelShape(threads=threads, prefix=prefix, suffix=suffix, heads=2, kv_heads=1, head_dim=16,
+                        page_size=16, dtype="float32")
+    _, _, views, _ = _forest(shape, torch.device("cpu"))
+    levels = cascade_levels(views, shape)
+    assert 1 <= len(levels) <= 2
+    if threads > 1:  # the shared prefix's level, then the threads' own pages': each only when it has tokens
+        assert len(levels) == (prefix > 0) + (suffix > 0)
+    for lv in levels:
+        requests = len(lv["qo_indptr"]) - 1
+        assert lv["qo_indptr"][0] == 0 and lv["qo_indptr"][-1] == threads
+        assert len(lv["kv_indptr"]) == requests + 1 and len(lv["kv_last_page_len"]) == requests
+        assert lv["kv_indptr"][-1] == len(lv["kv_indices"])
+        assert all(1 <= n <= shape.page_size for n in lv["kv_last_page_len"])
+    for i, vw in enumerate(views):
+        described = []
+        for lv in levels:
+            r = next(j for j in range(len(lv["qo_indptr"]) - 1) if lv["qo_indptr"][j] <= i < lv["qo_indptr"][j + 1])
+            pages = lv["kv_indices"][lv["kv_indptr"][r]:lv["kv_indptr"][r + 1]]
+            described += [(p, shape.page_size if k < len(pages) - 1 else lv["kv_last_page_len"][r])
+                          for k, p in enumerate(pages)]
+        assert described == list(zip(vw.pages, vw.lens))  # the thread's pages, with their true lengths
+        assert sum(n for _, n in described) == prefix + suffix
