@@ -244,7 +244,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"prompts": len(rows)}
     pasta = [r["pasta"] for r in rows if "pasta" in r]
     seq = [r["sequential"] for r in rows if "sequential" in r]
-    both = [r for r in rows if "realized_content_speedup" in r]
+    # every mean over the answers with content (an empty answer's timing is noise)
+    both = [r for r in rows if "realized_content_speedup" in r and r["pasta"]["stats"]["content_tokens"] > 0]
     if pasta:
         out["geomean_content_speedup"] = geomean_positive(p["stats"]["content_speedup"] for p in pasta)
     if both:
@@ -261,7 +262,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["cut_fraction_pasta"] = cut_fraction(r["pasta"]["stats"]["finish_reason"] for r in e2e)
     if pasta:
         out["empty_answers"] = sum(1 for p in pasta if p["stats"]["content_tokens"] == 0)
-        out["forked_responses"] = sum(1 for p in pasta if p["stats"]["forks"] > 0)
+        # over the answers with content, as the speedup means above
+        out["forked_responses"] = sum(1 for p in pasta if p["stats"]["forks"] > 0 and p["stats"]["content_tokens"] > 0)
         out["mean_threads"] = sum(p["stats"]["threads"] for p in pasta) / len(pasta)
         out["geomean_token_parallelism"] = geomean_positive(p["stats"]["token_parallelism"] for p in pasta)
         out["tag_token_fraction"] = tag_token_fraction(sum(p["stats"]["tag_tokens"] for p in pasta),
@@ -357,7 +359,8 @@ def _warm_up(args: argparse.Namespace, per_mode: dict[str, Any], prompts: Sequen
     trace and of the one with the most promises (every thread-count bucket the run reaches, e.g.
     its CUDA graphs, then exists before the clock starts). A cold first run is not a measurement."""
     from ..config import SamplingParams
-    from ..lang.dialect import Promise, get_dialect
+    from ..lang.dialect import get_dialect
+    from ..tools.bench import trace_forks
 
     for engine in {id(e): e for e in per_mode.values()}.values():
         engine.model_runner.warm_up()
@@ -370,7 +373,8 @@ def _warm_up(args: argparse.Namespace, per_mode: dict[str, Any], prompts: Sequen
             pas.replay([prompts[0]], [res.text], mode="sequential")
             continue
         lang = get_dialect(args.dialect)
-        widest = max(range(len(responses)), key=lambda j: sum(isinstance(e, Promise) for e in lang.parse(responses[j])))
+        # forks as a replay forks them (a Multiverse block forks one thread per path, nested too)
+        widest = max(range(len(responses)), key=lambda j: trace_forks(responses[j], args.dialect))
         for j in dict.fromkeys((0, widest)):
             res = pas.replay([prompts[j]], [responses[j]], mode="pasta", dialect=lang)[0]
             pas.replay([prompts[j]], [res.text], mode="sequential", dialect=lang)

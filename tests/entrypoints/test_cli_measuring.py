@@ -130,3 +130,18 @@ def test_both_modes_use_the_same_weights_unless_baseline_base(tiny_llama, tmp_pa
     assert row["baseline"] == "base" and "length_ratio" in row and set(row["finish_reasons"]) == {"sequential", "pasta"}
     s = summary_of(err)
     assert {"geomean_end_to_end_speedup", "geomean_length_ratio", "cut_fraction_sequential", "cut_fraction_pasta"} <= set(s)
+
+
+def test_the_mode_both_summary_counts_forks_and_realized_means_over_answers_with_content():
+    """An empty answer that forked counted as a forked response, and its realized speedup (its
+    timing is noise) went into the geomean beside means that leave it out."""
+    from pasta_engine.entrypoints.cli import _summary
+
+    def row(content, forks, realized):
+        stats = {"content_speedup": 1.5 if content else 0.0, "content_tokens": content, "forks": forks, "threads": 1 + forks,
+                 "token_parallelism": 1.0, "tag_tokens": 0, "tokens_decoded": content + 1, "wall_s": 1.0}
+        return {"pasta": {"stats": stats}, "realized_content_speedup": realized}
+
+    out = _summary([row(20, 0, 1.0), row(0, 2, 9.0)])
+    assert out["forked_responses"] == 0
+    assert out["geomean_realized_content_speedup"] == 1.0
