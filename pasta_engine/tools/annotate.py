@@ -401,6 +401,18 @@ def _finish(response: str, forks: list[_Fork], syncs: list[int], count: CountTok
         return Annotation(response, note=f"{name}: nothing to fork")
     annotated = _render(response, forks, syncs, count, topics)
     problem = verify_annotation(response, annotated)
+    if problem is not None and len(forks) > 1:
+        # leave out only the forks that fail alone (a tag beside an empty item of the answer),
+        # keep the rest when they pass together; else the whole answer stays unannotated
+        keep = [i for i, f in enumerate(forks)
+                if verify_annotation(response, _render(response, [f], syncs, count,
+                                                       None if topics is None else [topics[i]])) is None]
+        if 0 < len(keep) < len(forks):
+            sub = [forks[i] for i in keep]
+            again = _render(response, sub, syncs, count, None if topics is None else [topics[i] for i in keep])
+            if verify_annotation(response, again) is None:
+                return Annotation(again, promises=len(sub), syncs=len(syncs), annotator=name,
+                                  note=f"{name}: {len(forks) - len(sub)} of {len(forks)} forks left out ({problem})")
     if problem is not None:
         return Annotation(response, note=f"{name}: left unannotated ({problem})")
     return Annotation(annotated, promises=len(forks), syncs=len(syncs), annotator=name)

@@ -354,3 +354,15 @@ def test_an_annotation_never_loses_an_empty_list_item_of_the_answer():
         for name in ("sot", "apar", "mixed"):
             a = annotate(answer, name)
             assert clean_text(a.annotated) == answer and strip_tags(a.annotated) == answer, (name, a.annotated)
+
+
+def test_only_the_forks_beside_an_empty_item_are_left_out():
+    """The whole answer was left unannotated when one fork sat beside an empty list item of the
+    answer; the forks that pass alone and together are kept."""
+    one, two, three = (f"{w} point with quite a few words in it to pass the minimum length easily"
+                       for w in ("First", "Second", "Third"))
+    answer = f"Intro:\n\n1. {one}\n   -\n2. {two}\n3. {three}\n"
+    for name in ("sot", "apar", "mixed"):
+        a = annotate(answer, name)
+        assert a.promises == 2 and "1 of 3 forks left out" in a.note, (name, a.note)
+        assert clean_text(a.annotated) == answer and strip_tags(a.annotated) == answer
