@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,20 @@ from .args import _int_at_least, add_endpoint_args, add_run_args, command_line, 
     positive_int
 
 __all__ = ["add_train_parser", "run_train", "add_learned_parser", "run_learned"]
+
+
+def _train_rows(args: argparse.Namespace, need_output: bool = False) -> list[Any]:
+    """The training rows of ``--prompts`` (every dataset but the evaluation split); a
+    ParameterError naming ``--prompts`` for a row that has no dataset (it cannot be told from
+    the evaluation split)."""
+    from ..tools.traces import read_prompts
+    from ..train.data import split_rows
+
+    rows = read_prompts(args.prompts, need_output=need_output)
+    try:
+        return split_rows(rows, "train")
+    except ValueError as e:
+        raise ParameterError("prompts", str(args.prompts), message=f"--prompts {args.prompts}: {e}") from None
 
 
 def _add_io_args(p: argparse.ArgumentParser, prompts_help: str) -> None:
@@ -317,12 +332,11 @@ def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dty
     """``train sft`` on rank ``dp`` (every rank builds the same examples; rank 0 writes and prints)."""
     from ..lang.tags import strip_tags
     from ..tools.bench import count_tokens_fn
-    from ..tools.traces import read_prompts
     from ..train.common import LoraSettings, base_manifest, load_tokenizer
-    from ..train.data import EVAL_DATASET, build_examples, split_rows
+    from ..train.data import EVAL_DATASET, build_examples
     from ..train.sft import SFTSettings, train_sft
 
-    rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
+    rows = _train_rows(args, need_output=True)
     if args.limit is not None:
         rows = rows[: args.limit]
     tokenizer = load_tokenizer(args.model)
@@ -470,17 +484,23 @@ def _judge_references(path: Path, prompts: Sequence[str]) -> dict[str, str]:
 def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     import random
 
-    from ..tools.traces import read_prompts
     from ..train.bonbon import BonbonSettings, train_bonbon
-    from ..train.data import split_rows
 
     from ..config import SamplingParams
 
     SamplingParams(temperature=args.temperature, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
+    # checked before a round is sampled (the loss and AdamW refused them only after, unnamed)
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ParameterError("alpha", args.alpha, message=f"--alpha {args.alpha}: the SFT term's weight must be in [0, 1]")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ParameterError("lr", args.lr, message=f"--lr {args.lr}: the learning rate must be a finite number > 0")
+    if not math.isfinite(args.quality_weight):
+        raise ParameterError("quality_weight", args.quality_weight,
+                             message=f"--quality-weight {args.quality_weight}: expected a finite number")
     _no_torchrun("bonbon")
     device, dtype = _device_dtype(args)
-    rows = split_rows(read_prompts(args.prompts), "train")
+    rows = _train_rows(args)
     if args.limit is not None:
         rows = rows[: args.limit]
     prompts = [r.instruction for r in random.Random(args.seed).sample(rows, min(args.sample_prompts, len(rows)))]
@@ -535,15 +555,14 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 def _answers(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..config import SamplingParams
     from ..engine.llm_engine import Engine
-    from ..tools.traces import read_prompts
     from ..train.answers import generate_answers
-    from ..train.data import EVAL_DATASET, split_rows
+    from ..train.data import EVAL_DATASET
 
     SamplingParams(temperature=args.temperature, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
     _no_torchrun("answers")
     device, dtype = _device_dtype(args)
-    rows = split_rows(read_prompts(args.prompts), "train")
+    rows = _train_rows(args)
     if args.limit is not None:
         rows = rows[: args.limit]
     _check_engine_memory(args, device, dtype, "train answers")
@@ -567,14 +586,13 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..engine.llm_engine import Engine
     from ..tools.annotate_independent import document_frequencies
     from ..tools.bench import count_tokens_fn
-    from ..tools.traces import read_prompts
-    from ..train.data import EVAL_DATASET, build_examples, split_rows
+    from ..train.data import EVAL_DATASET, build_examples
     from ..train.thread_chunks import rewrite_chunks
 
     SamplingParams(repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
     _no_torchrun("chunks")
     device, dtype = _device_dtype(args)
-    rows = split_rows(read_prompts(args.prompts, need_output=True), "train")
+    rows = _train_rows(args, need_output=True)
     if args.limit is not None:
         rows = rows[: args.limit]
     _check_engine_memory(args, device, dtype, "train chunks")
@@ -638,6 +656,9 @@ def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
     from .args import sampling_params
 
     prompts = split_rows(read_prompts(args.prompts), "eval")
+    if not prompts:
+        raise ParameterError("prompts", str(args.prompts), message=f"--prompts {args.prompts}: no row of the "
+                             "evaluation split (dataset 'vicuna'): bench learned evaluates on those only")
     if args.limit is not None:
         prompts = prompts[: args.limit]
     params = sampling_params(args)

@@ -49,8 +49,15 @@ class TrainExample:
 
 def split_rows(rows: Sequence[PromptRow], split: str) -> list[PromptRow]:
     """``train``: every row whose dataset is not ``vicuna``; ``eval``: the ``vicuna`` rows.
-    Raises ValueError for another split name."""
+    Raises ValueError for another split name, and for ``train`` when a row has no dataset (a
+    text file, a list of strings, JSON without the field): such a row cannot be told from the
+    evaluation split, which is never trained on."""
     if split == "train":
+        unknown = next((i for i, r in enumerate(rows) if r.dataset is None), None)
+        if unknown is not None:
+            raise ValueError(f"prompt row {unknown} has no dataset, so it cannot be told from the evaluation split "
+                             f"({EVAL_DATASET!r}, never trained on): give rows with a 'dataset' field (AlpacaEval's "
+                             "JSON has one)")
         return [r for r in rows if r.dataset != EVAL_DATASET]
     if split == "eval":
         return [r for r in rows if r.dataset == EVAL_DATASET]

@@ -1,0 +1,55 @@
+"""What the training commands take: rows that cannot be told from the evaluation split are
+refused, and BoNBoN's optimizer flags are checked before a round is sampled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pasta_engine.entrypoints.cli import main
+
+from sample_adapters import tiny_adapter  # noqa: E402  (tests/sample_adapters.py)
+
+
+def _run(argv, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows", [["How can I improve my time management skills?"],
+                                  [{"instruction": "How can I improve my time management skills?", "output": "x"}]])
+def test_training_refuses_rows_without_a_dataset(rows, tiny_llama, tmp_path, capsys):
+    """A text file, a list of strings or JSON without 'dataset' trained on every row (the vicuna
+    questions too) while it said it never trains on vicuna."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(rows))
+    sft = ["train", "sft", "--prompts", str(prompts), "--out", str(tmp_path / "sft"), "--model", str(tiny_llama)]
+    for argv in ([sft] if isinstance(rows[0], dict) else []) + [  # sft needs answers: a string row has none
+                 ["train", "bonbon", "--prompts", str(prompts), "--out", str(tmp_path / "bb"),
+                  "--model", str(tiny_llama), "--adapter", str(tiny_adapter(tmp_path))]]:
+        rc, err = _run(argv, capsys)
+        assert rc == 2 and "has no dataset, so it cannot be told from the evaluation split" in err, err
+    assert not (tmp_path / "sft" / "adapter").exists()
+
+
+def test_bench_learned_without_evaluation_rows_is_one_error(tiny_llama, tmp_path, capsys):
+    """It died with IndexError in its warm-up."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": "q", "dataset": "koala", "output": "a"}]))
+    rc, err = _run(["bench", "learned", "--prompts", str(prompts), "--out", str(tmp_path / "l"),
+                    "--model", str(tiny_llama)], capsys)
+    assert rc == 2 and "no row of the evaluation split" in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--alpha", "1.5"), ("--lr", "-1"), ("--quality-weight", "nan")])
+def test_bonbon_checks_its_optimizer_flags_before_sampling(flag, value, tiny_llama, tmp_path, capsys):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": "q", "dataset": "koala", "output": "a"}]))
+    rc, err = _run(["train", "bonbon", "--prompts", str(prompts), "--out", str(tmp_path / "bb"),
+                    "--model", str(tiny_llama), "--adapter", str(tiny_adapter(tmp_path)), flag, value], capsys)
+    assert rc == 2 and f"error: {flag} " in err and "usage:" not in err, err
+    assert not any((tmp_path / "bb").rglob("samples.jsonl"))
