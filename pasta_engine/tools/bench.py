@@ -522,7 +522,8 @@ def resumed_rows(out: Path, prompts: Sequence[str], resume: bool, need: str | No
                                  "that did not record its inputs, so this run cannot tell whether they are its own; "
                                  f"remove {path} (or run into another --out) to measure again")
             if row[key] != want:
-                same = "sampling flags" if key == "sampling" else "traces, annotator and --dialect"
+                same = {"sampling": "sampling flags", "run_inputs": "adapter, lora scale, sampling flags and baseline"
+                        }.get(key, "traces, annotator and --dialect")
                 raise BenchError(f"--resume: {path} row {i + 1} was measured with other inputs than this run's prompt "
                                  f"{i + 1} ({_difference(key, row[key], want)}): remove {path} (or run into another "
                                  f"--out) to measure these inputs, or resume with the same {same}")
@@ -533,8 +534,13 @@ def _difference(key: str, there: Any, here: Any) -> str:
     """What differs between a resumed row's input ``key`` (``there``) and this run's (``here``),
     in a few words (the fields that differ, for a dict; a digest's first 12 characters)."""
     if isinstance(there, dict) and isinstance(here, dict):
-        fields = [k for k in dict.fromkeys([*there, *here]) if there.get(k) != here.get(k)]
-        return f"{key}: " + ", ".join(f"{k} {there.get(k)!r} there, {here.get(k)!r} here" for k in fields)
+        def flat(d: dict, at: str = "") -> dict:  # nested fields as dotted names (sampling.max_new_tokens)
+            return {k2: v2 for k, v in d.items()
+                    for k2, v2 in (flat(v, f"{at}{k}.") if isinstance(v, dict) else {f"{at}{k}": v}).items()}
+
+        ft, fh = flat(there), flat(here)
+        fields = [k for k in dict.fromkeys([*ft, *fh]) if ft.get(k) != fh.get(k)]
+        return f"{key}: " + ", ".join(f"{k} {ft.get(k)!r} there, {fh.get(k)!r} here" for k in fields)
     if key.endswith("sha256") and isinstance(there, str) and isinstance(here, str):
         return f"{key} {there[:12]}... there, {here[:12]}... here: another annotated response"
     return f"{key} {there!r} there, {here!r} here"

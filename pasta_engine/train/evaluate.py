@@ -249,8 +249,15 @@ def evaluate_learned(prompts: Sequence[PromptRow], base_engine: Any, adapter_eng
     Returns ``{"summary": ..., "settings": ...}``."""
     from tqdm import tqdm
 
+    from ..tools.bench import sampling_record
+
     out.mkdir(parents=True, exist_ok=True)
-    rows = resumed_rows(out, [p.instruction for p in prompts], resume, need="adapter_pasta.content_speedup")
+    # what a row was measured with: --resume refuses rows of another adapter, sampling or baseline
+    run_inputs = {"adapter": str(adapter_engine.adapter), "lora_scale": getattr(adapter_engine, "lora_scale", None),
+                  "sampling": sampling_record(params), "base_pasta": bool(base_pasta)}
+    run_inputs = json.loads(json.dumps(run_inputs, default=str))
+    rows = resumed_rows(out, [p.instruction for p in prompts], resume, need="adapter_pasta.content_speedup",
+                        inputs=[{"run_inputs": run_inputs}] * len(prompts))
     # warm-up (untimed): short answers in each mode on each engine
     warm = SamplingParams(max_new_tokens=8)
     for engine, modes in ((base_engine, ("sequential", "pasta")), (adapter_engine, ("pasta",))):
@@ -263,7 +270,7 @@ def evaluate_learned(prompts: Sequence[PromptRow], base_engine: Any, adapter_eng
     with (out / "prompts.jsonl").open("w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
         for i, p in list(enumerate(prompts))[len(rows):]:
-            row = {"index": i, "instruction": p.instruction, "dataset": p.dataset,
+            row = {"index": i, "instruction": p.instruction, "dataset": p.dataset, "run_inputs": run_inputs,
                    **learned_row(p.instruction, base_engine, adapter_engine, params, quality, repeats, base_pasta)}
             rows.append(row)
             f.write(json.dumps(row) + "\n")

@@ -333,6 +333,11 @@ def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, cap
         # the fastest run of each side counts
         assert r["adapter_pasta"]["realized_content_speedup"] == pytest.approx(
             min(t["wall_s"]["clean_text_sequential"]) / min(t["wall_s"]["pasta"]))
+    # --resume keeps only rows of the same adapter, sampling and baseline (it mixed two runs)
+    rc = main(["bench", "learned", "--prompts", str(prompts), "--model", str(tiny_llama), "--adapter",
+               str(tmp_path / "sft" / "adapter"), "--max-new-tokens", "7", "--out", str(out), "--resume"])
+    _, err2 = capsys.readouterr()
+    assert rc == 2 and "was measured with other inputs" in err2 and "sampling.max_new_tokens 6 there, 7 here" in err2, err2
     timing = s["adapter_pasta"]["timing"]
     assert timing["runs_per_side"] == 3 and set(timing["geomean_realized_content_speedup_spread"]) == {"min", "median", "max"}
     assert isinstance(s["adapter_pasta"]["warnings"], list)
