@@ -318,6 +318,7 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         raise ParameterError("--adapter", str(args.adapter), "a folder with adapter_config.json (a peft LoRA adapter)")
     if not args.min_content_speedup >= 0:
         raise ParameterError("--min-content-speedup", args.min_content_speedup, "a speedup >= 0 (0 keeps every answer)")
+    _refuse_unused_sft_flags(args)
     device, dtype = _device_dtype(args)
     from ..train.scale import init_data_parallel
 
@@ -326,6 +327,36 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         return _sft_rank(args, argv, dp, dtype)
     finally:
         dp.close()
+
+
+def _refuse_unused_sft_flags(args: argparse.Namespace) -> None:
+    """Refuse a ``train sft`` flag set where nothing reads it (ParameterError naming it, before
+    any model loads; the manifest recorded such flags as if applied): the annotation flags with
+    ``--examples`` (its rows are annotated already), the new adapter's shape and tag tokens with
+    ``--adapter`` (training goes on from that adapter's), ``--distill-hard-open`` without
+    ``--content-loss distill``."""
+    defaults = _sft_defaults()
+    unused = []
+    if args.examples is not None:
+        unused += [(f, f"--examples {args.examples} holds annotated examples already")
+                   for f in ("annotator", "independence_labels", "max_response_tokens")
+                   + tuple(k for k in defaults if k.startswith("endpoint"))]
+    if args.adapter is not None:
+        unused += [(f, f"training goes on from --adapter {args.adapter}, with its own shape and tokens")
+                   for f in ("tag_tokens", "lora_r", "lora_alpha")]
+    if args.content_loss != "distill":
+        unused.append(("distill_hard_open", f"acts only with --content-loss distill (this run: {args.content_loss})"))
+    for name, why in unused:
+        if name in defaults and getattr(args, name, defaults[name]) != defaults[name]:
+            flag = "--" + name.replace("_", "-")
+            raise ParameterError(flag, getattr(args, name), message=f"{flag} {getattr(args, name)}: {why}; leave it out")
+
+
+def _sft_defaults() -> dict[str, Any]:
+    """The default value of every ``train sft`` flag (from the parser itself)."""
+    p = argparse.ArgumentParser()
+    add_train_parser(p.add_subparsers(dest="command"))
+    return vars(p.parse_args(["train", "sft", "--prompts", "-", "--out", "-"]))
 
 
 def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dtype: Any) -> int:

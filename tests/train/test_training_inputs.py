@@ -53,3 +53,22 @@ def test_bonbon_checks_its_optimizer_flags_before_sampling(flag, value, tiny_lla
                     "--model", str(tiny_llama), "--adapter", str(tiny_adapter(tmp_path)), flag, value], capsys)
     assert rc == 2 and f"error: {flag} " in err and "usage:" not in err, err
     assert not any((tmp_path / "bb").rglob("samples.jsonl"))
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--examples", "EX", "--annotator", "sot"], "--annotator"),
+    (["--examples", "EX", "--max-response-tokens", "3"], "--max-response-tokens"),
+    (["--adapter", "AD", "--lora-r", "8"], "--lora-r"),
+    (["--adapter", "AD", "--tag-tokens"], "--tag-tokens"),
+    (["--distill-hard-open", "2"], "--distill-hard-open"),
+])
+def test_train_sft_refuses_flags_nothing_reads(extra, flag, tiny_llama, tmp_path, capsys):
+    """Each was ignored, and the manifest recorded it as if applied."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": "q", "dataset": "koala", "output": "a"}]))
+    examples = tmp_path / "ex.jsonl"
+    examples.write_text("")
+    extra = [str(examples) if x == "EX" else str(tiny_adapter(tmp_path)) if x == "AD" else x for x in extra]
+    rc, err = _run(["train", "sft", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--model",
+                    str(tiny_llama), *extra], capsys)
+    assert rc == 2 and f"error: {flag} " in err and "leave it out" in err, err
