@@ -115,12 +115,28 @@ def reader_scores(rows: list[dict[str, Any]], references: Mapping[str, str], fol
                           [references[r["prompt"]] for r in rows], folder, seed,
                           {"candidate": "this round's samples (samples.jsonl, in order)",
                            "baseline": "the reference answer (--judge-reference)"})
+    _check_pairs_match(rows, folder)
     wins = [win_value(side) for side in read_blind_sides(folder)]
     missing = sum(1 for w in wins if w is None)
     if missing:
         raise ReaderVerdictsPending(folder, len(rows), missing)
     return [{**r, "proxy_quality": r.get("proxy_quality", r["quality"]), "quality": w,
              "score": speedup_plus_quality(r["content_speedup"], w, quality_weight)} for r, w in zip(rows, wins)]
+
+
+def _check_pairs_match(rows: Sequence[Mapping[str, Any]], folder: Path) -> None:
+    """Raise ValueError naming ``folder`` unless its pair files were written for exactly these
+    samples, in order (question and candidate text per row): a round sampled again (another
+    ``--n``, ``--limit``) would otherwise join the old verdicts to other samples by position."""
+    pairs = [json.loads(x) for x in (folder / "pairs.jsonl").read_text(encoding="utf-8").splitlines() if x.strip()]
+    key = json.loads((folder / "key.json").read_text(encoding="utf-8"))["rows"]
+    fix = f"remove {folder} to write pairs for this round's samples (its verdicts are for other samples)"
+    if len(pairs) != len(rows) or len(key) != len(rows):
+        raise ValueError(f"{folder}: {len(pairs)} pairs for {len(rows)} samples: {fix}")
+    for i, (r, p, k) in enumerate(zip(rows, pairs, key)):
+        text = p["answer_a"] if k["candidate_in_pairs"] == "A" else p["answer_b"]
+        if p["question"] != r["prompt"] or text != r["text"]:
+            raise ValueError(f"{folder}: pair {i} is not sample {i} of this round (another prompt or answer): {fix}")
 
 
 def proxy_pair_agreement(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
