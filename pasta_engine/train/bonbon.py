@@ -142,8 +142,9 @@ def _check_pairs_match(rows: Sequence[Mapping[str, Any]], folder: Path) -> None:
 def proxy_pair_agreement(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """How often the proxy orders two samples of one prompt as the reader does: over every pair of
     samples of the same prompt whose reader win values (``quality``) differ, the fraction where
-    ``proxy_quality`` is higher for the one the reader preferred (0.5 = chance). Returns
-    ``{"pairs": n, "agreement": fraction or None}``."""
+    ``proxy_quality`` is higher for the one the reader preferred (0.5 = chance); pairs whose proxy
+    values tie are left out (neither order). Returns ``{"pairs": n, "agreement": fraction or
+    None}``, ``n`` the pairs counted."""
     by: dict[int, list[Mapping[str, Any]]] = {}
     for r in rows:
         by.setdefault(r["prompt_index"], []).append(r)
@@ -256,7 +257,7 @@ def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSetting
     ``scorer(prompt, clean text) -> float`` (:data:`~pasta_engine.train.quality.Scorer`, the quality term)
     ranks them; ``seed + i`` seeds the i-th sample. Returns one row per sample (JSON-ready):
     prompt index, prompt, sample index, annotated and clean (``text``) text, finish reason, content
-    speedup (content tokens / critical path), forks, quality (nats per token) and score. Raises what
+    speedup (content tokens / critical path), forks, quality (the scorer's: nats per token for the likelihood proxy, a win value from 0 to 1 for a judge) and score. Raises what
     the engine and the scorer raise."""
     plist = [p for p in prompts for _ in range(settings.n)]
     params = [SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
@@ -409,16 +410,20 @@ def train_bonbon(
         policy.train()
         params = [p for p in policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=settings.lr)
-        steps = max(1, (len(pairs) * settings.epochs) // settings.grad_accum)
+        # each epoch's shuffle in steps of grad_accum pairs, the last one short: every pair trains
+        # once per epoch and no step spans two epochs (a floor over all epochs left pairs out)
+        chunks = []
+        for e in range(settings.epochs):
+            perm = random.Random(settings.seed + e).sample(range(len(pairs)), len(pairs))
+            chunks += [perm[j : j + settings.grad_accum] for j in range(0, len(perm), settings.grad_accum)]
+        steps = len(chunks)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, settings.warmup, steps))
-        order = [i for e in range(settings.epochs) for i in random.Random(settings.seed + e).sample(range(len(pairs)),
-                                                                                                      len(pairs))]
         curve = LossCurve()
         t_train = time.perf_counter()
         bar = tqdm(total=steps, desc=f"bonbon round {k + 1}", unit="step", file=sys.stderr, disable=not progress)
         for s in range(steps):
             parts_acc: dict[str, float] = {"loss": 0.0, "sft": 0.0, "ipo": 0.0, "margin": 0.0}
-            chunk = order[s * settings.grad_accum : (s + 1) * settings.grad_accum]
+            chunk = chunks[s]
             for i in chunk:
                 lb, lw = layouts[i]
                 loss, parts = bonbon_loss(forward_logprobs(policy, lb), forward_logprobs(policy, lw), refs[i][0],

@@ -693,3 +693,38 @@ def test_bonbon_runs_a_continued_adapter_in_its_own_context(tmp_path):
     assert adapter_pasta_prompt(tmp_path) == PastaPrompt(system="", examples=())
     assert adapter_pasta_prompt(tmp_path, LEARNED_PASTA_PROMPT) == LEARNED_PASTA_PROMPT
     assert adapter_pasta_prompt(tmp_path / "none") == LEARNED_PASTA_PROMPT  # an adapter from before the manifest kept it
+
+
+def test_a_bonbon_round_trains_every_pair_once_per_epoch(tiny_llama, tmp_path, monkeypatch):
+    """5 pairs at 4 a step: the floor over all epochs trained one step of 4 and never the fifth
+    pair, and with 2 epochs a step spanned both. Each epoch now ends with a short step."""
+    import pasta_engine.train.bonbon as bb
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample
+    from pasta_engine.train.sft import SFTSettings, train_sft
+
+    train_sft([TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 2, tmp_path / "sft",
+              SFTSettings(epochs=1, grad_accum=2, lora=LoraSettings(r=4, alpha=8)), base=str(tiny_llama), progress=False)
+    prompts = [f"q{i}" for i in range(5)]
+    trained = []
+    real = bb.forward_logprobs
+
+    def spy(policy, layout):
+        if torch.is_grad_enabled():
+            trained.append(id(layout))
+        return real(policy, layout)
+
+    monkeypatch.setattr(bb, "forward_logprobs", spy)
+    for epochs in (1, 2):
+        out = tmp_path / f"bb{epochs}"
+        (out / "round1").mkdir(parents=True)
+        rows = [{"prompt_index": i, "prompt": p, "sample": s, "annotated": f"answer {s} to {p}.",
+                 "text": f"answer {s} to {p}.", "finish_reason": "stop", "content_speedup": 1.0, "forks": 0,
+                 "tokens": 5, "quality": float(s), "score": 1.0 + s} for i, p in enumerate(prompts) for s in range(2)]
+        (out / "round1" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        trained.clear()
+        s = bb.train_bonbon(prompts, tmp_path / "sft" / "adapter", out, bb.BonbonSettings(n=2, epochs=epochs, kv_cache_mb=16),
+                            base=str(tiny_llama), scorer=lambda p, t: 0.0, progress=False)
+        r = s["rounds"][0]
+        assert r["pairs"] == 5 and r["optimizer_steps"] == 2 * epochs  # 4 + 1 per epoch
+        assert len(trained) == 2 * 5 * epochs  # best and worst of every pair, once per epoch
