@@ -185,7 +185,8 @@ def read_round_picks(round_dir: Path, min_win: float = 0.75) -> list[Any]:
     """:func:`reader_picks` of a ``train bonbon --reader`` round folder (``round_dir``: its
     ``samples.jsonl`` and the reader's verdicts in ``round_dir/reader/``). Raises
     FileNotFoundError naming a missing samples file or key, ReaderVerdictsPending while a sample
-    has no verdict, and ValueError as :func:`reader_picks`."""
+    has no verdict, and ValueError as :func:`reader_picks` or when the pair files were written for
+    other samples than ``samples.jsonl``'s (the round was sampled again)."""
     from ..tools.judge import read_blind_sides, win_value
 
     samples, folder = round_dir / "samples.jsonl", round_dir / "reader"
@@ -193,6 +194,7 @@ def read_round_picks(round_dir: Path, min_win: float = 0.75) -> list[Any]:
         if not need.exists():
             raise FileNotFoundError(f"{need} is missing: {round_dir} is not a sampled `train bonbon --reader` round")
     rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
+    _check_pairs_match(rows, folder)
     wins = [win_value(side) for side in read_blind_sides(folder)]
     missing = sum(1 for w in wins if w is None)
     if missing or len(wins) != len(rows):
@@ -259,20 +261,120 @@ def sample_and_rank(engine: Any, prompts: Sequence[str], settings: BonbonSetting
     prompt index, prompt, sample index, annotated and clean (``text``) text, finish reason, content
     speedup (content tokens / critical path), forks, quality (the scorer's: nats per token for the likelihood proxy, a win value from 0 to 1 for a judge) and score. Raises what
     the engine and the scorer raise."""
+    rows = _sample_rows(engine, prompts, settings, seed)
+    for i in range(len(rows)):
+        _score_row(rows, i, scorer, settings.quality_weight)
+    return rows
+
+
+def _sample_rows(engine: Any, prompts: Sequence[str], settings: BonbonSettings, seed: int) -> list[dict[str, Any]]:
+    """:func:`sample_and_rank`'s rows before scoring (``quality`` and ``score`` None)."""
     plist = [p for p in prompts for _ in range(settings.n)]
     params = [SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                              top_p=settings.top_p, repetition_penalty=settings.repetition_penalty, seed=seed + i)
               for i in range(len(plist))]
     results = engine.generate(plist, params, mode="pasta", progress=True)
-    rows = []
-    for i, (p, r) in enumerate(zip(plist, results)):
-        q = scorer(p, r.text)
-        rows.append({"prompt_index": i // settings.n, "prompt": p, "sample": i % settings.n,
-                     "annotated": r.annotated_text, "text": r.text, "finish_reason": r.stats.finish_reason,
-                     "content_speedup": r.stats.content_speedup, "forks": r.stats.forks,
-                     "tokens": r.stats.tokens_decoded, "quality": q,
-                     "score": speedup_plus_quality(r.stats.content_speedup, q, settings.quality_weight)})
-    return rows
+    return [{"prompt_index": i // settings.n, "prompt": p, "sample": i % settings.n,
+             "annotated": r.annotated_text, "text": r.text, "finish_reason": r.stats.finish_reason,
+             "content_speedup": r.stats.content_speedup, "forks": r.stats.forks,
+             "tokens": r.stats.tokens_decoded, "quality": None, "score": None}
+            for i, (p, r) in enumerate(zip(plist, results))]
+
+
+def _score_row(rows: list[dict[str, Any]], i: int, scorer: Scorer, quality_weight: float) -> dict[str, Any]:
+    """Score row ``i`` in place; returns the record of it (``row``, ``quality`` and, from a scorer
+    that keeps ``verdicts`` (:class:`~pasta_engine.tools.judge.JudgeQuality`), its ``verdict``)."""
+    before = len(getattr(scorer, "verdicts", None) or [])
+    q = scorer(rows[i]["prompt"], rows[i]["text"])
+    rows[i]["quality"] = q
+    rows[i]["score"] = speedup_plus_quality(rows[i]["content_speedup"], q, quality_weight)
+    record: dict[str, Any] = {"row": i, "quality": q}
+    verdicts = getattr(scorer, "verdicts", None)
+    if isinstance(verdicts, list) and len(verdicts) > before:
+        record["verdict"] = verdicts[-1]
+    return record
+
+
+#: What a round's quality term was, for ``summary.json`` (the likelihood proxy's line).
+PROXY_QUALITY = ("base model mean log-likelihood per token of the clean text, minus 2.0 x the fraction of repeated "
+                 "lines (a proxy, not a judge)")
+READER_QUALITY = ("a blind pairwise reading against the reference answer (win 1, tie 0.5, loss 0, averaged over the "
+                  "orders judged); the proxy's value kept as proxy_quality")
+
+
+def _scorer_quality(scorer: Scorer | None) -> str:
+    """The line describing the samples' ``quality`` from ``scorer`` (None: the likelihood proxy)."""
+    if scorer is None or isinstance(scorer, LikelihoodQuality):
+        return PROXY_QUALITY
+    name = getattr(getattr(scorer, "endpoint", None), "name", None)
+    if name is not None:
+        return (f"the judge endpoint {name}: a sample's win value against the reference answer to its prompt, "
+                "judged in both orders (win 1, tie 0.5, loss 0, averaged)")
+    return f"the scorer given to train_bonbon ({type(scorer).__name__})"
+
+
+def _round_inputs(prompts: Sequence[str], settings: BonbonSettings, seed: int, start: Path,
+                  pasta_prompt: PastaPrompt, quality: str) -> dict[str, Any]:
+    """What a round's samples and their scores depend on (kept as ``sampling.json`` beside them)."""
+    return {"prompts": list(prompts), "n": settings.n, "temperature": settings.temperature, "top_p": settings.top_p,
+            "repetition_penalty": settings.repetition_penalty, "max_new_tokens": settings.max_new_tokens,
+            "seed": seed, "quality_weight": settings.quality_weight, "quality": quality,
+            "pasta_prompt": pasta_prompt.to_dict(), "start_adapter": str(Path(start).resolve())}
+
+
+def _check_round_inputs(rdir: Path, rows: Sequence[Mapping[str, Any]], inputs: Mapping[str, Any]) -> None:
+    """Raise ValueError naming what differs when ``rdir``'s kept samples were drawn under other
+    prompts or settings than ``inputs`` (a round from before ``sampling.json``: its rows' prompts)."""
+    fix = (f"run with the same prompts and flags to go on from them, or remove {rdir} to sample this round again")
+    kept_path = rdir / "sampling.json"
+    if kept_path.exists():
+        kept = json.loads(kept_path.read_text(encoding="utf-8"))
+    else:
+        kept = {"prompts": [r["prompt"] for r in rows][:: max(1, inputs["n"])]}
+    differ = []
+    for key, now in inputs.items():
+        if key not in kept or kept[key] == now:
+            continue
+        if key == "prompts":
+            other = sum(1 for a, b in zip(kept[key], now) if a != b) + abs(len(kept[key]) - len(now))
+            differ.append(f"prompts ({other} of {len(now)} differ: another --limit, --sample-prompts or --seed?)")
+        elif key in ("pasta_prompt", "quality"):
+            differ.append(f"{key} (was {str(kept[key])[:80]!r})")
+        else:
+            differ.append(f"{key} {kept[key]!r} (now {now!r})")
+    if differ:
+        raise ValueError(f"{rdir}: its samples were drawn or scored under other settings: {'; '.join(differ)}: {fix}")
+
+
+def _score_pending(rows: list[dict[str, Any]], rdir: Path, scorer: Scorer, quality_weight: float) -> None:
+    """Score every row of ``rdir``'s samples that has no score yet, in place: scores kept in
+    ``rdir/scores.jsonl`` by an earlier, interrupted run are taken from there, each new one is
+    appended to it as it arrives (a judge's reply that fails keeps the ones before), and
+    ``samples.jsonl`` is rewritten with the scores once every row has one."""
+    record = rdir / "scores.jsonl"
+    if record.exists():
+        for line in record.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                i = r["row"]
+                if 0 <= i < len(rows) and rows[i].get("score") is None:
+                    rows[i]["quality"] = r["quality"]
+                    rows[i]["score"] = speedup_plus_quality(rows[i]["content_speedup"], r["quality"], quality_weight)
+    pending = [i for i, r in enumerate(rows) if r.get("score") is None]
+    if not pending and not record.exists():
+        return
+    with record.open("a", encoding="utf-8") as f:
+        for i in pending:
+            f.write(json.dumps(_score_row(rows, i, scorer, quality_weight)) + "\n")
+            f.flush()
+    _write_samples(rdir / "samples.jsonl", rows)
+
+
+def _write_samples(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    tmp = path.with_suffix(".jsonl.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(dict(r)) + "\n" for r in rows)
+    tmp.replace(path)
 
 
 def best_and_worst(rows: list[dict[str, Any]], best_must_finish: bool = True) -> list[tuple[dict, dict]]:
@@ -297,7 +399,8 @@ def best_and_worst(rows: list[dict[str, Any]], best_must_finish: bool = True) ->
 
 
 def _read_samples(path: Path, expected: int) -> list[dict[str, Any]] | None:
-    """The rows of a finished round's ``samples.jsonl`` (None when absent or short of ``expected``)."""
+    """The rows of a round's ``samples.jsonl`` (None when absent or short of ``expected``; rows
+    not scored yet have ``score`` None)."""
     if not path.exists():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -323,14 +426,22 @@ def train_bonbon(
     ``out/adapter`` (the last round's), and return the summary (``out/summary.json``).
 
     Resumes: a round whose ``round.json`` exists is not run again (its adapter starts the next
-    round), and a round whose ``samples.jsonl`` holds every sample reuses them instead of sampling.
+    round), and a round whose ``samples.jsonl`` holds every sample reuses them instead of sampling,
+    scoring only the ones not scored yet (each score is kept in ``scores.jsonl`` as it arrives):
+    when they were drawn or scored under other prompts or settings (``sampling.json``: prompts,
+    ``n``, temperature, ``top_p``, repetition penalty, ``max_new_tokens``, seed, quality weight and
+    term, pasta prompt, starting adapter) it raises ValueError naming what differs. A round sampled
+    again (another sample count) moves a reader's folder written for the old samples to
+    ``reader.stale``.
 
     ``scorer``: quality of ``(prompt, clean text)``; default :class:`LikelihoodQuality` with the
     base model. ``reader_references`` (prompt -> reference answer): a blind reader's preference
     replaces the scorer's quality (:func:`reader_scores`; the scorer's stays as ``proxy_quality``):
     a round stops after sampling with :class:`ReaderVerdictsPending` until the verdicts are in
     ``out/round{k}/reader/``, and a run again goes on from the kept samples. ``max_memory_gib``: the memory the estimate (:func:`bonbon_memory_estimate`, the
-    larger of sampling and training) must fit in (None: the device's). Raises ValueError when a
+    larger of sampling and training) must fit in (None: the device's). ``summary.json`` says what
+    the quality term was (``quality_term``: ``likelihood proxy``, ``judge``, ``reader`` or
+    ``scorer``; ``quality``: its description). Raises ValueError when a
     round yields no pair; ParameterError (naming the flag to change) when the estimate does not
     fit, before anything loads."""
     from tqdm import tqdm
@@ -354,6 +465,7 @@ def train_bonbon(
     out.mkdir(parents=True, exist_ok=True)
     base_model, tok, path = load_base(base, dtype, device=on_gpu)
     base_model.eval()
+    quality = _scorer_quality(scorer)
     scorer = scorer or LikelihoodQuality(base_model, tok)
     current = Path(adapter)
     rounds = []
@@ -366,21 +478,34 @@ def train_bonbon(
             current = rdir / "adapter"
             print(f"bonbon round {k + 1}: done before, resumed from {current}", file=sys.stderr)
             continue
+        inputs = _round_inputs(prompts, settings, settings.seed + 10_000 * k, current, pasta_prompt, quality)
         rows = _read_samples(rdir / "samples.jsonl", len(prompts) * settings.n)
         sample_s = 0.0
+        if rows is not None:
+            _check_round_inputs(rdir, rows, inputs)
         if rows is None:
+            if (rdir / "reader").exists():  # its pairs and verdicts are for the samples about to be replaced
+                stale = rdir / "reader.stale"
+                if stale.exists():
+                    shutil.rmtree(stale)
+                (rdir / "reader").rename(stale)
+                print(f"bonbon round {k + 1}: sampled again; the reader's folder for the old samples moved to {stale}",
+                      file=sys.stderr)
             engine = Engine.from_pretrained(base, device=device, dtype=dtype, adapter=current,
                                             max_running_requests=settings.max_running_requests,
                                             kv_cache_bytes=settings.kv_cache_mb * 2**20,
                                             pasta_prompt=pasta_prompt)
             t0 = time.perf_counter()
-            rows = sample_and_rank(engine, prompts, settings, scorer, seed=settings.seed + 10_000 * k)
+            rows = _sample_rows(engine, prompts, settings, seed=settings.seed + 10_000 * k)
             sample_s = time.perf_counter() - t0
             del engine
-            with (rdir / "samples.jsonl").open("w") as f:
-                f.writelines(json.dumps({**r, "sample_seconds": round(sample_s, 1)}) + "\n" for r in rows)
+            rows = [{**r, "sample_seconds": round(sample_s, 1)} for r in rows]
+            (rdir / "scores.jsonl").unlink(missing_ok=True)
+            _write_samples(rdir / "samples.jsonl", rows)  # unscored: a scorer that fails keeps the samples
+            (rdir / "sampling.json").write_text(json.dumps(inputs, indent=2) + "\n")
         else:
             sample_s = rows[0].get("sample_seconds", 0.0)
+        _score_pending(rows, rdir, scorer, settings.quality_weight)
         if reader_references is not None:
             rows = reader_scores(rows, reader_references, rdir / "reader", settings.seed + k, settings.quality_weight)
             with (rdir / "picks.jsonl").open("w") as f:
@@ -446,6 +571,7 @@ def train_bonbon(
         policy.eval()
         summary_k = {
             "round": k + 1, "prompts": len(prompts), "samples": len(rows), "pairs": len(pairs),
+            "pairs_trained": sum(len(c) for c in chunks), "epochs": settings.epochs,
             "sample_seconds": round(sample_s, 1), "optimizer_steps": steps,
             "mean_score": sum(r["score"] for r in rows) / len(rows),
             "mean_content_speedup": sum(r["content_speedup"] for r in rows) / len(rows),
@@ -468,12 +594,13 @@ def train_bonbon(
         del policy, policy_base
     summary = {"stage": "bonbon", "rounds": rounds, "settings": {**asdict(settings),
                                                                   "pasta_prompt": pasta_prompt.to_dict()},
-               "train_seconds": round(time.perf_counter() - t_start, 1), "machine": machine(device), "commit": git_commit(),
-               "quality_proxy": "base model mean log-likelihood per token of the clean text, minus 2.0 x the fraction "
-                                "of repeated lines (a proxy, not a judge)"}
+               "train_seconds": round(time.perf_counter() - t_start, 1), "machine": machine(device), "commit": git_commit()}
     if reader_references is not None:
-        summary["quality"] = ("a blind pairwise reading against the reference answer (win 1, tie 0.5, loss 0, "
-                              "averaged over the orders judged); the proxy's value kept as proxy_quality")
+        summary.update(quality_term="reader", quality=READER_QUALITY, quality_proxy=quality)
+    elif quality == PROXY_QUALITY:
+        summary.update(quality_term="likelihood proxy", quality=quality, quality_proxy=quality)
+    else:
+        summary.update(quality_term="judge" if quality.startswith("the judge endpoint") else "scorer", quality=quality)
     final = out / "adapter"
     if final.exists():
         shutil.rmtree(final)
