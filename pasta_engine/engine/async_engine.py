@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import operator
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -269,32 +268,9 @@ class AsyncEngine:
         return await self._call(read)
 
     def _token_ids(self, token_ids: Any) -> list[int]:
-        """``token_ids`` as a list of ints, each in ``[0, vocab_size)``; ParameterError naming
-        ``token_ids`` otherwise (a negative id would index the byte table from its end)."""
-        vocab = self.engine.input_processor.vocab_size
-        expected = f"a list of integer token ids from 0 to {vocab - 1} (the model's vocabulary)"
-        if isinstance(token_ids, (str, bytes, bytearray, dict)):
-            raise ParameterError("token_ids", token_ids, expected)
-        try:
-            items = list(token_ids)
-        except TypeError:
-            raise ParameterError("token_ids", token_ids, expected) from None
-        ids = []
-        for j, t in enumerate(items):
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                t = operator.index(t)
-            except TypeError:
-                raise ParameterError("token_ids", token_ids, message=(
-                    f"token_ids[{j}] is {t!r} ({type(t).__name__}), not an integer token id: give integers from 0 "
-                    f"to {vocab - 1}")) from None
-            if not 0 <= t < vocab:
-                raise ParameterError("token_ids", token_ids, message=(
-                    f"token_ids[{j}] is {t}, outside the model's vocabulary of {vocab} tokens: give ids from 0 to "
-                    f"{vocab - 1}"))
-            ids.append(t)
-        return ids
+        """``token_ids`` checked as the input processor checks prompt ids (ParameterError naming
+        ``token_ids``; a negative id would index the byte table from its end)."""
+        return self.engine.input_processor.check_token_ids(token_ids, "token_ids")
 
     async def stats(self) -> dict[str, Any]:
         """:meth:`Engine.stats` read on the engine thread after every command sent before

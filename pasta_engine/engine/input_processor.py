@@ -24,9 +24,10 @@ the same rules. The stop rule itself runs in the engine core (the interpreter en
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..config import MAX_SEED, EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..errors import ContextLengthError, ParameterError
@@ -372,17 +373,28 @@ class InputProcessor:
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
             raise ParameterError("prompt", prompt, message=f"{where} must be a string or a list of token ids, got "
                                  f"{type(prompt).__name__} (chat messages: a list of {{role, content}} dicts)")
-        ids = list(prompt)
-        if not ids:
+        if not prompt:
             raise ParameterError("prompt", prompt, message=f"{where} is an empty list of token ids")
+        return self.check_token_ids(prompt, "prompt", where)
+
+    def check_token_ids(self, ids: Any, param: str = "token_ids", where: str | None = None) -> list[int]:
+        """``ids`` (a sequence of integer token ids: ints or numpy integers, not bools) as a list
+        of ``int``, each in ``[0, vocab_size)``. Raises ParameterError naming ``param`` for a value
+        that is not such a sequence, an id that is not an integer, or one outside the vocabulary
+        (``where`` names it in the message; default ``param``)."""
+        where = where or param
+        if isinstance(ids, (str, bytes, bytearray, dict)) or not isinstance(ids, Iterable):
+            raise ParameterError(param, ids, f"a list of integer token ids from 0 to {self.vocab_size - 1}")
+        out = []
         for j, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ParameterError("prompt", prompt, message=f"{where}: token {j} is {t!r} ({type(t).__name__}), "
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ParameterError(param, ids, message=f"{where}: token {j} is {t!r} ({type(t).__name__}), "
                                      f"not an integer token id")
             if not 0 <= t < self.vocab_size:
-                raise ParameterError("prompt", prompt, message=f"{where}: token id {t} (position {j}) is outside the "
+                raise ParameterError(param, ids, message=f"{where}: token id {t} (position {j}) is outside the "
                                      f"model's vocabulary of {self.vocab_size}")
-        return [int(t) for t in ids]
+            out.append(int(t))
+        return out
 
     # ------------------------------------------------------------------ requests
 
