@@ -67,7 +67,9 @@ def forward_log_softmax(model: Any, layout: PastaLayout) -> torch.Tensor:
     Raises ValueError when the layout reaches a position at or past the model's sliding window:
     the dense mask would train other log-probabilities than the engine's windowed attention
     computes."""
-    windows = [w for w in ModelConfig.from_hf(_model_config(model)).sliding_windows if w is not None]
+    cfg = _model_config(model)  # the config parsed again only for a model that may have a window
+    windows = ([w for w in ModelConfig.from_hf(cfg).sliding_windows if w is not None]
+               if getattr(cfg, "sliding_window", None) is not None else [])
     if windows and layout.position_ids and max(layout.position_ids) >= min(windows):
         raise ValueError(f"this example reaches position {max(layout.position_ids)}, past the model's sliding "
                          f"window of {min(windows)} tokens, which the training forward does not apply: train on "
