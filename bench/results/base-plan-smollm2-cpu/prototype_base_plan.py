@@ -20,6 +20,12 @@ SIBLINGS=natural (../natural-siblings-smollm2-cpu/): an earlier sibling of the s
 where `chunk_jobs` puts its topic, as `N. Topic` after a list marker (with the space the marker
 takes) and not at all as a paragraph, so the base model reads no line of bare topic words
 ("proposed explanation maya") that neither it nor a thread ever writes.
+
+FIRST_ITEM=sequential (../first-item-smollm2-cpu/): a list's first item stays on the main thread,
+written in sequence, and only the items after it fork, so every forked item's writer sees one whole
+item of its list (its length, detail and format) before its own opening, as APAR's rule already
+keeps a prose answer's first paragraph. Tests whether the blind items are thin because nothing
+shows them how much a sibling says.
 """
 import json
 import os
@@ -59,6 +65,12 @@ if os.environ.get("SIBLINGS") == "natural":
         return out
 
     thread_chunks.chunk_jobs = natural_jobs
+if os.environ.get("FIRST_ITEM") == "sequential":
+    import pasta_engine.tools.annotate as annotate_module
+    _list_forks = annotate_module._list_forks
+    annotate_module._list_forks = lambda response, unit, count, min_tokens: [
+        f for f in _list_forks(response, unit, count, min_tokens)
+        if len(unit.items) >= 3 and f.start != unit.items[0].fork_start]
 rows = [PromptRow(r["instruction"], r["output"], "vicuna", "stop") for r in base]
 engine = Engine.from_pretrained(adapter=None, threads=2)
 count = count_tokens_fn(engine.tokenizer)
