@@ -78,7 +78,7 @@ from ..config import Limits, PositionPolicy
 from ..lang.detokenizer import Decode, IncrementalDetokenizer, TokenBytes
 from ..lang.dialect import (AsyncClose, AsyncOpen, BaseDialect, Dialect, Malformed, Markup, Promise, Sync, TagText,
                             Text, TextParser, as_dialect)
-from ..lang.grammar import GrammarState, ends_sentence, topic_key
+from ..lang.grammar import GrammarState, ends_sentence, topic_cont_state, topic_key
 from ..lang.pasta import PASTA
 from ..lang.tokenization import ForcedChunk
 from ..metrics import ResponseStructure
@@ -108,7 +108,8 @@ __all__ = [
 #: PASTA-LANG model.
 MODES = ("pasta", "sequential", "inline")
 #: The grammar states inside a promise's topic (:meth:`Interpreter._grammar_state` turns them into
-#: ``TOPIC_CONT`` while the thread's last token ended inside a UTF-8 character).
+#: ``TOPIC_CONT1``-``TOPIC_CONT3``, or ``TOPIC_CONT`` without a bytes table, while the thread's
+#: last token ended inside a UTF-8 character).
 _TOPIC_STATES = frozenset({GrammarState.TOPIC_EMPTY, GrammarState.TOPIC, GrammarState.TOPIC_FULL,
                            GrammarState.TOPIC_TAKEN, GrammarState.TOPIC_OPENING})
 #: With ``Limits.chunk_clean_end``, a chunk at its cap mid-sentence may sample this many more
@@ -480,12 +481,26 @@ class Interpreter:
                                            self.topics_taken if self.limits.distinct_topics else (), tail)
         if state in _TOPIC_STATES and t.detok.mid_character:  # the cheap test first: this runs per step
             # inside a UTF-8 character of a topic (the first bytes of an emoji, say): only a token
-            # that continues it; ending there, or any other token, would put U+FFFD in the topic
-            # and in the chunk that copies it
-            return GrammarState.TOPIC_CONT
+            # that continues it with as many continuation bytes as it needs; ending there, or any
+            # other token, would put U+FFFD in the topic and in the chunk that copies it
+            return self._topic_cont(t)
         if state == GrammarState.TOPIC_EMPTY and self.limits.independent_topics:
             return GrammarState.TOPIC_OPENING  # no leaning first word (LEANING_WORDS)
         return state
+
+    def _topic_cont(self, t: Thread) -> int:
+        """The state of thread ``t``'s topic inside a UTF-8 character: by the continuation bytes
+        the character still needs (:func:`~pasta_engine.lang.grammar.topic_cont_state`, from its
+        last tokens' bytes), or ``TOPIC_CONT`` (any continuation) without a bytes table."""
+        if self.token_bytes is None:
+            return GrammarState.TOPIC_CONT
+        table = self.token_bytes.table
+        held, i = b"", len(t.tokens)
+        while i > 0 and len(held) < 4:
+            i -= 1
+            tok = t.tokens[i]
+            held = (table[tok] if 0 <= tok < len(table) else b"") + held
+        return topic_cont_state(held)
 
     def _cap_ends(self, t: Thread) -> bool:
         """Whether thread ``t`` (or its inline chunk), at or past its cap, ends now: at once, unless
@@ -896,10 +911,27 @@ class Interpreter:
             self.kv_ops.append(KVRelease(thread.tid))
 
     def _flush_text(self, thread: Thread) -> None:
+        """The end of ``thread``'s text: what the detokenizer and the parser still hold. A chunk
+        the interpreter closes (``closed_by_interpreter``) is read with the closing tag the
+        annotated text gives it (the dialect's ``close_tag``, not kept in its text): a partial
+        tag that the tag cuts short is left out, as :func:`~pasta_engine.lang.tags.clean_text`
+        of the annotated text leaves it out; read as the end of the text, ``<sy`` would stay
+        text and the main thread's ``nc/>`` after the splice would show ``<sync/>`` (reported as
+        a partial tag at its end). The cost: such a chunk (cap, end-of-sequence, length cut,
+        stop) whose text ends with a bare ``<`` (or ``</``, ``<pro``) loses it from the clean
+        text; the annotated text keeps it."""
         tail = thread.detok.flush()
         if tail and thread.pieces:
             thread.pieces[-1] += tail
-        for item in thread.parser.feed(tail) + thread.parser.finish():
+        items = thread.parser.feed(tail)
+        if thread.closed_by_interpreter and thread.parser.pending:
+            held = thread.parser.pending  # reported as what it is to the thread: a partial tag at its end
+            closing = [e for e in thread.parser.feed(self.dialect.close_tag)
+                       if not isinstance(e, (AsyncClose, Malformed))]
+            if any(type(e) is not Text for e in closing):
+                items.append(Malformed(raw=held, reason="unterminated tag at the end of the text"))
+            items += closing
+        for item in items + thread.parser.finish():
             if type(item) is Text:
                 self._add_clean(thread, item.text)
             elif isinstance(item, Malformed):
@@ -909,6 +941,11 @@ class Interpreter:
 
     def _end_thread(self, thread: Thread, reason: str, flush: bool) -> None:
         thread.finish = reason
+        # before its text is flushed: a chunk the interpreter closes is read with its </async>. A
+        # replayed chunk whose trace ends without one stays as the trace has it (unclosed): its
+        # text, a partial tag at its end included, reads as in the trace (the replay's text is
+        # the trace's clean text)
+        thread.closed_by_interpreter = not thread.is_main and reason in ("cap", "eos", "length", "stop")
         self._flush_text(thread)
         if thread.is_main:
             if reason in ("eos", "trace_end", "stop"):
@@ -916,8 +953,7 @@ class Interpreter:
                 thread.status = ThreadStatus.DONE
                 self._maybe_finish()
             return
-        if reason in ("cap", "eos", "length", "trace_end", "stop"):
-            thread.closed_by_interpreter = True
+        if thread.closed_by_interpreter:
             thread.drops.append(thread.clean_len)  # where its inserted </async> is left out
             if reason == "eos":
                 self._note(thread, "ended at end-of-sequence; closed by the interpreter")

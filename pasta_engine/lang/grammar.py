@@ -44,9 +44,13 @@ applied to a whole step's logits in one tensor operation by the model runner):
   punctuation ignored) may not end there
   (``TOPIC_TAKEN``: it must say something more), so siblings are never promised the same topic;
   a token that starts with a UTF-8 continuation byte is topic text only right after the first
-  bytes of a character, and there nothing else is (``TOPIC_CONT``, set by the interpreter from
-  its detokenizer; a character begun at the byte cap is finished first, so such a topic may run
-  a few bytes over it): a topic never holds U+FFFD, as one did on the README's sample prompt;
+  bytes of a character, and there nothing else is: a token that starts with as many
+  continuation bytes as the character still needs, or fewer and nothing else
+  (``TOPIC_CONT1`` to ``TOPIC_CONT3``, set by the interpreter from its detokenizer and the
+  tokens' bytes; without a bytes table, ``TOPIC_CONT``: any number); a character begun at the
+  byte cap is finished first, so such a topic may run a few bytes over it: a topic never holds
+  U+FFFD, as one did on the README's sample prompt (and, with a token of two continuation bytes
+  after a two-byte lead, on SmolLM2's vocabulary);
 * a topic's first word, with ``Limits.independent_topics`` (``TOPIC_OPENING``, set by the
   interpreter): as ``TOPIC_EMPTY``, and no token that is a word leaning on what came before
   (:data:`LEANING_WORDS`: "Another", "Furthermore", "This", "Finally", ...). A chunk opens with
@@ -54,8 +58,11 @@ applied to a whole step's logits in one tensor operation by the model runner):
   challenge" opens by leaning on a sibling its thread cannot see (issue 30; masking them raised
   the forks passing the lexical independence test from 70% to 93%, but did not read better
   blind, so it is off by default: bench/results/leaning-topics-smollm2-cpu/);
-* inside the length: digits only (at least one, the first not ``0``; at most
-  :data:`MAX_LENGTH_DIGITS`), then ``"/>``.
+* inside the length: digits only (at least one, the first not ``0``), then ``"/>``; a length of
+  :data:`MAX_LENGTH_DIGITS` digits or more must end (the token that reaches it may carry it past:
+  a digit token holds at most :data:`MAX_DIGIT_TOKEN` digits, so a length never has more digits
+  than the tag parser reads, :data:`~pasta_engine.lang.tags.MAX_TOKENS_DIGITS`; GPT-2-style
+  vocabularies have tokens such as ``0000``).
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Sequence
 
+from .tags import MAX_TOKENS_DIGITS
+
 __all__ = [
     "PROMISE_OPEN",
     "PROMISE_LENGTH",
@@ -72,11 +81,13 @@ __all__ = [
     "TAG_PIECES",
     "MAX_TOPIC_BYTES",
     "MAX_LENGTH_DIGITS",
+    "MAX_DIGIT_TOKEN",
     "TagTokens",
     "add_tag_tokens",
     "tag_tokens_of",
     "GrammarState",
     "grammar_state",
+    "topic_cont_state",
     "topic_key",
     "ends_sentence",
     "chunk_may_end",
@@ -97,6 +108,10 @@ TAG_PIECES = (PROMISE_OPEN, PROMISE_LENGTH, PROMISE_CLOSE, "<async>", "</async>"
 MAX_TOPIC_BYTES = 32
 #: A predicted length this many digits long must end: the sampler then allows only ``"/>``.
 MAX_LENGTH_DIGITS = 4
+#: The most digits one length token may hold: the token that reaches :data:`MAX_LENGTH_DIGITS`
+#: may carry the length past it, but never past what the tag parser reads
+#: (:data:`~pasta_engine.lang.tags.MAX_TOKENS_DIGITS`), else the promise would be lost.
+MAX_DIGIT_TOKEN = MAX_TOKENS_DIGITS - MAX_LENGTH_DIGITS + 1
 
 
 @dataclass(frozen=True)
@@ -159,7 +174,9 @@ def add_tag_tokens(tokenizer: Any) -> TagTokens:
 class GrammarState(enum.IntEnum):
     """Where a sampling thread is in the grammar; the index of its row in :func:`state_masks`.
 
-    ``FREE``: no mask (sequential mode, replay, or a tokenizer without the piece tokens)."""
+    ``FREE``: no mask (sequential mode, replay, or a tokenizer without the piece tokens).
+    ``TOPIC_CONT1``-``TOPIC_CONT3``: inside a topic's UTF-8 character that needs that many more
+    continuation bytes; ``TOPIC_CONT``: inside one, the count unknown."""
 
     FREE = 0
     MAIN = 1
@@ -175,6 +192,9 @@ class GrammarState(enum.IntEnum):
     CHUNK_OPEN = 11
     TOPIC_CONT = 12
     TOPIC_OPENING = 13
+    TOPIC_CONT1 = 14
+    TOPIC_CONT2 = 15
+    TOPIC_CONT3 = 16
 
 
 #: Words that lean on what came before when they open a text: connectives, anaphora, sequence
@@ -223,6 +243,34 @@ def chunk_may_end(tail: str) -> bool:
     repeat itself to the token limit."""
     text = tail.rstrip()
     return bool(text) and text[-1] not in _OPENERS
+
+
+def _cont_fits(token: bytes, need: int) -> bool:
+    """Whether ``token`` may follow the first bytes of a UTF-8 character that needs ``need`` more:
+    it starts with exactly ``need`` continuation bytes (0x80-0xBF), or is fewer of them only."""
+    run = 0
+    while run < len(token) and 0x80 <= token[run] <= 0xBF:
+        run += 1
+    return run == need or 0 < run == len(token) < need
+
+
+def topic_cont_state(held: bytes) -> GrammarState:
+    """The state of a topic that ends inside a UTF-8 character, from the bytes its thread wrote
+    last (the character's first bytes; the last four bytes suffice): ``TOPIC_CONT1``,
+    ``TOPIC_CONT2`` or ``TOPIC_CONT3`` by the continuation bytes the character still needs, or
+    ``TOPIC_CONT`` (any token that starts with a continuation byte) when ``held`` does not end
+    inside a character (the bytes are unknown)."""
+    run = 0
+    for b in reversed(held[-4:]):
+        if 0x80 <= b <= 0xBF:
+            run += 1
+            continue
+        size = 2 if 0xC2 <= b <= 0xDF else 3 if 0xE0 <= b <= 0xEF else 4 if 0xF0 <= b <= 0xF4 else 0
+        need = size - 1 - run
+        if 1 <= need <= 3:
+            return (GrammarState.TOPIC_CONT1, GrammarState.TOPIC_CONT2, GrammarState.TOPIC_CONT3)[need - 1]
+        break
+    return GrammarState.TOPIC_CONT
 
 
 def grammar_state(is_main: bool, pending: str, can_fork: bool = True,
@@ -281,12 +329,14 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
     text_ok = [i for i in range(n) if token_bytes[i] and i not in pieces and i not in eos
                and not any(c in token_bytes[i] for c in (b'"', b"<", b">", b"\n"))]
     # a token whose first byte continues a UTF-8 character (0x80-0xBF) is topic text only right
-    # after the first bytes of one (TOPIC_CONT); anywhere else it decodes as U+FFFD
+    # after the first bytes of one (TOPIC_CONT; TOPIC_CONT1-3: as many as the character still
+    # needs, or fewer and nothing else: one more is U+FFFD too); anywhere else it decodes as U+FFFD
     cont = [i for i in text_ok if 0x80 <= token_bytes[i][0] <= 0xBF]
     cont_set = set(cont)
     topic_ok = [i for i in text_ok if i not in cont_set]
     digits = [i for i in range(n) if token_bytes[i] and i not in pieces and i not in eos
-              and token_bytes[i].isdigit() and token_bytes[i].isascii()]
+              and token_bytes[i].isdigit() and token_bytes[i].isascii()
+              and len(token_bytes[i]) <= MAX_DIGIT_TOKEN]  # a length the parser reads (MAX_DIGIT_TOKEN)
     # a topic starts with a letter (ASCII, or any non-ASCII byte: a letter of another script)
     topic_first = [i for i in topic_ok if re.search(rb"[A-Za-z\x80-\xff]", token_bytes[i])]
     digits_first = [i for i in digits if not token_bytes[i].startswith(b"0")]
@@ -312,6 +362,8 @@ def state_masks(tags: TagTokens, token_bytes: Sequence[bytes], vocab: int,
         (False, chunk_never + [tags.async_close, *sorted(eos)]),  # CHUNK_OPEN
         (True, cont or topic_ok),  # TOPIC_CONT (a vocabulary without such tokens never gets here)
         (True, [i for i in topic_first if i not in leaning] or topic_first),  # TOPIC_OPENING (never empty)
+        # TOPIC_CONT1, TOPIC_CONT2, TOPIC_CONT3 (never empty)
+        *[(True, [i for i in cont if _cont_fits(token_bytes[i], k)] or cont or topic_ok) for k in (1, 2, 3)],
     ]
     assert len(out) == len(GrammarState)
     return out

@@ -28,7 +28,11 @@ text that merely holds a ``<`` is the known tag heads ``<promise``, ``<async``, 
   ``<promise topic="an unclosed topic`` up to its line break); a promise whose topic broke on a
   line break or an angle bracket is tag-like through its ``/>`` when the rest of the tag follows
   (``<promise topic="a\nb" tokens="3"/>`` as a whole: the parser holds that rest back until it
-  closes the tag or cannot, and then reads it by the rule before);
+  closes the tag or cannot, or until it reaches a known tag head, and then reads it by the rule
+  before; a tag in it is a tag, read when its last character arrives:
+  ``<promise topic="a<sync/>`` is tag-like text, then a sync);
+* a partial tag that a ``<`` cut short (``<pro<sync/>``, ``<sy</async>``) is tag-like when what
+  that ``<`` starts is a tag or tag-like, ``</async>`` included (else both are text: ``a <<b``);
 * a would-be tag still held back when the text ends (a partial tag at a length cut or end of
   sequence) is tag-like when it got as far as a known head (``<promise topic="x" tokens="1``,
   ``<sync/``);
@@ -320,12 +324,10 @@ class TagParser:
         status, tag = _scan(buf)
         if status == "done":
             self._buf = ""
-            if isinstance(tag, AsyncClose):
-                # a chunk's end: replay closes an unterminated chunk with one the text lacks, so
-                # what it broke stays text, as it does at the end of the whole string
-                self._flush_broken(out)
-            else:
-                self._left_out(out)
+            # what a '<' broke goes with the tag, ``</async>`` included: kept as text, it would meet
+            # the text after the tag ("<sy</async>nc/>" would show "<sync/>"; a chunk the
+            # interpreter closes is read with the ``</async>`` the annotated text gets)
+            self._left_out(out)
             out.append(replace(tag, end=at + 1))
         elif status == "partial":
             self._buf = buf
@@ -360,10 +362,18 @@ class TagParser:
     def _push_tail(self, ch: str, out: list[Parsed]) -> None:
         """Hold ``ch`` as part of a broken topic's tail. The tail is tag-like (left out with its
         promise) once the promise with the topic's bad characters blanked out scans as complete;
-        when it no longer can, the held characters are read again as they were before (the
-        rest of a malformed tag, :attr:`_junk`)."""
+        when it no longer can, or once it ends with a known tag head (``<sync``, ``</async``:
+        a tag, not topic text), the held characters are read again as they were before (the
+        rest of a malformed tag, :attr:`_junk`). So a tail read again holds no whole tag: every
+        tag is reported with the piece that completes it."""
         prefix, quote = self._tail
         tail = self._tail_text + ch
+        if tail.endswith(_KNOWN_HEADS):
+            # a tag's head is no topic text: the tail is read now, so a tag it starts is read (and
+            # acted on) when its last character arrives, not when a longer tail fails tokens later
+            self._tail_text = tail
+            self._release_tail(out)
+            return
         end = tail.find(quote)
         topic_rest = tail if end < 0 else tail[:end]
         blanked = "".join(" " if c in _TOPIC_BREAKS else c for c in topic_rest) + ("" if end < 0 else tail[end:])

@@ -653,3 +653,104 @@ def test_a_chunks_penalty_counts_its_siblings_promises_but_not_its_own():
     assert it.seen_tokens(1) == [0, 1] + ids[:2] + c1.tokens
     assert it.seen_tokens(2) == [0, 1] + ids[:4] + c2.tokens  # the first promise counted, its own not
     assert decode(c2.tokens) == "<async>"
+
+
+def test_a_partial_tag_a_chunk_leaves_at_its_cap_never_meets_the_text_after_it():
+    """A chunk the interpreter closes is read with the </async> the annotated text gives it: the
+    bare '<' it ended with is cut short by that tag and left out, so the main thread's "sync/>"
+    after the splice cannot complete it into a tag (as text it showed "<sync/>")."""
+    from pasta_engine.lang.tags import Sync, clean_text, parse
+
+    limits = Limits(max_threads=None, async_min_cap=2, cap_factor=0.01)  # a cap of 2 tokens
+    it = make_interp(limits=limits)
+    drive(it, [(0, "a"), (0, T), (1, "b"), (1, "<")])
+    assert it.threads[1].finish == "cap" and it.threads[1].closed_by_interpreter
+    drive(it, [(0, "sync"), (0, "/"), (0, ">"), (0, "<EOS>")])
+    assert it.annotated_text() == f"a{T}<async>b<</async>sync/>"
+    assert it.clean_text() == clean_text(it.annotated_text()) == render.final_text(it) == "absync/>"
+    assert not [e for e in parse(it.clean_text()) if isinstance(e, Sync)]
+    # a stray </async> on the main thread cuts "<" short the same way
+    it = make_interp()
+    drive(it, [(0, "a"), (0, "<"), (0, "</async>"), (0, "sync"), (0, "/"), (0, ">"), (0, "<EOS>")])
+    assert it.clean_text() == clean_text(it.annotated_text()) == "async/>"
+    # a replay whose trace ends inside a chunk leaves the chunk as the trace has it (no </async>
+    # added): its text reads as the trace's clean text does, a partial tag at its end included
+    trace = f"a{T}<async>b<"
+    ids = [PIECES.index(p) for p in ("a", T, "<EOS>")]
+    it = make_interp(forced_main=ids, forced_chunks=[[PIECES.index("b"), PIECES.index("<")]])
+    drive(it, [(0, "a"), (0, T), (1, "b"), (0, "<EOS>"), (1, "<")])
+    assert it.done and it.threads[1].finish == "trace_end" and not it.threads[1].closed_by_interpreter
+    assert it.annotated_text() == trace
+    assert it.clean_text() == render.final_text(it) == clean_text(trace) == "ab<"
+
+
+def test_a_promise_in_a_broken_topics_tail_forks_with_the_token_that_completes_it():
+    """A promise written where an earlier promise's topic broke on '<' forks at its own token:
+    the child's view is the main thread's tokens up to it, nothing written after it (the parser
+    once held the tail until it failed, tokens later, and forked then)."""
+    pieces = ["<EOS>", "<async>", "</async>", '<promise topic="a', "<", "promise topic='b' tokens='1'/>", "x", '"',
+              "y", "z", "sync/>", '<promise topic="t" tokens="20"/>']
+    it = Interpreter([1], decode=lambda ids: "".join(pieces[i] for i in ids if i), eos_ids=[0], open_ids=[1],
+                     close_len=1, limits=Limits(max_threads=None))
+
+    def give(tid, p):
+        steps = pick(it)
+        it.take_kv_ops()
+        it.step_done(steps)
+        it.on_token(tid, pieces.index(p))
+
+    for p in ['<promise topic="a', "<", "promise topic='b' tokens='1'/>"]:
+        give(0, p)
+    assert len(it.threads) == 2 and it.threads[1].fork_at == 3 and it.threads[1].promise.topic == "b"
+    for tid, p in [(0, "x"), (0, '"'), (0, "y"), (1, "z"), (1, "</async>"), (0, "<EOS>")]:
+        give(tid, p)
+    assert it.annotated_text() == "<promise topic=\"a<promise topic='b' tokens='1'/><async>z</async>x\"y"
+    assert it.spliced().threads == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
+    # a <sync/> there stalls the main thread with its own token
+    it = Interpreter([1], decode=lambda ids: "".join(pieces[i] for i in ids if i), eos_ids=[0], open_ids=[1],
+                     close_len=1, limits=Limits(max_threads=None))
+    for p in ['<promise topic="t" tokens="20"/>', '<promise topic="a', "<", "sync/>"]:
+        give(0, p)
+    assert it.main.status.value == "stalled" and it.main.syncs == [4]
+
+
+def test_a_topic_never_holds_a_replacement_character():
+    """Inside a topic's UTF-8 character the grammar allows only a token with as many continuation
+    bytes as the character still needs (or fewer and nothing else): after the lead byte of "é"
+    (one more needed) SmolLM2's token of the euro sign's two last bytes once put U+FFFD in a
+    topic; that token is allowed after the first byte of a three-byte character only."""
+    from pasta_engine.lang.detokenizer import TokenBytes
+    from pasta_engine.lang.grammar import TAG_PIECES, GrammarState as G, TagTokens, state_masks
+
+    table = [p.encode() for p in TAG_PIECES] + [b"Caf", b"\xc3", b"\xa9", b"\x82\xac", b"\xe2", b"\xf0\x9f",
+                                                 b"\xf0", b"\x98\x80", b"\x98", b"1", b""]
+    ids = {b: i for i, b in enumerate(table)}
+    tags = TagTokens(*range(6))
+    masks = state_masks(tags, table, len(table), [ids[b""]])
+
+    def allowed(state):
+        allow, some = masks[state]
+        return {table[i] for i in range(len(table)) if (i in some) == allow}
+
+    def states(script):
+        it = Interpreter([ids[b"1"]], decode=lambda t: b"".join(table[i] for i in t).decode("utf-8", "replace"),
+                         eos_ids=[ids[b""]], open_ids=[tags.async_open], close_len=1, grammar=True,
+                         limits=Limits(max_threads=None), token_bytes=TokenBytes(table))
+        out = []
+        for b in [b'<promise topic="', b"Caf"] + script:
+            it.step_done(pick(it))
+            it.take_kv_ops()
+            it.on_token(0, ids[b])
+            [st_] = [st_ for st_ in it.runnable_threads() if st_.tid == 0]
+            out.append(G(st_.grammar))
+        return out[2:]
+
+    cont = {b"\xa9", b"\x98", b"\x82\xac", b"\x98\x80"}
+    assert states([b"\xc3", b"\xa9"]) == [G.TOPIC_CONT1, G.TOPIC]
+    assert allowed(G.TOPIC_CONT1) == {b"\xa9", b"\x98"}  # one continuation byte: not b"\x82\xac"
+    assert states([b"\xe2", b"\x82\xac"]) == [G.TOPIC_CONT2, G.TOPIC]
+    assert allowed(G.TOPIC_CONT2) == cont  # two, or one and nothing else
+    assert states([b"\xf0", b"\x98", b"\x98", b"\xa9"]) == [G.TOPIC_CONT3, G.TOPIC_CONT2, G.TOPIC_CONT1, G.TOPIC]
+    assert states([b"\xf0\x9f", b"\x98\x80"]) == [G.TOPIC_CONT2, G.TOPIC]
+    assert allowed(G.TOPIC_CONT3) == cont  # no token of three here: fewer, and nothing else
+    assert allowed(G.TOPIC_CONT) == cont  # without a bytes table the count is unknown: any

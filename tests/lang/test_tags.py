@@ -378,3 +378,44 @@ def test_a_partial_tag_cut_short_by_a_tag_goes_with_it(text, clean):
     p = TagParser()
     items = [e for ch in text for e in p.feed(ch)] + p.finish()
     assert clean_from_items(items) == clean
+
+
+@pytest.mark.parametrize("text, clean", [
+    ("<sy</async>nc/>", "nc/>"),
+    ("</</async>async>", "async>"),
+    ('a <prom</async>ise topic="x" tokens="3"/> b', 'a ise topic="x" tokens="3"/> b'),
+    ("x <</async>sync/>", "x sync/>"),
+])
+def test_a_partial_tag_cut_short_by_async_close_goes_with_it(text, clean):
+    """``</async>`` cuts a partial tag short as every tag does: kept as text, the partial tag met
+    the text after the ``</async>`` and showed a whole tag (``<sy</async>nc/>`` read ``<sync/>``)."""
+    assert any(isinstance(e, AsyncClose) for e in parse(text))
+    assert clean_text(text) == clean
+    assert not [e for e in parse(clean) if not isinstance(e, Text)], clean  # no tag, no tag-like text
+    p = TagParser()
+    assert clean_from_items([e for ch in text for e in p.feed(ch)] + p.finish()) == clean
+    assert strip_tags(text) == text.replace("</async>", "")  # nothing the model wrote is lost
+
+
+def test_a_tag_in_a_broken_topics_tail_is_read_with_the_piece_that_completes_it():
+    """A promise whose topic broke on a '<' holds the rest back; a tag head in it ends the hold,
+    so the tag comes out with its last character (a fork or a sync acted on then), not tokens
+    later when a longer tail failed."""
+    p = TagParser()
+    assert p.feed('<promise topic="a') == []
+    assert p.feed("<") == [Malformed(raw='<promise topic="a<', reason="malformed tag"), TagText('<promise topic="a')]
+    got = p.feed("promise topic='b' tokens='1'/>")
+    assert [type(e) for e in got] == [Promise] and got[0].topic == "b"
+    assert p.pending == "" and p.feed('x"y') == [Text('x"y')]
+    for text, kinds in [
+        ('<promise topic="a<sync/>x"y', [Malformed, TagText, Sync, Text]),
+        ('<promise topic="a\n</async>b', [Malformed, TagText, Text, AsyncClose, Text]),
+        ('<promise topic="a<b" tokens="3"/> c', [Malformed, TagText, Text]),  # no tag head: left out whole
+    ]:
+        assert [type(e) for e in parse(text)] == kinds, text
+        for cut in range(1, len(text)):  # the same split anywhere (streaming)
+            assert normalize(parse([text[:cut], text[cut:]])) == normalize(parse(text)), (text, cut)
+    # the sync comes out with its '>', not with the character that ended the tail
+    p = TagParser()
+    out = [(ch, e) for ch in '<promise topic="a<sync/>x"y' for e in p.feed(ch)]
+    assert [ch for ch, e in out if isinstance(e, Sync)] == [">"]

@@ -558,3 +558,55 @@ def test_limits_refuses_a_non_boolean_independent_topics():
 
     with pytest.raises(ParameterError, match="independent_topics"):
         Limits(independent_topics="yes")
+
+
+def test_a_length_token_never_carries_the_length_past_what_the_parser_reads():
+    """GPT-2-style vocabularies have digit tokens such as ``0000`` and ``10000000``: the length
+    states allowed any of them, and the tag parser reads at most MAX_TOKENS_DIGITS digits, so a
+    masked model could write a promise that was lost. Every length the masks allow parses."""
+    from pasta_engine.lang.grammar import MAX_DIGIT_TOKEN, MAX_LENGTH_DIGITS
+    from pasta_engine.lang.tags import MAX_TOKENS_DIGITS, Promise, TagParser
+
+    tags = TagTokens(0, 1, 2, 3, 4, 5)
+    table = [p.encode() for p in TAG_PIECES] + [b"", b"Sleep", b"1", b"0", b"20", b"100", b"2000", b"0000",
+                                                 b"10000000"]
+    masks = state_masks(tags, table, len(table), eos_ids=[6])
+
+    def allowed(state):
+        allow, ids = masks[state]
+        return [table[i] for i in range(len(table)) if (i in ids) == allow]
+
+    assert allowed(GrammarState.LENGTH_EMPTY) == [b"1", b"20", b"100"]
+    assert allowed(GrammarState.LENGTH) == [b'"/>', b"1", b"0", b"20", b"100"]
+    assert MAX_LENGTH_DIGITS - 1 + MAX_DIGIT_TOKEN <= MAX_TOKENS_DIGITS
+
+    def longest(digits: str) -> list[str]:  # every length the masks allow from here, walked
+        state = grammar_state(True, '<promise topic="Sleep" tokens="' + digits)
+        if state == GrammarState.LENGTH_FULL:
+            return [digits]
+        out = [digits] if state == GrammarState.LENGTH else []
+        return out + [x for t in allowed(state) if t.isdigit() for x in longest(digits + t.decode())]
+
+    for digits in longest(""):
+        p = TagParser()
+        items = p.feed('<promise topic="Sleep" tokens="' + digits + '"/>') + p.finish()
+        assert [type(e) for e in items] == [Promise] and items[0].tokens == int(digits), digits
+
+
+def test_inside_a_topics_character_only_as_many_continuation_bytes_as_it_needs():
+    """TOPIC_CONT1..3: a token whose leading run of continuation bytes fits what the character
+    still needs (exactly, or fewer and nothing else); TOPIC_CONT (no bytes table): any."""
+    from pasta_engine.lang.grammar import topic_cont_state
+
+    tags = TagTokens(0, 1, 2, 3, 4, 5)
+    table = [p.encode() for p in TAG_PIECES] + [b"", b"Beds", b"\xa8", b"\x82\xac", b"\x9f\x98\x80", b"\xa9x",
+                                                 b"\x82\xacs", b"\xf0\x9f", b"1"]
+    masks = dict(zip(GrammarState, state_masks(tags, table, len(table), eos_ids=[6])))
+    want = {GrammarState.TOPIC_CONT1: [8, 11], GrammarState.TOPIC_CONT2: [8, 9, 12],
+            GrammarState.TOPIC_CONT3: [8, 9, 10], GrammarState.TOPIC_CONT: [8, 9, 10, 11, 12]}
+    for state, ids in want.items():
+        assert masks[state] == (True, ids), state
+    G = GrammarState
+    assert [topic_cont_state(b) for b in (b"\xc3", b"Caf\xe2", b"\xe2\x82", b"\xf0", b"\xf0\x9f\x98")] == \
+        [G.TOPIC_CONT1, G.TOPIC_CONT2, G.TOPIC_CONT1, G.TOPIC_CONT3, G.TOPIC_CONT1]
+    assert topic_cont_state(b"abc") == topic_cont_state(b"\x80\x80\x80\x80") == G.TOPIC_CONT  # not inside one
