@@ -676,7 +676,6 @@ class Scheduler:
             taken: list[tuple[int, int]] = []
             if sampling:
                 req.steps += 1
-                req.max_width = max(req.max_width, n_sample)
                 on_token = it.on_token
                 keep_lps = req.params.return_logprobs
                 try:
@@ -690,6 +689,9 @@ class Scheduler:
                     self.ended.remove(req)
                     out.append((req, taken))
                     continue
+                # the threads whose tokens were kept (at the token budget the last step's other
+                # samples are cut: a promised chunk that never ran is no width)
+                req.max_width = max(req.max_width, len(taken))
             if it.done:
                 self._end(req, it.finish)
             out.append((req, taken))

@@ -140,6 +140,9 @@ def test_fuzzed_tag_streams_never_break_the_engine(seed, max_new, width, min_cap
         # every forked child ran at most its cap
         for t in it.threads[1:]:
             assert t.n_sampled <= t.cap
+        # the widest step counts the threads whose tokens were kept: at the token budget, a thread
+        # sampled in the last step but cut (a promised chunk that never ran) is no width
+        assert r.max_width <= 1 + sum(1 for t in it.threads[1:] if t.finish != "not_run")
 
 
 def test_preemption_under_a_small_cache_frees_everything():
