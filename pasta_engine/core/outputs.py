@@ -36,7 +36,8 @@ class RequestStats:
     sampled by all threads (tags and EOS included); tag_tokens: tokens_decoded - EOS tokens
     sampled - content_tokens, at least 0 (:func:`pasta_engine.metrics.tag_tokens`: the tag
     tokens, plus any text the clean output drops); threads: threads that ran (main + children);
-    forks: children forked; max_width: most threads sampling in one step; critical_path: steps
+    forks: children forked; max_width: most threads sampling in one step (tokens kept: a step's samples cut by the
+    token budget are not counted); critical_path: steps
     at unlimited width (tag tokens are on it); token_parallelism: tokens_decoded /
     critical_path, how parallel the run was (1.0 when nothing was sampled); wall_s: seconds
     from admission to finish; preemptions: times the request was restarted for lack of KV
