@@ -192,7 +192,7 @@ def sample_batch(
         min_p: ``[N, 1]`` float32 in [0, 1] (0: no filter), or None when no row filters.
 
     Returns ``(tokens [N] int64, bad [N] bool)``: ``bad`` marks rows whose logits hold NaN or
-    +inf (greedy rows too: their argmax means nothing) and sampled rows whose distribution holds
+    +inf or are ``-inf`` throughout (greedy rows too: their argmax means nothing) and sampled rows whose distribution holds
     inf or nan (where :func:`torch.multinomial` raises); the runner fails those requests alone. Per row the same
     operations as :func:`sample` in the same order (temperature, top-k, top-p, min-p, softmax, then the
     exponential race ``argmax(probs / noise)`` that ``torch.multinomial(probs, 1)`` runs), so
@@ -201,7 +201,8 @@ def sample_batch(
     # argmax takes NaN as the largest value, so a row holding NaN or +inf has it at its argmax:
     # an [N] check, not another pass over [N, vocab] (-inf is a mask, not a fault)
     top = logits.gather(1, argmax[:, None]).squeeze(1)
-    nonfinite = torch.isnan(top) | torch.isposinf(top)
+    # NaN or +inf, or every token masked (-inf throughout: argmax would silently give token 0)
+    nonfinite = torch.isnan(top) | torch.isinf(top)
     if noise is None:
         return argmax, nonfinite
     x = logits / temperature
@@ -347,14 +348,28 @@ class SamplingBatch:
             logits = apply_repetition_penalty(logits, *self.repetition)
         if self.output is not None:
             logits = apply_output_penalties(logits, *self.output)
+        unmasked = logits
         if self.ends is not None:
             logits = mask_tokens(logits, *self.ends)
         if self.grammar is not None:
             states, table = self.grammar
             logits = logits.masked_fill(table[states], float("-inf"))
+            if self.ends is not None:
+                logits = self._grammar_wins(logits, unmasked, states, table)
         if self.fork is not None:
             logits = apply_fork_threshold(logits, *self.fork)
         return logits
+
+    def _grammar_wins(self, logits: torch.Tensor, unmasked: torch.Tensor, states: torch.Tensor,
+                      table: torch.Tensor) -> torch.Tensor:
+        """Rows of :attr:`ends` whose masked end ids and grammar together leave no token (a stop
+        id that is the only piece closing a tag, under ``min_tokens``): the grammar alone masks
+        them, so the tag closes and the end ids wait. Only rows with masked ends are checked."""
+        rows = torch.tensor(self.ends[0], dtype=torch.long).to(logits.device, non_blocking=True)
+        now = logits.index_select(0, rows)
+        grammar_only = unmasked.index_select(0, rows).masked_fill(table[states[rows]], float("-inf"))
+        dead = torch.isneginf(now).all(dim=-1, keepdim=True)  # no host-device sync
+        return logits.index_copy(0, rows, torch.where(dead, grammar_only, now))
 
     def pick(self, logits: torch.Tensor, errors: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each row's token: forced, or sampled by :func:`sample_batch` with each drawing

@@ -144,3 +144,26 @@ def test_the_packed_batch_applies_what_transformers_processors_do():
     assert torch.equal(out[3], logits[3])  # forced: untouched
     tokens, _ = sb.pick(out, {})
     assert tokens.tolist() == [int(out[0].argmax()), int(out[1].argmax()), int(out[2].argmax()), 5]
+
+
+def test_a_masked_end_id_the_grammar_requires_is_left_to_the_grammar():
+    """A stop id that is the only token a tag state allows (a ``"/>`` piece under ``min_tokens``):
+    the end mask and the grammar would leave the row no token, and greedy's argmax would be
+    token 0. The grammar wins on that row (the tag closes); another row keeps its end mask, and
+    a row masked throughout is flagged bad instead of sampled."""
+    from pasta_engine.layers.sampler import sample_batch
+
+    vocab = 30
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    table = torch.zeros(2, vocab, dtype=torch.bool)
+    table[1] = True
+    table[1, 9] = False  # state 1 allows only token 9
+    rows = [_row("a", grammar=1, ends=(9,), temperature=0.0),  # the grammar needs the masked end id
+            _row("b", grammar=0, ends=(9,), temperature=0.0),
+            _row("c", grammar=1, temperature=0.0)]
+    out = SamplingBatch.from_rows(rows, vocab, torch.device("cpu"), table, None, GrammarState.MAIN).process(logits)
+    assert out[0, 9] == logits[0, 9] and torch.isinf(out[0]).sum() == vocab - 1
+    assert torch.isinf(out[1, 9]) and torch.isfinite(out[1, :9]).all()
+    tokens, bad = sample_batch(torch.cat([out, torch.full((1, vocab), float("-inf"))]),
+                               torch.ones(4, dtype=torch.bool), torch.ones(4, 1), None, None, None)
+    assert tokens[0] == 9 and bad.tolist() == [False, False, False, True]
