@@ -343,10 +343,13 @@ def geomean_positive(values: Iterable[float | None]) -> float | None:
 
 #: Pieces of PASTA-LANG tag text: the clean text a user reads holds none of them.
 TAG_TEXT_MARKERS = ("<promise", "<async", "</async", "<sync", '" tokens="')
+#: The markers as whole tag heads: ``<sync`` but not ``<syncstream>`` (C++), ``<async`` but not
+#: ``<asyncio>``; a head at the end of the text (a partial tag at a length cut) counts.
+_MARKER = re.compile(r'<(?:promise|/?async|sync)(?![\w-])|" tokens="')
 #: A promise's length and close without the rest of the tag (`20"/>`: a chunk that wrote the
 #: close piece as text showed this). A number that opens with `="` is an attribute's value
-#: (HTML's `<img width="20"/>`), not a promise's length: not counted.
-_LENGTH_CLOSE = re.compile(r'(?<!\d)(?<!=")\d+"/>')
+#: (HTML's `<img width="20"/>`, SVG's `r="2.5"/>`), not a promise's length: not counted.
+_LENGTH_CLOSE = re.compile(r'(?<![\d.])(?<!=")\d+"/>')
 
 
 
@@ -393,10 +396,11 @@ def empty_list_items_from_tags(text: str, annotated: str) -> int:
 
 
 def has_tag_text(text: str) -> bool:
-    """Whether ``text`` holds any piece of PASTA-LANG tag text (:data:`TAG_TEXT_MARKERS`): a
-    clean text that does shows the user a tag (for example a partial promise at a length cut),
-    or a promise's length and close (``20"/>``)."""
-    return any(m in text for m in TAG_TEXT_MARKERS) or _LENGTH_CLOSE.search(text) is not None
+    """Whether ``text`` holds any piece of PASTA-LANG tag text (:data:`TAG_TEXT_MARKERS`, each
+    tag head as a whole word: ``#include <syncstream>`` holds none): a clean text that does
+    shows the user a tag (for example a partial promise at a length cut), or a promise's length
+    and close (``20"/>``)."""
+    return _MARKER.search(text) is not None or _LENGTH_CLOSE.search(text) is not None
 
 
 def text_proxies(text: str) -> dict[str, Any]:

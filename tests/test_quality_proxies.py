@@ -72,10 +72,11 @@ def test_empty_list_items_from_tags_counts_only_items_a_left_out_tag_emptied():
 def test_tag_text_markers():
     assert TAG_TEXT_MARKERS == ("<promise", "<async", "</async", "<sync", '" tokens="')
     for shown in ('6. <promise topic="Social', "a <async>b", "b</async> c", "x <sync/>", 'topic="a" tokens="1',
-                  '1. 20"/>\n2. 20"/>', 'x 5"/>', '(20"/>'):
+                  '1. 20"/>\n2. 20"/>', 'x 5"/>', '(20"/>', "cut at <sync", "a <promise"):
         assert has_tag_text(shown), shown
     for clean in ("", "Use <div> and </span> in HTML.", "promise me", 'a "tokens" b', "<sync"[:-1], 'say "hi"/>',
-                  '<img src="a.png" width="20"/>', "<rect x='1' height=\"300\"/>"):
+                  '<img src="a.png" width="20"/>', "<rect x='1' height=\"300\"/>",
+                  '<circle cx="5" cy="5" r="2.5"/>', "#include <syncstream>", "import <asyncio>"):
         assert not has_tag_text(clean), clean
 
 
