@@ -18,7 +18,7 @@ import math
 import numbers
 from dataclasses import InitVar, dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ParameterError
 from .lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
@@ -36,6 +36,7 @@ __all__ = [
     "check_int",
     "check_float",
     "check_bool",
+    "set_attention_backend_check",
 ]
 
 #: Temperatures below this mean greedy decoding (as vLLM's ``_SAMPLING_EPS``): dividing
@@ -259,6 +260,10 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+#: What :meth:`PositionPolicy.parse` takes (its error message).
+_POLICY_SPECS = "'predicted', 'none', 'oracle' or 'constant:K' with K an integer in [0, 999999999]"
+
+
 @dataclass(frozen=True)
 class PositionPolicy:
     """How many logical positions the main thread skips after a promise.
@@ -288,13 +293,14 @@ class PositionPolicy:
 
     @classmethod
     def parse(cls, spec: "str | PositionPolicy") -> "PositionPolicy":
-        """Parse ``predicted``, ``none``, ``oracle`` or ``constant:K`` (K an integer in ``[0, 10**9)``).
+        """Parse ``predicted``, ``none``, ``oracle`` or ``constant:K`` (K an integer in
+        ``[0, 999999999]``, at most 9 digits).
 
         Raises ParameterError naming the bad spec."""
         if isinstance(spec, PositionPolicy):
             return spec
         if not isinstance(spec, str):
-            raise ParameterError("position_policy", spec, "'predicted', 'none', 'oracle' or 'constant:K' with K >= 0")
+            raise ParameterError("position_policy", spec, _POLICY_SPECS)
         s = spec.strip().lower()
         if s in ("predicted", "none", "oracle"):
             return cls(kind=s)
@@ -302,7 +308,7 @@ class PositionPolicy:
             k = s.split(":", 1)[1].strip()
             if k.isascii() and k.isdigit() and len(k) <= 9:  # not "²" (a digit int() refuses), no 5,000 digits
                 return cls(kind="constant", constant=int(k))
-        raise ParameterError("position_policy", spec, "'predicted', 'none', 'oracle' or 'constant:K' with K >= 0")
+        raise ParameterError("position_policy", spec, _POLICY_SPECS)
 
     def __str__(self) -> str:
         return f"constant:{self.constant}" if self.kind == "constant" else self.kind
@@ -420,6 +426,20 @@ PROMPT_SPECIAL_TOKENS = ("text", "control")
 #: Values of :attr:`EngineConfig.thread_policy` (the first is the default).
 THREAD_POLICIES = ("critical_first", "fcfs")
 
+#: How :class:`EngineConfig` checks ``attention_backend`` against the registered backends (see
+#: :func:`set_attention_backend_check`); None: not installed.
+_attention_backend_check: Callable[[Any], None] | None = None
+
+
+def set_attention_backend_check(check: Callable[[Any], None] | None) -> None:
+    """Install how :class:`EngineConfig` checks ``attention_backend``: ``check(value)`` raises
+    ParameterError naming it unless it is a registered backend name or a backend instance. The
+    registry lives above this module (``pasta_engine.layers.backends``, which imports torch), so
+    the model runner, imported with the package, installs it; without it any non-empty name or
+    object passes here, and the model runner refuses an unknown one when the engine is built."""
+    global _attention_backend_check
+    _attention_backend_check = check
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -427,7 +447,8 @@ class EngineConfig:
 
     Attributes:
         attention_backend: a name registered in :mod:`pasta_engine.layers.backends`
-            (``"torch"``: the reference, ``"triton"``, ``"flex"``), or a backend instance.
+            (``"torch"``: the reference, ``"triton"``, ``"flex"``), or a backend instance
+            (checked here, before any model loads: :func:`set_attention_backend_check`).
         kv_cache_bytes: KV cache budget in bytes (None: 512 MiB on CPU, 40% of free GPU memory
             on CUDA).
         page_size: KV page size in tokens (1 to 1024).
@@ -499,6 +520,8 @@ class EngineConfig:
         if isinstance(self.attention_backend, str) and not self.attention_backend:
             raise ParameterError("attention_backend", self.attention_backend,
                                  "a registered backend name ('torch', 'triton', 'flex', ...) or a backend")
+        if _attention_backend_check is not None:
+            _attention_backend_check(self.attention_backend)
         check_int("kv_cache_bytes", self.kv_cache_bytes, 1, none_ok=True)
         check_int("page_size", self.page_size, 1, 1024)
         check_int("max_running_requests", self.max_running_requests, 1)

@@ -147,3 +147,29 @@ def test_grammar_knobs_are_the_fields_set_away_from_off():
     assert all(getattr(Limits(), name) == off for name, off in Limits.GRAMMAR_KNOBS.items())
     with pytest.raises(TypeError):
         Limits.GRAMMAR_KNOBS["fork_threshold"] = 0.5  # type: ignore[index]
+
+
+@pytest.mark.parametrize("value", ["nope", 5, object(), "Torch"])
+def test_an_unknown_attention_backend_is_refused_by_the_config(value):
+    """The config refuses what no backend registry entry or instance is, naming the known
+    backends, so ``Engine.from_pretrained`` refuses it before any weight loads (it was refused
+    only by the model runner, after the load)."""
+    with pytest.raises(ParameterError, match=r"attention_backend=.*'torch', 'triton', 'flex'.*backend instance") as e:
+        EngineConfig(attention_backend=value)
+    assert e.value.param == "attention_backend"
+
+
+def test_a_known_attention_backend_name_or_instance_is_taken():
+    from pasta_engine.layers.reference_attention import TorchAttention
+
+    for name in ("torch", "triton", "flex"):  # checked by name: no backend module is imported for it
+        assert EngineConfig(attention_backend=name).attention_backend == name
+    inst = TorchAttention()
+    assert EngineConfig(attention_backend=inst).attention_backend is inst
+
+
+@pytest.mark.parametrize("spec", ["constant:1000000000", "constant:-1", "sideways", 7])
+def test_a_bad_position_policy_states_the_range_of_k(spec):
+    with pytest.raises(ParameterError, match=r"'constant:K' with K an integer in \[0, 999999999\]"):
+        PositionPolicy.parse(spec)
+    assert PositionPolicy.parse("constant:999999999").constant == 999999999

@@ -432,7 +432,8 @@ def plan_lists(
 
 class StaticDecodePlan:
     """Fixed-size device buffers for plans, for CUDA graphs: a captured launch reads them, and
-    each step :meth:`load` copies the step's plan in (no allocation, no host sync).
+    each step :meth:`load` copies the step's plan in (no allocation; on CUDA from pinned host
+    buffers, which a load rewrites only after the previous load's copies out of them are done).
 
     Args:
         max_rows: query rows (the largest bucket); max_work, max_parts, max_pages: capacities;
@@ -444,21 +445,31 @@ class StaticDecodePlan:
                      page_lens=max_pages, row_nparts=max_rows, row_part_start=max_rows, row_parts=max_parts,
                      row_indptr=max_rows + 1, num_rows=1)
         self.sizes = sizes
+        self._cuda = torch.device(device).type == "cuda"
         self.tensors = {k: torch.zeros(n, dtype=torch.int32, device=device) for k, n in sizes.items()}
-        self.host = {k: torch.zeros(n, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
-                     for k, n in sizes.items()}
+        self.host = {k: torch.zeros(n, dtype=torch.int32, pin_memory=self._cuda) for k, n in sizes.items()}
+        # recorded after the last load's copies out of self.host (CUDA): the next load waits for it
+        # before rewriting them (a step that syncs nothing else would not order them)
+        self._copied = None
         self.plan = DecodePlan(**self.tensors, n_work=max_work, n_parts=max_parts, block_m=block_m, mode="static",
                                partials=True, pages_read=0, grid_work=max_work)
 
     def load(self, arrays: dict[str, list[int]], info: dict) -> bool:
         """Copy a step's plan in; False (nothing copied) when it exceeds a capacity or needs a
-        bigger query tile."""
+        bigger query tile. On CUDA the copies are asynchronous: the host buffers are rewritten
+        only once the previous load's copies are done (an event; done already when a step since
+        synced with the device)."""
         if info["block_m"] > self.plan.block_m or any(len(v) > self.sizes[k] for k, v in arrays.items()):
             return False
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous load's copies have read self.host
         for k, v in arrays.items():
             if v:
                 self.host[k][: len(v)] = torch.tensor(v, dtype=torch.int32)
                 self.tensors[k][: len(v)].copy_(self.host[k][: len(v)], non_blocking=True)
+        if self._cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.plan.pages_read = info["pages_read"]
         return True
 

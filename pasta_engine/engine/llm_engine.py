@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -54,7 +55,7 @@ from ..lang.tokenization import decode, encode_tag, encode_text, eos_token_ids
 from ..models.protocol import CausalLM
 from ..models.loader import load_model
 from ..worker.cpu_threads import check_threads, cpu_threads
-from ..worker.model_runner import ModelRunner
+from ..worker.model_runner import ModelRunner, check_cuda_graphs, default_kv_cache_bytes, kv_pages
 from .input_processor import InputProcessor, Prompt, RequestInputs, choice_params, is_chat, resolve_dialect
 from .streaming import OutputKind
 
@@ -191,8 +192,10 @@ class Engine:
 
         Raises FileNotFoundError (a model path that does not exist, missing model package),
         UnsupportedModelError (architecture), ParameterError (an argument of the wrong type,
-        settings, a device this torch cannot use, a KV cache larger than the device's memory, an
-        adapter trained for another base model), CheckpointError (a ParameterError: a truncated
+        settings, a device this torch cannot use, a KV cache larger than the device's memory or
+        holding no page of the checkpoint's sizes as its ``config.json`` gives them,
+        ``cuda_graphs=True`` where graphs cannot run: each before any weight loads; an adapter
+        trained for another base model), CheckpointError (a ParameterError: a truncated
         or inconsistent checkpoint, adapter or tokenizer, naming the file)."""
         from ..models.adapter import check_lora_scale, manifest_lora_scale, read_manifest
         from ..models.loader import add_adapter_tokens, load_tokenizer, resolve_adapter
@@ -223,6 +226,10 @@ class Engine:
         device = check_device(device)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ParameterError("dtype", dtype, "torch.float32, torch.float16 or torch.bfloat16")
+        # settings the model runner would refuse, refused before any weight loads
+        check_cuda_graphs(config.cuda_graphs, device, config.attention_backend)
+        _check_kv_budget(config.kv_cache_bytes, device)
+        _check_kv_pages(model, config, device, dtype)
         n_threads = None
         if device.type == "cpu" and threads is not None:  # before tensor-parallel ranks start: they copy it
             n_threads = cpu_threads(threads)
@@ -709,6 +716,32 @@ def _check_kv_budget(kv_cache_bytes: int | None, device: torch.device) -> None:
         raise ParameterError("kv_cache_bytes", kv_cache_bytes, message=(
             f"a KV cache of {_mib(kv_cache_bytes)} is more than {what} ({_mib(have)}): lower kv_cache_bytes "
             "(--kv-cache-mb)"))
+
+
+def _check_kv_pages(model: str | os.PathLike | None, config: EngineConfig, device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """Raise ParameterError naming ``kv_cache_bytes`` (``--kv-cache-mb``) when the KV budget holds
+    no page of the checkpoint's KV sizes (:func:`~pasta_engine.worker.model_runner.kv_pages`, as
+    the model runner computes them), read from its ``config.json`` before any weight loads. A
+    checkpoint whose sizes take more than that file (a ``.gguf``, the embedded model before its
+    first conversion), or whose config the load will refuse, is left to the model runner."""
+    from transformers import AutoConfig
+
+    from ..models.config import ModelConfig
+    from ..models.loader import EMBEDDED_MODEL, cache_root
+
+    path = Path(model).expanduser() if model is not None else cache_root() / EMBEDDED_MODEL
+    if not (path / "config.json").is_file():
+        return
+    try:
+        cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    except Exception:  # noqa: BLE001  (the load reads it again and names what is wrong)
+        return
+    tp = config.tensor_parallel_size
+    if cfg.num_kv_heads % tp:
+        return  # the load refuses it, naming tensor_parallel_size
+    budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_cache_bytes(device)
+    kv_pages(budget, config.page_size, cfg.num_layers, cfg.num_kv_heads // tp, cfg.head_dim, dtype)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -32,6 +32,7 @@ __all__ = [
     "build_engine",
     "cpu_threads",
     "adapter_choice",
+    "loads_adapter",
     "sampling_params",
     "command_line",
     "DTYPES",
@@ -127,34 +128,42 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_pasta_args(p: argparse.ArgumentParser) -> None:
-    """How far PASTA's threads may go."""
+    """How far PASTA's threads may go (each flag's default is kept in ``pasta_defaults``, so a
+    command or mode where a flag acts on nothing can refuse it when set)."""
     g = p.add_argument_group("PASTA")
-    g.add_argument("--position-policy", default="predicted",
-                   help="predicted | constant:K | none | oracle (replay only)")
-    g.add_argument("--max-threads", type=nonneg_int, default=16,
-                   help="threads of one request decoding together (0 = unlimited)")
-    g.add_argument("--max-forks", type=nonneg_int, default=64, help="forks per request; later promises are text")
-    g.add_argument("--max-fork-depth", type=positive_int, default=2,
-                   help="how deep forks nest in a dialect that nests them (multiverse): a thread at depth d "
-                        "forks only when d < this; deeper blocks decode inline")
+    added = [
+        g.add_argument("--position-policy", default="predicted",
+                       help="predicted | constant:K | none | oracle (replay only)"),
+        g.add_argument("--max-threads", type=nonneg_int, default=16,
+                       help="threads of one request decoding together (0 = unlimited)"),
+        g.add_argument("--max-forks", type=nonneg_int, default=64, help="forks per request; later promises are text"),
+        g.add_argument("--max-fork-depth", type=positive_int, default=2,
+                       help="how deep forks nest in a dialect that nests them (replay and bench speedup --dialect "
+                            "multiverse): a thread at depth d forks only when d < this; deeper blocks decode inline"),
+    ]
     g.add_argument("--fork-threshold", type=float, default=None,
                    help="the fork knob of a learned model, a probability in (0, 1]: the main thread opens a promise "
                         "exactly where the promise token's probability is at least this (lower forks more, faster; "
                         "default: the model decides as it samples); applies to pasta-mode generation with a model "
                         "that has the tag tokens")
-    g.add_argument("--length-cut", choices=("prefix", "keep"), default="prefix",
-                   help="when --max-tokens runs out with chunks unfinished: prefix ends the text where the first "
-                        "unfinished chunk stopped (no hole mid-answer); keep gives every thread's text")
-    g.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=True,
-                   help="a promise's topic may not repeat one already promised in the response (a model with the tag "
-                        "tokens; default on)")
-    g.add_argument("--chunk-clean-end", action=argparse.BooleanOptionalAction, default=True,
-                   help="a chunk may not end empty or at a colon, comma or semicolon, and one at its cap mid-sentence "
-                        "gets up to 32 more tokens to end it (a model with the tag tokens; default on)")
+    added += [
+        g.add_argument("--length-cut", choices=("prefix", "keep"), default="prefix",
+                       help="when --max-new-tokens runs out with chunks unfinished: prefix ends the text where the "
+                            "first unfinished chunk stopped (no hole mid-answer); keep gives every thread's text"),
+        g.add_argument("--distinct-topics", action=argparse.BooleanOptionalAction, default=True,
+                       help="a promise's topic may not repeat one already promised in the response (a model with the "
+                            "tag tokens; default on)"),
+        g.add_argument("--chunk-clean-end", action=argparse.BooleanOptionalAction, default=True,
+                       help="a chunk may not end empty or at a colon, comma or semicolon, and one at its cap "
+                            "mid-sentence gets up to 32 more tokens to end it (a model with the tag tokens; default "
+                            "on)"),
+    ]
     g.add_argument("--independent-topics", action=argparse.BooleanOptionalAction, default=False,
                    help="a promise's topic may not open with a word that leans on what came before (Another, "
                         "Furthermore, This, Finally, ...; a model with the tag tokens; default off: faster, more "
                         "independent chunks, not read better)")
+    # the defaults of the flags in `added` (the grammar knobs' are Limits.GRAMMAR_KNOBS)
+    p.set_defaults(pasta_defaults={a.dest: a.default for a in added})
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 256, *, temperature: float = 0.0,
@@ -284,34 +293,41 @@ def adapter_choice(args: argparse.Namespace, mode: str = "pasta") -> Any:
     return "auto"
 
 
+def loads_adapter(args: argparse.Namespace, choice: Any) -> bool:
+    """Whether an engine built with ``adapter=choice`` (:func:`adapter_choice`) merges an
+    adapter: a path does; ``"auto"`` only for the embedded model (no ``--model`` or
+    ``--preset``) when the package ships its adapter. Known before anything loads."""
+    if choice is None:
+        return False
+    if choice != "auto":
+        return True
+    from ..models.adapter import shipped_adapter
+
+    return args.model is None and not args.preset and shipped_adapter() is not None
+
+
 def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapter: Any = "auto"
                  ) -> tuple[Any, dict[str, Any]]:
-    """The engine the flags describe and the settings to record. The device is checked first
-    (before a preset is built). ``adapter``: see :func:`adapter_choice` (``--adapter`` and
-    ``--no-adapter`` win over the default ``"auto"``; None, the base weights, stays None). On a
-    CPU, torch's thread count is set from ``--threads`` (:func:`cpu_threads`).
+    """The engine the flags describe and the settings to record. The device, the engine's
+    settings (:class:`~pasta_engine.config.EngineConfig`, :class:`~pasta_engine.config.Limits`)
+    and ``--lora-scale`` are checked first, before a preset is built (written to disk) or
+    anything loads. ``adapter``: see :func:`adapter_choice` (``--adapter`` and ``--no-adapter``
+    win over the default ``"auto"``; None, the base weights, stays None). On a CPU, torch's
+    thread count is set from ``--threads`` (:func:`cpu_threads`).
 
     Raises what :meth:`Engine.from_pretrained` raises (FileNotFoundError,
     UnsupportedModelError, ParameterError), naming the problem."""
     import torch
 
-    from ..config import Limits
+    from ..config import EngineConfig, Limits
     from ..engine.llm_engine import Engine, check_device
     from ..errors import ParameterError
+    from ..models.adapter import check_lora_scale
     from ..models.loader import EMBEDDED_MODEL
     from ..tools.bench import device_name
 
     device = check_device(args.device)
     dtype_name = _dtype_name(args)
-    if args.preset:
-        from ..tools.presets import build_checkpoint
-
-        path: Any = build_checkpoint(args.preset, seed=args.preset_seed, dtype=getattr(torch, dtype_name))
-        label = f"preset {args.preset} (random weights, seed {args.preset_seed})"
-    elif args.model:
-        path, label = args.model, str(args.model)
-    else:
-        path, label = None, f"embedded {EMBEDDED_MODEL}"
     options: dict[str, Any] = dict(
         attention_backend=args.attention_backend, max_running_requests=max_running_requests,
         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs], page_size=args.page_size,
@@ -337,6 +353,25 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
     if lora_scale is not None and getattr(args, "no_adapter", False):
         raise ParameterError("lora_scale", lora_scale, message=f"--lora-scale {lora_scale} scales an adapter, but "
                              "--no-adapter loads none: drop one of the two")
+    if lora_scale is not None:
+        try:
+            check_lora_scale(lora_scale)
+        except ParameterError as e:
+            raise ParameterError("--lora-scale", lora_scale, message=f"--lora-scale: {e}") from None
+        if lora_scale != 1.0 and not loads_adapter(args, adapter_choice(args)):
+            raise ParameterError("--lora-scale", lora_scale, message=f"--lora-scale {lora_scale} scales an adapter, "
+                                 "and this run loads none (--model or --preset without --adapter): add --adapter "
+                                 "PATH or drop --lora-scale")
+    EngineConfig.from_kwargs(**options)  # every setting checked before a preset is built or anything loads
+    if args.preset:
+        from ..tools.presets import build_checkpoint
+
+        path: Any = build_checkpoint(args.preset, seed=args.preset_seed, dtype=getattr(torch, dtype_name))
+        label = f"preset {args.preset} (random weights, seed {args.preset_seed})"
+    elif args.model:
+        path, label = args.model, str(args.model)
+    else:
+        path, label = None, f"embedded {EMBEDDED_MODEL}"
     engine = Engine.from_pretrained(path, device=device, dtype=getattr(torch, dtype_name), adapter=adapter,
                                     threads=getattr(args, "threads", "auto"),
                                     lora_scale=lora_scale if adapter is not None else None, **options)

@@ -35,6 +35,7 @@ from .args import (
     build_engine,
     command_line,
     endpoint_from_args,
+    loads_adapter,
     nonneg_int,
     positive_int,
     sampling_params,
@@ -74,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one prompt per line, or JSON: a list of strings or AlpacaEval objects with 'instruction'")
     add_output_args(g)
     g.add_argument("--compare-transformers", action="store_true",
-                   help="also time transformers' greedy generate on the same prompt ids (sequential mode)")
+                   help="also time transformers' greedy generate of the base checkpoint on the same prompt ids and "
+                   "check it gives the same tokens (sequential mode, or both; needs a greedy sequential answer from "
+                   "the base weights: --temperature 0 --repetition-penalty 1, and --no-adapter or --baseline base)")
     add_baseline_arg(g)
     add_sampling_args(g, **GENERATE_SAMPLING)
     add_model_args(g)
@@ -539,6 +542,22 @@ def _limit(rows: list, limit: int | None) -> list:
     return rows[:limit] if limit is not None else rows
 
 
+def _out_folder(out: Path) -> Path:
+    """``--out``, the output folder, created now (before any model loads). Raises ParameterError
+    naming it when it is a file or cannot be created."""
+    from ..errors import ParameterError
+
+    if out.exists() and not out.is_dir():
+        raise ParameterError("--out", str(out), message=f"--out {out} is a file, not a folder: name a folder (it is "
+                             "created when missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ParameterError("--out", str(out), message=f"--out {out}: cannot create the folder "
+                             f"({e.strerror or e})") from None
+    return out
+
+
 def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..tools.bench import BenchError, annotate_rows, annotate_rows_in_dialect, dialect_annotator, run_speedup
     from ..tools.traces import read_prompts, read_traces, write_traces
@@ -564,15 +583,15 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             raise BenchError(f"--dialect {args.dialect} needs --traces FILE or --responses FILE (AlpacaEval JSON)")
         dialect_annotator(args.dialect)  # a missing annotator fails before the model loads
         traces, to_annotate = None, _limit(read_prompts(args.responses, need_output=True), args.limit)
+    params = sampling_params(args)  # the model annotator's: a bad flag fails before the model loads
+    out: Path = _out_folder(args.out)
     engine, settings = build_engine(args)
-    out: Path = args.out
     if traces is None:
         count = lambda text: len(engine.encode(text))  # noqa: E731
         if pasta:
-            traces = annotate_rows(to_annotate, args.annotator, count, engine=engine, params=sampling_params(args))
+            traces = annotate_rows(to_annotate, args.annotator, count, engine=engine, params=params)
         else:
             traces = annotate_rows_in_dialect(to_annotate, args.dialect, count)
-        out.mkdir(parents=True, exist_ok=True)
         write_traces(out / "traces.jsonl", traces)
     from ..tools.bench import run_info
 
@@ -599,6 +618,7 @@ def _bench_pareto(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
     prompts = _limit(read_prompts(args.prompts), args.limit)
     params = sampling_params(args)
+    _out_folder(args.out)
     engine, settings = build_engine(args)
     seq_choice = adapter_choice(args, "sequential")
     seq_engine = None
@@ -668,8 +688,9 @@ def _bench_annotate(args: argparse.Namespace, argv: Sequence[str] | None) -> int
                              message="--annotator endpoint goes with --endpoint-url and --endpoint-model, and they "
                              "with it")
     if args.annotator == "model":
+        params = sampling_params(args)  # a bad flag fails before the model loads
         engine, settings = build_engine(args)
-        traces = annotate_rows(rows, "model", engine=engine, params=sampling_params(args))
+        traces = annotate_rows(rows, "model", engine=engine, params=params)
         source = settings["model"]
     elif endpoint is not None:
         tok, source = _annotate_tokenizer(args)
@@ -741,6 +762,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _refuse_unused_pasta_flags(args)
+        _refuse_unused_limits(args)
         _refuse_unused_flags(args)
         if args.command == "train":
             from .train_commands import run_train
@@ -758,7 +780,10 @@ def _main(argv: Sequence[str] | None) -> int:
             if args.prompts_file is not None:
                 prompts = [r.instruction for r in read_prompts(args.prompts_file)]
             else:
-                prompts = [args.prompt or SAMPLE_PROMPT]
+                if args.prompt is not None and not args.prompt.strip():
+                    raise ValueError(f"the prompt argument {args.prompt!r} is empty: give a prompt, or leave it out "
+                                     f"for the sample prompt")
+                prompts = [SAMPLE_PROMPT if args.prompt is None else args.prompt]
                 _check_utf8(prompts[0], "the prompt argument")
             return _run(args, prompts, None)
         if args.command == "serve":
@@ -775,8 +800,8 @@ def _main(argv: Sequence[str] | None) -> int:
                 return 2
         rows = read_traces(args.traces)
         return _run(args, [r.prompt for r in rows], [r.annotated_response for r in rows])
-    except (FileNotFoundError, UnsupportedModelError, KVCacheExhausted, PastaEngineError, TraceFileError, BenchError,
-            ValueError) as e:
+    except (OSError, UnsupportedModelError, KVCacheExhausted, PastaEngineError, TraceFileError, BenchError,
+            ValueError) as e:  # OSError: a file or folder that cannot be read or written (FileNotFoundError too)
         print(f"pasta-engine: error: {e}", file=sys.stderr)
         return 2
 
@@ -785,23 +810,87 @@ def _refuse_unused_pasta_flags(args: argparse.Namespace) -> None:
     """Refuse a grammar knob's flag (``Limits.GRAMMAR_KNOBS``: ``--fork-threshold``,
     ``--independent-topics``) set away from off in a command that only replays annotated
     responses, or generates sequentially only: it would be ignored there, as the engine's default
-    (the engine refuses the same fields of a request's ``Limits`` there). ParameterError naming
-    the flag, before any model loads."""
+    (the engine refuses the same fields of a request's ``Limits`` there); and where the pasta
+    weights are known to have no PASTA-LANG tag tokens (the embedded model with
+    ``--no-adapter``, a ``--preset`` without ``--adapter``), which the engine would refuse once
+    loaded. ParameterError naming the flag, before any model loads."""
     from ..config import Limits
     from ..errors import ParameterError
 
     replays = args.command == "replay" or (args.command == "bench" and args.bench_command == "speedup")
     sequential = args.command == "generate" and getattr(args, "mode", "pasta") == "sequential"
-    if not (replays or sequential):
+    generates = args.command == "generate" or (args.command == "bench" and args.bench_command == "pareto")
+    untagged = generates and args.model is None and not loads_adapter(args, adapter_choice(args, "pasta"))
+    if not (replays or sequential or untagged):
         return
-    what = "replays the annotated responses' tokens" if replays else "decodes sequentially (--mode sequential)"
+    if replays or sequential:
+        what = "replays the annotated responses' tokens" if replays else "decodes sequentially (--mode sequential)"
+        why = f"acts while the model samples in pasta mode, and this command {what}: leave it out"
+    else:
+        weights = "--no-adapter loads the embedded model's base weights" if args.no_adapter else \
+            f"--preset {args.preset} without --adapter has none"
+        why = ("needs a model whose tokenizer has the PASTA-LANG pieces as tokens (an adapter trained with "
+               f"--tag-tokens, such as the shipped one), and {weights}: leave it out, or load such an adapter")
     for name, off in Limits.GRAMMAR_KNOBS.items():
         value = getattr(args, name, off)
         if value != off:
             flag = "--" + name.replace("_", "-")
             shown = f"{flag} {value}" if off is None else flag  # a value flag, or a switch
-            raise ParameterError(flag, value, message=f"{shown} acts while the model samples in pasta mode, and "
-                                 f"this command {what}: leave it out")
+            raise ParameterError(flag, value, message=f"{shown} {why}")
+
+
+def _refuse_unused_limits(args: argparse.Namespace) -> None:
+    """Refuse a PASTA flag (``add_pasta_args``: ``--position-policy``, ``--max-threads``,
+    ``--max-forks``, ``--max-fork-depth``, ``--length-cut``, ``--no-distinct-topics``,
+    ``--no-chunk-clean-end``) set where nothing reads it, as the grammar knobs are
+    (:func:`_refuse_unused_pasta_flags`): ``--position-policy oracle`` and ``--max-fork-depth``
+    in ``generate`` and ``bench pareto`` (no true chunk lengths there, and PASTA-LANG does not
+    nest forks), ``--max-fork-depth`` with a ``--dialect`` that does not nest, and any of them in
+    ``generate --mode sequential`` (one thread, no fork). ParameterError naming the flag, before
+    any model loads."""
+    from ..config import PositionPolicy
+    from ..errors import ParameterError
+    from ..lang.dialect import get_dialect
+
+    defaults = getattr(args, "pasta_defaults", None)
+    if defaults is None:
+        return
+
+    def set_flags(names: Sequence[str]) -> list[tuple[str, str, Any]]:
+        """``(flag as typed, name, value)`` of each of ``names`` set away from its default."""
+        out = []
+        for name in names:
+            value, default = getattr(args, name), defaults[name]
+            if name == "position_policy":
+                changed = PositionPolicy.parse(value) != PositionPolicy.parse(default)  # a bad spec: named here
+            else:
+                changed = value != default
+            if changed:
+                flag = "--" + ("no-" if value is False else "") + name.replace("_", "-")
+                out.append((flag if isinstance(value, bool) else f"{flag} {value}", name, value))
+        return out
+
+    def refuse(shown: str, value: Any, why: str) -> None:
+        raise ParameterError(shown.split()[0], value, message=f"{shown} {why}: leave it out")
+
+    generates = args.command == "generate" or (args.command == "bench" and args.bench_command == "pareto")
+    if args.command == "generate" and args.mode == "sequential":
+        for shown, name, value in set_flags(list(defaults)):
+            refuse(shown, value, "acts on forks, and --mode sequential decodes one thread that never forks")
+    if generates:
+        if PositionPolicy.parse(args.position_policy).kind == "oracle":
+            raise ParameterError("--position-policy", args.position_policy, message=(
+                f"--position-policy {args.position_policy} needs each chunk's true length, known only when an "
+                "annotated trace is replayed (replay, bench speedup), and this command generates: use predicted, "
+                "constant:K or none"))
+        for shown, _, value in set_flags(["max_fork_depth"]):
+            refuse(shown, value, "sets how deep forks nest in a dialect that nests them (replay or bench speedup "
+                   "--dialect multiverse), and this command decodes PASTA-LANG, which does not nest")
+    elif args.command in ("replay", "bench"):  # replay, bench speedup
+        for shown, _, value in set_flags(["max_fork_depth"]):
+            if not get_dialect(args.dialect).nesting:
+                refuse(shown, value, f"sets how deep forks nest in a dialect that nests them (multiverse), and "
+                       f"--dialect {args.dialect} does not nest")
 
 
 def _refuse_unused_flags(args: argparse.Namespace) -> None:
@@ -811,7 +900,8 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
     gives the sequential side the base weights); ``--warmup`` or ``--repeats`` outside ``--mode
     both`` (``generate``, ``replay``); sampling flags in ``bench speedup`` and ``bench annotate``
     unless ``--annotator model`` samples the traces; ``--tokenizer`` in ``bench annotate
-    --annotator model`` (the model's own tokenizer counts there)."""
+    --annotator model`` (the model's own tokenizer counts there); ``--compare-transformers``
+    where its comparison cannot hold (:func:`_refuse_compare_transformers`)."""
     from ..errors import ParameterError
     from ..tools.bench import DEFAULT_REPEATS
 
@@ -826,6 +916,7 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
             raise ParameterError("--compare-transformers", True, message=f"--compare-transformers times transformers "
                                  f"against the sequential answer, and --mode {mode} decodes none: use --mode "
                                  "sequential or both")
+        _refuse_compare_transformers(args)
         if getattr(args, "baseline", "same") != "same" and mode not in ("sequential", "both"):
             refuse("--baseline", args.baseline,
                    f"chooses the sequential answer's weights, and --mode {mode} decodes none")
@@ -845,6 +936,34 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
             and args.tokenizer is not None:
         refuse("--tokenizer", args.tokenizer, "sets how sot, apar and endpoint annotations count promise lengths; "
                "--annotator model counts with the model's own tokenizer")
+
+
+def _refuse_compare_transformers(args: argparse.Namespace) -> None:
+    """``--compare-transformers`` runs transformers' greedy generate (no penalty) on the base
+    checkpoint: its tokens can equal the sequential answer's only when that answer is greedy
+    without a repetition penalty or ``--ignore-eos`` and comes from the base weights (no adapter
+    merged: transformers would load the checkpoint without it). Otherwise ParameterError naming
+    the flag that breaks it, before any model loads."""
+    from ..config import GREEDY_TEMPERATURE
+    from ..errors import ParameterError
+
+    if not getattr(args, "compare_transformers", False) or args.mode not in ("sequential", "both"):
+        return
+    why = "--compare-transformers sets transformers' greedy generate (no penalty) of the base checkpoint against " \
+          "the sequential answer"
+    if loads_adapter(args, adapter_choice(args, "sequential")):
+        raise ParameterError("--compare-transformers", True, message=(
+            f"{why}, and this run's sequential answer comes from the weights with an adapter merged (the shipped "
+            "adapter by default, or --adapter): add --no-adapter" + (" (or --baseline base)" if args.mode == "both"
+                                                                        else "")))
+    for flag, value, ok in (("--temperature", args.temperature, args.temperature < GREEDY_TEMPERATURE),
+                            ("--repetition-penalty", args.repetition_penalty, args.repetition_penalty == 1.0),
+                            ("--ignore-eos", True, not args.ignore_eos)):
+        if not ok:
+            shown = flag if value is True else f"{flag} {value:g}"
+            raise ParameterError(flag, value, message=(
+                f"{why}, and {shown} samples otherwise: run it with --temperature 0 --repetition-penalty 1 and "
+                "without --ignore-eos"))
 
 
 def _check_utf8(text: str, what: str) -> None:

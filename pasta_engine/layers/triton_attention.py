@@ -210,7 +210,12 @@ class TritonAttention(AttentionBackend):
 
     def for_cuda_graph(self, max_rows: int, num_pages: int, rows_per_item: int = 16) -> "TritonAttention":
         """A graph-mode instance for up to ``max_rows`` single-token sequences over a cache of
-        ``num_pages`` pages (see the module docstring). Needs a CUDA device."""
+        ``num_pages`` pages (see the module docstring). Needs a CUDA device and a KV write that
+        skips padding rows' slot -1 (``kv_write`` ``"triton"`` or ``"csrc"``; the reference
+        ``"torch"`` write, ``index_copy_``, does not: ParameterError naming ``kv_write``)."""
+        if self.kv_write == "torch":
+            raise ParameterError("kv_write", self.kv_write, "'triton' or 'csrc' for CUDA graphs: their padding rows "
+                                 "carry slot -1, which only those KV writes skip (or run without CUDA graphs)")
         if self.device.type != "cuda":
             raise RuntimeError("CUDA-graph mode needs the model on a CUDA device")
         inst = TritonAttention(self.decode_mode, self.merge, self.kv_write)

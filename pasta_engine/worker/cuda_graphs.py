@@ -3,11 +3,13 @@
 A pure decode step (every sequence one token) of up to ``max(buckets)`` sequences replays the
 graph of the smallest bucket that holds it. Everything the graph reads lives in static device
 buffers sized for that bucket: token ids, logical positions, KV slots (padding sequences get slot
--1, which the KV-write kernel skips, and are in no attention row group, so they touch
+-1, which every KV write skips, and are in no attention row group, so they touch
 nothing), and the attention plan, held by the bucket's graph-mode attention backend
 (:meth:`~pasta_engine.layers.attention.AttentionBackend.for_cuda_graph`: its launch grid is a
 capacity and its programs exit early past the device-side work count). Per step the host
-only plans and copies in; the sampled tokens are the one transfer back. Steps with
+only plans and copies in (from one pinned buffer, rewritten only once the previous step's
+copies out of it are done: a step that samples nothing has no transfer back to wait on); the
+sampled tokens are the one transfer back. Steps with
 multi-token sequences (prompt prefill, forks' inserted tags), more sequences than the largest
 bucket, or a plan over capacity run eagerly with the same code.
 
@@ -74,6 +76,9 @@ class CudaGraphs:
         self.slots = torch.full((self.max_seqs,), -1, dtype=torch.long, device=dev)
         self.logits_idx = torch.arange(self.max_seqs, dtype=torch.long, device=dev)
         self._host = torch.zeros(3, self.max_seqs, dtype=torch.long, pin_memory=True)
+        # recorded after the last replay's copies out of _host: the next replay waits for it before
+        # rewriting _host (a step that samples nothing has no sync of its own to order them)
+        self._copied: torch.cuda.Event | None = None
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
         self.fallbacks = 0
@@ -118,7 +123,9 @@ class CudaGraphs:
 
     def replay(self, inputs: StepInputs) -> torch.Tensor | None:
         """The forward recipe inside a graph: plan into the bucket's static buffers, copy the
-        token ids, positions and KV slots in (padding rows: id 0, position 0, slot -1), replay.
+        token ids, positions and KV slots in (padding rows: id 0, position 0, slot -1) from the
+        pinned host buffer (after waiting for the previous replay's copies out of it: an event,
+        done already when a step since synced), replay.
         Returns float32 logits ``[n, vocab]`` of every sequence, or None when the step must run
         eagerly (see :meth:`rows`, or the plan is over capacity)."""
         b = self.rows(inputs)
@@ -130,6 +137,8 @@ class CudaGraphs:
         self.last = (inputs, b)
         n = len(meta.q_lens)
         host = self._host
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous replay's copies have read _host
         host[:, :n] = torch.tensor([inputs.input_ids, inputs.positions, meta.slots], dtype=torch.long)
         host[0, n:b] = 0
         host[1, n:b] = 0
@@ -137,6 +146,8 @@ class CudaGraphs:
         self.input_ids[:b].copy_(host[0, :b], non_blocking=True)
         self.positions[:b].copy_(host[1, :b], non_blocking=True)
         self.slots[:b].copy_(host[2, :b], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         entry = self.entries[b]
         entry.graph.replay()
         self.replays += 1

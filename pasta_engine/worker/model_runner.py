@@ -24,10 +24,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..config import EngineConfig
+from ..config import EngineConfig, set_attention_backend_check
 from ..errors import ParameterError
-from ..layers.attention import AttentionMetadata
-from ..layers.backends import get_backend, graph_backend_names
+from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.backends import backend_info, get_backend, graph_backend_names
 from ..layers.kv_cache import KVCache, kv_bytes_per_token
 from ..lang.grammar import GrammarState
 from ..layers.sampler import SamplingBatch
@@ -35,7 +35,8 @@ from ..models.protocol import CausalLM
 from ..core.batch import SampledTokens, SamplingRow, ScheduledBatch
 from .forward import StepInputs, forward_step
 
-__all__ = ["ModelRunner", "StepProfile", "StepInputs", "kv_bytes_per_token", "default_kv_cache_bytes"]
+__all__ = ["ModelRunner", "StepProfile", "StepInputs", "kv_bytes_per_token", "default_kv_cache_bytes", "kv_pages",
+           "check_cuda_graphs"]
 
 #: How tensor parallelism runs a step on every rank: called as ``executor(execute, inputs)`` on
 #: rank 0 (broadcast ``inputs``, run ``execute(inputs)`` here as every rank does, exchange the
@@ -49,6 +50,53 @@ def default_kv_cache_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.4)
     return 512 * 2**20
+
+
+def kv_pages(budget: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """KV pages of ``page_size`` tokens that ``budget`` bytes hold for a model of these sizes (per
+    tensor-parallel rank: its KV heads). Raises ParameterError naming ``kv_cache_bytes`` (and
+    ``--kv-cache-mb``) when it holds none."""
+    per_page = page_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    if budget // per_page < 1:
+        raise ParameterError("kv_cache_bytes", budget, message=(
+            f"a KV cache budget of {budget} bytes holds no page of {page_size} tokens ({per_page} bytes per page): "
+            "raise kv_cache_bytes (--kv-cache-mb) or lower page_size (--page-size)"))
+    return budget // per_page
+
+
+def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, backend: AttentionBackend | str) -> None:
+    """Raise ParameterError naming ``cuda_graphs`` (and ``--cuda-graphs``) when ``cuda_graphs=True``
+    asks for graphs where they cannot run: a model not on a CUDA device, an attention backend (a
+    registered name or an instance) that cannot be captured. Known before anything is loaded."""
+    if not cuda_graphs:
+        return
+    if isinstance(backend, AttentionBackend):
+        name, can = backend.name, backend.supports_cuda_graphs
+    else:
+        name, can = backend, backend_info(backend).cuda_graphs
+    graph_names = " or ".join(graph_backend_names())
+    needs, flags = [], []
+    if torch.device(device).type != "cuda":
+        needs.append("the model on a CUDA device")
+        flags.append("--device cuda")
+    if not can:
+        needs.append(f"an attention backend that runs inside CUDA graphs ({graph_names}, not {name!r})")
+        flags.append(f"--attention-backend {graph_names}")
+    if needs:
+        raise ParameterError("cuda_graphs", True, message=(
+            f"cuda_graphs=True needs {' and '.join(needs)}: on the command line, --cuda-graphs on needs "
+            f"{' and '.join(flags)} (--cuda-graphs auto uses graphs where they run)"))
+
+
+def _check_backend(value: Any) -> None:
+    """:class:`~pasta_engine.config.EngineConfig`'s check of ``attention_backend``: a registered
+    name or an :class:`~pasta_engine.layers.attention.AttentionBackend` instance (ParameterError
+    naming the known backends)."""
+    if not isinstance(value, AttentionBackend):
+        backend_info(value)
+
+
+set_attention_backend_check(_check_backend)  # the config cannot import the registry (it sits below torch)
 
 
 @dataclass
@@ -106,8 +154,9 @@ class ModelRunner:
     :meth:`capture_graphs` when the ranks attach (every rank at once: the graphs hold the
     all-reduces), not here.
 
-    Raises ParameterError when the KV budget holds no page or CUDA graphs are asked for where
-    they cannot run."""
+    Raises ParameterError when CUDA graphs are asked for where they cannot run
+    (:func:`check_cuda_graphs`) or the KV budget holds no page (:func:`kv_pages`), before the KV
+    cache is allocated."""
 
     def __init__(self, model: CausalLM, config: EngineConfig):
         c = model.config
@@ -116,26 +165,16 @@ class ModelRunner:
         self.device = model.device
         self.backend = get_backend(config.attention_backend)
         self.backend.configure(c.num_heads, c.num_kv_heads, model.device, c.head_dim)
+        want_graphs = config.cuda_graphs
+        check_cuda_graphs(want_graphs, model.device, self.backend)  # before anything is allocated
+        can_graph = model.device.type == "cuda" and self.backend.supports_cuda_graphs
         self.page_size = config.page_size
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_cache_bytes(model.device)
-        per_page = config.page_size * kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
-        self.num_pages = budget // per_page
-        if self.num_pages < 1:
-            raise ParameterError("kv_cache_bytes", budget,
-                                 message=f"a KV cache budget of {budget} bytes holds no page of {config.page_size} "
-                                         f"tokens ({per_page} bytes per page): raise kv_cache_bytes")
+        self.num_pages = kv_pages(budget, config.page_size, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
         self.kv_cache_bytes = budget
         self.kv_cache = KVCache(c.num_layers, self.num_pages, config.page_size, c.num_kv_heads, c.head_dim,
                                 model.dtype, model.device,
                                 track_positions=any(w is not None for w in c.sliding_windows))
-        want_graphs = config.cuda_graphs
-        can_graph = model.device.type == "cuda" and self.backend.supports_cuda_graphs
-        if want_graphs and not can_graph:
-            needs = ([] if model.device.type == "cuda" else ["the model on a CUDA device"]) + (
-                [] if self.backend.supports_cuda_graphs else
-                [f"an attention backend that runs inside CUDA graphs ({' or '.join(graph_backend_names())}, "
-                 f"not {self.backend.name!r})"])
-            raise ParameterError("cuda_graphs", True, message=f"cuda_graphs=True needs {' and '.join(needs)}")
         self.cuda_graphs = None
         self.wants_graphs = bool(want_graphs or (want_graphs is None and can_graph))
         if self.wants_graphs and config.tensor_parallel_size == 1:
@@ -359,7 +398,8 @@ def _copy_back(tokens: torch.Tensor, logprobs: torch.Tensor, bad: torch.Tensor |
             for rid, b in zip(request_ids, values[2]):
                 if b and rid not in errors:
                     errors[rid] = ("sampling failed: the logits hold NaN or inf (weights that are not finite, or "
-                                   "sampling values that overflow them): this request ends here, the others go on")
+                                   "sampling values that overflow them), or the masks left no token: this request "
+                                   "ends here, the others go on")
         return [int(t) for t in values[0]], values[1], errors
 
     return SampledTokens(wait=wait)

@@ -334,3 +334,23 @@ def test_an_abort_after_a_preemption_keeps_what_was_streamed(tiny_llama):
     assert last.result.text == last.text == "".join(o.delta_text for o in outs[victim])
     assert last.result.text.startswith(streamed) and last.result.stats.finish_reason == "abort"
     assert all_free(engine)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"cuda_graphs": True}, r"cuda_graphs=True needs the model on a CUDA device.*--cuda-graphs on"),
+    ({"kv_cache_bytes": 100}, r"holds no page of 16 tokens .*\(--kv-cache-mb\)"),
+    ({"kv_cache_bytes": 2**60}, r"more than this machine's memory.*\(--kv-cache-mb\)"),
+    ({"attention_backend": "nope"}, r"attention_backend='nope'.*'torch', 'triton', 'flex'"),
+    ({"attention_backend": 5}, r"attention_backend=5"),
+])
+def test_settings_the_runner_would_refuse_fail_before_the_weights_load(tiny_llama, monkeypatch, options, match):
+    """Failure model (docs/DESIGN.md section 7): a bad setting fails before anything is loaded or
+    allocated. The KV budget is checked against the checkpoint's config.json sizes."""
+    import pasta_engine.engine.llm_engine as llm_engine
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights loaded before the refusal")
+
+    monkeypatch.setattr(llm_engine, "load_model", no_load)
+    with pytest.raises(ParameterError, match=match):
+        Engine.from_pretrained(tiny_llama, device="cpu", **options)

@@ -266,3 +266,127 @@ def test_bench_annotate_takes_the_flags_its_annotator_reads(tmp_path, capsys):
                str(tmp_path / "t.jsonl"), "--tokenizer", "approx"])
     assert rc == 0, capsys.readouterr().err
     assert "tokens from approx" in capsys.readouterr().err
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fail a command that builds a preset (writes a checkpoint), loads weights or allocates the
+    KV cache: the refusals below come before all of it (docs/DESIGN.md section 7)."""
+    import pasta_engine.engine.llm_engine as llm_engine
+    import pasta_engine.tools.presets as presets
+    import pasta_engine.worker.model_runner as model_runner
+
+    def fail(what):
+        def call(*a, **k):
+            raise AssertionError(f"{what} before the refusal")
+        return call
+
+    monkeypatch.setattr(llm_engine, "load_model", fail("the weights loaded"))
+    monkeypatch.setattr(presets, "build_checkpoint", fail("a preset was built"))
+    monkeypatch.setattr(model_runner, "KVCache", fail("the KV cache was allocated"))
+
+
+SEQUENTIAL = ["generate", "hi", "--mode", "sequential"]
+GREEDY = ["--temperature", "0", "--repetition-penalty", "1"]
+
+
+@pytest.mark.parametrize("argv, pieces", [
+    # CUDA graphs where they cannot run, named by the flag
+    (["generate", "hi", "--model", "{tiny}", "--device", "cpu", "--cuda-graphs", "on"],
+     ["--cuda-graphs on needs --device cuda"]),
+    # a KV budget that holds no page of this checkpoint's (from its config.json), or more than the machine
+    (["generate", "hi", "--model", "{big}", "--kv-cache-mb", "1"], ["holds no page", "--kv-cache-mb"]),
+    (["generate", "hi", "--model", "{tiny}", "--kv-cache-mb", "99999999"], ["--kv-cache-mb"]),
+    # engine settings and --lora-scale before a preset is built
+    (["generate", "hi", "--preset", "tiny-llama", "--page-size", "2000"], ["page_size=2000"]),
+    (["generate", "hi", "--preset", "tiny-llama", "--max-num-batched-tokens", "5", "--thread-policy", "fcfs",
+      "--position-policy", "constant:x"], ["position_policy='constant:x'"]),
+    (["generate", "hi", "--preset", "tiny-llama", "--lora-scale", "0.5"], ["--lora-scale 0.5", "--adapter"]),
+    (["generate", "hi", "--preset", "tiny-llama", "--adapter", "{tmp}", "--lora-scale", "3"],
+     ["--lora-scale", "[0, 1]"]),
+    # sampling flags of --annotator model before the model loads
+    (["bench", "speedup", "--annotator", "model", "--responses", "{responses}", "--out", "{tmp}/o", "--temperature",
+      "-1"], ["temperature=-1"]),
+    (["bench", "annotate", "--annotator", "model", "--responses", "{responses}", "--out", "{tmp}/t.jsonl", "--top-p",
+      "5"], ["top_p=5"]),
+    # --out that is a file
+    (["bench", "speedup", "--traces", "{traces}", "--out", "{file}", "--model", "{tiny}"], ["--out", "is a file"]),
+    (["bench", "pareto", "--prompts", "{prompts}", "--out", "{file}", "--model", "{tiny}"], ["--out", "is a file"]),
+    # an empty prompt is not the sample prompt
+    (["generate", "", "--model", "{tiny}"], ["prompt argument", "empty"]),
+    (["generate", "  ", "--model", "{tiny}"], ["prompt argument", "empty"]),
+    # oracle positions need a trace's true lengths
+    (["generate", "hi", "--position-policy", "oracle"], ["--position-policy oracle", "replay"]),
+    (["bench", "pareto", "--prompts", "{prompts}", "--out", "{tmp}/o", "--position-policy", "Oracle"],
+     ["--position-policy Oracle"]),
+    # forks nest only in a dialect that nests them
+    (["generate", "hi", "--max-fork-depth", "7"], ["--max-fork-depth 7", "does not nest"]),
+    (["bench", "pareto", "--prompts", "{prompts}", "--out", "{tmp}/o", "--max-fork-depth", "1"],
+     ["--max-fork-depth 1"]),
+    (["replay", "--traces", "{traces}", "--max-fork-depth", "3"], ["--max-fork-depth 3", "--dialect pasta"]),
+    (["bench", "speedup", "--traces", "{traces}", "--out", "{tmp}/o", "--dialect", "apar", "--max-fork-depth", "3"],
+     ["--max-fork-depth 3", "--dialect apar"]),
+    # what acts on forks, in a sequential generate (one thread, no fork)
+    ([*SEQUENTIAL, "--position-policy", "none"], ["--position-policy none", "--mode sequential"]),
+    ([*SEQUENTIAL, "--max-forks", "3"], ["--max-forks 3", "--mode sequential"]),
+    ([*SEQUENTIAL, "--max-threads", "0"], ["--max-threads 0", "--mode sequential"]),
+    ([*SEQUENTIAL, "--length-cut", "keep"], ["--length-cut keep", "--mode sequential"]),
+    ([*SEQUENTIAL, "--no-distinct-topics"], ["--no-distinct-topics", "--mode sequential"]),
+    ([*SEQUENTIAL, "--no-chunk-clean-end"], ["--no-chunk-clean-end", "--mode sequential"]),
+    # a grammar knob where the weights are known to have no tag tokens
+    (["generate", "hi", "--fork-threshold", "0.5", "--no-adapter"], ["--fork-threshold 0.5", "--no-adapter"]),
+    (["generate", "hi", "--independent-topics", "--preset", "tiny-llama"], ["--independent-topics", "--preset"]),
+    # transformers' greedy generate of the base checkpoint against an answer it cannot equal
+    ([*SEQUENTIAL, "--compare-transformers", *GREEDY], ["--compare-transformers", "adapter", "--no-adapter"]),
+    (["generate", "hi", "--mode", "both", "--compare-transformers", *GREEDY], ["--compare-transformers", "--baseline"]),
+    ([*SEQUENTIAL, "--compare-transformers", "--no-adapter"], ["--compare-transformers", "--temperature 0.2"]),
+    ([*SEQUENTIAL, "--compare-transformers", "--model", "{tiny}", "--temperature", "0"], ["--repetition-penalty 1.1"]),
+    ([*SEQUENTIAL, "--compare-transformers", "--model", "{tiny}", *GREEDY, "--ignore-eos"], ["--ignore-eos"]),
+])
+def test_a_bad_or_unused_flag_is_refused_before_anything_loads(tiny_llama, tmp_path, capsys, nothing_loads, argv,
+                                                               pieces):
+    """Each is one stderr line naming the flag (or the setting) and its value, exit 2, and
+    nothing was built, loaded or allocated first; a flag that acts on nothing is refused, never
+    ignored (``generate ""`` answered the sample prompt, ``--max-fork-depth`` in generate and
+    the fork flags of a sequential generate did nothing, ``--compare-transformers`` reported
+    ``same tokens: False``)."""
+    big = tmp_path / "big"  # a config.json whose KV pages are 4 MiB (no weights: nothing may read them)
+    big.mkdir()
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config.update(num_hidden_layers=32, num_key_value_heads=8, num_attention_heads=32, head_dim=128, hidden_size=4096)
+    (big / "config.json").write_text(json.dumps(config))
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "r.json").write_text(json.dumps([{"instruction": "Tips?", "output": "- Sleep.\n- Walk.\n"}]))
+    (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": "Tips?", "annotated_response": "Sleep."}) + "\n")
+    (tmp_path / "p.txt").write_text("Tips?\n")
+    names = dict(tiny=tiny_llama, big=big, tmp=tmp_path, file=tmp_path / "file", responses=tmp_path / "r.json",
+                 traces=tmp_path / "t.jsonl", prompts=tmp_path / "p.txt")
+    rc = main([a.format(**names) for a in argv])
+    _, err = capsys.readouterr()
+    assert rc == 2, err
+    _one_error_line(err, *pieces)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "t.jsonl.tmp").exists()
+
+
+def test_an_unwritable_output_is_one_line(tmp_path, capsys):
+    """An OSError from a file the command writes (here bench annotate's --out, a folder) is one
+    line and exit 2, not a traceback."""
+    responses = tmp_path / "r.json"
+    responses.write_text(json.dumps([{"instruction": "Tips?", "output": "Tips:\n- Sleep.\n- Walk.\n"}]))
+    rc = main(["bench", "annotate", "--annotator", "sot", "--responses", str(responses), "--out", str(tmp_path),
+               "--tokenizer", "approx"])
+    _, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]  # after the progress bar
+    assert rc == 2 and "Traceback" not in err and last.startswith("pasta-engine: error:") and str(tmp_path) in last
+
+
+def test_compare_transformers_matches_a_greedy_base_answer(tiny_llama, capsys):
+    """Where the comparison holds (the base weights, greedy, no penalty), transformers' greedy
+    generate gives the sequential answer's tokens."""
+    rc = main([*SEQUENTIAL, "--compare-transformers", "--model", str(tiny_llama), *GREEDY, "--max-new-tokens", "6",
+               "--kv-cache-mb", "8", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    row = json.loads(out.splitlines()[0])
+    hf = row["transformers"]
+    assert hf["same_tokens"] is True and hf["tokens"] == len(row["sequential"]["token_ids"])

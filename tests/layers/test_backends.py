@@ -83,3 +83,14 @@ def test_plan_history_keeps_rows_only_across_consecutive_steps():
     assert not h.advance(m(7), [(1, 1), (3, 2)]) and not h.kept(0)
     assert not h.advance(m(None), [(1, 1), (3, 2)])  # unnumbered
     assert not h.advance(m(1), [(1, 1), (3, 2)])
+
+
+def test_cuda_graph_mode_refuses_the_reference_kv_write():
+    """CUDA graphs pad their rows with slot -1, which the Triton and CUDA-extension KV writes
+    skip and the reference write (``index_copy_``) cannot: graph mode refuses it by name, before
+    it needs a device."""
+    from pasta_engine.errors import ParameterError
+    from pasta_engine.layers.triton_attention import TritonAttention
+
+    with pytest.raises(ParameterError, match="kv_write"):
+        TritonAttention(kv_write="torch").for_cuda_graph(4, 16)

@@ -230,3 +230,33 @@ def test_tree_attention_bf16_matches_the_reference(hq, hkv, d, merge):
                               target_work=11)
             got = tree_decode_attention(q.cuda(), kc, vc, plan, d**-0.5, merge=merge)
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_static_plan_rewrites_its_pinned_buffers_only_after_the_last_copies(monkeypatch):
+    """CUDA graphs: :meth:`StaticDecodePlan.load` copies each step's plan asynchronously from
+    pinned host buffers it reuses; the next load waits for the last one's copies (an event
+    recorded after them) before rewriting them. CPU: the ordering, with a fake event that checks
+    the buffers are unchanged until it is waited for."""
+    from pasta_engine.triton_kernels.tree_attention import StaticDecodePlan
+
+    log = []
+
+    class Event:
+        def record(self):
+            self.seen = {k: t.clone() for k, t in static.host.items()}
+            log.append("record")
+
+        def synchronize(self):
+            assert all(torch.equal(static.host[k], t) for k, t in self.seen.items()), "rewritten before copied"
+            log.append("synchronize")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    static = StaticDecodePlan(4, 4, 8, 8, 16, "cpu")
+    static._cuda = True  # as on a GPU, where the copies are asynchronous
+    for step in range(3):
+        assert static.load({"pages": [step, 5], "page_lens": [4, 1 + step], "num_work": [1]},
+                           {"block_m": 16, "pages_read": 2})
+        assert static.tensors["page_lens"][:2].tolist() == [4, 1 + step]
+    assert log == ["record", "synchronize", "record", "synchronize", "record"]
+    assert not static.load({"pages": list(range(9))}, {"block_m": 16, "pages_read": 9})  # over capacity
+    assert log[-1] == "record"  # nothing copied, nothing waited for

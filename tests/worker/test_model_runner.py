@@ -193,3 +193,61 @@ def test_a_tensor_parallel_rank_pads_with_the_rows_the_step_ran():
     assert ModelRunner.forward_rows(runner, inputs) == 3  # it ran eagerly: T rows, as the others
     other = SimpleNamespace(meta=inputs.meta, input_ids=[5, 6, 7])
     assert ModelRunner.forward_rows(runner, other) == 4  # another step's inputs: not this record
+
+
+def test_a_graph_replay_rewrites_its_pinned_host_buffer_only_after_the_last_copies(monkeypatch):
+    """Replays copy ids, positions and slots to the GPU asynchronously from one pinned host
+    buffer; a step that samples nothing has no sync of its own, so the next replay must wait for
+    the last one's copies (an event recorded after them) before rewriting the buffer. CPU: the
+    real ``replay`` with a fake event that checks the buffer is unchanged until it is waited for."""
+    from types import SimpleNamespace
+
+    from pasta_engine.worker.cuda_graphs import CudaGraphs
+
+    log = []
+
+    class Event:
+        def record(self):
+            self.seen = graphs._host.clone()
+            log.append("record")
+
+        def synchronize(self):
+            assert torch.equal(graphs._host, self.seen), "the host buffer was rewritten before its copies were done"
+            log.append("synchronize")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    graphs = CudaGraphs.__new__(CudaGraphs)  # no capture: plans fit, graphs replay nothing
+    graphs.buckets, graphs.max_seqs, graphs.fallbacks, graphs.replays, graphs.last = (1, 2, 4), 4, 0, 0, None
+    graphs._host = torch.zeros(3, 4, dtype=torch.long)
+    graphs._copied = None
+    graphs.input_ids, graphs.positions = torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    graphs.slots = torch.full((4,), -1, dtype=torch.long)
+    graphs.entries = {b: SimpleNamespace(backend=SimpleNamespace(plan=lambda meta: True),
+                                         graph=SimpleNamespace(replay=lambda: log.append("replay")),
+                                         logits=torch.zeros(b, 8)) for b in graphs.buckets}
+    for step in range(3):  # pure decode steps of 3 rows (bucket 4) that sample nothing
+        inputs = SimpleNamespace(meta=SimpleNamespace(is_decode=True, q_lens=[1, 1, 1], slots=[step, 10 + step, 20]),
+                                 input_ids=[step] * 3, positions=[7, 8, 9 + step], logits_indices=[])
+        assert graphs.replay(inputs).shape == (3, 8)
+        assert graphs.slots.tolist() == [step, 10 + step, 20, -1] and graphs.input_ids.tolist() == [step] * 3 + [0]
+    assert log == ["record", "replay", "synchronize", "record", "replay", "synchronize", "record", "replay"]
+
+
+def test_settings_it_cannot_run_are_refused_before_the_kv_cache_is_allocated(tiny_llama, monkeypatch):
+    """CUDA graphs on a CPU, and a budget that holds no page, are refused before the KV cache
+    (up to the whole budget) is allocated, naming the field and its command-line flag."""
+    import pasta_engine.worker.model_runner as mr
+
+    model = load_model(tiny_llama, with_tokenizer=False)[0]
+
+    def no_allocation(*a, **k):
+        raise AssertionError("the KV cache was allocated before the refusal")
+
+    monkeypatch.setattr(mr, "KVCache", no_allocation)
+    with pytest.raises(ParameterError, match=r"cuda_graphs=True needs the model on a CUDA device.*--cuda-graphs on "
+                                             r"needs --device cuda") as e:
+        ModelRunner(model, EngineConfig(kv_cache_bytes=512 * 2**20, page_size=4, cuda_graphs=True))
+    assert e.value.param == "cuda_graphs"
+    with pytest.raises(ParameterError, match=r"holds no page .* raise kv_cache_bytes \(--kv-cache-mb\)") as e:
+        ModelRunner(model, EngineConfig(kv_cache_bytes=1000, page_size=4))
+    assert e.value.param == "kv_cache_bytes"
