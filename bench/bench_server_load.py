@@ -140,7 +140,9 @@ async def run_load(url: str, model: str, api_key: str = "none", *, requests: int
         if kind == "cancel":
             b.update(cancel_body or {"max_tokens": 1000})
         if "annotated_response" in b.get("extra_body", {}).get("pasta", {}):
-            b.update(temperature=0.0)  # a replay samples nothing: a sampling temperature is refused
+            b.update(temperature=0.0)  # a replay samples nothing: a sampling temperature is refused,
+            b.pop("seed", None)  # and so is a seed;
+            b.pop("max_tokens", None)  # it runs to its end: a max_tokens below its length is refused
         if kind == "invalid":
             over, _, _ = INVALID[i % len(INVALID)]
             b.update(over)

@@ -289,6 +289,8 @@ async def send_request(client: Any, model: str, prompt: str, *, index: int, prom
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": temperature, "stream": True, "stream_options": {"include_usage": True},
             "pasta": {"mode": mode, **(pasta or {})}}
+    if body["pasta"].get("annotated_response") is not None:
+        del body["max_tokens"]  # a replay runs to its end: a max_tokens below its length is refused
     start = time.perf_counter()
     rec.sent_s = start - (start if t0 is None else t0)
     last: float | None = None

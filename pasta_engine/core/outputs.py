@@ -69,8 +69,11 @@ class RequestResult:
     ``text``: the clean response a reader sees (:func:`pasta_engine.lang.tags.clean_text` of
     ``annotated_text``: no tag, no malformed or partial tag, no list item a left-out tag
     emptied); ``annotated_text``: every character the model wrote, with PASTA-LANG tags,
-    each chunk spliced after its promise; ``token_ids``: the response in spliced order (main
-    thread's EOS included, as ``transformers`` returns it); ``logprobs``: per token of
+    each chunk spliced after its promise (a sampled special token that is no tag, such as
+    ``<|im_start|>``, writes none: vLLM's default ``skip_special_tokens=True``,
+    :func:`~pasta_engine.lang.tokenization.hidden_special_ids`; its id stays in
+    ``token_ids``); ``token_ids``: the response in spliced order (main thread's EOS included,
+    as ``transformers`` returns it); ``logprobs``: per token of
     ``token_ids`` (None for inserted tokens) when asked; ``positions``/``threads``: each
     token's logical position and thread id; ``diagnostics``: what the interpreter noted
     (malformed tags, caps, ...); ``error``: why the request failed (finish reason ``error``);

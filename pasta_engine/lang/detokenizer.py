@@ -10,12 +10,19 @@ checks itself against ``tokenizer.decode`` on sample texts when it is built and 
 
 The general way (no table): each delta is the difference between decoding a short window of
 recent ids with and without the new one (the scheme of vLLM's ``detokenize_incrementally``).
+
+A special token that is no tag (``<|im_start|>``, BOS: the table's ``hidden`` ids,
+:func:`~pasta_engine.lang.tokenization.hidden_special_ids`) gives no text, as vLLM's default
+``skip_special_tokens=True`` decodes: a response's text never carries one. Tags, even those the
+tokenizer has as special tokens, keep their text (the interpreter parses it). Without a table a
+detokenizer hides only the ids it is given (``hidden``); the supported tokenizers (byte-level BPE
+and SentencePiece) all have one.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 __all__ = ["Decode", "TokenBytes", "token_bytes_for", "token_bytes_table", "IncrementalDetokenizer"]
 
@@ -50,12 +57,17 @@ class TokenBytes:
         strip_first_space: the decoder drops one leading space of a whole text (SentencePiece's
             dummy prefix), so the first delta of a stream loses it too.
         replace_per_byte: invalid UTF-8 becomes one U+FFFD per byte (the byte-fallback decoder),
-            instead of one per maximal invalid subsequence (byte-level BPE, Python's ``replace``)."""
+            instead of one per maximal invalid subsequence (byte-level BPE, Python's ``replace``).
+        hidden: ids whose text an :class:`IncrementalDetokenizer` over this table leaves out (the
+            special tokens that are no tags: :func:`~pasta_engine.lang.tokenization.hidden_special_ids`);
+            ``table`` still holds their bytes (a logprob's ``bytes``, the grammar's masks)."""
 
-    def __init__(self, table: list[bytes], strip_first_space: bool = False, replace_per_byte: bool = False):
+    def __init__(self, table: list[bytes], strip_first_space: bool = False, replace_per_byte: bool = False,
+                 hidden: Collection[int] = frozenset()):
         self.table = table
         self.strip_first_space = strip_first_space
         self.replace_per_byte = replace_per_byte
+        self.hidden = frozenset(int(i) for i in hidden)
 
     def __getitem__(self, token_id: int) -> bytes:
         return self.table[token_id]
@@ -66,7 +78,8 @@ class TokenBytes:
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> "TokenBytes | None":
         """The table of a ``transformers`` fast tokenizer, or None when its decoder is not one
-        this module reproduces exactly (checked on sample texts)."""
+        this module reproduces exactly (checked on sample texts); its ``hidden`` ids are the
+        tokenizer's special tokens that are no tags."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             return None
@@ -104,7 +117,9 @@ class TokenBytes:
                     table.append(tok.replace("▁", " ").encode("utf-8"))
         else:
             return None
-        out = cls(table, strip, replace_per_byte="ByteFallback" in decoder)
+        from .tokenization import hidden_special_ids
+
+        out = cls(table, strip, replace_per_byte="ByteFallback" in decoder, hidden=hidden_special_ids(tokenizer))
         return out if out._reproduces(tokenizer) else None
 
     def decode(self, data: bytes, final: bool = False) -> tuple[str, bytes]:
@@ -131,7 +146,7 @@ class TokenBytes:
     def _reproduces(self, tokenizer: Any) -> bool:
         for text in _CHECK_TEXTS:
             ids = tokenizer.encode(text, add_special_tokens=False)
-            detok = IncrementalDetokenizer(None, self)
+            detok = IncrementalDetokenizer(None, self, hidden=())
             got = ""
             for k, t in enumerate(ids):
                 got += detok.push(t)
@@ -190,9 +205,10 @@ class IncrementalDetokenizer:
 
     A token that ends inside a UTF-8 character yields ``""``; its text arrives with a later
     token; :meth:`flush` returns what is still held back (an incomplete character decodes as
-    U+FFFD). After every push that ends on a whole character, the deltas so far plus
-    :meth:`pending_text` equal the tokenizer's decoding of all ids pushed (nothing emitted is
-    ever taken back). One exception: where a byte-fallback tokenizer (Llama-2's SentencePiece
+    U+FFFD). A hidden id (a special token that is no tag) yields ``""`` and changes nothing else,
+    as if it had not been pushed. After every push that ends on a whole character, the deltas so
+    far plus :meth:`pending_text` equal the tokenizer's decoding of all ids pushed but the hidden
+    ones (nothing emitted is ever taken back). One exception: where a byte-fallback tokenizer (Llama-2's SentencePiece
     ``<0x..>`` tokens) was given invalid UTF-8, its decoder replaces every byte of the run of
     byte tokens and this replaces only the invalid sequences (``"\ufffd\n"`` for E6 then 0A
     where ``decode`` gives two U+FFFD); a token id past the tokenizer decodes to nothing.
@@ -200,13 +216,20 @@ class IncrementalDetokenizer:
     Args:
         decode: ``ids -> str`` with special tokens decoded to their text (used without a table).
         table: a :class:`TokenBytes` for the tokenizer (the fast way), or None.
+        hidden: ids whose text is left out; None (default): the table's ``hidden`` ids (none
+            without a table).
+
+    Attributes:
+        ids: the ids pushed, the hidden ones left out.
     """
 
-    def __init__(self, decode: Decode | None, table: TokenBytes | None = None):
+    def __init__(self, decode: Decode | None, table: TokenBytes | None = None, *,
+                 hidden: Collection[int] | None = None):
         if decode is None and table is None:
             raise ValueError("IncrementalDetokenizer needs a decode function or a TokenBytes table")
         self._decode = decode
         self._table = table
+        self._hidden = (table.hidden if table is not None else frozenset()) if hidden is None else frozenset(hidden)
         self.ids: list[int] = []
         self._tail = b""  # bytes of an incomplete character (table mode)
         self._started = False  # a table stream has emitted text (for the dummy-prefix strip)
@@ -214,8 +237,11 @@ class IncrementalDetokenizer:
         self._read = 0  # ids before this have been emitted (no table)
 
     def push(self, token_id: int) -> str:
-        """Append one token id; return the text it completes (possibly empty)."""
+        """Append one token id; return the text it completes (possibly empty; always for a
+        hidden id)."""
         token_id = int(token_id)
+        if token_id in self._hidden:
+            return ""
         self.ids.append(token_id)
         if self._table is not None:
             table = self._table.table

@@ -19,22 +19,32 @@ exactly, in pasta and in sequential mode.
 Prompts: :func:`encode_prompt` applies the chat template and tokenizes the users' text as text
 (or, on request, lets special-token text in it become control tokens).
 
+Responses: the text of a sampled special token that is no tag (``<|im_start|>``, BOS, padding)
+is left out of the text a response carries, as vLLM's default ``skip_special_tokens=True`` does
+(:func:`hidden_special_ids`; the incremental detokenizer applies it), while :func:`decode` keeps
+every token's text (``/detokenize``, ``Engine.decode``).
+
 A *tokenizer* here is a ``transformers`` tokenizer (``encode``/``decode``/``apply_chat_template``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .dialect import BaseDialect, Dialect, Malformed, Promise, Text, TraceFork, TraceThread, as_dialect
 from .pasta import PASTA
 
+#: A SentencePiece byte-fallback piece (its text is one byte of text).
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
 __all__ = [
     "eos_token_ids",
     "encode_text",
     "encode_tag",
     "decode",
+    "hidden_special_ids",
     "encode_prompt",
     "AnnotatedTokens",
     "ForcedChunk",
@@ -93,6 +103,43 @@ def decode(tokenizer: Any, ids: Sequence[int]) -> str:
     """Text of ``ids`` with special tokens kept (tags may be special tokens) and no clean-up of
     spaces, so decoding is the inverse of :func:`encode_text` on byte-level BPE tokenizers."""
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def hidden_special_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the special tokens whose text a response leaves out (vLLM's default
+    ``skip_special_tokens=True``): every token the tokenizer calls special (its special tokens:
+    BOS, EOS, padding, the chat template's ``<|im_start|>`` and the like, and every added token
+    flagged special, such as Llama 3's ``<|start_header_id|>``), except a tag's: a PASTA-LANG
+    piece (:data:`~pasta_engine.lang.grammar.TAG_PIECES`: the tokens ``--tag-tokens`` adds, also
+    flagged special) or a text some dialect reads as markup (Multiverse's ``<Path>``, ...), which
+    the interpreter must see; and a byte-fallback piece (``<0xE6>``, special in some
+    SentencePiece tokenizers), which is a byte of text.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer (one without these attributes hides nothing)."""
+    from .dialect import DIALECT_NAMES, get_dialect
+    from .grammar import TAG_PIECES
+
+    special: dict[int, str] = {}
+    for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(t, "special", False):
+            special[int(i)] = str(getattr(t, "content", t))
+    ids = list(getattr(tokenizer, "all_special_ids", None) or [])
+    texts = list(getattr(tokenizer, "all_special_tokens", None) or [])
+    for i, text in zip(ids, texts) if len(ids) == len(texts) else ():
+        special.setdefault(int(i), str(text))
+    dialects = []
+    for name in DIALECT_NAMES:
+        try:
+            dialects.append(get_dialect(name))
+        except Exception:  # noqa: BLE001 - a dialect this install lacks reads nothing as markup
+            continue
+
+    def is_text(text: str) -> bool:  # a tag's piece, or a byte-fallback piece (``<0xE6>``: a byte of text)
+        return (text in TAG_PIECES or _BYTE_PIECE.fullmatch(text) is not None
+                or any(type(item) is not Text for d in dialects for item in d.parse(text)))
+
+    return frozenset(i for i, text in special.items() if not is_text(text))
 
 
 def _markers(n: int, messages: Sequence[dict[str, str]]) -> list[str]:

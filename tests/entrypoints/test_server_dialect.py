@@ -222,7 +222,7 @@ def test_max_fork_depth_is_a_request_field(server):
 
     def forks(**pasta):
         body = {"model": server.model, "messages": [{"role": "user", "content": "Two things?"}], "temperature": 0,
-                "max_tokens": 256, "pasta": {"dialect": "multiverse", "annotated_response": NESTED, **pasta}}
+                "pasta": {"dialect": "multiverse", "annotated_response": NESTED, **pasta}}  # a replay: no max_tokens
         r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(server), timeout=120)
         return r.status_code, r.json()
 
@@ -300,3 +300,41 @@ def test_each_pasta_limit_field_reaches_the_request_limits():
         want = None if name == "max_threads" else value
         assert getattr(got, name) == want != getattr(base, name), name
         assert all(getattr(got, o) == getattr(base, o) for o in PASTA_LIMITS if o != name), name
+
+
+@pytest.mark.parametrize("pasta", [
+    {"mode": "sequential", "position_policy": "oracle"}, {"mode": "sequential", "position_policy": "predicted"},
+    {"mode": "sequential", "max_threads": 3}, {"mode": "sequential", "max_forks": 2},
+    {"mode": "sequential", "length_cut": "keep"}, {"mode": "sequential", "max_fork_depth": 2},
+    {"mode": "sequential", "distinct_topics": False}, {"mode": "sequential", "chunk_clean_end": True},
+    {"mode": "inline", "max_threads": 0}, {"mode": "inline", "length_cut": "prefix"},
+    {"mode": "inline", "position_policy": "constant:3"},
+    {"dialect": "pasta", "max_fork_depth": 5}, {"dialect": "apar", "max_fork_depth": 1},
+    {"annotated_response": ANNOTATED, "distinct_topics": True},
+])
+def test_a_pasta_field_without_effect_in_the_mode_or_dialect_is_refused(server, pasta):
+    """A ``pasta`` field that cannot act in the request's mode or dialect was accepted and
+    ignored (only fork_threshold was refused): the position policy, the width and the length
+    cut act only on pasta mode's forks, max_forks on promises (none in sequential mode),
+    max_fork_depth only in a dialect that nests forks, distinct_topics and chunk_clean_end only
+    where the sampler enforces the grammar. Each is a 400 naming ``pasta.<field>``."""
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Hi."}], "temperature": 0, "pasta": pasta}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(server), timeout=120)
+    field = next(k for k in pasta if k not in ("mode", "dialect", "annotated_response"))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == f"pasta.{field}" and "has no effect" in err["message"], err
+
+
+@pytest.mark.parametrize("pasta", [
+    {"mode": "pasta", "position_policy": "none", "max_threads": 2, "max_forks": 1, "length_cut": "keep",
+     "distinct_topics": False, "chunk_clean_end": False},
+    {"mode": "inline", "max_forks": 1, "distinct_topics": True},
+    {"mode": "pasta", "dialect": "multiverse", "max_fork_depth": 1},
+    {"mode": "sequential", "events": True, "dialect": "apar"},
+])
+def test_a_pasta_field_with_effect_is_still_served(server, pasta):
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Hi."}], "temperature": 0,
+            "max_tokens": 4, "stream": True, "pasta": pasta}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(server), timeout=120)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text, r.text[-500:]

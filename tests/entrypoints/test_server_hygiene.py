@@ -264,10 +264,37 @@ def test_host_header_checked_for_a_local_keyless_server(open_server, server):
 def test_default_allowed_hosts():
     from pasta_engine.entrypoints.openai.auth import LOCAL_HOSTS, default_allowed_hosts
 
-    for host in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"):
+    for host in ("127.0.0.1", "localhost", "::1", "[::1]"):
         assert default_allowed_hosts(host, None) == list(LOCAL_HOSTS)
         assert default_allowed_hosts(host, "key") is None
+    assert default_allowed_hosts("127.0.0.2", None) == [*LOCAL_HOSTS, "127.0.0.2"]
+    assert default_allowed_hosts("127.0.0.2", "key") is None
     assert default_allowed_hosts("0.0.0.0", None) is None
+
+
+def test_a_server_on_another_loopback_address_answers_its_own_url(app_srv):
+    """``serve --host 127.0.0.2`` without a key refused every request to the URL it printed (400
+    host_not_allowed): the bind address itself is allowed (an IPv6 one bracketed, as in a URL),
+    and a foreign Host is still refused."""
+    from pasta_engine.entrypoints.openai.api_server import build_app
+    from pasta_engine.entrypoints.openai.auth import LOCAL_HOSTS, default_allowed_hosts
+
+    assert default_allowed_hosts("0:0:0:0:0:0:0:1", None) == [*LOCAL_HOSTS, "[0:0:0:0:0:0:0:1]"]
+    assert default_allowed_hosts("::1", None) == list(LOCAL_HOSTS)
+    app = build_app(app_srv[1].engine, "tiny", allowed_hosts=default_allowed_hosts("127.0.0.2", None))
+
+    async def main():
+        out = []
+        for host in ("127.0.0.2:8000", "127.0.0.2", "localhost", "evil.example"):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         headers={"Host": host}, timeout=60) as h:
+                out.append((host, await h.get("/health"),
+                            await h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})))
+        return out
+
+    for host, health, completion in asyncio.run(main()):
+        want = 400 if host == "evil.example" else 200
+        assert health.status_code == completion.status_code == want, (host, health.text, completion.text)
 
 
 def test_head_where_get_and_version(server):
@@ -280,11 +307,25 @@ def test_head_where_get_and_version(server):
     assert httpx.get(server.url + "/version").json() == {"version": pasta_engine.__version__}
 
 
+def test_head_answers_where_get_does_on_the_events_route(app_srv):
+    """``HEAD /v1/pasta/events/{id}`` was a 405 although every GET route answers HEAD: now the
+    headers only (a live log is not followed), 404 for an unknown id as GET."""
+    app, _ = app_srv
+    (r,) = asgi(app, ("POST", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 2}}))
+    cid = r.json()["id"]
+    get, head, unknown = asgi(app, ("GET", f"/v1/pasta/events/{cid}", {}), ("HEAD", f"/v1/pasta/events/{cid}", {}),
+                              ("HEAD", "/v1/pasta/events/cmpl-nope", {}))
+    assert get.status_code == 200 and get.text.endswith("data: [DONE]\n\n")
+    assert head.status_code == 200 and head.content == b"", head.text
+    assert head.headers["content-type"].startswith("text/event-stream")
+    assert unknown.status_code == 404
+
+
 def test_prometheus_metrics_parse(server):
     from prometheus_client.parser import text_string_to_metric_families
 
     r = httpx.post(server.url + "/v1/chat/completions", headers=auth(server), timeout=60,
-                   json={**CHAT, "stream": True, "pasta": {"annotated_response": ANNOTATED}})
+                   json={"messages": CHAT["messages"], "stream": True, "pasta": {"annotated_response": ANNOTATED}})
     assert r.status_code == 200
     scrape = httpx.get(server.url + "/metrics")
     assert scrape.status_code == 200 and scrape.headers["content-type"].startswith("text/plain")
@@ -353,7 +394,7 @@ def test_prompts_are_tokenized_off_the_engine_thread(app_srv, monkeypatch):
 def test_event_logs_are_capped_in_bytes(app_srv):
     """Old: the last 256 completions' logs were kept whatever their size (~950 bytes per token)."""
     app, srv = app_srv
-    long = {"messages": [{"role": "user", "content": "Go"}], "max_tokens": 4,
+    long = {"messages": [{"role": "user", "content": "Go"}],  # a replay's max_tokens: at least its length
             "pasta": {"mode": "sequential", "annotated_response": "Keep going on. " * 400}}
     ids = []
     for _ in range(6):
@@ -367,6 +408,50 @@ def test_event_logs_are_capped_in_bytes(app_srv):
     first, newest = asgi(app, ("GET", f"/v1/pasta/events/{ids[0]}", {}), ("GET", f"/v1/pasta/events/{ids[-1]}", {}))
     assert first.status_code == 404 and newest.status_code == 200
     assert '"truncated"' in newest.text and newest.text.endswith("data: [DONE]\n\n")
+
+
+def test_a_sampled_special_token_leaves_no_text_streamed_or_not(app_srv):
+    """``skip_special_tokens`` accepts only true ("special tokens are removed"), but a sampled
+    ``<|im_start|>`` (not EOS) was in ``text``, streamed and not. Now its text is left out of
+    both, as vLLM does by default (the logprobs still name the token)."""
+    app, _ = app_srv
+    body = {"prompt": [1] * 8, "max_tokens": 3, "temperature": 0, "logprobs": 0, "skip_special_tokens": True}
+    full, streamed = asgi(app, ("POST", "/v1/completions", {"json": body}),
+                          ("POST", "/v1/completions", {"json": {**body, "stream": True}}))
+    assert full.status_code == streamed.status_code == 200, (full.text, streamed.text)
+    choice = full.json()["choices"][0]
+    assert "<|im_start|>" in choice["logprobs"]["tokens"]  # the tiny model samples it here
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == choice["text"]
+    assert "<|im_start|>" not in choice["text"] and "<|im_start|>" not in choice["pasta"]["annotated_text"]
+
+
+def test_a_request_of_several_prompts_fails_whole_before_any_is_queued(tiny_llama):
+    """With several prompts, prompt 0 was queued (and could decode) before prompt 1 failed its
+    KV-cache check, and the error did not say which prompt: now every prompt is checked first,
+    nothing is queued, and the error names ``prompt 1``."""
+    from pasta_engine import AsyncEngine, Engine
+    from pasta_engine.entrypoints.openai.api_server import build_app
+
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=96 * 2**10, enable_prefix_caching=False)
+    queued: list = []
+    real = engine.add_inputs
+    engine.add_inputs = lambda inputs: (queued.append(inputs.request_id), real(inputs))[1]
+    aengine = AsyncEngine(engine)
+    try:
+        app = build_app(aengine, "tiny")
+        long = "hello world " * 400  # fits the context (4096), not this cache (12 pages of 16)
+        bad, good = asgi(app, ("POST", "/v1/completions", {"json": {"prompt": ["hi there", long], "max_tokens": 4}}),
+                         ("POST", "/v1/completions", {"json": {"prompt": ["hi there", "ho"], "max_tokens": 2}}))
+        err = bad.json()["error"]
+        assert bad.status_code == 400 and err["param"] == "prompt" and err["code"] == "context_length_exceeded", err
+        assert err["message"].startswith("prompt 1: ") and "KV pages" in err["message"], err
+        assert good.status_code == 200 and len(good.json()["choices"]) == 2, good.text
+        assert len(queued) == 2 and all(q.startswith(good.json()["id"]) for q in queued)  # the bad one queued none
+        assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+    finally:
+        aengine.shutdown()
 
 
 # --------------------------------------------------------------------------- /tokenize, /detokenize

@@ -91,16 +91,16 @@ REPLAY = {"prompt": PROMPT, "pasta": {"annotated_response": 'A <promise topic="t
     ({"temperature": 0.8}, "temperature"), ({"top_p": 0.5}, "top_p"), ({"top_k": 3}, "top_k"),
     ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.3}, "repetition_penalty"),
     ({"presence_penalty": 1.0}, "presence_penalty"), ({"ignore_eos": True}, "ignore_eos"),
-    ({"min_tokens": 5}, "min_tokens"), ({"stop_token_ids": [7]}, "stop_token_ids"),
+    ({"min_tokens": 5}, "min_tokens"), ({"stop_token_ids": [7]}, "stop_token_ids"), ({"seed": 5}, "seed"),
 ])
 def test_a_sampling_field_with_a_replay_is_refused_not_ignored(server, body, param):
-    """A replay's tokens are forced: a field that acts only where tokens are sampled would be
-    ignored there, so it is a 400 naming it; the values that ask for nothing (greedy, no
-    filter, no penalty) and a seed are fine."""
+    """A replay's tokens are forced: a field that acts only where tokens are sampled (a seed
+    too: it only draws samples) would be ignored there, so it is a 400 naming it; the values
+    that ask for nothing (greedy, no filter, no penalty) are fine."""
     r = _post(server, {**REPLAY, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert "cannot apply to a replay" in r.json()["error"]["message"]
-    ok = _post(server, {**REPLAY, "temperature": 0, "top_p": 1, "top_k": -1, "seed": 5, "repetition_penalty": 1})
+    ok = _post(server, {**REPLAY, "temperature": 0, "top_p": 1, "top_k": -1, "repetition_penalty": 1})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "A b c d", ok.text
 
 
@@ -118,3 +118,45 @@ def test_openapi_describes_the_honoured_fields(server):
                  "stop_token_ids"):
         assert "does not implement" not in props[name]["description"], name
     assert "does not implement" in props["include_stop_str_in_output"]["description"]
+
+
+def test_a_replay_refuses_a_max_tokens_below_its_length(server):
+    """A replay forces its whole response (the engine raises a smaller budget to its length):
+    ``max_tokens`` (or ``max_completion_tokens``) below it was ignored (200, the whole text); now
+    a 400 naming the field, streamed or not, before anything is queued. A budget that covers
+    the replay, or none, is served."""
+    before = _post(server, {**REPLAY})
+    assert before.status_code == 200, before.text
+    need = before.json()["usage"]["completion_tokens"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "pasta": REPLAY["pasta"]}
+    for path, body, param in (("/v1/completions", {**REPLAY, "max_tokens": 2}, "max_tokens"),
+                              ("/v1/completions", {**REPLAY, "max_tokens": 2, "stream": True}, "max_tokens"),
+                              ("/v1/chat/completions", {**chat, "max_completion_tokens": 3}, "max_completion_tokens")):
+        r = _post(server, body, path)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "below the replay's length" in err["message"], err
+    ok = _post(server, {**REPLAY, "max_tokens": 4 * need + 8})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "A b c d", ok.text
+
+
+def test_stop_reason_is_always_there_and_names_a_stop_token(server, greedy_ids):
+    """vLLM's ``stop_reason``: the id of the ``stop_token_ids`` token that ended the response
+    (it was missing), the stop string that ended it, or null (the key is always there),
+    streamed and not."""
+    import json
+
+    i = next(k for k in range(2, len(greedy_ids)) if greedy_ids[k] not in greedy_ids[:k])
+    stop_id = greedy_ids[i]
+    for body, reason in (({"max_tokens": 16, "stop_token_ids": [stop_id]}, stop_id),
+                         ({"max_tokens": 3, "ignore_eos": True}, None)):
+        c = _ok(server, **body)["choices"][0]
+        assert "stop_reason" in c and c["stop_reason"] == reason, c
+        r = _post(server, {**BASE, **body, "stream": True})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert all("stop_reason" in ch for e in chunks for ch in e["choices"])
+        assert [ch["stop_reason"] for e in chunks for ch in e["choices"] if ch["finish_reason"]] == [reason]
+    text = _ok(server, max_tokens=16, ignore_eos=True)["choices"][0]["text"]
+    stop = text[2:5]
+    c = _ok(server, max_tokens=16, ignore_eos=True, stop=[stop])["choices"][0]
+    assert c["finish_reason"] == "stop" and c["stop_reason"] == stop, c

@@ -88,12 +88,14 @@ def test_a_character_split_across_tokens_waits_for_its_last_byte(smol_tok):
 def test_special_tokens_and_the_fallback_without_a_table(smol_tok):
     end = smol_tok.convert_tokens_to_ids("<|im_end|>")
     table = token_bytes_for(smol_tok)
-    assert table[end] == b"<|im_end|>"
+    assert table[end] == b"<|im_end|>" and end in table.hidden  # its bytes kept; its text hidden
     ids = smol_tok.encode("a 日 b", add_special_tokens=False) + [end]
     fast = IncrementalDetokenizer(None, table)
-    slow = IncrementalDetokenizer(lambda x: smol_tok.decode(x, skip_special_tokens=False,
-                                                            clean_up_tokenization_spaces=False))
+    decode = lambda x: smol_tok.decode(x, skip_special_tokens=False, clean_up_tokenization_spaces=False)  # noqa: E731
+    slow = IncrementalDetokenizer(decode, hidden=table.hidden)
     assert "".join(fast.push(t) for t in ids) + fast.flush() == "".join(slow.push(t) for t in ids) + slow.flush()
+    shown = IncrementalDetokenizer(decode)  # without a table nothing is hidden unless given
+    assert "".join(shown.push(t) for t in ids) + shown.flush() == "a 日 b<|im_end|>"
     assert token_bytes_for(smol_tok) is table  # built once per tokenizer
     with pytest.raises(ValueError, match="needs a decode function"):
         IncrementalDetokenizer(None, None)
@@ -113,3 +115,28 @@ def test_an_id_past_the_tokenizer_decodes_to_nothing(smol_tok):
     fast = IncrementalDetokenizer(None, token_bytes_for(smol_tok))
     got = "".join(fast.push(t) for t in ids) + fast.flush()
     assert got == smol_tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == "Hello"
+
+
+def test_a_special_token_that_is_no_tag_leaves_no_text(tiny_llama):
+    """A sampled special token (``<|im_start|>``, EOS) gives no text, as vLLM's default
+    ``skip_special_tokens=True`` decodes (the server's text, streamed or not, never carries one),
+    also between the bytes of a character; a tag the tokenizer has as a special token (the
+    PASTA-LANG pieces ``--tag-tokens`` adds) keeps its text: the interpreter parses it."""
+    from transformers import AutoTokenizer
+
+    from pasta_engine.lang.grammar import TAG_PIECES, add_tag_tokens
+    from pasta_engine.lang.tokenization import encode_text, hidden_special_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tags = add_tag_tokens(tok)
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    hidden = hidden_special_ids(tok)
+    assert {start, end} <= hidden and not hidden & set(tags.ids)
+    table = token_bytes_for(tok)
+    assert table is not None and table.hidden == hidden and table[start] == b"<|im_start|>"
+    sync = tok.convert_tokens_to_ids("<sync/>")
+    assert "<sync/>" in TAG_PIECES and sync not in hidden
+    char = encode_text(tok, "é")
+    ids = encode_text(tok, "a") + [start] + char[:1] + [end] + char[1:] + [sync] + encode_text(tok, "b") + [start]
+    detok = IncrementalDetokenizer(None, table)
+    assert "".join(detok.push(t) for t in ids) + detok.flush() == "aé<sync/>b"

@@ -12,7 +12,9 @@ event logs), :mod:`.metrics` (Prometheus), :mod:`.auth` (API key, ``Host`` check
 * ``POST /v1/chat/completions`` and ``POST /v1/completions``, streamed (server-sent events,
   ``data: {...}`` lines ending with ``data: [DONE]``) or not; ``n``, ``max_tokens`` /
   ``max_completion_tokens`` / ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-  ``seed``, ``stop``, ``logprobs``, ``stream_options.include_usage``. Bodies are read by the
+  ``seed``, ``stop``, ``logprobs``, ``stream_options.include_usage``; each choice has vLLM's
+  ``stop_reason`` (the stop string or ``stop_token_ids`` id that ended it, else null), and a
+  sampled special token that is no tag leaves no text (``skip_special_tokens``). Bodies are read by the
   pydantic models of :mod:`.schema` (vLLM's field names; a field the engine does not honour, or
   an unknown one, is a 400 naming it). Streamed text is the response in reading order
   (:mod:`pasta_engine.engine.streaming`).
@@ -23,8 +25,10 @@ event logs), :mod:`.metrics` (Prometheus), :mod:`.auth` (API key, ``Host`` check
   (stream=true only), "annotated_response": str}`` (:class:`.schema.PastaOptions` has each
   field's meaning; ``dialect``: the language the model writes,
   :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`, default PASTA-LANG; ``annotated_response``
-  replays that response, written in that dialect: forced decoding, so a sampling field set with
-  it is a 400); in each choice of a
+  replays that response, written in that dialect: forced decoding, so a sampling field or
+  ``seed`` set with it is a 400, and so is a ``max_tokens`` below its length; a field set where
+  it has no effect, such as ``max_threads`` in sequential mode, is a 400 naming
+  ``pasta.<field>``: :func:`.serving.check_pasta_fields`); in each choice of a
   response, ``{"annotated_text", "stats": {content_tokens, content_speedup, decode_steps,
   tokens_decoded, tag_tokens, critical_path, token_parallelism, threads, ...}, "diagnostics",
   "mode", "dialect"}``
@@ -44,10 +48,13 @@ Limits and hygiene: a request body must be ``Content-Type: application/json`` (4
 ``max_body_bytes`` (413), nest at most :data:`~.schema.MAX_JSON_DEPTH` deep, hold integers of at
 most :data:`~.schema.MAX_INT_DIGITS` digits and no lone surrogate (400 naming the field). Prompts
 are tokenized and checked against the context on worker threads with their own tokenizer
-copies, never on the engine thread, so a long prompt never stalls other requests' steps. With
+copies, never on the engine thread, so a long prompt never stalls other requests' steps; a
+request of several prompts has every prompt checked (the KV cache's fit included) before any is
+queued, and an error names the prompt. With
 ``allowed_hosts`` set, a request whose ``Host`` header names another host is refused (400):
-``serve`` sets it by default when it binds a loopback address without an API key, so that a web
-page cannot use the local server through DNS rebinding. The API key (``/v1`` routes,
+``serve`` sets it by default when it binds a loopback address without an API key (the local
+names and the bind address itself), so that a web page cannot use the local server through DNS
+rebinding. The API key (``/v1`` routes,
 ``/tokenize``, ``/detokenize`` and ``/openapi.json``) is compared in constant time; the
 ``Bearer`` scheme is case-insensitive. ``/health``, ``/version`` and ``/metrics`` need no key
 (as in vLLM).
@@ -215,13 +222,15 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
         srv.check_auth(request)
         return JSONResponse(await engine.stats())
 
-    @app.get("/v1/pasta/events/{completion_id}")
-    async def events(completion_id: str, request: Request) -> StreamingResponse:
+    @get("/v1/pasta/events/{completion_id}")
+    async def events(completion_id: str, request: Request) -> Response:
         srv.check_auth(request)
         log = srv.logs.get(completion_id)
         if log is None:
             raise OpenAIError(404, f"no completion {completion_id!r} (it is unknown, or too old: the newest logs "
                               f"are kept, {srv.log_budget} bytes in all)", param="id", code="not_found")
+        if request.method == "HEAD":  # the headers only: a live log is not followed
+            return Response(media_type="text/event-stream")
 
         async def gen() -> AsyncIterator[str]:
             async for rec in log.follow():

@@ -33,17 +33,28 @@ def check_api_key(request: Request, api_key: str | None) -> None:
 
 
 def default_allowed_hosts(bind_host: str, api_key: str | None) -> list[str] | None:
-    """The ``Host`` names ``serve`` accepts unless told: :data:`LOCAL_HOSTS` for a loopback
-    bind without an API key (a web page the user visits could otherwise reach the server through
-    DNS rebinding and read its answers), else any (None)."""
+    """The ``Host`` names ``serve`` accepts unless told: for a loopback bind without an API key
+    (a web page the user visits could otherwise reach the server through DNS rebinding and read
+    its answers), :data:`LOCAL_HOSTS` and the bind address itself (``127.0.0.2``; an IPv6 one
+    bracketed, ``[::1]``, as it is written in a URL and a ``Host`` header), so the URL ``serve``
+    prints is answered; else any (None)."""
     if api_key is not None:
         return None
-    host = bind_host.strip("[]")
+    host = bind_host.strip().strip("[]")
     try:
-        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        addr = ipaddress.ip_address(host) if host.lower() != "localhost" else None
+        local = addr is None or addr.is_loopback
     except ValueError:
-        local = False
-    return list(LOCAL_HOSTS) if local else None
+        return None
+    if not local:
+        return None
+    hosts = list(LOCAL_HOSTS)
+    if addr is not None:  # the address as given and as printed (compressed: 0:0:0:0:0:0:0:1 is ::1)
+        for text in (host.lower(), addr.compressed):
+            name = f"[{text}]" if addr.version == 6 else text
+            if name not in hosts:
+                hosts.append(name)
+    return hosts
 
 
 def _host_name(host: str) -> str:

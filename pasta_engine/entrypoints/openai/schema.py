@@ -118,30 +118,36 @@ class PastaOptions(BaseModel):
         "pasta", description="the decoding language the model writes: pasta (PASTA-LANG), apar (APAR) or "
         "multiverse (Multiverse); a replay's annotated_response is read in it")
     position_policy: str | None = Field(
-        None, max_length=64, description="predicted | none | oracle (replay only) | constant:K (0 <= K < 10**9)")
-    max_threads: int | None = Field(None, ge=0, le=2**20, description="threads decoding together (0 = unlimited)")
-    max_forks: int | None = Field(None, ge=0, le=2**20, description="forks per request")
+        None, max_length=64, description="predicted | none | oracle (replay only) | constant:K (0 <= K < 10**9); pasta "
+        "mode only (the positions a fork reserves)")
+    max_threads: int | None = Field(None, ge=0, le=2**20, description="threads decoding together (0 = unlimited); "
+                                    "pasta mode only")
+    max_forks: int | None = Field(None, ge=0, le=2**20, description="forks per request (inline: chunks decoded in "
+                                  "place); pasta and inline modes only")
     max_fork_depth: int | None = Field(None, ge=1, le=64, description="how deep forks nest in a dialect that nests "
-                                       "them (multiverse); deeper blocks decode inline")
+                                       "them (multiverse); deeper blocks decode inline; pasta mode and a nesting "
+                                       "dialect only")
     fork_threshold: float | None = Field(
         None, gt=0, le=1, description="the fork knob: the main thread opens a promise exactly where the promise "
         "token's probability is at least this (lower forks more; unset: the model decides as it samples); pasta mode, "
         "PASTA-LANG dialect and a model with the tag tokens only")
     length_cut: Literal["prefix", "keep"] | None = Field(
         None, description="when max_tokens runs out with chunks unfinished: prefix (default) ends the text where the "
-        "first unfinished chunk stopped; keep gives every thread's text, holes and all")
+        "first unfinished chunk stopped; keep gives every thread's text, holes and all; pasta mode only")
     distinct_topics: bool | None = Field(
         None, description="a promise's topic may not repeat one already promised in the response (default true; "
-        "where the sampler enforces the PASTA-LANG grammar)")
+        "where the sampler enforces the PASTA-LANG grammar: refused in sequential mode and in a replay)")
     chunk_clean_end: bool | None = Field(
         None, description="a chunk may not end empty or at a colon, comma or semicolon, and one at its cap "
         "mid-sentence gets up to 32 more tokens to end it (default true; where the sampler enforces the PASTA-LANG "
-        "grammar)")
+        "grammar: refused in sequential mode and in a replay)")
     independent_topics: bool | None = Field(
         None, description="a promise's topic may not open with a word that leans on what came before (Another, "
         "Furthermore, This, Finally, ...; default false; where the sampler enforces the PASTA-LANG grammar)")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
-    annotated_response: str | None = Field(None, description="replay this annotated response (forced decoding)")
+    annotated_response: str | None = Field(None, description=(
+        "replay this annotated response (forced decoding): a sampling field or seed is refused, and max_tokens "
+        "below the replay's length (it cannot end early)"))
 
     @field_validator("position_policy")
     @classmethod
@@ -158,14 +164,15 @@ class _Request(BaseModel):
 
     model_config = _MODEL
     model: str | None = Field(None, description="the served model's name (or leave it out)")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="tokens the response may hold (all threads)")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description=(
+        "tokens the response may hold (all threads); with pasta.annotated_response at least the replay's length"))
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="the engine's name for max_tokens")
     n: int = Field(1, ge=1, le=MAX_N, description="choices")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 (or below 1e-5): greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0,
                                 description=f"nucleus mass; below {MIN_TOP_P} taken as {MIN_TOP_P} (the top token)")
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="0 or -1: all tokens")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="choice i uses seed + i")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="choice i uses seed + i (refused in a replay)")
     stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOPS} non-empty strings")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -190,7 +197,9 @@ class _Request(BaseModel):
     stop_token_ids: list[_TokenId] | None = Field(None, max_length=1024, description=(
         "token ids that end a thread as EOS does (in pasta mode a chunk's ends only that chunk); "
         "ids outside the vocabulary are refused"))
-    skip_special_tokens: bool = Field(True, description="not supported: only true (tags and specials are removed)")
+    skip_special_tokens: bool = Field(True, description=(
+        "only true: a special token that is no tag (<|im_start|>, BOS, ...) leaves no text in the response, streamed "
+        "or not (tags are never in the text either; the annotated text is in choices[].pasta.annotated_text)"))
     spaces_between_special_tokens: bool = Field(True, description="not supported: only true")
     include_stop_str_in_output: bool = Field(False, description=NOT_IMPLEMENTED.format("false"))
     logit_bias: dict[str, float] | None = Field(None, description=NOT_IMPLEMENTED.format("{}"))
@@ -261,7 +270,7 @@ _UNSUPPORTED: list[tuple[str, Any, str]] = [
     ("repetition_penalty", 1.0, "penalties are not implemented (leave it 1)"),
     ("min_tokens", 0, "min_tokens is not implemented (leave it 0)"),
     ("ignore_eos", False, "the end-of-sequence token always ends a thread"),
-    ("skip_special_tokens", True, "responses never carry special tokens (the annotated text is in "
+    ("skip_special_tokens", True, "a response's text never carries a special token's text (a tag's is in "
      "choices[].pasta.annotated_text)"),
     ("spaces_between_special_tokens", True, "responses never carry special tokens"),
     ("include_stop_str_in_output", False, "the response ends right before its stop string"),
@@ -341,12 +350,14 @@ def check_supported(req: _Request) -> None:
 
 
 #: Request fields that act only where tokens are sampled, so never in a replay, each with the
-#: values that ask for nothing a forced token could differ by (greedy, no filter, no penalty).
+#: values that ask for nothing a forced token could differ by (greedy, no filter, no penalty;
+#: no seed asks for nothing: a seed only draws samples). A replay's ``max_tokens`` is checked
+#: against its length by the server (:meth:`~.serving.Server.start`).
 _SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
     "temperature": lambda v: v < GREEDY_TEMPERATURE, "top_p": lambda v: v == 1, "top_k": lambda v: v in (0, -1),
     "min_p": lambda v: v == 0, "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
     "repetition_penalty": lambda v: v == 1, "min_tokens": lambda v: v == 0, "ignore_eos": lambda v: not v,
-    "stop_token_ids": lambda v: not v,
+    "stop_token_ids": lambda v: not v, "seed": lambda v: False,
 }
 
 

@@ -19,7 +19,8 @@ from fastapi import Request
 
 from ...config import MAX_SEED, Limits, SamplingParams
 from ...engine.async_engine import AsyncEngine, RequestStream, StreamOutput
-from ...engine.input_processor import InputProcessor, choice_params
+from ...engine.input_processor import InputProcessor, RequestInputs, choice_params
+from ...engine.streaming import OutputKind
 from ...errors import ParameterError
 from ...lang.dialect import DIALECT_NAMES, get_dialect
 from ...lang.tokenization import decode
@@ -30,7 +31,7 @@ from .schema import (MIN_TOP_P, ChatCompletionRequest, CompletionRequest, PastaO
                      engine_sampling_fields, max_tokens_of)
 from .sse import EVENT_LOG_BYTES, EventLog
 
-__all__ = ["MAX_BODY_BYTES", "Options", "Server", "Prompts"]
+__all__ = ["MAX_BODY_BYTES", "Options", "Server", "Prompts", "check_pasta_fields"]
 
 #: The ``pasta`` extension's fields that are :class:`~pasta_engine.config.Limits` fields of the
 #: same name, derived from both (a knob added to both reaches the request's limits by itself;
@@ -47,6 +48,48 @@ def request_limits(pasta: PastaOptions, base: Limits) -> Limits | None:
     if "max_threads" in given:
         given["max_threads"] = given["max_threads"] or None
     return dataclasses.replace(base, **given) if given else None
+
+
+def check_pasta_fields(pasta: PastaOptions) -> None:
+    """Refuse a ``pasta`` field the request sets (not null) that has no effect in its mode and
+    dialect (docs/DESIGN.md section 7: a field not honoured is refused, never ignored), raising
+    ParameterError naming ``pasta.<field>``:
+
+    * ``position_policy``, ``max_threads``, ``length_cut``: pasta mode only. The policy says the
+      positions a fork reserves (inline mode reserves none: a chunk's positions follow its
+      promise's); the width and the cut act on forked threads, and sequential and inline modes
+      decode one thread.
+    * ``max_forks``: pasta and inline modes (it bounds the promises acted on; sequential mode
+      acts on none).
+    * ``max_fork_depth``: pasta mode with a dialect that nests forks (Multiverse).
+    * ``distinct_topics``, ``chunk_clean_end``: where the sampler enforces the PASTA-LANG
+      grammar, never in sequential mode or a replay (its tokens are forced).
+
+    ``fork_threshold`` and ``independent_topics`` are checked by the engine
+    (:meth:`~pasta_engine.engine.input_processor.InputProcessor.process`), which also knows
+    whether the model has the tag tokens. The dialect must be valid (:func:`_check_dialect`)."""
+    mode, replay = pasta.mode, pasta.annotated_response is not None
+    one_thread = f"mode {mode!r} (one thread decodes the whole response: only pasta mode forks)"
+    why_not: dict[str, str | None] = {
+        "position_policy": None if mode == "pasta" else (
+            f"mode {mode!r} (only a fork in pasta mode reserves positions; an inline chunk takes the positions "
+            "right after its promise)" if mode == "inline" else one_thread),
+        "max_threads": None if mode == "pasta" else one_thread,
+        "length_cut": None if mode == "pasta" else one_thread,
+        "max_forks": "mode 'sequential' (it acts on no promise: tags are text)" if mode == "sequential" else None,
+        "max_fork_depth": one_thread if mode != "pasta" else None if get_dialect(pasta.dialect).nesting else (
+            f"the {pasta.dialect!r} dialect (it does not nest forks; only a nesting dialect, multiverse, has a "
+            "fork depth)"),
+    }
+    grammar = ("mode 'sequential' (tags are text: the PASTA-LANG grammar is not enforced)" if mode == "sequential"
+               else "a replay (pasta.annotated_response: its tokens are forced)" if replay else None)
+    why_not.update(distinct_topics=grammar, chunk_clean_end=grammar)
+    for name, why in why_not.items():
+        value = getattr(pasta, name)
+        if value is not None and why is not None:
+            raise ParameterError(f"pasta.{name}", value, message=f"pasta.{name}={value!r} has no effect in {why}; "
+                                 "leave it out")
+
 
 #: Default request-body limit (bytes).
 MAX_BODY_BYTES = 2**20
@@ -67,6 +110,7 @@ class Options:
     annotated_response: str | None
     limits: Limits | None
     position_policy: str | None
+    max_tokens: tuple[str, int] | None = None  # (field, value) of the response length the request gave
     meter: "Meter | None" = None
 
 
@@ -173,6 +217,7 @@ class Server:
         logprobs = req.logprobs if chat else req.logprobs == 0
         pasta = req.pasta
         _check_dialect(pasta.dialect)
+        check_pasta_fields(pasta)
         limits = request_limits(pasta, self.engine.engine.config.limits)
         more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
@@ -183,13 +228,17 @@ class Server:
                         logprobs=logprobs, mode=pasta.mode, dialect=pasta.dialect,
                         events=pasta.events,
                         annotated_response=pasta.annotated_response, limits=limits,
-                        position_policy=pasta.position_policy)
+                        position_policy=pasta.position_policy, max_tokens=given)
 
     # ------------------------------------------------------------------ requests
 
     async def start(self, prompts: Sequence[list[int]], opts: Options, cid: str, t0: float) -> list[RequestStream]:
-        """Queue one engine request per (prompt's token ids, choice); abort them all if one is
-        refused. ``t0``: when the request arrived (``time.monotonic``), for the metrics."""
+        """Queue one engine request per (prompt's token ids, choice), after :meth:`check` when
+        there are several prompts or a replay given ``max_tokens`` (so a refused request has
+        queued nothing); abort them all if one is refused after all. ``t0``: when the request
+        arrived (``time.monotonic``), for the metrics."""
+        if len(prompts) > 1 or (opts.annotated_response is not None and opts.max_tokens is not None):
+            await self.check(prompts, opts, cid)
         streams: list[RequestStream] = []
         try:
             for p, prompt in enumerate(prompts):
@@ -205,6 +254,41 @@ class Server:
         opts.meter = Meter(self.metrics, t0, opts.n)
         self.logs[cid] = EventLog(max(2**16, self.log_budget // 4), self._log_grew)
         return streams
+
+    async def check(self, prompts: Sequence[list[int]], opts: Options, cid: str) -> None:
+        """Make, for each prompt, every check the engine makes when it takes the request (its
+        parameters, the prompt's fit in the KV cache, a replay's response: the engine builds
+        the request, which holds no resource, and drops it), on the engine thread, before any
+        prompt is queued: a request of several prompts then fails whole, naming the prompt
+        (``prompt 1: ...``), before any of them has taken a resource (docs/DESIGN.md section 7).
+        The choices of a prompt differ only in their seeds: its first is checked.
+
+        A replay's ``max_tokens`` (or ``max_completion_tokens``, ``max_new_tokens``) below the
+        replay's length is refused naming the field (ParameterError): a replay forces its whole
+        response, the engine raises a smaller budget to it, so a smaller value would be ignored.
+
+        Raises what the engine's ``add_request`` raises (ParameterError, ContextLengthError,
+        EngineDeadError)."""
+        eng = self.engine.engine
+        several = len(prompts) > 1
+        inputs = [RequestInputs(prompt, opts.params[0], opts.mode, f"{cid}-{p * opts.n}", opts.annotated_response,
+                                opts.limits, opts.position_policy, opts.dialect, False, OutputKind.FINAL,
+                                index=p if several else None)
+                  for p, prompt in enumerate(prompts)]
+
+        def build() -> list[int]:  # on the engine thread (its tokenizer), as add_request builds a request
+            with eng._lock:
+                return [eng._make_request(i).params.max_new_tokens for i in inputs]
+
+        budgets = await self.engine._call(build)
+        if opts.max_tokens is not None:
+            name, value = opts.max_tokens
+            need = max(budgets)
+            if need > value:  # only a replay raises the budget (to its response's length)
+                raise ParameterError(name, value, message=(
+                    f"{name}={value} is below the replay's length: a replay of pasta.annotated_response runs with a "
+                    f"budget of {need} tokens whatever {name} says (it forces its whole response and cannot end "
+                    f"early); leave {name} out or give at least {need}"))
 
     def _log_grew(self, log: "EventLog", nbytes: int) -> None:
         """Count a log's new bytes; drop the oldest logs while all of them hold more than the
