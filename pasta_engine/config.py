@@ -37,6 +37,7 @@ __all__ = [
     "check_float",
     "check_bool",
     "set_attention_backend_check",
+    "limits_without_effect",
 ]
 
 #: Temperatures below this mean greedy decoding (as vLLM's ``_SAMPLING_EPS``): dividing
@@ -423,6 +424,42 @@ class Limits:
 MAX_CAP_FACTOR = 1e6
 
 PROMPT_SPECIAL_TOKENS = ("text", "control")
+def limits_without_effect(mode: str, *, nesting: bool = False, replay: bool = False,
+                          dialect: str = "pasta") -> dict[str, str]:
+    """The :class:`Limits` fields that have no effect on a request, each with why (the one rule the
+    server's ``pasta`` fields and the CLI's flags are refused by: docs/DESIGN.md section 7, a field
+    not honoured is refused, never ignored). ``mode``: ``"pasta"``, ``"inline"`` or
+    ``"sequential"``; ``nesting``: the dialect (named ``dialect`` in the reasons) nests forks
+    (Multiverse); ``replay``: the tokens are forced (an annotated trace).
+
+    * ``position_policy``, ``max_threads``, ``length_cut``: pasta mode only (the positions a fork
+      reserves, the width of forked threads, the cut of unfinished chunks; sequential and inline
+      modes decode one thread, and an inline chunk takes the positions after its promise);
+    * ``max_forks``: pasta and inline modes (sequential mode acts on no promise);
+    * ``max_fork_depth``: pasta mode with a nesting dialect;
+    * ``distinct_topics``, ``chunk_clean_end``: where the sampler enforces the grammar (not in
+      sequential mode, not in a replay).
+
+    ``fork_threshold`` and ``independent_topics`` are not here: the input processor checks them
+    (it also knows whether the model has the tag tokens)."""
+    one_thread = f"mode {mode!r} (one thread decodes the whole response: only pasta mode forks)"
+    out: dict[str, str] = {}
+    if mode != "pasta":
+        out["position_policy"] = (f"mode {mode!r} (only a fork in pasta mode reserves positions; an inline chunk "
+                                  "takes the positions right after its promise)" if mode == "inline" else one_thread)
+        out["max_threads"] = out["length_cut"] = out["max_fork_depth"] = one_thread
+    elif not nesting:
+        out["max_fork_depth"] = (f"the {dialect!r} dialect (it does not nest forks; only a nesting dialect, multiverse, "
+                                 "has a depth)")
+    if mode == "sequential":
+        out["max_forks"] = "mode 'sequential' (it acts on no promise: tags are text)"
+    grammar = ("mode 'sequential' (tags are text: the PASTA-LANG grammar is not enforced)" if mode == "sequential"
+               else "a replay (its tokens are forced)" if replay else None)
+    if grammar is not None:
+        out["distinct_topics"] = out["chunk_clean_end"] = grammar
+    return out
+
+
 #: Values of :attr:`EngineConfig.thread_policy` (the first is the default).
 THREAD_POLICIES = ("critical_first", "fcfs")
 

@@ -843,12 +843,12 @@ def _refuse_unused_limits(args: argparse.Namespace) -> None:
     """Refuse a PASTA flag (``add_pasta_args``: ``--position-policy``, ``--max-threads``,
     ``--max-forks``, ``--max-fork-depth``, ``--length-cut``, ``--no-distinct-topics``,
     ``--no-chunk-clean-end``) set where nothing reads it, as the grammar knobs are
-    (:func:`_refuse_unused_pasta_flags`): ``--position-policy oracle`` and ``--max-fork-depth``
-    in ``generate`` and ``bench pareto`` (no true chunk lengths there, and PASTA-LANG does not
-    nest forks), ``--max-fork-depth`` with a ``--dialect`` that does not nest, and any of them in
-    ``generate --mode sequential`` (one thread, no fork). ParameterError naming the flag, before
-    any model loads."""
-    from ..config import PositionPolicy
+    (:func:`_refuse_unused_pasta_flags`): ``--position-policy oracle`` where the command
+    generates (no true chunk lengths there), and every flag
+    :func:`~pasta_engine.config.limits_without_effect` names for the command's mode, dialect and
+    whether it replays (the rule the server's ``pasta`` fields follow too; ``--mode both``: its
+    pasta side). ParameterError naming the flag, before any model loads."""
+    from ..config import PositionPolicy, limits_without_effect
     from ..errors import ParameterError
     from ..lang.dialect import get_dialect
 
@@ -874,23 +874,18 @@ def _refuse_unused_limits(args: argparse.Namespace) -> None:
         raise ParameterError(shown.split()[0], value, message=f"{shown} {why}: leave it out")
 
     generates = args.command == "generate" or (args.command == "bench" and args.bench_command == "pareto")
-    if args.command == "generate" and args.mode == "sequential":
-        for shown, name, value in set_flags(list(defaults)):
-            refuse(shown, value, "acts on forks, and --mode sequential decodes one thread that never forks")
-    if generates:
-        if PositionPolicy.parse(args.position_policy).kind == "oracle":
-            raise ParameterError("--position-policy", args.position_policy, message=(
-                f"--position-policy {args.position_policy} needs each chunk's true length, known only when an "
-                "annotated trace is replayed (replay, bench speedup), and this command generates: use predicted, "
-                "constant:K or none"))
-        for shown, _, value in set_flags(["max_fork_depth"]):
-            refuse(shown, value, "sets how deep forks nest in a dialect that nests them (replay or bench speedup "
-                   "--dialect multiverse), and this command decodes PASTA-LANG, which does not nest")
-    elif args.command in ("replay", "bench"):  # replay, bench speedup
-        for shown, _, value in set_flags(["max_fork_depth"]):
-            if not get_dialect(args.dialect).nesting:
-                refuse(shown, value, f"sets how deep forks nest in a dialect that nests them (multiverse), and "
-                       f"--dialect {args.dialect} does not nest")
+    if generates and PositionPolicy.parse(args.position_policy).kind == "oracle":
+        raise ParameterError("--position-policy", args.position_policy, message=(
+            f"--position-policy {args.position_policy} needs each chunk's true length, known only when an "
+            "annotated trace is replayed (replay, bench speedup), and this command generates: use predicted, "
+            "constant:K or none"))
+    mode = getattr(args, "mode", None) or "pasta"
+    dialect = getattr(args, "dialect", None)
+    unused = limits_without_effect("pasta" if mode == "both" else mode,  # --mode both: its pasta side reads them
+                                   nesting=dialect is not None and get_dialect(dialect).nesting,
+                                   replay=not generates, dialect=dialect or "pasta")
+    for shown, name, value in set_flags([n for n in defaults if n in unused]):
+        refuse(shown, value, f"has no effect in {unused[name]}")
 
 
 def _refuse_unused_flags(args: argparse.Namespace) -> None:

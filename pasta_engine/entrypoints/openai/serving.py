@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from fastapi import Request
 
-from ...config import MAX_SEED, Limits, SamplingParams
+from ...config import MAX_SEED, Limits, SamplingParams, limits_without_effect
 from ...engine.async_engine import AsyncEngine, RequestStream, StreamOutput
 from ...engine.input_processor import InputProcessor, RequestInputs, choice_params
 from ...engine.streaming import OutputKind
@@ -52,41 +52,16 @@ def request_limits(pasta: PastaOptions, base: Limits) -> Limits | None:
 
 def check_pasta_fields(pasta: PastaOptions) -> None:
     """Refuse a ``pasta`` field the request sets (not null) that has no effect in its mode and
-    dialect (docs/DESIGN.md section 7: a field not honoured is refused, never ignored), raising
-    ParameterError naming ``pasta.<field>``:
-
-    * ``position_policy``, ``max_threads``, ``length_cut``: pasta mode only. The policy says the
-      positions a fork reserves (inline mode reserves none: a chunk's positions follow its
-      promise's); the width and the cut act on forked threads, and sequential and inline modes
-      decode one thread.
-    * ``max_forks``: pasta and inline modes (it bounds the promises acted on; sequential mode
-      acts on none).
-    * ``max_fork_depth``: pasta mode with a dialect that nests forks (Multiverse).
-    * ``distinct_topics``, ``chunk_clean_end``: where the sampler enforces the PASTA-LANG
-      grammar, never in sequential mode or a replay (its tokens are forced).
-
-    ``fork_threshold`` and ``independent_topics`` are checked by the engine
-    (:meth:`~pasta_engine.engine.input_processor.InputProcessor.process`), which also knows
-    whether the model has the tag tokens. The dialect must be valid (:func:`_check_dialect`)."""
-    mode, replay = pasta.mode, pasta.annotated_response is not None
-    one_thread = f"mode {mode!r} (one thread decodes the whole response: only pasta mode forks)"
-    why_not: dict[str, str | None] = {
-        "position_policy": None if mode == "pasta" else (
-            f"mode {mode!r} (only a fork in pasta mode reserves positions; an inline chunk takes the positions "
-            "right after its promise)" if mode == "inline" else one_thread),
-        "max_threads": None if mode == "pasta" else one_thread,
-        "length_cut": None if mode == "pasta" else one_thread,
-        "max_forks": "mode 'sequential' (it acts on no promise: tags are text)" if mode == "sequential" else None,
-        "max_fork_depth": one_thread if mode != "pasta" else None if get_dialect(pasta.dialect).nesting else (
-            f"the {pasta.dialect!r} dialect (it does not nest forks; only a nesting dialect, multiverse, has a "
-            "fork depth)"),
-    }
-    grammar = ("mode 'sequential' (tags are text: the PASTA-LANG grammar is not enforced)" if mode == "sequential"
-               else "a replay (pasta.annotated_response: its tokens are forced)" if replay else None)
-    why_not.update(distinct_topics=grammar, chunk_clean_end=grammar)
-    for name, why in why_not.items():
+    dialect (:func:`~pasta_engine.config.limits_without_effect`, the rule the CLI's flags follow
+    too), raising ParameterError naming ``pasta.<field>``. ``fork_threshold`` and
+    ``independent_topics`` are checked by the engine
+    (:meth:`~pasta_engine.engine.input_processor.InputProcessor.process`). The dialect must be
+    valid (:func:`_check_dialect`)."""
+    unused = limits_without_effect(pasta.mode, nesting=get_dialect(pasta.dialect).nesting,
+                                   replay=pasta.annotated_response is not None, dialect=pasta.dialect)
+    for name, why in unused.items():
         value = getattr(pasta, name)
-        if value is not None and why is not None:
+        if value is not None:
             raise ParameterError(f"pasta.{name}", value, message=f"pasta.{name}={value!r} has no effect in {why}; "
                                  "leave it out")
 
