@@ -30,7 +30,17 @@ def _score(outcome: str | None) -> float | None:
 
 def win_rate_interval(rows: list[dict], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """Mean win rate over both orders (ties half) and its 95% bootstrap interval over prompts
-    (each prompt's two verdicts stay together)."""
+    (each prompt's two verdicts stay together).
+
+    Each order must be judged on every row or on none (an order nobody has judged yet leaves the
+    other's rate): then the mean over prompts is the summary's ``mean_win_rate``, the mean of the
+    two orders' rates. Raises ValueError naming the order and how many rows it misses when it
+    judged only some rows (a reading that skipped rows would give a figure that is neither)."""
+    for order in ("first_order", "reversed_order"):
+        judged = sum(r.get(order) is not None for r in rows)
+        if 0 < judged < len(rows):
+            raise ValueError(f"{order} judged {judged} of {len(rows)} rows: the win rate over both orders needs "
+                             "each order judged on every row (or not at all)")
     per = []
     for r in rows:
         s = [x for x in (_score(r.get("first_order")), _score(r.get("reversed_order"))) if x is not None]
@@ -60,7 +70,10 @@ def _realized(timed: Path) -> dict | None:
 def point(p: dict, base: Path) -> dict:
     screen = json.loads((base / p["screen"] / "summary.json").read_text())
     judge = json.loads((base / p["judge"] / "summary.json").read_text())
-    mean, lo, hi = win_rate_interval(judge["rows"])
+    try:
+        mean, lo, hi = win_rate_interval(judge["rows"])
+    except ValueError as e:
+        raise ValueError(f"{base / p['judge'] / 'summary.json'}: {e}") from None
     out = {"label": p["label"], "theoretical_content_speedup": screen["geomean_content_speedup"],
            "fork_rate": screen["fork_rate"], "mean_threads": screen["mean_threads"],
            "forks_passing_independence": screen.get("forks_passing_independence"),

@@ -9,7 +9,11 @@ with us.
 ``join``: reads the verdicts of the judge on both files (JSONL: ``id``, ``verdict`` A/B/tie,
 ``confidence``, ``score_a``, ``score_b``, ``reason``) and the key, and writes the candidate's
 win rate (ties half) in each order and their mean, with wins, losses and ties, and a row per
-question (both verdicts seen from the candidate's side) to ``summary.json``.
+question (both verdicts seen from the candidate's side) to ``summary.json``. A verdict file that
+is there must judge every row of the key (else it stops naming the file and the ids it misses:
+a mean of two orders over different rows is not the figure it claims); a file not there yet is
+an order nobody has judged. A key without ``label``, ``candidate`` or ``baseline`` (BoNBoN's
+training readings) joins with those fields null.
 
     python bench/judge_pairs.py make --candidate new.json --baseline base.json --out DIR --seed 0
     python bench/judge_pairs.py join --out DIR
@@ -43,7 +47,7 @@ def make(candidate: Path, baseline: Path, out: Path, seed: int, label: str) -> N
 
 def join(out: Path) -> dict:
     key = json.loads((out / "key.json").read_text())
-    rows = read_blind_sides(out)
+    rows = read_blind_sides(out, complete=True)
 
     def rate(xs: list) -> dict:
         xs = [x for x in xs if x is not None]
@@ -54,7 +58,7 @@ def join(out: Path) -> dict:
     first, second = rate([r["first_order"] for r in rows]), rate([r["reversed_order"] for r in rows])
     both = [r for r in rows if r["first_order"] and r["reversed_order"]]
     agree = sum(r["first_order"] == r["reversed_order"] for r in both)
-    summary = {"label": key["label"], "candidate": key["candidate"], "baseline": key["baseline"],
+    summary = {"label": key.get("label"), "candidate": key.get("candidate"), "baseline": key.get("baseline"),
                "first_order": first, "reversed_order": second,
                "mean_win_rate": (first["win_rate"] + second["win_rate"]) / 2
                if first["win_rate"] is not None and second["win_rate"] is not None else None,
@@ -81,7 +85,10 @@ def main() -> None:
         make(a.candidate, a.baseline, a.out, a.seed, a.label)
         print(f"wrote {a.out}/pairs.jsonl, pairs_reversed.jsonl, key.json")
     else:
-        s = join(a.out)
+        try:
+            s = join(a.out)
+        except ValueError as e:
+            raise SystemExit(f"judge_pairs join: {e}") from None
         print(json.dumps({k: v for k, v in s.items() if k != "rows"}, indent=1))
 
 

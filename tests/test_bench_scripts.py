@@ -253,3 +253,67 @@ def test_screen_adapter_counts_an_empty_answer_instead_of_crashing(tmp_path, mon
     runpy.run_path(str(BENCH / "screen_adapter.py"), run_name="__main__")
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["empty_answers"] == 1 and s["geomean_content_speedup"] == 0.75
+
+
+def _reading(out: Path, first: dict[int, str], reversed_: dict[int, str] | None, n: int = 4, meta: dict | None = None):
+    """A blind reading of ``n`` rows in ``out``: the verdict files hold ``first`` and ``reversed_``
+    (row id -> "win"/"loss"/"tie" from the candidate's side; None: no reversed file)."""
+    from pasta_engine.tools.judge import write_blind_pairs
+
+    write_blind_pairs([f"q{i}" for i in range(n)], [f"c{i}" for i in range(n)], [f"b{i}" for i in range(n)], out, 0,
+                      {"label": "x", "candidate": "c", "baseline": "b"} if meta is None else meta)
+    key = {k["id"]: k for k in json.loads((out / "key.json").read_text())["rows"]}
+
+    def verdict(outcome: str, cand: str) -> str:
+        return "tie" if outcome == "tie" else cand if outcome == "win" else {"A": "B", "B": "A"}[cand]
+
+    for name, got, side in (("verdicts.jsonl", first, "candidate_in_pairs"),
+                            ("verdicts_reversed.jsonl", reversed_, "candidate_in_pairs_reversed")):
+        if got is not None:
+            (out / name).write_text("".join(json.dumps({"id": i, "verdict": verdict(o, key[i][side])}) + "\n"
+                                            for i, o in got.items()))
+
+
+def test_judge_pairs_join_refuses_a_verdict_file_that_misses_rows(tmp_path):
+    """A reversed reader who judged 2 of 4 rows: join once averaged the first order over 4 rows
+    with the reversed one over 2 (mean 0.75) while frontier.py's per-prompt mean said 0.5. Now it
+    stops naming the file and the ids it misses; a file not there yet is still an order nobody
+    judged (mean_win_rate None)."""
+    judge_pairs = load_bench("judge_pairs.py")
+    out = tmp_path / "r"
+    _reading(out, {0: "win", 1: "win", 2: "loss", 3: "loss"}, {0: "win", 1: "win"})
+    with pytest.raises(ValueError, match=r"verdicts_reversed.jsonl judges 2 of the key's 4 rows: ids 2, 3 have no"):
+        judge_pairs.join(out)
+    run = subprocess.run([sys.executable, str(BENCH / "judge_pairs.py"), "join", "--out", str(out)],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert run.returncode != 0 and "ids 2, 3 have no verdict" in run.stderr and "Traceback" not in run.stderr
+    (out / "verdicts_reversed.jsonl").unlink()
+    s = judge_pairs.join(out)
+    assert s["first_order"]["win_rate"] == 0.5 and s["reversed_order"]["judged"] == 0 and s["mean_win_rate"] is None
+
+
+def test_judge_pairs_joins_a_key_without_a_label(tmp_path):
+    """BoNBoN's training readings write keys without label/candidate/baseline fields: join once
+    raised KeyError 'label' on them."""
+    judge_pairs = load_bench("judge_pairs.py")
+    out = tmp_path / "r"
+    _reading(out, {0: "win", 1: "tie", 2: "loss", 3: "win"}, {0: "win", 1: "win", 2: "loss", 3: "tie"},
+             meta={"candidate": "this round's samples"})
+    s = judge_pairs.join(out)
+    assert s["label"] is None and s["baseline"] is None and s["candidate"] == "this round's samples"
+    assert s["mean_win_rate"] == (0.625 + 0.625) / 2
+
+
+def test_frontier_win_rate_is_the_summarys_mean_or_refuses():
+    """frontier.py's win rate over both orders is the summary's mean_win_rate when each order
+    judged every row; rows judged in only one order of a partly judged order are refused (the
+    per-prompt mean would be neither figure); an order nobody judged leaves the other's rate."""
+    frontier = load_bench("frontier.py")
+    rows = [{"id": i, "first_order": f, "reversed_order": r}
+            for i, (f, r) in enumerate([("win", "win"), ("win", "tie"), ("loss", "loss"), ("loss", "win")])]
+    mean, lo, hi = frontier.win_rate_interval(rows)
+    assert mean == pytest.approx((0.5 + 0.625) / 2) and lo <= mean <= hi
+    partial = [dict(r, reversed_order=None) if r["id"] >= 2 else r for r in rows]
+    with pytest.raises(ValueError, match="reversed_order judged 2 of 4 rows"):
+        frontier.win_rate_interval(partial)
+    assert frontier.win_rate_interval([dict(r, reversed_order=None) for r in rows])[0] == 0.5

@@ -31,7 +31,12 @@ follows its promise, so :func:`~pasta_engine.lang.split_threads` and
 nothing is forked inside a code fence, a single-item list never forks, and neither annotator
 raises on any input. A response that itself contains text that parses as a PASTA-LANG tag is
 left unannotated (its stripped form could never equal it) and the result says so in ``note``;
-an annotation that would fail a check falls back the same way.
+an annotation that would fail a check falls back the same way. By construction, too: topics are
+ones the grammar (:mod:`pasta_engine.lang.grammar`) lets a model write (they open with a letter,
+fit its byte cap :data:`~pasta_engine.lang.grammar.MAX_TOPIC_BYTES`, and never repeat in an
+answer as :func:`~pasta_engine.lang.grammar.topic_key` compares them), and every promise sits at
+a token boundary of the plain text for a byte-level BPE tokenizer (before an indented line's
+first word it goes on the space that word's token starts with).
 
 Promise lengths: ``tokens`` is the chunk's measured length (``count_tokens``, a tokenizer's
 count when one is given, else :func:`approx_token_count`) rounded to tens, as in PASTA's
@@ -46,6 +51,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..lang.grammar import MAX_TOPIC_BYTES, topic_key
 from ..lang.tags import (
     ASYNC_CLOSE, ASYNC_OPEN, SYNC, AsyncClose, AsyncOpen, Malformed, Promise, Sync, Text, clean_text, parse, promise_tag,
     splice,
@@ -74,8 +80,9 @@ ANNOTATORS = ("sot", "apar", "mixed", "model", "endpoint")
 
 #: Items or paragraphs shorter than this many tokens are not forked by default.
 MIN_CHUNK_TOKENS = 10
-#: A topic keeps at most this many words and characters: short, because every topic token is
-#: decoded on the main thread's critical path (the paper's topics are a few words).
+#: A topic keeps at most this many words and characters, and at most the grammar's
+#: :data:`~pasta_engine.lang.grammar.MAX_TOPIC_BYTES` bytes (UTF-8): short, because every topic
+#: token is decoded on the main thread's critical path (the paper's topics are a few words).
 TOPIC_WORDS = 4
 TOPIC_CHARS = 32
 
@@ -197,6 +204,17 @@ def _last_nonspace(text: str, start: int, end: int) -> int:
     return start + len(seg)
 
 
+def _token_start(text: str, at: int) -> int:
+    """Where a chunk whose first non-space character is ``text[at]`` starts so that its promise
+    sits at a token boundary of the plain text: one character earlier when the character before
+    is a space preceded by other whitespace (``"\\n\\n    // Read"``: a byte-level BPE tokenizer
+    reads ``"\\n\\n   "`` then ``" //"``, the word taking its own leading space), else ``at``.
+    A tab never joins the word after it (``"\\t"`` then ``"//"``), so ``at`` already is one."""
+    if at >= 2 and text[at - 1] == " " and text[at - 2].isspace():
+        return at - 1
+    return at
+
+
 def _units(text: str) -> list[_Unit]:
     """Top-level units of a markdown-ish response, in order."""
     lines = _lines(text)
@@ -280,8 +298,10 @@ def _list_unit(text: str, lines: list[_Line], i: int, units: list[_Unit]) -> int
         # after the space ("1. <promise") is reached only by sampling a bare " " token, which a
         # model writing the plain text almost never does (the shipped adapter, trained on that,
         # forks after a numbered marker in 3 of 80 answers: bench/results/marker-fork-smollm2-cpu/).
+        # Content on the next line ("1.\n   Keep"): the chunk starts with the word's own space
+        # (the tokens are "\n  " then " Keep", see _token_start).
         ln = lines[first]
-        fork = start if text[ln.marker_end:start].strip(" \t") else ln.marker_end  # content on the next line: start
+        fork = _token_start(text, start) if text[ln.marker_end:start].strip(" \t") else ln.marker_end
         unit.items.append(_Item(start, end, fork))
     unit.end = max(it.content_end for it in unit.items)
     units.append(unit)
@@ -295,28 +315,97 @@ def _list_unit(text: str, lines: list[_Line], i: int, units: list[_Unit]) -> int
 _BOLD_LEAD = re.compile(r"\s*(\*\*|__)(.+?)\1")
 _LEAD_END = re.compile(r":|\s[-\u2013\u2014]\s|[.;?!](\s|$)")
 _TOPIC_DROP = re.compile(r"[*_`#\[\](){}<>\"\\|]")
+_REST_EDGE = " :;,.-\u2013\u2014"  # what separates a lead from the words after it
 
 
-def _topic(content: str, n: int) -> str:
+def _topic(content: str, n: int, taken: set[str] | None = None) -> str:
     """The point's lead words: a bold title when the point starts with one, else the words up
-    to the first colon, dash or sentence end; at most :data:`TOPIC_WORDS` words and
-    :data:`TOPIC_CHARS` characters; never holds ``"``, ``<``, ``>`` or a newline."""
+    to the first colon, dash or sentence end; at most :data:`TOPIC_WORDS` words,
+    :data:`TOPIC_CHARS` characters and :data:`~pasta_engine.lang.grammar.MAX_TOPIC_BYTES` bytes;
+    never holds ``"``, ``<``, ``>`` or a newline, and opens with a letter (:func:`topic_text`).
+
+    ``taken`` holds the :func:`~pasta_engine.lang.grammar.topic_key` of the topics already
+    promised in the answer: the grammar never lets a topic equal to one of them end
+    (``TOPIC_TAKEN``), so a clash is extended with the words that follow the lead on the point's
+    first line ("Serve" twice: "Serve the soup hot", "Serve the salad cold"), else suffixed with
+    the point's number ("Serve 2"), else ``point N`` with an unused N."""
+    taken = taken if taken is not None else set()
     first = content.lstrip().split("\n", 1)[0]
     m = _BOLD_LEAD.match(first)
-    lead = m.group(2) if m else _LEAD_END.split(first, maxsplit=1)[0]
-    return topic_text(lead) or f"point {n}"
+    if m:
+        lead, rest = m.group(2), first[m.end():]
+    else:
+        lead = _LEAD_END.split(first, maxsplit=1)[0]
+        rest = first[len(lead):]
+    topic = topic_text(lead)
+    if topic and topic_key(topic) not in taken:
+        return topic
+    if topic:
+        longer = topic_text(lead + " " + rest.lstrip(_REST_EDGE))
+        if longer and topic_key(longer) not in taken:
+            return longer
+        suffixed = topic_text(f"{topic} {n}", fit_tail=True)
+        if topic_key(suffixed) not in taken:
+            return suffixed
+    k = n
+    while topic_key(f"point {k}") in taken:
+        k += 1
+    return f"point {k}"
 
 
-def topic_text(text: str) -> str:
+def _opening(word: str) -> str | None:
+    """``word`` as a topic's first word: from its first letter on when a letter comes before any
+    digit (``"\u00bfQu\u00e9"`` -> ``"Qu\u00e9"``), None when a digit comes first or it has no
+    letter (``"500"``, ``"1."``, ``"3D"``, ``"$5"``)."""
+    for i, c in enumerate(word):
+        if c.isalpha():
+            return word[i:]
+        if c.isalnum():
+            return None
+    return None
+
+
+def topic_text(text: str, fit_tail: bool = False) -> str:
     """``text`` as a promise topic: characters a topic may not hold (``"``, ``<``, ``>``,
-    markdown, non-printables) become spaces, then at most :data:`TOPIC_WORDS` words and
-    :data:`TOPIC_CHARS` characters, trimmed of edge punctuation (may be empty)."""
-    words: list[str] = []
-    for w in "".join(c if c.isprintable() else " " for c in _TOPIC_DROP.sub(" ", text)).split()[:TOPIC_WORDS]:
-        if len(" ".join([*words, w])) > TOPIC_CHARS:
+    markdown, non-printables) become spaces; leading words that do not open with a letter are
+    dropped (``"500 g flour"`` -> ``"g flour"``, ``"1. Recognition"`` -> ``"Recognition"``: the
+    grammar's ``TOPIC_EMPTY`` takes only a first token holding a letter, and a byte-level
+    tokenizer such as SmolLM2's reads a digit as a token of its own); then at most
+    :data:`TOPIC_WORDS` words, :data:`TOPIC_CHARS` characters and
+    :data:`~pasta_engine.lang.grammar.MAX_TOPIC_BYTES` UTF-8 bytes (the grammar's cap counts
+    bytes), cut at a word (a first word longer than that is cut at a character), trimmed of edge
+    punctuation. Empty when no word opens with a letter.
+
+    ``fit_tail``: keep the last word (a suffix such as a number) and drop words before it until
+    the caps hold."""
+    words = "".join(c if c.isprintable() else " " for c in _TOPIC_DROP.sub(" ", text)).split()
+    while words and _opening(words[0]) is None:
+        words.pop(0)
+    if not words:
+        return ""
+    words[0] = _opening(words[0]) or words[0]
+
+    def fits(ws: list[str]) -> bool:
+        t = " ".join(ws)
+        return len(ws) <= TOPIC_WORDS and len(t) <= TOPIC_CHARS and len(t.encode()) <= MAX_TOPIC_BYTES
+
+    if fit_tail and len(words) > 1:
+        head, tail = words[:-1], words[-1]
+        while head and not fits([*head, tail]):
+            head.pop()
+        if head:
+            return " ".join([*head, tail]).strip(" :,.;-'")
+    out: list[str] = []
+    for w in words:
+        if not fits([*out, w]):
             break
-        words.append(w)
-    return " ".join(words).strip(" :,.;-'")
+        out.append(w)
+    if not out:  # one word over the caps: cut it at a character
+        w = words[0][:TOPIC_CHARS]
+        while len(w.encode()) > MAX_TOPIC_BYTES:
+            w = w[:-1]
+        out = [w]
+    return " ".join(out).strip(" :,.;-'")
 
 
 def round_to_tens(n: int) -> int:
@@ -334,9 +423,11 @@ class _Fork:
 def _render(response: str, forks: Sequence[_Fork], syncs: Sequence[int], count: CountTokens,
             topics: Sequence[str] | None = None) -> str:
     inserts: list[tuple[int, int, str]] = []  # (offset, order, text)
+    taken: set[str] = set()  # topic_key of the topics promised so far: never promised twice
     for k, f in enumerate(forks, 1):
         content = response[f.start : f.end]
-        topic = topics[k - 1] if topics is not None else _topic(content, k)
+        topic = topics[k - 1] if topics is not None else _topic(content, k, taken)
+        taken.add(topic_key(topic))
         tag = promise_tag(topic, round_to_tens(count(content)))
         inserts.append((f.start, 2, tag + ASYNC_OPEN))
         inserts.append((f.end, 0, ASYNC_CLOSE))
@@ -514,8 +605,9 @@ def annotate_apar(
         elif unit.kind == "para" and not first:
             body = response[unit.start : unit.end]
             if not _is_title(body) and count(body) >= min_chunk_tokens:
-                # the promise goes at the paragraph's first non-space character
-                start = unit.start + (len(body) - len(body.lstrip()))
+                # the promise goes at the paragraph's first non-space character, or on the space
+                # before it when that space is a token of the word (an indented line, _token_start)
+                start = _token_start(response, unit.start + (len(body) - len(body.lstrip())))
                 forks.append(_Fork(start, unit.end))
     return _finish(response, forks, [], count, "apar")
 

@@ -13,8 +13,13 @@ checked, never trusted:
   (stripping the tags gives the answer exactly; chunks closed and right after their promises; no
   sync inside a chunk), else the answer is kept **unannotated** with a ``note`` saying why (the
   paper's filter; a training command then counts it as ``filtered``);
+- every promise's topic, cut at a word to the grammar's 32 bytes, must be one the grammar lets a
+  model write (:func:`topic_problem`): non-empty, without ``"``, ``<``, ``>`` or a newline (a
+  single-quoted ``topic='...'`` may hold a ``"``), opening with a letter (not ``"8 hours"``) and
+  not a topic already promised in the answer (:func:`~pasta_engine.lang.grammar.topic_key`),
+  else the answer is kept unannotated with a ``note``, as above;
 - every promise's ``tokens`` is replaced by its chunk's measured length rounded to tens (PASTA's
-  Pred-10x), and a topic longer than the grammar's 32 bytes is cut at a word.
+  Pred-10x).
 """
 
 from __future__ import annotations
@@ -22,13 +27,13 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from ..lang.grammar import MAX_TOPIC_BYTES
+from ..lang.grammar import MAX_TOPIC_BYTES, topic_key
 from ..lang.dialect import source_text
 from ..lang.tags import Promise, parse, promise_tag, split_threads
 from .annotate import Annotation, CountTokens, approx_token_count, round_to_tens, verify_annotation
 from .endpoint import ChatEndpoint
 
-__all__ = ["ANNOTATION_PROMPT", "annotate_with_endpoint", "endpoint_annotator", "unfence"]
+__all__ = ["ANNOTATION_PROMPT", "annotate_with_endpoint", "endpoint_annotator", "topic_problem", "unfence"]
 
 #: The system prompt of the ``endpoint`` annotator (docs/annotation_prompt.md holds the same text).
 ANNOTATION_PROMPT = """\
@@ -40,8 +45,8 @@ comment.
 The tags:
 - <promise topic="TOPIC" tokens="N"/><async>CHUNK</async> marks CHUNK, a part of the answer that a
   separate writer will write at the same time as the rest. The promise goes right before the
-  chunk's first character and </async> right after its last. TOPIC (a few words, at most 32
-  characters, no quotes, < or >) says what the chunk covers, for example "health benefits" or
+  chunk's first character and </async> right after its last. TOPIC (a few words opening with
+  a letter, at most 32 characters, no quotes, < or >) says what the chunk covers, for example "health benefits" or
   "cost of travel"; not the chunk's first words, and never a topic already used in this answer.
   N is the chunk's length in tokens, roughly (it is measured again).
 - <sync/> makes the text after it wait for every chunk before it. Put it before text that needs
@@ -92,6 +97,37 @@ def _topic(topic: str) -> str:
     return out or topic.encode()[:MAX_TOPIC_BYTES].decode(errors="ignore")
 
 
+def topic_problem(topic: str, taken: set[str]) -> str | None:
+    """Why ``topic`` (as it will be written, after :func:`_topic`'s cap) is not one the grammar
+    (:mod:`pasta_engine.lang.grammar`) lets a model write, or None when it is. ``taken``: the
+    :func:`~pasta_engine.lang.grammar.topic_key` of the topics promised before it in the answer."""
+    if not topic.strip():
+        return "an empty topic"
+    if any(c in topic for c in '"<>\n'):
+        return f"the topic {topic!r} holds a quote, < or > or a newline"
+    first = topic.lstrip()[0]
+    if not (first.isalpha() or ord(first) > 127):  # the grammar's first topic token holds a letter
+        return f"the topic {topic!r} does not open with a letter"
+    if len(topic.encode()) > MAX_TOPIC_BYTES:
+        return f"the topic {topic!r} is over the grammar's {MAX_TOPIC_BYTES} bytes"
+    if topic_key(topic) in taken:
+        return f"the topic {topic!r} was promised before in the answer"
+    return None
+
+
+def _topics_problem(annotated: str) -> str | None:
+    """The first topic of ``annotated`` that :func:`topic_problem` refuses, said, or None."""
+    taken: set[str] = set()
+    for e in parse(annotated):
+        if isinstance(e, Promise):
+            topic = _topic(e.topic)
+            problem = topic_problem(topic, taken)
+            if problem is not None:
+                return problem
+            taken.add(topic_key(topic))
+    return None
+
+
 def _measured(annotated: str, count: CountTokens) -> str:
     """``annotated`` with every promise's length measured (Pred-10x) and its topic capped."""
     chunks = split_threads(annotated).chunks
@@ -121,7 +157,8 @@ def annotate_with_endpoint(endpoint: ChatEndpoint, instruction: str, response: s
 
     Returns the :class:`~pasta_engine.tools.annotate.Annotation` (``annotator`` ``endpoint``), or
     the answer unannotated (``promises`` 0, ``annotator`` None) with a ``note`` starting
-    "endpoint annotation discarded" when the reply is not the answer with tags inserted.
+    "endpoint annotation discarded" when the reply is not the answer with tags inserted or a
+    topic is not one the grammar lets a model write (:func:`topic_problem`).
     Raises :class:`~pasta_engine.tools.endpoint.EndpointError` when the endpoint fails."""
     count = count_tokens or approx_token_count
     budget = max_tokens or 2 * approx_token_count(response) + 256
@@ -132,6 +169,8 @@ def annotate_with_endpoint(endpoint: ChatEndpoint, instruction: str, response: s
     trail = response[len(response.rstrip()):]
     text = lead + unfence(reply).strip() + trail  # the answer's own outer whitespace, whatever the reply's
     problem = verify_annotation(response, text)
+    if problem is None:
+        problem = _topics_problem(text)
     if problem is not None:
         return Annotation(response, note=f"endpoint annotation discarded ({endpoint.name}): {problem}")
     text = _measured(text, count)

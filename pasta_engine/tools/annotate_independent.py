@@ -36,11 +36,11 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
-from ..lang.grammar import LEANING_WORDS
+from ..lang.grammar import LEANING_WORDS, topic_key
 from ..lang.tags import AsyncClose, AsyncOpen, Promise, Sync, Text
 from ..lang.tags import parse as parse_events
 from .annotate import (
-    _BOLD_LEAD, MIN_CHUNK_TOKENS, Annotation, CountTokens, _finish, _Fork, _is_title, _precheck, _units,
+    _BOLD_LEAD, MIN_CHUNK_TOKENS, Annotation, CountTokens, _finish, _Fork, _is_title, _precheck, _token_start, _units,
     approx_token_count, topic_text,
 )
 
@@ -102,19 +102,24 @@ def document_frequencies(texts: Iterable[str]) -> dict[str, float]:
 
 def descriptive_topic(content: str, taken: Iterable[str] = (), idf: Mapping[str, float] | None = None,
                       words: int = 3) -> str:
-    """A topic that says what ``content`` covers, in at most :data:`TOPIC_WORDS` words and
-    :data:`TOPIC_CHARS` characters, never equal (ignoring case) to a topic in ``taken``.
+    """A topic that says what ``content`` covers, in at most :data:`TOPIC_WORDS` words,
+    :data:`TOPIC_CHARS` characters and :data:`~pasta_engine.lang.grammar.MAX_TOPIC_BYTES` bytes,
+    never equal to a topic in ``taken`` as the grammar compares them
+    (:func:`~pasta_engine.lang.grammar.topic_key`: case, spacing and punctuation ignored, so
+    "Step-by-step" clashes with "Step by step"; the grammar never lets such a topic end).
 
-    The chunk's bold title when it opens with one (the author's own plan of the chunk); else the
-    ``words`` most specific words of its first 60 words (highest ``idf``, unknown words highest,
-    function words never; ties by position), in the order they appear. When that topic is taken,
-    the next most specific word is added or swapped in; ``point N`` is the last resort. Never
-    holds ``"``, ``<``, ``>`` or a newline."""
-    taken_l = {t.lower() for t in taken}
+    The chunk's bold title when it opens with one (the author's own plan of the chunk; its
+    leading words without a letter dropped, ``"1. Recognition"`` -> ``"Recognition"``, see
+    :func:`~pasta_engine.tools.annotate.topic_text`); else the ``words`` most specific words of
+    its first 60 words (highest ``idf``, unknown words highest, function words never; ties by
+    position), in the order they appear. When that topic is taken, the next most specific word
+    is added or swapped in; ``point N`` is the last resort. Never holds ``"``, ``<``, ``>`` or a
+    newline, and opens with a letter."""
+    taken_l = {topic_key(t) for t in taken}
     m = _BOLD_LEAD.match(content.lstrip().split("\n", 1)[0])
     if m:
         title = topic_text(m.group(2))
-        if title and title.lower() not in taken_l:
+        if title and topic_key(title) not in taken_l:
             return title
     seq = [w for w in _words(" ".join(content.split()[:60])) if w not in _STOP and len(w) > 2]
     order: dict[str, int] = {}
@@ -125,10 +130,10 @@ def descriptive_topic(content: str, taken: Iterable[str] = (), idf: Mapping[str,
     head = ranked[: words - 1]
     for last in ranked[words - 1:] or [None]:  # the next rarest word swapped in while the topic is taken
         topic = topic_text(" ".join(sorted(head + ([last] if last else []), key=order.__getitem__)))
-        if topic and topic.lower() not in taken_l:
+        if topic and topic_key(topic) not in taken_l:
             return topic
     n = len(taken_l) + 1
-    while f"point {n}" in taken_l:
+    while topic_key(f"point {n}") in taken_l:
         n += 1
     return f"point {n}"
 
@@ -270,8 +275,11 @@ def _pieces(response: str, count: CountTokens, min_tokens: int) -> list[_Piece]:
             body = response[unit.start:unit.end]
             if count(body) < min_tokens:
                 continue
-            start = unit.start + (len(body) - len(body.lstrip()))
-            out.append(_Piece(start, start, unit.end, unit.kind == "para" and not first and not _is_title(body)))
+            at = unit.start + (len(body) - len(body.lstrip()))
+            # a fork starts on the space before an indented line's first word when that space is
+            # the word's own (a token boundary of the plain text, see annotate._token_start)
+            candidate = unit.kind == "para" and not first and not _is_title(body)
+            out.append(_Piece(_token_start(response, at), at, unit.end, candidate))
     return out
 
 

@@ -3,7 +3,8 @@ the client that the ``endpoint`` annotator (:mod:`pasta_engine.tools.annotate_en
 pairwise judge (:mod:`pasta_engine.tools.judge`) share.
 
 It is the ``openai`` client (``pip install 'pasta-engine[train]'``) with its retries and timeout;
-every failure (connection, HTTP status, an empty or missing reply) is an :class:`EndpointError`
+every failure (connection, HTTP status, a body that is not JSON, an empty or missing reply) is an
+:class:`EndpointError`
 that names the endpoint and the model, so a bad URL fails the command with a line that says what
 to fix instead of a traceback from inside a training round.
 
@@ -89,8 +90,9 @@ class ChatEndpoint:
             temperature: 0 for a reproducible annotation or verdict.
             seed: sent as ``seed`` (None: not sent).
 
-        Raises :class:`EndpointError` naming the endpoint for a connection or HTTP failure and
-        for a reply without text."""
+        Raises :class:`EndpointError` naming the endpoint for a connection or HTTP failure, for
+        a body that does not parse (invalid JSON sent as ``application/json``: the ``openai``
+        client raises ``json.JSONDecodeError``, a ValueError) and for a reply without text."""
         import openai
 
         extra = {} if seed is None else {"seed": seed}
@@ -101,6 +103,9 @@ class ChatEndpoint:
             raise EndpointError(f"{self.name}: HTTP {e.status_code}: {_short(e.message)}") from None
         except openai.APIError as e:
             raise EndpointError(f"{self.name}: {type(e).__name__}: {_short(str(e))}") from None
+        except ValueError as e:  # json.JSONDecodeError: a 200 whose body claims JSON and is not
+            raise EndpointError(f"{self.name}: the reply does not parse "
+                                f"({type(e).__name__}: {_short(str(e))})") from None
         try:
             text = resp.choices[0].message.content
         except (AttributeError, IndexError, TypeError):

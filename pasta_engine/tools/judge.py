@@ -186,17 +186,30 @@ def _verdict_file(path: Path, ids: set[int]) -> dict[int, str]:
     return out
 
 
-def read_blind_sides(out: Path) -> list[dict[str, Any]]:
+def read_blind_sides(out: Path, complete: bool = False) -> list[dict[str, Any]]:
     """The readers' verdicts of :func:`write_blind_pairs`' files joined with its key, from the
     candidate's side: per row ``{"id", "first_order", "reversed_order"}``, each ``"win"``,
     ``"loss"``, ``"tie"`` or None (not judged), from ``out/verdicts.jsonl`` (the reader of
     ``pairs.jsonl``) and ``out/verdicts_reversed.jsonl`` (a second reader, every order reversed);
     a missing verdict file counts as nothing judged. Raises ValueError naming the file and line
-    of a line that is not a verdict, names a row the key does not have, or repeats an id."""
+    of a line that is not a verdict, names a row the key does not have, or repeats an id.
+
+    ``complete``: a verdict file that is there must judge every row of the key, else ValueError
+    naming the file and the ids it misses (a reader who stopped early; ``bench/judge_pairs.py
+    join`` asks for this, since a win rate over fewer rows in one order than in the other is not
+    the figure it says). Off by default: BoNBoN's readings judge slices of their keys."""
     key = json.loads((out / "key.json").read_text())
     files = [out / "verdicts.jsonl", out / "verdicts_reversed.jsonl"]
     ids = {k["id"] for k in key["rows"]}
     fwd, rev = (_verdict_file(f, ids) if f.exists() else {} for f in files)
+    if complete:
+        for f, got in zip(files, (fwd, rev)):
+            missing = sorted(ids - set(got))
+            if f.exists() and missing:
+                shown = ", ".join(map(str, missing[:20]))
+                if len(missing) > 20:
+                    shown += f", ... ({len(missing)} in all)"
+                raise ValueError(f"{f} judges {len(got)} of the key's {len(ids)} rows: ids {shown} have no verdict")
 
     def side(verdict: str | None, cand: str) -> str | None:
         return None if verdict is None else "tie" if verdict == "tie" else "win" if verdict == cand else "loss"

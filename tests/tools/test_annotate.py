@@ -97,8 +97,13 @@ def check_well_formed(response: str, annotated: str) -> list[Promise]:
     assert len(th.chunks) == len(promises)
     assert all(c.content is not None and c.closed for c in th.chunks)
     assert splice(th.main, th.chunks) == annotated
+    from pasta_engine.lang.grammar import MAX_TOPIC_BYTES, topic_key
+
+    # topics the grammar lets a model write: a letter first, within its byte cap, none twice
+    assert len({topic_key(p.topic) for p in promises}) == len(promises), [p.topic for p in promises]
     for p in promises:
         assert not re.search(r'["<>\n]', p.topic) and p.topic.strip() == p.topic and p.topic
+        assert p.topic[0].isalpha() and len(p.topic.encode()) <= MAX_TOPIC_BYTES, p.topic
         assert p.tokens % 10 == 0 and p.tokens >= 10
         assert p.raw + "<async>" in annotated  # each chunk directly follows its promise
     return promises
@@ -366,3 +371,107 @@ def test_only_the_forks_beside_an_empty_item_are_left_out():
         a = annotate(answer, name)
         assert a.promises == 2 and "1 of 3 forks left out" in a.note, (name, a.note)
         assert clean_text(a.annotated) == answer and strip_tags(a.annotated) == answer
+
+
+# --------------------------------------------------------------------------- topics the grammar lets a model write
+
+SERVE_TWICE = ("Recipe:\n\n1. Serve: the soup hot with crusty bread and a little grated cheese on top.\n"
+               "2. Serve: the salad cold with a squeeze of lemon and some olive oil drizzled on it.\n")
+
+
+@pytest.mark.parametrize("annotator", ["sot", "apar", "mixed"])
+def test_an_answer_never_promises_one_topic_twice(annotator):
+    """Two points that open with the same lead ("Serve") once got the same topic twice; the
+    grammar's TOPIC_TAKEN never lets a topic equal to an earlier one (topic_key) end, so a model
+    trained on that could not write the second promise. The clash is extended with the point's
+    next words."""
+    from pasta_engine.lang.grammar import PROMISE_OPEN, GrammarState, grammar_state, topic_key
+
+    a = annotate(SERVE_TWICE, annotator)
+    topics = [p.topic for p in check_well_formed(SERVE_TWICE, a.annotated)]
+    assert topics == ["Serve", "Serve the salad cold"]
+    taken: set[str] = set()
+    for t in topics:
+        assert grammar_state(True, PROMISE_OPEN + t, taken=taken) is GrammarState.TOPIC
+        taken.add(topic_key(t))
+
+
+def test_a_clash_with_nothing_more_to_say_is_numbered():
+    """Three points with one lead and nothing after it on their first line: the lead, then the
+    lead with the point's number; topic_key ("Dining-Room" = "dining room") decides a clash."""
+    from pasta_engine.lang.grammar import topic_key
+
+    body = "carry the plates and the glasses over and set them out neatly for the guests tonight"
+    response = "Tasks:\n\n" + "".join(f"- **{t}**\n  {body}.\n" for t in ("Dining Room", "Dining-Room", "dining room"))
+    topics = [p.topic for p in check_well_formed(response, annotate_sot(response).annotated)]
+    assert topics == ["Dining Room", "Dining-Room 2", "dining room 3"]
+    assert len({topic_key(t) for t in topics}) == 3
+
+
+def test_topics_open_with_a_letter():
+    """A topic whose first word has no letter ("500 g flour", "1. Recognition") is refused by the
+    grammar (TOPIC_EMPTY takes only a first token holding a letter; SmolLM2 reads digits one by
+    one): leading words that do not open with a letter are dropped, and a lead with none at all
+    falls back to "point N"."""
+    from pasta_engine.tools.annotate import topic_text
+
+    assert topic_text("500 g flour, sifted twice") == "g flour, sifted twice"
+    assert topic_text("1. Recognition") == "Recognition"
+    assert topic_text("3D printing at home") == "printing at home"
+    assert topic_text("\u00bfQu\u00e9 pasa?") == "Qu\u00e9 pasa?"
+    assert topic_text("2024 - 2025") == ""
+    response = ("Ingredients:\n\n- 500 g flour, sifted twice for a light and airy crumb in the bread.\n"
+                "- 2 eggs, beaten with a fork until smooth and pale yellow in colour.\n"
+                "- 2024: the year this recipe was first written down by my grandmother.\n")
+    topics = [p.topic for p in check_well_formed(response, annotate_sot(response).annotated)]
+    assert topics == ["g flour, sifted twice", "eggs, beaten with a", "point 3"]
+    assert all(t[0].isalpha() for t in topics)
+
+
+def test_topics_fit_the_grammars_byte_cap():
+    """The grammar's MAX_TOPIC_BYTES counts UTF-8 bytes, not characters: a topic of 32
+    characters may hold 90 bytes. Topics are cut at a word to the byte cap (a single longer
+    word at a character)."""
+    from pasta_engine.lang.grammar import MAX_TOPIC_BYTES
+    from pasta_engine.tools.annotate import topic_text
+
+    french = "\u00c9conomie d'\u00e9nergie \u00e9lev\u00e9e"  # 25 characters, 29 bytes
+    assert topic_text(french + " tr\u00e8s") == french  # 30 characters, 35 bytes: over the cap
+    assert topic_text("\u65e5\u672c\u8a9e\u306e\u8aac\u660e\u6587\u7ae0\u30c6\u30b9\u30c8\u9805\u76ee") == \
+        "\u65e5\u672c\u8a9e\u306e\u8aac\u660e\u6587\u7ae0\u30c6\u30b9"  # 10 characters, 30 bytes
+    response = ("Points:\n\n- **" + french + " tr\u00e8s**: r\u00e9duire la consommation "
+                "dans les b\u00e2timents publics aujourd'hui.\n"
+                "- **\u65e5\u672c\u8a9e\u306e\u8aac\u660e\u6587\u7ae0\u30c6\u30b9\u30c8\u9805\u76ee**: "
+                + "\u3053\u308c\u306f\u9577\u3044\u8aac\u660e\u306e\u6587\u7ae0\u3067\u3059\u3002" * 4 + "\n")
+    topics = [p.topic for p in check_well_formed(response, annotate_sot(response).annotated)]
+    assert len(topics) == 2 and all(len(t.encode()) <= MAX_TOPIC_BYTES for t in topics)
+
+
+@pytest.mark.parametrize("annotator", ["sot", "apar", "independent"])
+def test_forks_before_an_indented_line_sit_at_token_boundaries(smollm2_dir, annotator):
+    """An indented paragraph ("\\n\\n    // Read") or a list item whose text starts on the next
+    line ("1.\\n   Keep") tokenizes as "\\n\\n   " then " //": the fork goes before the word's own
+    space, where the plain text has a boundary, not before "//" (inside " //")."""
+    from transformers import AutoTokenizer
+
+    from pasta_engine.lang.tokenization import encode_text
+    from pasta_engine.tools.annotate_independent import annotate_independent
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    code_para = ("Here is the program.\n\nIt reads the file line by line and counts every word it finds on each "
+                 "line.\n\n    // Read the file line by line and count the words on each line of the input file\n")
+    nl_items = ("Tips:\n\n1.\n   Keep a regular schedule every day, even on weekends and holidays.\n"
+                "2.\n   Dim the lights an hour before bed so your body produces melatonin.\n")
+    tab_para = code_para.replace("\n\n    // Read", "\n\n\t// Read")
+    never = lambda seen, alone, piece: 0.0  # noqa: E731
+    cases = {"apar": [code_para, tab_para], "sot": [nl_items], "independent": [code_para, tab_para, nl_items]}
+    for response in cases[annotator]:
+        a = annotate_independent(response, never)[0] if annotator == "independent" else annotate(response, annotator)
+        check_well_formed(response, a.annotated)
+        offsets = promise_offsets_in_response(a.annotated)
+        assert len(offsets) == 2, a.annotated
+        ends, at = {0}, 0
+        for i in encode_text(tok, response):
+            at += len(tok.decode([i]))
+            ends.add(at)
+        assert all(off in ends for off in offsets), (offsets, a.annotated[:300])

@@ -169,3 +169,36 @@ def test_the_docs_carry_the_annotation_prompt_verbatim():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "annotation_prompt.md").read_text()
     indented = "\n".join(("    " + line) if line else "" for line in ANNOTATION_PROMPT.rstrip("\n").split("\n"))
     assert indented in doc
+
+
+@pytest.mark.parametrize("topics, why", [
+    (("'the \"schedule\"'", "'lights'"), "holds a quote"),  # single-quoted: parses, but no promise_tag renders it
+    (('""', '"lights"'), "an empty topic"),
+    (('"8 hours"', '"lights"'), "does not open with a letter"),  # the grammar's first topic token holds a letter
+    (('"sleep habit"', '"Sleep habit!"'), "was promised before"),  # topic_key: the grammar's TOPIC_TAKEN
+])
+def test_endpoint_annotation_with_a_topic_the_grammar_refuses_is_discarded(topics, why):
+    """A reply whose topics a model could not write under the grammar is discarded with a note
+    naming the endpoint, as any other bad reply; a '"' in a single-quoted topic once passed the
+    checks and crashed with a bare ValueError in promise_tag."""
+    one = "Keep a regular schedule, going to bed and waking up at the same time every day."
+    two = "Keep the bedroom dark and cool, and leave phones and screens outside it."
+    reply = (ANSWER.replace(one, f"<promise topic={topics[0]} tokens='10'/><async>{one}</async>")
+             .replace(two, f"<promise topic={topics[1]} tokens='10'/><async>{two}</async>"))
+    a = annotate_with_endpoint(fake_endpoint([reply]), "How do I sleep better?", ANSWER)
+    assert a.annotated == ANSWER and a.promises == 0 and a.annotator is None
+    assert a.note.startswith("endpoint annotation discarded (big-model at http://judge.test/v1)") and why in a.note
+
+
+def test_a_body_that_is_not_json_is_an_endpoint_error():
+    """A 200 whose body claims application/json and is not JSON: the openai client raises
+    json.JSONDecodeError, which once escaped the judge uncaught; now an EndpointError naming the
+    endpoint."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "application/json"}, content=b"not json at all")
+
+    client = openai.OpenAI(base_url="http://judge.test/v1", api_key="k", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    ep = ChatEndpoint("http://judge.test/v1", "big-model", client=client)
+    with pytest.raises(EndpointError, match=r"big-model at http://judge.test/v1: the reply does not parse"):
+        judge_pair(ep, "Q?", "a", "b")
