@@ -409,6 +409,14 @@ class AsyncEngine:
                 raise self._dead
             self._commands.put(cmd)
 
+    async def check_requests(self, inputs: Sequence[RequestInputs]) -> list[SamplingParams]:
+        """:meth:`Engine.check_request <pasta_engine.engine.llm_engine.Engine.check_request>` of
+        each of ``inputs`` on the engine thread, queuing nothing: a group of requests can be
+        refused whole before any takes a resource. Returns their sampling parameters; raises the
+        first check's error (ParameterError, ContextLengthError), or EngineDeadError."""
+        eng = self.engine
+        return await self._call(lambda: [eng.check_request(i) for i in inputs])
+
     async def _call(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()

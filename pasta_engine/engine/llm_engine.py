@@ -332,6 +332,17 @@ class Engine:
             req.renderer = OutputRenderer()  # step() outputs its text and tokens as they come
         return req
 
+    def check_request(self, inputs: RequestInputs) -> SamplingParams:
+        """Make every check :meth:`add_request` makes of ``inputs`` (its parameters, its id, the
+        prompt's fit in the KV cache, a replay's response) and take nothing: the request is built
+        and dropped, holding no resource. For a caller that must refuse a group of requests
+        whole before queuing any (a server's request of several prompts). Returns the sampling
+        parameters the request would run with (a replay's ``max_new_tokens`` raised to its
+        response's length). Raises what :meth:`add_request` raises (ParameterError,
+        ContextLengthError)."""
+        with self._lock:
+            return self._make_request(inputs).params
+
     def _known(self, request_id: str) -> bool:
         """Whether ``request_id`` belongs to a request whose final output is not reported yet
         (waiting, running, or ended by abort or error until the next :meth:`step` returns it):

@@ -304,3 +304,21 @@ def test_an_answer_that_never_forks_has_a_content_speedup_of_at_most_one(tiny_ll
                               mode="sequential")
         assert r.stats.forks == 0 and r.stats.content_speedup <= 1.0
         assert r.stats.content_tokens <= r.stats.tokens_decoded
+
+
+def test_check_request_makes_add_requests_checks_and_takes_nothing(tiny_engine):
+    """``Engine.check_request``: the checks of ``add_request`` (a bad parameter, a prompt past
+    the KV cache) without queuing anything or taking a page; a replay's budget comes back raised
+    to its response's length."""
+    from pasta_engine.engine.input_processor import RequestInputs
+    from pasta_engine.errors import ContextLengthError, ParameterError
+
+    free = tiny_engine.stats()["kv_pages_free"]
+    with pytest.raises(ParameterError, match="mode"):
+        tiny_engine.check_request(RequestInputs([1, 2, 3], None, "bogus"))
+    with pytest.raises(ContextLengthError):
+        tiny_engine.check_request(RequestInputs([5] * 100_000, SamplingParams(max_new_tokens=4)))
+    params = tiny_engine.check_request(RequestInputs([1, 2, 3], SamplingParams(max_new_tokens=1), "pasta",
+                                                     annotated_response="a b c d e f g h"))
+    assert params.max_new_tokens > 1
+    assert not tiny_engine.has_unfinished_requests() and tiny_engine.stats()["kv_pages_free"] == free

@@ -244,18 +244,12 @@ class Server:
 
         Raises what the engine's ``add_request`` raises (ParameterError, ContextLengthError,
         EngineDeadError)."""
-        eng = self.engine.engine
         several = len(prompts) > 1
         inputs = [RequestInputs(prompt, opts.params[0], opts.mode, f"{cid}-{p * opts.n}", opts.annotated_response,
                                 opts.limits, opts.position_policy, opts.dialect, False, OutputKind.FINAL,
                                 index=p if several else None)
                   for p, prompt in enumerate(prompts)]
-
-        def build() -> list[int]:  # on the engine thread (its tokenizer), as add_request builds a request
-            with eng._lock:
-                return [eng._make_request(i).params.max_new_tokens for i in inputs]
-
-        budgets = await self.engine._call(build)
+        budgets = [p.max_new_tokens for p in await self.engine.check_requests(inputs)]
         if opts.max_tokens is not None:
             name, value = opts.max_tokens
             need = max(budgets)
