@@ -476,15 +476,25 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One forward for every running thread of every running request.
 
-        Returns an output for each request that progressed or ended (aborted and failed ones
-        included), kept outputs of an earlier ``generate`` first. Any exception escaping it
-        (KeyboardInterrupt included) first ends every running request with an error, freeing
-        all their pages."""
+        Returns one output for each request that progressed or ended (aborted and failed ones
+        included), kept outputs of an earlier ``generate`` first, this step's output of the same
+        request folded into them (:meth:`RequestOutput.add`: one id never gives two outputs in
+        one step). Any exception escaping it (KeyboardInterrupt included) first ends every
+        running request with an error, freeing all their pages; the outputs built before it are
+        kept for the next call, and an ended request whose output could not be built is
+        forgotten (its id free again; the caller got the exception)."""
         with self._lock:
-            kept = list(self._kept.values())
             outputs = self._step()  # if it raises, the kept outputs stay kept for the next call
+            merged = list(self._kept.values())
             self._kept.clear()
-            return kept + outputs
+            at = {o.request_id: i for i, o in enumerate(merged)}
+            for o in outputs:
+                i = at.get(o.request_id)
+                if i is None:
+                    merged.append(o)
+                else:
+                    merged[i].add(o)
+            return merged
 
     def _step(self) -> list[RequestOutput]:
         try:
@@ -498,11 +508,24 @@ class Engine:
             if profile and batch:  # the runner appended this step's entry
                 profile[-1].schedule_s = t1 - t0
                 profile[-1].interp_s = time.perf_counter() - t2
+            ended = self.scheduler.take_ended()
+            work = [(r, ()) for r in ended] + list(progressed)
+            outputs: list[RequestOutput | None] = []
+            for r, taken in work:  # rendering runs the tokenizer: it can raise, Ctrl-C can land here
+                outputs.append(self._output(r, taken))
         except BaseException as e:
+            # the outputs phase: a request that had ended before the failure, whose output was not
+            # built, is out of the scheduler and would never be reported: forgotten (its id freed)
+            lost = [r for r, _ in work[len(outputs):] if r.finished] if "outputs" in locals() else []
             self.scheduler.fail_running(f"the engine step failed: {type(e).__name__}: {e}")
+            if "outputs" in locals():
+                for o in outputs:  # built before the failure: the next step() returns them
+                    if o is not None:
+                        self._keep(o)
+                for r in lost:
+                    if self._requests.pop(r.request_id, None) is not None:
+                        self._finished[r.request_id] = r.finish_reason or "error"
             raise
-        outputs = [self._output(r, ()) for r in self.scheduler.take_ended()]
-        outputs += [self._output(r, taken) for r, taken in progressed]
         return [o for o in outputs if o is not None]
 
     def _output(self, req: Request, sampled: Iterable[tuple[int, int]]) -> RequestOutput | None:
@@ -563,6 +586,7 @@ class Engine:
             self.scheduler.take_ended(mine)  # their final outputs go nowhere: the caller gets the exception
             for rid in mine:
                 self._requests.pop(rid, None)
+                self._kept.pop(rid, None)  # built before a failed step's exception
             raise
         finally:
             if bar is not None:

@@ -354,3 +354,55 @@ def test_settings_the_runner_would_refuse_fail_before_the_weights_load(tiny_llam
     monkeypatch.setattr(llm_engine, "load_model", no_load)
     with pytest.raises(ParameterError, match=match):
         Engine.from_pretrained(tiny_llama, device="cpu", **options)
+
+
+def test_ctrl_c_while_building_a_finished_requests_output_leaves_no_request_stuck(engine, monkeypatch):
+    """A KeyboardInterrupt while ``step()`` builds the output of a request that has just
+    finished (out of the scheduler already) used to leave it in the engine for good: every later
+    step returned nothing, ``has_unfinished_requests()`` stayed True and its id stayed taken. It
+    is forgotten now (the caller got the exception), its id free, every page back."""
+    import pasta_engine.core.request as request_module
+
+    original = request_module.Request.result
+    armed = [True]
+
+    def result(self):
+        if armed[0] and self.finished:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(request_module.Request, "result", result)
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0.0), mode="sequential",
+                       request_id="a")
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(10):
+            engine.step()
+    for _ in range(3):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2), mode="sequential", request_id="a")  # id free
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_one_step_gives_one_output_per_request_after_a_generate(engine):
+    """``generate`` from the same thread advances a step-API request and keeps its outputs; the
+    next ``step()`` folds them into that step's output of the request (one id, one output), and
+    the deltas still concatenate to the final text."""
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=12, temperature=0.0), mode="sequential",
+                       request_id="s")
+    outs = engine.step()
+    engine.generate([[4, 5, 6]], SamplingParams(max_new_tokens=3, temperature=0.0), mode="sequential")
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        ids = [o.request_id for o in step]
+        assert len(ids) == len(set(ids)), ids
+        outs += step
+    mine = [o for o in outs if o.request_id == "s"]
+    assert mine[-1].finished and "".join(o.delta_text for o in mine) == mine[-1].text
+    assert sum((o.new_token_ids for o in mine), []) == mine[-1].result.token_ids
