@@ -18,7 +18,7 @@ import math
 import numbers
 from dataclasses import InitVar, dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 from .errors import ParameterError
 from .lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
@@ -36,7 +36,6 @@ __all__ = [
     "check_int",
     "check_float",
     "check_bool",
-    "set_attention_backend_check",
     "limits_without_effect",
 ]
 
@@ -463,21 +462,6 @@ def limits_without_effect(mode: str, *, nesting: bool = False, replay: bool = Fa
 #: Values of :attr:`EngineConfig.thread_policy` (the first is the default).
 THREAD_POLICIES = ("critical_first", "fcfs")
 
-#: How :class:`EngineConfig` checks ``attention_backend`` against the registered backends (see
-#: :func:`set_attention_backend_check`); None: not installed.
-_attention_backend_check: Callable[[Any], None] | None = None
-
-
-def set_attention_backend_check(check: Callable[[Any], None] | None) -> None:
-    """Install how :class:`EngineConfig` checks ``attention_backend``: ``check(value)`` raises
-    ParameterError naming it unless it is a registered backend name or a backend instance. The
-    registry lives above this module (``pasta_engine.layers.backends``, which imports torch), so
-    the model runner, imported with the package, installs it; without it any non-empty name or
-    object passes here, and the model runner refuses an unknown one when the engine is built."""
-    global _attention_backend_check
-    _attention_backend_check = check
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's settings (every option, one object).
@@ -485,7 +469,8 @@ class EngineConfig:
     Attributes:
         attention_backend: a name registered in :mod:`pasta_engine.layers.backends`
             (``"torch"``: the reference, ``"triton"``, ``"flex"``), or a backend instance
-            (checked here, before any model loads: :func:`set_attention_backend_check`).
+            (checked against the registry by ``Engine.from_pretrained`` before any model loads:
+            :func:`~pasta_engine.worker.model_runner.check_attention_backend`).
         kv_cache_bytes: KV cache budget in bytes (None: 512 MiB on CPU, 40% of free GPU memory
             on CUDA).
         page_size: KV page size in tokens (1 to 1024).
@@ -557,8 +542,6 @@ class EngineConfig:
         if isinstance(self.attention_backend, str) and not self.attention_backend:
             raise ParameterError("attention_backend", self.attention_backend,
                                  "a registered backend name ('torch', 'triton', 'flex', ...) or a backend")
-        if _attention_backend_check is not None:
-            _attention_backend_check(self.attention_backend)
         check_int("kv_cache_bytes", self.kv_cache_bytes, 1, none_ok=True)
         check_int("page_size", self.page_size, 1, 1024)
         check_int("max_running_requests", self.max_running_requests, 1)

@@ -150,21 +150,27 @@ def test_grammar_knobs_are_the_fields_set_away_from_off():
 
 
 @pytest.mark.parametrize("value", ["nope", 5, object(), "Torch"])
-def test_an_unknown_attention_backend_is_refused_by_the_config(value):
-    """The config refuses what no backend registry entry or instance is, naming the known
-    backends, so ``Engine.from_pretrained`` refuses it before any weight loads (it was refused
-    only by the model runner, after the load)."""
+def test_an_unknown_attention_backend_is_refused_by_the_check_before_loading(value):
+    """``check_attention_backend`` (which ``Engine.from_pretrained`` calls before any weight
+    loads; it was refused only by the model runner, after the load) refuses what no backend
+    registry entry or instance is, naming the known backends."""
+    from pasta_engine.worker.model_runner import check_attention_backend
+
     with pytest.raises(ParameterError, match=r"attention_backend=.*'torch', 'triton', 'flex'.*backend instance") as e:
-        EngineConfig(attention_backend=value)
+        check_attention_backend(value)
     assert e.value.param == "attention_backend"
 
 
 def test_a_known_attention_backend_name_or_instance_is_taken():
     from pasta_engine.layers.reference_attention import TorchAttention
 
+    from pasta_engine.worker.model_runner import check_attention_backend
+
     for name in ("torch", "triton", "flex"):  # checked by name: no backend module is imported for it
+        check_attention_backend(name)
         assert EngineConfig(attention_backend=name).attention_backend == name
     inst = TorchAttention()
+    check_attention_backend(inst)
     assert EngineConfig(attention_backend=inst).attention_backend is inst
 
 

@@ -55,7 +55,8 @@ from ..lang.tokenization import decode, encode_tag, encode_text, eos_token_ids
 from ..models.protocol import CausalLM
 from ..models.loader import load_model
 from ..worker.cpu_threads import check_threads, cpu_threads
-from ..worker.model_runner import ModelRunner, check_cuda_graphs, default_kv_cache_bytes, kv_pages
+from ..worker.model_runner import (ModelRunner, check_attention_backend, check_cuda_graphs, default_kv_cache_bytes,
+                                   kv_pages)
 from .input_processor import InputProcessor, Prompt, RequestInputs, choice_params, is_chat, resolve_dialect
 from .streaming import OutputKind
 
@@ -227,6 +228,7 @@ class Engine:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ParameterError("dtype", dtype, "torch.float32, torch.float16 or torch.bfloat16")
         # settings the model runner would refuse, refused before any weight loads
+        check_attention_backend(config.attention_backend)
         check_cuda_graphs(config.cuda_graphs, device, config.attention_backend)
         _check_kv_budget(config.kv_cache_bytes, device)
         _check_kv_pages(model, config, device, dtype)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..config import EngineConfig, set_attention_backend_check
+from ..config import EngineConfig
 from ..errors import ParameterError
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.backends import backend_info, get_backend, graph_backend_names
@@ -36,7 +36,7 @@ from ..core.batch import SampledTokens, SamplingRow, ScheduledBatch
 from .forward import StepInputs, forward_step
 
 __all__ = ["ModelRunner", "StepProfile", "StepInputs", "kv_bytes_per_token", "default_kv_cache_bytes", "kv_pages",
-           "check_cuda_graphs"]
+           "check_cuda_graphs", "check_attention_backend"]
 
 #: How tensor parallelism runs a step on every rank: called as ``executor(execute, inputs)`` on
 #: rank 0 (broadcast ``inputs``, run ``execute(inputs)`` here as every rank does, exchange the
@@ -88,15 +88,14 @@ def check_cuda_graphs(cuda_graphs: bool | None, device: torch.device, backend: A
             f"{' and '.join(flags)} (--cuda-graphs auto uses graphs where they run)"))
 
 
-def _check_backend(value: Any) -> None:
-    """:class:`~pasta_engine.config.EngineConfig`'s check of ``attention_backend``: a registered
-    name or an :class:`~pasta_engine.layers.attention.AttentionBackend` instance (ParameterError
-    naming the known backends)."""
+def check_attention_backend(value: Any) -> None:
+    """Raise ParameterError naming ``attention_backend`` and the registered backends unless
+    ``value`` is a registered name (:func:`~pasta_engine.layers.backends.backend_info`, which
+    imports no backend module) or an :class:`~pasta_engine.layers.attention.AttentionBackend`
+    instance. ``Engine.from_pretrained`` calls it before any weight loads (the config, below
+    the registry, checks only that a name is not empty)."""
     if not isinstance(value, AttentionBackend):
         backend_info(value)
-
-
-set_attention_backend_check(_check_backend)  # the config cannot import the registry (it sits below torch)
 
 
 @dataclass
