@@ -499,6 +499,8 @@ class Engine:
             return merged
 
     def _step(self) -> list[RequestOutput]:
+        work: list[tuple[Request, Iterable[tuple[int, int]]]] = []  # the outputs phase's requests
+        outputs: list[RequestOutput | None] = []  # built so far
         try:
             t0 = time.perf_counter()
             batch = self.scheduler.schedule()
@@ -510,23 +512,21 @@ class Engine:
             if profile and batch:  # the runner appended this step's entry
                 profile[-1].schedule_s = t1 - t0
                 profile[-1].interp_s = time.perf_counter() - t2
-            ended = self.scheduler.take_ended()
-            work = [(r, ()) for r in ended] + list(progressed)
-            outputs: list[RequestOutput | None] = []
+            work = [(r, ()) for r in self.scheduler.take_ended()]
+            work += progressed
             for r, taken in work:  # rendering runs the tokenizer: it can raise, Ctrl-C can land here
                 outputs.append(self._output(r, taken))
         except BaseException as e:
-            # the outputs phase: a request that had ended before the failure, whose output was not
-            # built, is out of the scheduler and would never be reported: forgotten (its id freed)
-            lost = [r for r, _ in work[len(outputs):] if r.finished] if "outputs" in locals() else []
+            # a request that had ended before the failure and whose output was not built is out of
+            # the scheduler and would never be reported: forgotten (its id freed)
+            lost = [r for r, _ in work[len(outputs):] if r.finished]
             self.scheduler.fail_running(f"the engine step failed: {type(e).__name__}: {e}")
-            if "outputs" in locals():
-                for o in outputs:  # built before the failure: the next step() returns them
-                    if o is not None:
-                        self._keep(o)
-                for r in lost:
-                    if self._requests.pop(r.request_id, None) is not None:
-                        self._finished[r.request_id] = r.finish_reason or "error"
+            for o in outputs:  # built before the failure: the next step() returns them
+                if o is not None:
+                    self._keep(o)
+            for r in lost:
+                if self._requests.pop(r.request_id, None) is not None:
+                    self._finished[r.request_id] = r.finish_reason or "error"
             raise
         return [o for o in outputs if o is not None]
 
