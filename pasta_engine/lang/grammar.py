@@ -88,6 +88,7 @@ __all__ = [
     "GrammarState",
     "grammar_state",
     "topic_cont_state",
+    "topic_problem",
     "topic_key",
     "ends_sentence",
     "chunk_may_end",
@@ -271,6 +272,26 @@ def topic_cont_state(held: bytes) -> GrammarState:
             return (GrammarState.TOPIC_CONT1, GrammarState.TOPIC_CONT2, GrammarState.TOPIC_CONT3)[need - 1]
         break
     return GrammarState.TOPIC_CONT
+
+
+def topic_problem(topic: str, taken: set[str]) -> str | None:
+    """Why ``topic`` is not one these masks let a model write (the annotators' check of what they
+    ask a model to learn), or None when it is: empty; a ``"``, ``<``, ``>`` or newline; a first
+    character that is no letter (``TOPIC_EMPTY`` takes only a first token holding a letter or a
+    non-ASCII byte); over :data:`MAX_TOPIC_BYTES` UTF-8 bytes; or a :func:`topic_key` in
+    ``taken`` (the keys of the topics promised before it in the answer: ``TOPIC_TAKEN``)."""
+    if not topic.strip():
+        return "an empty topic"
+    if any(c in topic for c in '"<>\n'):
+        return f"the topic {topic!r} holds a quote, < or > or a newline"
+    first = topic.lstrip()[0]
+    if not (first.isalpha() or ord(first) > 127):  # the grammar's first topic token holds a letter
+        return f"the topic {topic!r} does not open with a letter"
+    if len(topic.encode()) > MAX_TOPIC_BYTES:
+        return f"the topic {topic!r} is over the grammar's {MAX_TOPIC_BYTES} bytes"
+    if topic_key(topic) in taken:
+        return f"the topic {topic!r} was promised before in the answer"
+    return None
 
 
 def grammar_state(is_main: bool, pending: str, can_fork: bool = True,

@@ -14,8 +14,8 @@ checked, never trusted:
   sync inside a chunk), else the answer is kept **unannotated** with a ``note`` saying why (the
   paper's filter; a training command then counts it as ``filtered``);
 - every promise's topic, cut at a word to the grammar's 32 bytes, must be one the grammar lets a
-  model write (:func:`topic_problem`): non-empty, without ``"``, ``<``, ``>`` or a newline (a
-  single-quoted ``topic='...'`` may hold a ``"``), opening with a letter (not ``"8 hours"``) and
+  model write (:func:`~pasta_engine.lang.grammar.topic_problem`): non-empty, without ``"``,
+  ``<``, ``>`` or a newline (a single-quoted ``topic='...'`` may hold a ``"``), opening with a letter (not ``"8 hours"``) and
   not a topic already promised in the answer (:func:`~pasta_engine.lang.grammar.topic_key`),
   else the answer is kept unannotated with a ``note``, as above;
 - every promise's ``tokens`` is replaced by its chunk's measured length rounded to tens (PASTA's
@@ -27,13 +27,13 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from ..lang.grammar import MAX_TOPIC_BYTES, topic_key
+from ..lang.grammar import MAX_TOPIC_BYTES, topic_key, topic_problem
 from ..lang.dialect import source_text
 from ..lang.tags import Promise, parse, promise_tag, split_threads
 from .annotate import Annotation, CountTokens, approx_token_count, round_to_tens, verify_annotation
 from .endpoint import ChatEndpoint
 
-__all__ = ["ANNOTATION_PROMPT", "annotate_with_endpoint", "endpoint_annotator", "topic_problem", "unfence"]
+__all__ = ["ANNOTATION_PROMPT", "annotate_with_endpoint", "endpoint_annotator", "unfence"]
 
 #: The system prompt of the ``endpoint`` annotator (docs/annotation_prompt.md holds the same text).
 ANNOTATION_PROMPT = """\
@@ -97,24 +97,6 @@ def _topic(topic: str) -> str:
     return out or topic.encode()[:MAX_TOPIC_BYTES].decode(errors="ignore")
 
 
-def topic_problem(topic: str, taken: set[str]) -> str | None:
-    """Why ``topic`` (as it will be written, after :func:`_topic`'s cap) is not one the grammar
-    (:mod:`pasta_engine.lang.grammar`) lets a model write, or None when it is. ``taken``: the
-    :func:`~pasta_engine.lang.grammar.topic_key` of the topics promised before it in the answer."""
-    if not topic.strip():
-        return "an empty topic"
-    if any(c in topic for c in '"<>\n'):
-        return f"the topic {topic!r} holds a quote, < or > or a newline"
-    first = topic.lstrip()[0]
-    if not (first.isalpha() or ord(first) > 127):  # the grammar's first topic token holds a letter
-        return f"the topic {topic!r} does not open with a letter"
-    if len(topic.encode()) > MAX_TOPIC_BYTES:
-        return f"the topic {topic!r} is over the grammar's {MAX_TOPIC_BYTES} bytes"
-    if topic_key(topic) in taken:
-        return f"the topic {topic!r} was promised before in the answer"
-    return None
-
-
 def _topics_problem(annotated: str) -> str | None:
     """The first topic of ``annotated`` that :func:`topic_problem` refuses, said, or None."""
     taken: set[str] = set()
@@ -158,7 +140,8 @@ def annotate_with_endpoint(endpoint: ChatEndpoint, instruction: str, response: s
     Returns the :class:`~pasta_engine.tools.annotate.Annotation` (``annotator`` ``endpoint``), or
     the answer unannotated (``promises`` 0, ``annotator`` None) with a ``note`` starting
     "endpoint annotation discarded" when the reply is not the answer with tags inserted or a
-    topic is not one the grammar lets a model write (:func:`topic_problem`).
+    topic is not one the grammar lets a model write
+    (:func:`~pasta_engine.lang.grammar.topic_problem`).
     Raises :class:`~pasta_engine.tools.endpoint.EndpointError` when the endpoint fails."""
     count = count_tokens or approx_token_count
     budget = max_tokens or 2 * approx_token_count(response) + 256
