@@ -78,7 +78,8 @@ class RequestResult:
     token's logical position and thread id; ``diagnostics``: what the interpreter noted
     (malformed tags, caps, ...); ``error``: why the request failed (finish reason ``error``);
     ``stop_reason``: the stop string (``SamplingParams.stop``) that ended it, its text cut right
-    before it (finish reason ``stop``), else None; ``choices``: with ``SamplingParams.n > 1``
+    before it (finish reason ``stop``), or the ``stop_token_ids`` id its main thread ended on
+    (not an end-of-sequence id: vLLM's rule), else None; ``choices``: with ``SamplingParams.n > 1``
     (:meth:`~pasta_engine.engine.llm_engine.Engine.generate`), the results of the prompt's ``n``
     completions, this result's own fields being the first one's (empty for one completion).
     :attr:`outputs` reads them in vLLM's shape."""
@@ -96,7 +97,7 @@ class RequestResult:
     stats: RequestStats
     diagnostics: list[str] = field(default_factory=list)
     error: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     choices: list["RequestResult"] = field(default_factory=list)
 
     @property
@@ -133,7 +134,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: list[float | None] | None = None
     result: "RequestResult | None" = None
 
@@ -182,7 +183,7 @@ class RequestOutput:
                  thread_deltas: list[ThreadDelta] | None = None, events: list[ThreadEvent] | None = None,
                  finished: bool = False, finish_reason: str | None = None, error: str | None = None,
                  result: RequestResult | None = None, decode_steps: int = 0, tokens_decoded: int = 0,
-                 stop_reason: str | None = None):
+                 stop_reason: str | int | None = None):
         self.request_id = request_id
         self.new_token_ids = new_token_ids
         self.text = text

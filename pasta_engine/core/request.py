@@ -116,7 +116,9 @@ class Request:
     ``count_content_tokens``: the length of a text under the model's canonical tokenization,
     for the content figures of :class:`RequestStats`; None (a request built without a
     tokenizer) gives 0 content and tag tokens. ``renderer``: what of it the step API has
-    output (kept across a preemption's restart; None: only its final result is output)."""
+    output (kept across a preemption's restart; None: only its final result is output).
+    ``stop_ids``: the ``stop_token_ids`` that are not the model's end of sequence (a main thread
+    that ends on one gives it as ``stop_reason``, vLLM's rule: an end of sequence gives None)."""
 
     request_id: str
     index: int
@@ -138,6 +140,7 @@ class Request:
     error: str | None = None
     count_content_tokens: Callable[[str], int] | None = None
     renderer: OutputRenderer | None = None
+    stop_ids: frozenset[int] = frozenset()  # the params' stop_token_ids that are no end of sequence
     _written: RequestResult | None = field(default=None, repr=False)  # before the last restart (reset)
 
     def __post_init__(self) -> None:
@@ -210,5 +213,14 @@ class Request:
             stats=stats,
             diagnostics=list(it.diagnostics),
             error=self.error,
-            stop_reason=it.stop_reason,
+            stop_reason=self._stop_reason(),
         )
+
+    def _stop_reason(self) -> str | int | None:
+        """The stop string that ended the request, else the stop token id its main thread ended
+        on (a chunk's stop token ends only that chunk), else None."""
+        it = self.interp
+        if it.stop_reason is not None or self.finish_reason != "stop" or not self.stop_ids:
+            return it.stop_reason
+        tokens = it.main.tokens
+        return tokens[-1] if tokens and tokens[-1] in self.stop_ids else None

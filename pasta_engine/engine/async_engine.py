@@ -86,7 +86,7 @@ class StreamOutput:
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     error: str | None = None
     events: list[ThreadEvent] = field(default_factory=list)
     decode_steps: int = 0

@@ -323,7 +323,8 @@ class Engine:
                                          min_tokens=min(params.min_tokens, max_new_tokens))
         try:
             req = Request(request_id=request_id, index=p.index or 0, mode=p.mode, params=params, make_interpreter=make,
-                          count_content_tokens=lambda text: len(self.encode(text)))  # RequestStats.content_tokens
+                          count_content_tokens=lambda text: len(self.encode(text)),  # RequestStats.content_tokens
+                          stop_ids=frozenset(params.stop_token_ids) - frozenset(self.eos_ids))
         except ValueError as e:  # e.g. the oracle position policy outside replay
             raise ParameterError("position_policy", str(p.policy), message=str(e)) from None
         why = self.scheduler.check_fits(req)

@@ -322,3 +322,15 @@ def test_check_request_makes_add_requests_checks_and_takes_nothing(tiny_engine):
                                                      annotated_response="a b c d e f g h"))
     assert params.max_new_tokens > 1
     assert not tiny_engine.has_unfinished_requests() and tiny_engine.stats()["kv_pages_free"] == free
+
+
+def test_a_stop_token_is_the_results_stop_reason(tiny_engine):
+    """vLLM's ``stop_reason``: the ``stop_token_ids`` id that ended the response (the engine's
+    result, so the server and the Python API say the same), None for a response that ran out."""
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    [free] = tiny_engine.generate([[1, 2, 3]], greedy, mode="sequential")
+    stop = next(t for t in free.token_ids[2:] if t not in tiny_engine.eos_ids)
+    [cut] = tiny_engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                             stop_token_ids=[stop]), mode="sequential")
+    assert cut.stats.finish_reason == "stop" and cut.stop_reason == stop and cut.token_ids[-1] == stop
+    assert free.stop_reason is None

@@ -30,20 +30,6 @@ def _check_final(srv: Server, i: int, out: Any, cut: str) -> None:
     if out.finish_reason == "abort" and srv.engine.dead_error is not None:
         raise OpenAIError(503, f"the server is shutting down: choice {i} was cut {cut}", type="server_error")
 
-def _stop_reason(srv: Server, out: StreamOutput, opts: Options, i: int) -> str | int | None:
-    """vLLM's ``stop_reason`` of choice ``i``'s final output: the stop string that ended it, the
-    id of the ``stop_token_ids`` token that ended it (the main thread's last token; a chunk's
-    stop token ends only that chunk), else None (end of sequence, ``length``, ...)."""
-    if out.stop_reason is not None or out.finish_reason != "stop" or out.result is None:
-        return out.stop_reason
-    stops = opts.params[i % opts.n].stop_token_ids
-    ids = out.result.token_ids
-    last = ids[-1] if ids else None
-    if last in stops and last not in srv.engine.engine.eos_ids:  # an EOS that is also a stop id: EOS (vLLM's order)
-        return last
-    return None
-
-
 async def respond(srv: Server, request: Request, streams: list[RequestStream], opts: Options, cid: str,
                    chat: bool):
     log = srv.logs[cid]
@@ -96,7 +82,7 @@ async def _collect(srv: Server, streams: list[RequestStream], opts: Options, cid
             c["message"] = {"role": "assistant", "content": text}
         else:
             c["text"] = text
-        c["stop_reason"] = _stop_reason(srv, out, opts, i)
+        c["stop_reason"] = out.stop_reason
         c["pasta"] = srv.choice_ext(out, opts)
         choices.append(c)
     return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -142,7 +128,7 @@ async def _stream(srv: Server, streams: list[RequestStream], opts: Options, cid:
                 if out.finished:
                     finals[i] = out
                     _check_final(srv, i, out, "after the text sent so far")
-                    extra: dict[str, Any] = {"stop_reason": _stop_reason(srv, out, opts, i),
+                    extra: dict[str, Any] = {"stop_reason": out.stop_reason,
                                              "pasta": srv.choice_ext(out, opts)}
                     c = choice(i, None, out.finish_reason, **extra)
                     if opts.logprobs:
