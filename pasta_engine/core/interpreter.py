@@ -918,8 +918,10 @@ class Interpreter:
         of the annotated text leaves it out; read as the end of the text, ``<sy`` would stay
         text and the main thread's ``nc/>`` after the splice would show ``<sync/>`` (reported as
         a partial tag at its end). The cost: such a chunk (cap, end-of-sequence, length cut,
-        stop) whose text ends with a bare ``<`` (or ``</``, ``<pro``) loses it from the clean
-        text; the annotated text keeps it."""
+        stop) whose text ends with a partial tag (``</``, ``<pro``) loses it from the clean
+        text; the annotated text keeps it. A lone ``<`` there stays (it is text:
+        :meth:`~pasta_engine.lang.tags.TagParser` keeps it, and
+        :func:`~pasta_engine.lang.tags.drop_empty_items` leaves out what would join it into a tag)."""
         tail = thread.detok.flush()
         if tail and thread.pieces:
             thread.pieces[-1] += tail

@@ -33,6 +33,11 @@ text that merely holds a ``<`` is the known tag heads ``<promise``, ``<async``, 
   ``<promise topic="a<sync/>`` is tag-like text, then a sync);
 * a partial tag that a ``<`` cut short (``<pro<sync/>``, ``<sy</async>``) is tag-like when what
   that ``<`` starts is a tag or tag-like, ``</async>`` included (else both are text: ``a <<b``);
+  a lone ``<`` never is: the model's ``<`` right before a tag (``x <<sync/>``, ``a <`` then the
+  ``<promise topic="`` piece) is text and stays in the clean text, and the text after the
+  left-out tag that would complete it into tag text (``sync/>`` in ``x <<sync/>sync/>``) is
+  left out of the clean text instead (:func:`drop_empty_items`: nothing the model wrote is lost,
+  no tag text reaches a reader);
 * a would-be tag still held back when the text ends (a partial tag at a length cut or end of
   sequence) is tag-like when it got as far as a known head (``<promise topic="x" tokens="1``,
   ``<sync/``);
@@ -326,7 +331,8 @@ class TagParser:
             self._buf = ""
             # what a '<' broke goes with the tag, ``</async>`` included: kept as text, it would meet
             # the text after the tag ("<sy</async>nc/>" would show "<sync/>"; a chunk the
-            # interpreter closes is read with the ``</async>`` the annotated text gets)
+            # interpreter closes is read with the ``</async>`` the annotated text gets); a lone
+            # '<' stays text (_left_out)
             self._left_out(out)
             out.append(replace(tag, end=at + 1))
         elif status == "partial":
@@ -403,12 +409,22 @@ class TagParser:
             self._broken = []
 
     def _left_out(self, out: list[Parsed]) -> None:
-        """What a '<' broke goes out as tag-like text, since what that '<' started is left out."""
+        """What a '<' broke goes out as tag-like text, since what that '<' started is left out;
+        but a lone ``<`` is the model's text (``a <`` then a tag: a less-than sign, never
+        tag-like), and so is every partial tag a ``<`` broke before it (what that ``<`` started,
+        the lone ``<``, is text): ``x <<sync/>`` keeps ``x <``, ``<pro<<sync/>`` keeps
+        ``<pro<``, ``<<sy<sync/>`` keeps ``<`` and leaves ``<sy`` out. Text after the tag that
+        would complete the kept ``<`` into tag text is left out of the clean text instead
+        (:func:`drop_empty_items`)."""
         if self._broken:
-            broken = "".join(self._broken)
-            out.append(Malformed(raw=broken, reason="partial tag cut short by a tag"))
-            out.append(TagText(broken))
-            self._broken = []
+            broken, self._broken = self._broken, []
+            lone = max((k for k, b in enumerate(broken) if b == "<"), default=-1)
+            if lone >= 0:
+                out.append(Text("".join(broken[: lone + 1])))
+            rest = "".join(broken[lone + 1:])
+            if rest:
+                out.append(Malformed(raw=rest, reason="partial tag cut short by a tag"))
+                out.append(TagText(rest))
 
 
 def _merge_text(items: list[Parsed]) -> list[Parsed]:
@@ -491,15 +507,26 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str
     offset (``d`` with ``start <= d <= end`` of the line, ``end`` being its line break) goes,
     with its line break. A list item the model left empty by itself (no drop in its line) stays.
 
+    First, text that would rejoin a kept lone ``<`` into tag text goes: where a ``<`` stands
+    right before a drop (``x <<sync/>``: the model's ``<`` stays, the tag is left out), the
+    text after the drop that, read after that ``<``, is a tag or tag-like text (``sync/>`` in
+    ``x <<sync/>sync/>``, or at the start of the chunk spliced after ``a <<promise .../>``) is
+    left out too, so a reader never sees ``<sync/>``; text that is not (``a <<sync/> b``) stays.
+
     Args:
         text: a clean text.
         drops: offsets in ``text`` where something was left out of it (a tag, tag-like text).
         final: ``text`` is complete. False: it may still grow at its end, so its last line is
-            held back (cut off) while it could still become an empty list item; every line
-            before it is decided for good (used to stream: what is returned is a prefix of
-            what a longer text returns, as long as no drop lands before its last line).
+            held back (cut off) while it could still become an empty list item, and so is text
+            after a kept ``<`` that may still become tag text; every line before it is decided
+            for good (used to stream: what is returned is a prefix of what a longer text
+            returns, as long as no drop lands before its last line).
+
+    Returns the text a reader sees. Raises nothing for any text and drops (a drop past the end
+    of ``text`` counts as at its end).
     """
-    end = len(text) if final else held_line_start(text)
+    text, drops, hold = _cut_rejoined(text, drops, final)
+    end = hold if hold is not None else len(text) if final else held_line_start(text)
     cuts: list[tuple[int, int]] = []
     seen: set[int] = set()
     for d in drops:
@@ -521,6 +548,112 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str
         at = e
     parts.append(text[at:end])
     return "".join(parts)
+
+
+#: What stands for a drop while text after a kept ``<`` is read: a tag, so a partial tag that a
+#: drop cuts short is tag-like, as in the annotated text.
+_DROP_MARK = Sync.raw
+
+
+def _cut_rejoined(text: str, drops: Iterable[int], final: bool) -> tuple[str, Sequence[int], int | None]:
+    """``text`` less the text after each kept lone ``<`` right before a drop that would read,
+    after that ``<``, as a tag or tag-like text (the :class:`TagParser`'s rules, a drop read as a
+    tag), repeated while a ``<`` stands before what was left out (``<<sync/>sync/>sync/>``
+    shows ``<``). Returns the text, the drops moved to it (a cut is a drop: every cut starts at
+    one), and where the text must be held back when not ``final`` (text after a kept ``<``
+    that may still become tag text; None: nothing held). O(len(drops)) when no ``<`` stands
+    before a drop."""
+    n = len(text)
+    drops = drops if isinstance(drops, (list, tuple)) else list(drops)
+    if not any(0 < d <= n and text[d - 1] == "<" for d in drops):  # the common case: as they are
+        return text, drops, None
+    ds = sorted({min(max(d, 0), n) for d in drops})
+    marks = set(ds)
+    cuts: list[tuple[int, int]] = []
+    hold: int | None = None
+    done_to = 0  # drops before this are inside a cut (or its restart point)
+    for d in ds:
+        if d < done_to or d == 0 or (d == done_to and cuts) or text[d - 1] != "<":
+            continue
+        at = d
+        while True:
+            end = _rejoined_end(text, at, marks, final)
+            if end is None:  # may still become tag text: hold the text from here
+                hold = at
+                break
+            if end == at:  # text: the '<' meets it as text
+                break
+            cuts.append((at, end))
+            at = done_to = end  # the '<' now stands before what was left out
+        if hold is not None:
+            break
+    if not cuts:
+        return text, ds, hold
+    parts: list[str] = []
+    prev = 0
+    for s, e in cuts:
+        parts.append(text[prev:s])
+        prev = e
+    parts.append(text[prev:])
+
+    def moved(o: int) -> int:
+        gone = 0
+        for s, e in cuts:
+            if o <= s:
+                break
+            gone += min(o, e) - s
+        return o - gone
+
+    return "".join(parts), [moved(o) for o in ds], None if hold is None else moved(hold)
+
+
+def _rejoined_end(text: str, at: int, marks: set[int], final: bool) -> int | None:
+    """Where the tag or tag-like text that ``text[at:]`` forms after a ``<`` ends (``at`` when it
+    forms none: the ``<`` is text then), reading each offset in ``marks`` past ``at`` as a tag;
+    None when not ``final`` and the end of ``text`` leaves it undecided."""
+    p = TagParser()
+    p.feed("<")
+    offsets = [at - 1]  # the text offset of each character fed, a mark's at its drop
+    mark_at: set[int] = set()  # where in what is fed a mark starts
+    run_end: int | None = None  # what is fed so far that is tag-like, from its start
+    fed = 1
+    seen = 0  # characters the items so far stand for
+
+    def read(items: list[Parsed]) -> bool:
+        """Take ``items``; True once the run that the '<' starts has ended."""
+        nonlocal seen, run_end
+        for e in items:
+            if isinstance(e, Malformed):
+                continue
+            start = seen
+            seen += len(e.text if isinstance(e, Text) else e.raw)
+            if type(e) is Text or start in mark_at:
+                if run_end is None:
+                    run_end = 0  # the '<' itself is text
+                return True
+            run_end = seen
+        return False
+
+    j = at
+    while j < len(text):
+        if j in marks and j > at:
+            mark_at.add(fed)
+            offsets += [j] * len(_DROP_MARK)
+            fed += len(_DROP_MARK)
+            if read(p.feed(_DROP_MARK)):
+                break
+        offsets.append(j)
+        fed += 1
+        if read(p.feed(text[j])):
+            break
+        j += 1
+    else:
+        if not final:
+            return None
+        read(p.finish())
+    if not run_end:
+        return at
+    return offsets[run_end] if run_end < len(offsets) else len(text)
 
 
 def clean_text(annotated: str) -> str:

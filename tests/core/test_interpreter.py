@@ -312,7 +312,43 @@ def test_clean_text_streams_and_ends_as_the_whole_string_rule(seed, max_new, wid
     reading-order stream agree with clean_text(annotated_text), and the stream never takes text
     back. (Step outputs used to carry snapshots of the clean text checked here too; they carry
     the reading-order stream now, tested in test_step_api.)"""
+    check_stream_and_final(seed, max_new, width, min_cap, max_forks, mode)
+
+
+#: Weights that write a lone '<' right before a tag, and text after it that would complete it
+#: into a tag ("<" "<sync/>" "sync" "/>"), often.
+LT_WEIGHTS = [6.0 if p in ("<", "<sync/>", "</async>", "sync", "/", '"/>', "async", "</", ">") else
+              0.1 if p == "<EOS>" else 1.0 for p in PIECES]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    max_new=st.integers(1, 150),
+    width=st.sampled_from([None, 1, 2]),
+    min_cap=st.integers(1, 12),
+    max_forks=st.integers(0, 4),
+    mode=st.sampled_from(["pasta", "pasta", "sequential", "inline"]),
+)
+def test_a_kept_lone_lt_streams_and_ends_as_the_whole_string_rule(seed, max_new, width, min_cap, max_forks, mode):
+    """The same, with a lone '<' written right before a tag often and text after it that would
+    complete it into a tag: the '<' stays, whatever would complete it is left out (in a thread's
+    text, a chunk's after its promise, the main thread's after a chunk), the same in the stream,
+    the interpreter's clean text and clean_text(annotated_text), and no tag reaches a reader."""
+    global WEIGHTS
+    saved, WEIGHTS = WEIGHTS, LT_WEIGHTS
+    try:
+        check_stream_and_final(seed, max_new, width, min_cap, max_forks, mode, no_tags=True)
+    finally:
+        WEIGHTS = saved
+
+
+def check_stream_and_final(seed, max_new, width, min_cap, max_forks, mode, no_tags=False):
+    """Decode two scripted requests; check that the stream never takes text back and that the
+    interpreter's clean text, the stream and the result end as clean_text(annotated_text)
+    (``no_tags``: and that no tag or tag-like text is in any of them)."""
     from pasta_engine.engine.streaming import ReadingOrderStream, reading_order_prefix
+    from pasta_engine.lang.tags import AsyncClose, AsyncOpen, Promise, Sync, TagText, parse
     from pasta_engine.lang.tags import clean_text
 
     limits = Limits(max_threads=width, async_min_cap=min_cap, cap_factor=0.1, max_forks=max_forks)
@@ -344,6 +380,10 @@ def test_clean_text_streams_and_ends_as_the_whole_string_rule(seed, max_new, wid
         stream, deltas = streams[r.request_id]
         if not r.preemptions:
             assert "".join(deltas) == final  # nothing taken back, nothing missing
+        if no_tags:
+            shown = [final, it.clean_text(), stream.sent]
+            assert not [e for t in shown for e in parse(t) if isinstance(e, (Promise, AsyncOpen, AsyncClose, Sync,
+                                                                            TagText))], shown
 
 
 def drive(it: Interpreter, tid_pieces: list[tuple[int, str]]):
@@ -660,8 +700,9 @@ def test_a_chunks_penalty_counts_its_siblings_promises_but_not_its_own():
 
 def test_a_partial_tag_a_chunk_leaves_at_its_cap_never_meets_the_text_after_it():
     """A chunk the interpreter closes is read with the </async> the annotated text gives it: the
-    bare '<' it ended with is cut short by that tag and left out, so the main thread's "sync/>"
-    after the splice cannot complete it into a tag (as text it showed "<sync/>")."""
+    bare '<' it ended with is cut short by that tag; a lone '<' is the model's text and stays, so
+    the main thread's "sync/>" after the splice, which would complete it into a tag (as text it
+    showed "<sync/>"), is left out instead."""
     from pasta_engine.lang.tags import Sync, clean_text, parse
 
     limits = Limits(max_threads=None, async_min_cap=2, cap_factor=0.01)  # a cap of 2 tokens
@@ -670,12 +711,12 @@ def test_a_partial_tag_a_chunk_leaves_at_its_cap_never_meets_the_text_after_it()
     assert it.threads[1].finish == "cap" and it.threads[1].closed_by_interpreter
     drive(it, [(0, "sync"), (0, "/"), (0, ">"), (0, "<EOS>")])
     assert it.annotated_text() == f"a{T}<async>b<</async>sync/>"
-    assert it.clean_text() == clean_text(it.annotated_text()) == render.final_text(it) == "absync/>"
+    assert it.clean_text() == clean_text(it.annotated_text()) == render.final_text(it) == "ab<"
     assert not [e for e in parse(it.clean_text()) if isinstance(e, Sync)]
     # a stray </async> on the main thread cuts "<" short the same way
     it = make_interp()
     drive(it, [(0, "a"), (0, "<"), (0, "</async>"), (0, "sync"), (0, "/"), (0, ">"), (0, "<EOS>")])
-    assert it.clean_text() == clean_text(it.annotated_text()) == "async/>"
+    assert it.clean_text() == clean_text(it.annotated_text()) == "a<"
     # a replay whose trace ends inside a chunk leaves the chunk as the trace has it (no </async>
     # added): its text reads as the trace's clean text does, a partial tag at its end included
     trace = f"a{T}<async>b<"
@@ -686,6 +727,31 @@ def test_a_partial_tag_a_chunk_leaves_at_its_cap_never_meets_the_text_after_it()
     assert it.annotated_text() == trace
     assert it.clean_text() == render.final_text(it) == clean_text(trace) == "ab<"
 
+
+def test_a_lone_lt_right_before_a_tag_stays_in_the_clean_text_and_the_stream():
+    """The model's '<' right before a promise, a sync or a chunk's </async> is its text: it stays
+    in the clean text, the streamed text and each thread's text; the tags are left out, and the
+    annotated text keeps everything. Text after the tag that would complete a kept '<' into a
+    tag ("sync/>" after "<<sync/>") is left out instead."""
+    from pasta_engine.engine.streaming import ReadingOrderStream
+    from pasta_engine.lang.tags import clean_text
+
+    it = make_interp(limits=Limits(max_threads=None))
+    stream, deltas = ReadingOrderStream(), []
+    script = [(0, "a"), (0, " "), (0, "<"), (0, T), (1, "b"), (0, " "), (1, "<"), (1, "</async>"), (0, "<"),
+              (0, "<sync/>"), (0, "a"), (0, "<"), (0, "<"), (0, "<sync/>"), (0, "sync"), (0, "/"), (0, ">"),
+              (0, " "), (0, "b"), (0, "<EOS>")]
+    for step in script:
+        drive(it, [step])
+        deltas.append(stream.update(it, it.finish if it.done else None)[0])
+    ann = it.annotated_text()
+    assert ann == f"a <{T}<async>b<</async> <<sync/>a<<<sync/>sync/> b"  # nothing the model wrote is lost
+    want = "a <b< <a<< b"
+    assert it.clean_text() == clean_text(ann) == render.final_text(it) == "".join(deltas) == want
+    # each thread's own text keeps its '<' too (the reading-order rule, what would complete a kept
+    # '<' into a tag is left out, is applied where the threads are spliced)
+    assert render.joined(it.threads[1]) == "b<" and render.joined(it.main).startswith("a < <a<<")
+    assert not [d for d in it.diagnostics if "'<'" in d or "'<<'" in d]  # no '<' reported as a malformed tag
 
 def test_a_promise_in_a_broken_topics_tail_forks_with_the_token_that_completes_it():
     """A promise written where an earlier promise's topic broke on '<' forks at its own token:

@@ -270,3 +270,21 @@ def test_text_around_a_left_out_tag_never_joins_into_a_tag(engine, mode):
     deltas, texts, final = _replay_streamed(engine, annotated, mode)
     assert "".join(deltas) == texts[-1] == final.result.text == res.text
     assert not any(isinstance(e, tags) for t in deltas + texts for e in parse(t))
+
+
+@pytest.mark.parametrize("mode", ["pasta", "sequential"])
+def test_a_lone_lt_right_before_a_tag_stays_in_the_text(engine, mode):
+    """The model's '<' right before a promise, a sync or a chunk's </async> is its text: the
+    result, the streamed deltas and every output keep it, the tags are left out; the text after
+    a tag that would complete a kept '<' into a tag ("sync/>" after "<<sync/>") is left out."""
+    from pasta_engine.lang.tags import AsyncClose, AsyncOpen, Promise, Sync, parse, promise_tag
+
+    annotated = ("Intro <" + promise_tag("t", 10) + "<async>a <<sync/> b<</async> then <<sync/>sync/> x<<"
+                 + promise_tag("u", 10) + "<async>c</async> end.")
+    want = "Intro <a < b< then < x<<c end."
+    [res] = engine.replay([PROMPT], [annotated], mode=mode)
+    assert res.annotated_text == annotated  # nothing the model wrote is lost
+    assert res.text == want
+    deltas, texts, final = _replay_streamed(engine, annotated, mode)
+    assert "".join(deltas) == texts[-1] == final.result.text == want
+    assert not any(isinstance(e, (Promise, AsyncOpen, AsyncClose, Sync)) for t in deltas + texts for e in parse(t))

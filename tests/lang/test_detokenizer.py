@@ -140,3 +140,37 @@ def test_a_special_token_that_is_no_tag_leaves_no_text(tiny_llama):
     ids = encode_text(tok, "a") + [start] + char[:1] + [end] + char[1:] + [sync] + encode_text(tok, "b") + [start]
     detok = IncrementalDetokenizer(None, table)
     assert "".join(detok.push(t) for t in ids) + detok.flush() == "aé<sync/>b"
+
+
+def test_a_lone_lt_before_a_tag_token_stays_in_the_clean_text(tiny_llama):
+    """The model writes ``a <`` as text tokens and then the ``<promise topic="`` piece (an added
+    token), or ``<`` then ``<sync/>`` / ``</async>`` tokens: the detokenized pieces, parsed as
+    the interpreter parses them, keep the '<' in the clean text and leave the tags out."""
+    from transformers import AutoTokenizer
+
+    from pasta_engine.lang.grammar import add_tag_tokens
+    from pasta_engine.lang.tags import AsyncClose, Malformed, Promise, Sync, TagParser, Text, clean_text, drop_empty_items
+    from pasta_engine.lang.tokenization import encode_text
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tags = add_tag_tokens(tok)
+    for before in ["a <", "a<", "a <<", "<"]:
+        ids = (encode_text(tok, before) + [tags.promise_open] + encode_text(tok, "Sleep") + [tags.promise_length]
+               + encode_text(tok, "10") + [tags.promise_close] + encode_text(tok, " b <") + [tags.sync]
+               + encode_text(tok, " c<") + [tags.async_close] + encode_text(tok, " d"))
+        detok, parser = IncrementalDetokenizer(None, token_bytes_for(tok)), TagParser()
+        text, drops, items, shown = "", [], [], []
+        for t in ids:
+            for e in parser.feed(detok.push(t)):
+                items.append(e)
+                if type(e) is Text:
+                    text += e.text
+                elif not isinstance(e, Malformed):
+                    drops.append(len(text))
+            shown.append(drop_empty_items(text, drops, final=False))
+        assert detok.flush() == "" and parser.finish() == []
+        annotated = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        want = before + " b < c< d"
+        assert drop_empty_items(text, drops) == clean_text(annotated) == want, (before, items)
+        assert [type(e) for e in items if not isinstance(e, Text)] == [Promise, Sync, AsyncClose]
+        assert all(want.startswith(s) for s in shown) and before in shown  # the '<' shows with the promise

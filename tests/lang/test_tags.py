@@ -363,7 +363,7 @@ def test_clean_text_never_holds_tag_text(text):
 
 @pytest.mark.parametrize("text, clean", [
     ('<pro<sync/>mise topic="x" tokens="3"/>', 'mise topic="x" tokens="3"/>'),  # issue 31 item 10
-    ("<<sync/>sync/>", "sync/>"),
+    ("<<sync/>sync/>", "<"),  # the lone '<' stays; what would complete it into a tag after the sync goes
     ("<as<sync/>ync>", "ync>"),
     ('<prom<promise topic="y" tokens="3"/><async>z</async>ise topic="x" tokens="3"/>', 'zise topic="x" tokens="3"/>'),
     ("x << 2 and y <<= 3", "x << 2 and y <<= 3"),  # a '<' broken by a '<' that starts no tag stays text
@@ -384,7 +384,7 @@ def test_a_partial_tag_cut_short_by_a_tag_goes_with_it(text, clean):
     ("<sy</async>nc/>", "nc/>"),
     ("</</async>async>", "async>"),
     ('a <prom</async>ise topic="x" tokens="3"/> b', 'a ise topic="x" tokens="3"/> b'),
-    ("x <</async>sync/>", "x sync/>"),
+    ("x <</async>sync/>", "x <"),  # a lone '<' stays, what would complete it into a tag goes
 ])
 def test_a_partial_tag_cut_short_by_async_close_goes_with_it(text, clean):
     """``</async>`` cuts a partial tag short as every tag does: kept as text, the partial tag met
@@ -395,6 +395,110 @@ def test_a_partial_tag_cut_short_by_async_close_goes_with_it(text, clean):
     p = TagParser()
     assert clean_from_items([e for ch in text for e in p.feed(ch)] + p.finish()) == clean
     assert strip_tags(text) == text.replace("</async>", "")  # nothing the model wrote is lost
+
+
+def streamed_cleans(pieces, special_tokens=None):
+    """The clean text after each piece as a stream shows it (the parser's text so far, what may
+    still change held back: ``drop_empty_items(final=False)``), and the final clean text."""
+    p = TagParser(special_tokens=dict(special_tokens or {}))
+    text, drops, shown = "", [], []
+
+    def take(items):
+        nonlocal text
+        for e in items:
+            if type(e) is Text:
+                text += e.text
+            elif not isinstance(e, Malformed):
+                drops.append(len(text))
+
+    for piece in pieces:
+        take(p.feed(piece))
+        shown.append(drop_empty_items(text, drops, final=False))
+    take(p.finish())
+    return shown, drop_empty_items(text, drops, final=True)
+
+
+LONE = ["<", "<<", "a<", "x <", "a <<", "<p<", "\n- <"]  # text that ends with a lone '<' (or several)
+AFTER = [" b", "b", "", "\nc", " < d", "<b"]  # text after the tag that does not join the '<' into a tag
+
+
+@pytest.mark.parametrize("tag", TAGS + ['<promise topic="a\nb" tokens="3"/>', '<promise topic="x" tokens="N"/>'])
+@pytest.mark.parametrize("before", LONE + ["< ", "a< "])
+@pytest.mark.parametrize("after", AFTER)
+def test_a_lone_lt_right_before_a_tag_stays_in_the_clean_text(before, tag, after):
+    """A lone '<' the model writes right before a tag (or a malformed tag) is its text: it stays
+    in the clean text, whole and streamed, and in what the parser emits; the tag is left out."""
+    text = before + tag + after
+    want = before + after
+    assert clean_text(text) == want
+    assert strip_tags(text) == (want if tag in TAGS else text)  # only well-formed tags go
+    assert raw_of(parse(text)) == text  # nothing the model wrote is lost
+    for pieces in ([text], list(text), [before, tag, after]):
+        shown, final = streamed_cleans(pieces)
+        assert final == want
+        assert all(want.startswith(s) for s in shown), (pieces, shown)  # never taken back
+        assert shown[-1] == want  # the '<' is shown once the tag after it is read
+
+
+def test_a_lone_lt_before_a_promise_written_as_piece_tokens_stays():
+    """``<promise topic="`` as one added token, right after text that ends with '<'."""
+    special = {1001: '<promise topic="', 1002: '" tokens="', 1003: '"/>', 1004: "<sync/>", 1005: "</async>"}
+    for before in LONE:
+        pieces = ["Tip", before, 1001, "Sle", "ep", 1002, "1", "0", 1003, " b", 1004, " c"]
+        items = parse(pieces, special)
+        kinds = [type(e) for e in items]
+        assert kinds == [Text, Promise, Text, Sync, Text], (before, items)
+        assert items[0] == Text("Tip" + before) and items[1].topic == "Sleep"
+        shown, final = streamed_cleans(pieces, special)
+        assert final == "Tip" + before + " b c"
+        assert all(final.startswith(s) for s in shown) and "Tip" + before in shown[2:]  # shown with the promise's head
+        for lt in ["<", "<<"]:  # '<' then the sync token, and '<' then the chunk's close
+            assert parse(["x ", lt, 1004, " y"], special)[0] == Text("x " + lt)
+            assert parse(["x ", lt, 1005], special) == [Text("x " + lt), AsyncClose(raw="</async>", end=4 + len(lt))]
+
+
+@pytest.mark.parametrize("text, clean", [
+    ("x <<sync/>sync/> y", "x < y"),
+    ("x <<sync/>sync/>sync/>", "x <"),  # the '<' stands before what was left out: again
+    ("x <<sync/>sync x", "x <"),  # tag-like through the next '>' or the end
+    ("x <<sync/>sync x> y", "x < y"),
+    ("x <<sync/>sy<sync/>nc/>", "x <nc/>"),  # a partial tag a tag cuts short goes with it
+    ("x <<sync/>sy nc/>", "x <sy nc/>"),  # no tag: it all stays
+    ("x <<sync/>/async> y", "x < y"),
+    ("x <<sync/><sync/> y", "x < y"),
+    ('a <<promise topic="t" tokens="3"/><async></async>sync/> b', "a < b"),  # an empty chunk
+    ('a <<promise topic="t" tokens="3"/><async>async> c</async> b', "a < c b"),  # the chunk's first words
+    ('a <<promise topic="t" tokens="3"/><async>c<</async>sync/> b', "a <c< b"),  # the text after a chunk
+    ("- <<sync/>sync/>\n- b", "- <\n- b"),  # the item keeps its '<': not empty
+])
+def test_text_that_would_complete_a_kept_lt_into_a_tag_is_left_out(text, clean):
+    """Nothing the model wrote is lost and no tag text reaches the clean text: the lone '<' stays,
+    so the text after the left-out tag that would complete it into a tag (or tag-like text) is
+    left out instead, in the whole text and as it streams, in every cut of the text."""
+    assert clean_text(text) == clean
+    assert not [e for e in parse(clean) if not isinstance(e, Text)], clean  # no tag, no tag-like text
+    assert raw_of(parse(text)) == text
+    for pieces in ([text], list(text)):
+        shown, final = streamed_cleans(pieces)
+        assert final == clean and all(clean.startswith(s) for s in shown), (pieces, shown)
+
+
+LT_PIECES = st.sampled_from(["<", "<", "<<", "a", " ", "\n", "- ", "sync", "/>", "sync/>", "async>", "/async>", "sy",
+                             "promise", ' topic="x" tokens="3"', ">", "</", "<p"] + TAGS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(LT_PIECES, max_size=14))
+def test_lone_lts_stay_and_never_join_into_tag_text(pieces):
+    """Every lone '<' right before a tag stays, the clean text never holds tag text, and the
+    stream of any cut never takes text back and ends as the whole text's clean text."""
+    text = "".join(pieces)
+    clean = clean_text(text)
+    assert not any(isinstance(e, (Promise, AsyncOpen, AsyncClose, Sync, TagText)) for e in parse(clean)), clean
+    assert clean.count("<") >= sum(1 for e in parse(text) if type(e) is Text and e.text.endswith("<"))
+    shown, final = streamed_cleans(pieces)
+    assert final == clean
+    assert all(clean.startswith(s) for s in shown), shown
 
 
 def test_a_tag_in_a_broken_topics_tail_is_read_with_the_piece_that_completes_it():
