@@ -11,16 +11,19 @@ sampling rows (SGLang's ``SamplingBatchInfo.from_schedule_batch``): what the mod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import groupby
 from typing import Mapping, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from ..config import SamplingParams
 from .utils import to_device
 
-__all__ = ["sample", "sample_batch", "draw_noise", "logprobs_of", "apply_repetition_penalty", "apply_output_penalties",
-           "mask_tokens", "apply_fork_threshold", "MIN_TOP_P", "SamplingBatch", "SamplingRowLike"]
+__all__ = ["sample", "sample_batch", "draw_noise", "request_generator", "logprobs_of", "apply_repetition_penalty",
+           "apply_output_penalties", "mask_tokens", "apply_fork_threshold", "MIN_TOP_P", "SamplingBatch",
+           "SamplingRowLike"]
 
 #: A smaller top_p is taken as this one (keeps the most likely token, as any tiny top_p does): a
 #: top_p such as 1e-300 rounds to 0 in float32, and a zero top_p dropped every token (nan).
@@ -168,6 +171,63 @@ def draw_noise(out: torch.Tensor, generator: torch.Generator | None) -> torch.Te
     generator)`` draws for its exponential-race fast path, so :func:`sample_batch` picks the
     tokens :func:`sample` picks for the same seed."""
     return out.exponential_(1.0, generator=generator)
+
+
+#: mt19937's state: 624 32-bit words (torch's CPU generator).
+_MT_WORDS = 624
+
+
+def request_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The ``torch.Generator`` a request with ``seed`` draws its random numbers from: a function
+    of the whole seed (an int in ``[0, 2**64 - 1]``, ``SamplingParams.seed``), so the same seed
+    gives the same stream and two seeds give two streams.
+
+    ``manual_seed`` of a CPU generator keeps only a seed's low 32 bits (mt19937 is seeded from
+    one 32-bit word), so seeds that differ by a multiple of ``2**32`` (a server's fresh 64-bit
+    seeds among them) drew the same numbers. On the CPU a seed below ``2**32`` seeds it as
+    ``manual_seed`` does (the numbers it always gave); a larger one sets its whole mt19937 state
+    from the seed (624 words of ``numpy.random.SeedSequence(seed)``, the way numpy seeds its
+    MT19937), and ``initial_seed()`` reports the seed. A CUDA (Philox) generator takes all 64
+    bits: ``manual_seed``. Built once per request, at its first draw (no device sync).
+
+    Raises ValueError for a seed outside ``[0, 2**64 - 1]``, RuntimeError when the device has
+    no generator."""
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64 - 1], got {seed}")
+    gen = torch.Generator(device=device)
+    if gen.device.type != "cpu" or seed < 2**32:
+        gen.manual_seed(seed)
+        return gen
+    layout = _cpu_state_layout()
+    if layout is None:  # a torch whose CPU state layout is not the known one: mix all 64 bits into 32
+        gen.manual_seed(int(np.random.SeedSequence(seed).generate_state(1, np.uint32)[0]))
+        return gen
+    words = np.random.SeedSequence(seed).generate_state(_MT_WORDS, np.uint32).astype(np.uint64)
+    words[0] |= 0x80000000  # the top bit: never the all-zero state (numpy's init_by_array does the same)
+    state = bytearray(layout)
+    state[0:8] = seed.to_bytes(8, "little")  # the initial seed
+    state[24 : 24 + 8 * _MT_WORDS] = words.astype("<u8").tobytes()
+    gen.set_state(torch.frombuffer(state, dtype=torch.uint8).clone())
+    return gen
+
+
+@lru_cache(maxsize=1)
+def _cpu_state_layout() -> bytes | None:
+    """A CPU generator's state right after ``manual_seed`` (its bytes: the initial seed, int64 at
+    0; ``left`` and ``seeded``, int32 at 8 and 12; ``next``, uint64 at 16; the 624 state words,
+    uint64 each, at 24; then the cached normal samples, invalid), checked against mt19937's
+    seeding of a known seed; None when this torch lays it out otherwise."""
+    probe = 0x9E3779B9
+    st = bytes(torch.Generator().manual_seed(probe).get_state().numpy().tobytes())
+    word = [probe]
+    for i in range(1, 3):
+        word.append((1812433253 * (word[-1] ^ (word[-1] >> 30)) + i) & 0xFFFFFFFF)
+    head = [int.from_bytes(st[a:b], "little") for a, b in ((0, 8), (8, 12), (12, 16), (16, 24))]
+    got = [int.from_bytes(st[24 + 8 * i : 32 + 8 * i], "little") for i in range(3)]
+    if len(st) < 24 + 8 * _MT_WORDS or head != [probe, 1, 1, 0] or got != word:
+        return None
+    return st
 
 
 def sample_batch(
@@ -388,9 +448,7 @@ class SamplingBatch:
                     continue
                 try:
                     if rng.generator is None:
-                        gen = torch.Generator(device=dev)
-                        gen.manual_seed(rng.seed)
-                        rng.generator = gen
+                        rng.generator = request_generator(rng.seed, dev)
                     draw_noise(noise[a : a + m], rng.generator)
                 except Exception as e:  # noqa: BLE001  (the failure belongs to this request only)
                     errors[self.request_ids[a]] = f"sampling failed: {type(e).__name__}: {e}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pasta_engine.config import SamplingParams
-from pasta_engine.layers.sampler import draw_noise, logprobs_of, sample, sample_batch
+from pasta_engine.layers.sampler import draw_noise, logprobs_of, request_generator, sample, sample_batch
 
 VOCAB = 97
 
@@ -69,6 +69,58 @@ def test_one_call_equals_per_request_sampling_on_cuda():
     """On CUDA too (``torch.multinomial`` draws its Exp(1) race from the CUDA generator)."""
     for seed in range(6):
         _compare(seed, "cuda")
+
+
+def _stream(gen: torch.Generator) -> torch.Tensor:
+    return draw_noise(torch.empty(2, VOCAB), gen)
+
+
+@pytest.mark.parametrize("seed", [0, 5, 2**31 + 7, 2**32 - 1, 2**32 + 5, 2**40 + 3, 2**63, 2**64 - 2**32 - 1])
+def test_seeds_a_multiple_of_2_32_apart_draw_different_streams(seed):
+    """A CPU generator's manual_seed keeps only a seed's low 32 bits: seeds s and s + k * 2**32
+    (a server's fresh 64-bit seeds too) drew the same numbers. A request's generator is a
+    function of the whole seed: the same seed, the same stream; two seeds, two streams."""
+    again = request_generator(seed)
+    first = _stream(request_generator(seed))
+    assert torch.equal(first, _stream(again))  # a seed is reproducible
+    assert again.initial_seed() == seed
+    for k in (1, 2, 2**31):
+        other = seed + k * 2**32
+        if other < 2**64:
+            assert not torch.equal(first, _stream(request_generator(other))), (seed, other)
+    if seed < 2**32:  # a seed below 2**32 draws what manual_seed always gave it (recorded goldens stay)
+        assert torch.equal(first, _stream(torch.Generator().manual_seed(seed)))
+
+
+@pytest.mark.gpu
+def test_cuda_seeds_a_multiple_of_2_32_apart_draw_different_streams():
+    """CUDA's Philox generator takes all 64 bits of a seed (manual_seed)."""
+    for seed in (5, 2**40 + 3):
+        first = draw_noise(torch.empty(2, VOCAB, device="cuda"), request_generator(seed, "cuda"))
+        again = draw_noise(torch.empty(2, VOCAB, device="cuda"), request_generator(seed, "cuda"))
+        other = draw_noise(torch.empty(2, VOCAB, device="cuda"), request_generator(seed + 2**32, "cuda"))
+        assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_request_generator_refuses_a_seed_out_of_range():
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="seed must be in"):
+            request_generator(bad)
+    assert _stream(request_generator(2**64 - 1)).isfinite().all()
+
+
+def test_requests_whose_seeds_differ_by_2_32_sample_differently(tiny_engine):
+    """Through the engine (the sampler's per-request generator): seeds s and s + 2**32 gave one
+    stream, so the same prompt gave the same tokens; the same seed still does."""
+    s = 12345
+    prompts = [[5, 6, 7]] * 4
+    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=x) for x in (s, s + 2**32, s, s + 2**33)]
+    a, b, c, d = [r.token_ids for r in tiny_engine.generate(prompts, params, mode="sequential")]
+    assert a == c  # the same seed: the same tokens
+    assert a != b and a != d and b != d
+    [again] = tiny_engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=12, temperature=1.0, seed=s + 2**32),
+                                   mode="sequential")
+    assert again.token_ids == b
 
 
 def test_a_bad_distribution_is_flagged_not_sampled():
