@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -543,8 +544,9 @@ def _limit(rows: list, limit: int | None) -> list:
 
 
 def _out_folder(out: Path) -> Path:
-    """``--out``, the output folder, created now (before any model loads). Raises ParameterError
-    naming it when it is a file or cannot be created."""
+    """``--out``, the output folder, created now (before any model loads; :func:`_main` removes
+    it again when the command then fails with it still empty and this run created it). Raises
+    ParameterError naming it when it is a file or cannot be created."""
     from ..errors import ParameterError
 
     if out.exists() and not out.is_dir():
@@ -755,11 +757,53 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    """Parse ``argv`` and run the command; a run that fails (exit status other than 0, an
+    exception, Ctrl-C) leaves no ``--out`` folder behind that it created and wrote nothing into."""
+    args = build_parser().parse_args(argv)
+    fresh = _new_folders(getattr(args, "out", None))
+    rc: int | None = None
+    try:
+        rc = _dispatch(args, argv)
+        return rc
+    finally:
+        if rc != 0:  # failed, refused or interrupted: what this run created for --out and left empty goes
+            _remove_empty_folders(fresh)
+
+
+def _new_folders(out: Path | None) -> list[Path]:
+    """The folders that ``--out`` (``out``: a folder, or a file whose folders are made for it)
+    would create: ``out`` and each parent of it that does not exist yet, deepest first (none
+    when ``out`` is None or exists)."""
+    if out is None:
+        return []
+    new: list[Path] = []
+    p = Path(out).absolute()
+    while not os.path.lexists(p) and p.parent != p:
+        new.append(p)
+        p = p.parent
+    return new
+
+
+def _remove_empty_folders(folders: Sequence[Path]) -> None:
+    """Remove each of ``folders`` (deepest first: :func:`_new_folders` of a run that failed)
+    that is now an empty folder; stop at the first that is not empty (its parents hold it). A
+    folder that existed before the run is never in ``folders``, so never removed; nothing is
+    removed that holds a file. Raises nothing."""
+    for p in folders:
+        if not p.is_dir() or p.is_symlink():
+            continue  # never made (the run failed first), or a file's name
+        try:
+            p.rmdir()  # only an empty folder
+        except OSError:
+            return
+
+
+def _dispatch(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """Run the parsed command (see :func:`main` for the exit status)."""
     from ..errors import KVCacheExhausted, PastaEngineError, UnsupportedModelError
     from ..tools.bench import BenchError
     from ..tools.traces import TraceFileError, read_prompts, read_traces
 
-    args = build_parser().parse_args(argv)
     try:
         _refuse_unused_pasta_flags(args)
         _refuse_unused_limits(args)

@@ -370,6 +370,50 @@ def test_a_bad_or_unused_flag_is_refused_before_anything_loads(tiny_llama, tmp_p
     assert not (tmp_path / "o").exists() and not (tmp_path / "t.jsonl.tmp").exists()
 
 
+@pytest.mark.parametrize("argv", [
+    ["bench", "pareto", "--prompts", "{prompts}", "--out", "{out}", "--preset", "tiny-llama", "--page-size", "2000"],
+    ["bench", "speedup", "--traces", "{traces}", "--out", "{out}", "--preset", "tiny-llama", "--page-size", "2000"],
+    ["bench", "speedup", "--annotator", "sot", "--responses", "{responses}", "--out", "{out}", "--model", "{missing}"],
+    ["bench", "pareto", "--prompts", "{prompts}", "--out", "{out}", "--model", "{missing}"],
+])
+def test_a_run_refused_after_making_its_out_folder_leaves_none_behind(tmp_path, capsys, argv):
+    """``bench speedup`` and ``bench pareto`` make ``--out`` before the model loads (so a folder
+    that cannot be made is named first); a run refused after that (an engine setting, a missing
+    model) left the empty folder, and its new parents, behind. A folder the user made stays,
+    even empty, and so does one the run wrote into."""
+    (tmp_path / "r.json").write_text(json.dumps([{"instruction": "Tips?", "output": "- Sleep.\n- Walk.\n"}]))
+    (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": "Tips?", "annotated_response": "Sleep."}) + "\n")
+    (tmp_path / "p.txt").write_text("Tips?\n")
+    made = tmp_path / "made"
+    made.mkdir()
+    names = dict(responses=tmp_path / "r.json", traces=tmp_path / "t.jsonl", prompts=tmp_path / "p.txt",
+                 missing=tmp_path / "no-model")
+    for out in (tmp_path / "new" / "deeper" / "o", made, made / "o"):
+        rc = main([a.format(out=out, **names) for a in argv])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        _one_error_line(err, "pasta-engine: error:")
+        assert not (tmp_path / "new").exists() and made.is_dir() and not any(made.iterdir()), out
+    kept = made / "kept.txt"
+    kept.write_text("x")
+    assert main([a.format(out=made, **names) for a in argv]) == 2 and kept.read_text() == "x"
+
+
+def test_an_interrupted_run_leaves_no_empty_out_folder(tmp_path, capsys, monkeypatch):
+    """Ctrl-C (or any failure) after ``--out`` was made and before anything was written into
+    it: the folder this run made goes (exit 130)."""
+    import pasta_engine.entrypoints.cli as cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_engine", interrupted)
+    (tmp_path / "p.txt").write_text("Tips?\n")
+    out = tmp_path / "o"
+    assert main(["bench", "pareto", "--prompts", str(tmp_path / "p.txt"), "--out", str(out)]) == 130
+    assert not out.exists()
+
+
 def test_an_unwritable_output_is_one_line(tmp_path, capsys):
     """An OSError from a file the command writes (here bench annotate's --out, a folder) is one
     line and exit 2, not a traceback."""
