@@ -12,15 +12,59 @@ tokenized once by :func:`pasta_engine.lang.tokenization.tokenize_annotated`:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from ..config import GREEDY_TEMPERATURE, Limits
 from ..lang.detokenizer import IncrementalDetokenizer, token_bytes_for
 from ..lang.dialect import BaseDialect, Dialect, Sync, as_dialect
 from ..lang.pasta import PASTA
-from ..lang.tokenization import AnnotatedTokens, ThreadTokens, decode, encode_text, tokenize_annotated
+from ..lang.tokenization import (AnnotatedTokens, ForcedChunk, ThreadTokens, decode, encode_text,
+                                  tokenize_annotated)
+from ..errors import ParameterError
 from ..metrics import ResponseStructure, critical_path
 
-__all__ = ["ReplayScript", "replay_script", "trace_content_figures"]
+__all__ = ["REPLAY_UNUSED_FIELDS", "ReplayScript", "check_replay_sampling", "replay_script", "trace_content_figures"]
+
+#: The sampling fields a replay cannot honour (they act only where a token is sampled, and a
+#: replay forces every token), as :class:`~pasta_engine.config.SamplingParams` and the server's
+#: request both name them: per field, the test of a value that asks for nothing a forced token
+#: could differ by (greedy, no filter, no penalty, no minimum length, no stop token; a seed only
+#: draws samples, so none asks for nothing), and that value as an error shows it. The one rule
+#: of :func:`check_replay_sampling`, which the Python API and the server both call.
+REPLAY_UNUSED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (lambda v: v < GREEDY_TEMPERATURE, "0"), "top_p": (lambda v: v == 1, "1"),
+    "top_k": (lambda v: v in (0, -1), "0"), "min_p": (lambda v: v == 0, "0"),
+    "presence_penalty": (lambda v: v == 0, "0"), "frequency_penalty": (lambda v: v == 0, "0"),
+    "repetition_penalty": (lambda v: v == 1, "1"), "min_tokens": (lambda v: v == 0, "0"),
+    "ignore_eos": (lambda v: not v, "False"), "stop_token_ids": (lambda v: not v, "empty"),
+    "seed": (lambda v: False, "None"),
+}
+
+
+def check_replay_sampling(source: Any, where: str = "") -> None:
+    """Refuse a sampling field a replay would ignore: raise ParameterError naming the first field
+    of :data:`REPLAY_UNUSED_FIELDS` that ``source`` sets to a value that asks for something
+    (its value shown, and how to fix it). A field ``source`` lacks, or holds as None, is not
+    set. Honoured in a replay, so never refused here: ``max_new_tokens`` (raised to the tokens
+    the replay samples when smaller), ``return_logprobs`` / ``logprobs`` (the forced tokens'
+    log-probabilities) and ``stop`` (the replay ends as ``stop`` at one).
+
+    Args:
+        source: a :class:`~pasta_engine.config.SamplingParams`, or any object with the fields as
+            attributes (the server's request).
+        where: what made it a replay, named in the message (``"pasta.annotated_response"``,
+            ``"Engine.replay"``).
+
+    Raises ParameterError (``param`` the field); its callers call it before a request is queued
+    or takes a KV page."""
+    for name, (neutral, shown) in REPLAY_UNUSED_FIELDS.items():
+        value = getattr(source, name, None)
+        if value is not None and not neutral(value):
+            if isinstance(value, tuple):
+                value = list(value)
+            raise ParameterError(name, value, message=(
+                f"{name}={value!r} cannot apply to a replay ({where + ': ' if where else ''}its tokens are forced, "
+                f"none is sampled); leave {name} out (or {shown})"))
 
 
 @dataclass
@@ -42,6 +86,53 @@ class ReplayScript:
     forced_chunks: list[list[int] | None]
     sequential_ids: list[int]
     structure: ResponseStructure
+
+    def sampled_tokens(self, mode: str, limits: Limits | None = None) -> int:
+        """Tokens a replay of this script samples in ``mode``, all threads together: what its
+        ``stats.tokens_decoded`` (the server's ``usage.completion_tokens``) counts and
+        ``max_new_tokens`` budgets, so the smallest budget that replays it whole (the EOS and tag
+        tokens included, the tags the interpreter inserts not: they are not sampled).
+
+        Args:
+            mode: ``sequential`` (the reading-order stream, every tag forced), ``pasta`` or
+                ``inline`` (the main thread's stream and every chunk's, nested ones included).
+            limits: the request's limits (default :class:`~pasta_engine.config.Limits`): a fork
+                that ``max_forks`` or ``max_fork_depth`` refuses is decoded inline by its parent,
+                which is then forced with the inserted tag too. One thread forks in a dialect that
+                does not nest (one branch per marker, in reading order), so the chunks past
+                ``max_forks`` are refused; in a nesting one, where the forks' order depends on the
+                schedule, the count is exact when no fork can be refused and otherwise the
+                sequential stream's (every fork refused: the most a replay samples).
+
+        Never raises (an unknown mode counts as pasta)."""
+        if mode == "sequential":
+            return len(self.sequential_ids)
+        limits = limits if limits is not None else Limits()
+        forked = len(self.forced_main) + _chunk_tokens(self.forced_chunks)
+        chunks, depth = _chunk_shape(self.forced_chunks)
+        if chunks <= limits.max_forks and depth <= limits.max_fork_depth:
+            return forked
+        if self.tokens.tree is None:  # main forks alone (max_fork_depth >= 1): the chunks past the cap go inline
+            return forked + (chunks - limits.max_forks) * len(self.tokens.open_ids)
+        return len(self.sequential_ids)
+
+
+def _chunk_tokens(chunks: list) -> int:
+    """Tokens forced chunks sample, nested ones included."""
+    return sum(len(c.ids) + _chunk_tokens(c.chunks) if isinstance(c, ForcedChunk) else len(c)
+               for c in chunks if c is not None)
+
+
+def _chunk_shape(chunks: list, level: int = 1) -> tuple[int, int]:
+    """``(count, depth)`` of forced chunks: how many (nested ones included) and how deeply they
+    nest (a main thread's chunk is at depth 1; 0 when there is none)."""
+    count, depth = 0, 0
+    for c in chunks:
+        if c is None:
+            continue
+        n, d = _chunk_shape(c.chunks, level + 1) if isinstance(c, ForcedChunk) else (0, 0)
+        count, depth = count + 1 + n, max(depth, level, d)
+    return count, depth
 
 
 def _sync_ends(tokenizer: Any, main_ids: list[int], dialect: BaseDialect) -> list[int]:

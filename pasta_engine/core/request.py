@@ -63,8 +63,8 @@ def interpreter_factory(
             sequentially; the baseline for realized speedup of a PASTA-LANG model). A replay
             in inline mode forces pasta's streams, each chunk in place after its inserted
             ``<async>``; in sequential mode the reading-order stream.
-        max_new_tokens: the request's token budget (a replay raises it to the response's
-            length when smaller).
+        max_new_tokens: the request's token budget (a replay raises it to the tokens it
+            samples when smaller: :meth:`~pasta_engine.core.replay.ReplayScript.sampled_tokens`).
         limits, policy, max_positions, eos_ids: as :class:`~pasta_engine.core.interpreter.Interpreter`.
         annotated_response: make it a replay of this response (forced tokens of
             :func:`~pasta_engine.core.replay.replay_script`).
@@ -82,7 +82,7 @@ def interpreter_factory(
     forced_main = forced_chunks = None
     if annotated_response is not None:
         script = replay_script(tokenizer, annotated_response, replay_eos_id(tokenizer, eos_ids), dialect)
-        max_new_tokens = max(max_new_tokens, len(script.sequential_ids) + 1)
+        max_new_tokens = max(max_new_tokens, script.sampled_tokens(mode, limits))  # exactly what it samples
         if mode != "sequential":  # pasta and inline: the main thread's stream and each chunk's
             forced_main, forced_chunks = script.forced_main, script.forced_chunks
         else:
@@ -142,6 +142,7 @@ class Request:
     renderer: OutputRenderer | None = None
     stop_ids: frozenset[int] = frozenset()  # the params' stop_token_ids that are no end of sequence
     _written: RequestResult | None = field(default=None, repr=False)  # before the last restart (reset)
+    _written_sampled: dict[tuple[int, ...], int] | None = field(default=None, repr=False)  # its threads' counts
 
     def __post_init__(self) -> None:
         if self.interp is None:
@@ -152,25 +153,64 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def reset(self) -> None:
-        """Back to its start, for a restart after preemption (pages must be released first).
-        What it had written is kept (:meth:`result`) until the restart has sampled as much."""
-        if self.interp is not None and self.interp.total_sampled and (
-                self._written is None or self.interp.total_sampled > self._written.stats.tokens_decoded):
-            self._written = self.result()
-        self.interp = self.make_interpreter()
-        self.views = {}
+        """Back to its start, for a restart after preemption: a fresh interpreter and counters.
+        What it had written is kept (:meth:`result`) until the restart has caught up with it.
+        Its KV views are the scheduler's to release (it frees them right after this).
+
+        Raises whatever building its result or its fresh interpreter raises (e.g. the
+        detokenizer, a request's own dialect, a KeyboardInterrupt landing there); the request
+        is unchanged then, so the caller can still end it with its pages."""
+        written, counts = self._written, self._written_sampled
+        if self.interp is not None and (self.interp.total_sampled or written is not None):
+            written, counts = self._current()  # the snapshot, or what this run has written
+        interp = self.make_interpreter()
+        self._written, self._written_sampled = written, counts
+        self.interp = interp
         self.steps = self.prefill_tokens = self.cached_tokens = self.max_width = 0
 
     def result(self) -> RequestResult:
-        """The response as it stands (the whole response once finished). A request that ends
-        (abort, error) after a restart from preemption, before the restart has sampled as many
-        tokens as it had written before it, gives that earlier response (its text was streamed),
-        with this end's finish reason and error."""
+        """The response as it stands (the whole response once finished). A request restarted
+        after a preemption gives what it had written before the restart (with this end's finish
+        reason and error) while the restart is at or behind that in every thread, and the
+        restart's own response once it has caught up in every thread. When neither is ahead in
+        every thread (forks under a token budget run at another pace after a restart), it gives
+        the one whose text extends what the step API has streamed (``renderer``), so the final
+        text never takes back streamed text; failing that, the one with more sampled tokens.
+
+        Raises whatever rendering the response raises (e.g. the tokenizer's decode)."""
+        return self._current()[0]
+
+    def _current(self) -> tuple[RequestResult, dict[tuple[int, ...], int]]:
+        """:meth:`result` and the sampled tokens per thread of the run it comes from (keyed by
+        :func:`_sampled_by_thread`)."""
+        w, was = self._written, self._written_sampled
+        if w is None or was is None:
+            return self._render(), _sampled_by_thread(self.interp)
+        now = _sampled_by_thread(self.interp)
+        if all(n <= was.get(k, 0) for k, n in now.items()):  # at or behind the snapshot in every thread
+            return self._as_written(), was
+        fresh = self._render()
+        if all(now.get(k, 0) >= n for k, n in was.items()):  # caught up in every thread
+            return fresh, now
+        # ahead in one thread, behind in another: keep the run the streamed text came from
+        streamed = self.renderer.text if self.renderer is not None else None
+        if streamed:
+            fresh_ok, written_ok = fresh.text.startswith(streamed), w.text.startswith(streamed)
+            if fresh_ok != written_ok:
+                return (fresh, now) if fresh_ok else (self._as_written(), was)
+        if w.stats.tokens_decoded > self.interp.total_sampled:
+            return self._as_written(), was
+        return fresh, now
+
+    def _as_written(self) -> RequestResult:
+        """What it had written before its last restart, with this end's finish reason and error."""
+        w = self._written
+        return dataclasses.replace(w, error=self.error, stats=dataclasses.replace(
+            w.stats, finish_reason=self.finish_reason or "", preemptions=self.preemptions, wall_s=self.wall_s))
+
+    def _render(self) -> RequestResult:
+        """The response of the run now (its interpreter's threads)."""
         it = self.interp
-        if self._written is not None and it.total_sampled < self._written.stats.tokens_decoded:
-            w = self._written
-            return dataclasses.replace(w, error=self.error, stats=dataclasses.replace(
-                w.stats, finish_reason=self.finish_reason or "", preemptions=self.preemptions, wall_s=self.wall_s))
         sp = render.spliced(it)
         st = it.structure()
         cp = metrics.critical_path(st)
@@ -224,3 +264,16 @@ class Request:
             return it.stop_reason
         tokens = it.main.tokens
         return tokens[-1] if tokens and tokens[-1] in self.stop_ids else None
+
+
+def _sampled_by_thread(it: Interpreter) -> dict[tuple[int, ...], int]:
+    """Each thread's sampled tokens, keyed by its place in the thread tree (the child indices
+    from the main thread down, ``()`` for the main thread): a restart gives a thread the same key
+    whatever order its threads were forked in (thread ids follow fork order across threads)."""
+    out: dict[tuple[int, ...], int] = {}
+    stack: list[tuple[tuple[int, ...], Any]] = [((), it.main)]
+    while stack:
+        key, t = stack.pop()
+        out[key] = t.n_sampled
+        stack.extend((key + (i,), c) for i, c in enumerate(t.children))
+    return out

@@ -306,14 +306,27 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Free every page of ``req`` and queue it to restart from its prompt (first in line;
-        it is admitted again once its whole worst case fits)."""
+        it is admitted again once its whole worst case fits).
+
+        The request's restart (:meth:`Request.reset`: keeping what it has written, a fresh
+        interpreter) is prepared before anything here changes. When that raises, the request
+        fails alone instead (``finish_reason="error"``, its pages freed, its final output in
+        :meth:`take_ended`): an ``Exception`` is its own and goes no further; anything else
+        (a KeyboardInterrupt) is raised again once the request has ended."""
+        try:
+            req.reset()
+        except BaseException as e:
+            self.fail(req, f"preempting request {req.request_id} to free KV pages failed: keeping what it had "
+                           f"written for its restart raised {type(e).__name__}: {e}")
+            if not isinstance(e, Exception):
+                raise
+            return
         self._free(req)
         self._sampling.pop(req.request_id, None)  # it restarts from its prompt: a new stream, seen tokens recounted
         self.running.remove(req)
         req.preemptions += 1
         self.preemptions += 1
         self._last_victim = req
-        req.reset()
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 

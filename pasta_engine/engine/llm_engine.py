@@ -43,6 +43,7 @@ from ..config import EngineConfig, Limits, PositionPolicy, SamplingParams
 from ..core.block_manager import BlockManager
 from ..core.outputs import RequestOutput, RequestResult
 from ..core.render import OutputRenderer
+from ..core.replay import check_replay_sampling
 from ..core.request import Request, interpreter_factory
 from ..core.scheduler import Scheduler
 from ..errors import ContextLengthError, ParameterError
@@ -231,7 +232,7 @@ class Engine:
         check_attention_backend(config.attention_backend)
         check_cuda_graphs(config.cuda_graphs, device, config.attention_backend)
         _check_kv_budget(config.kv_cache_bytes, device)
-        _check_kv_pages(model, config, device, dtype)
+        hf_config = _check_kv_pages(model, config, device, dtype)  # config.json read once: the load reuses it
         n_threads = None
         if device.type == "cpu" and threads is not None:  # before tensor-parallel ranks start: they copy it
             n_threads = cpu_threads(threads)
@@ -245,7 +246,8 @@ class Engine:
                                                         lora_scale=lora_scale)
         else:
             runner, tok, hf_cfg = load_model(model, device=device, dtype=dtype, adapter=adapter_dir,
-                                             with_tokenizer=tokenizer is None, lora_scale=lora_scale)
+                                             with_tokenizer=tokenizer is None, lora_scale=lora_scale,
+                                             hf_config=hf_config)
         if tokenizer is not None and adapter_dir is not None:
             add_adapter_tokens(tokenizer, adapter_dir)  # the adapter's added tokens (PASTA-LANG pieces)
         try:
@@ -416,15 +418,19 @@ class Engine:
         Returns True when it aborted the request. Otherwise nothing changes and it says why:
         it returns False and logs a warning (logger ``pasta_engine.engine.llm_engine``) that
         the request has already finished (its final output, with its own finish reason, is or
-        was returned by :meth:`step`) or that no request has that id. Raises ParameterError
+        was returned by :meth:`step`), that no request has that id, or that the scheduler holds
+        no waiting or running request with it (nothing was aborted). Raises ParameterError
         naming ``request_id`` when it is not a string."""
         if not isinstance(request_id, str):
             raise ParameterError("request_id", request_id, "a request id string (the id add_request gave)")
         with self._lock:
             req = self._requests.get(request_id)
             if req is not None and not req.finished:
-                self.scheduler.abort(request_id)
-                return True
+                if self.scheduler.abort(request_id) is not None:
+                    return True
+                logger.warning("abort(%r): the request is in neither the waiting nor the running queue; nothing "
+                               "was aborted", request_id)
+                return False
             if req is not None or request_id in self._kept:
                 logger.warning("abort(%r): the request has already finished; its final output comes from the next "
                                "step()", request_id)
@@ -664,12 +670,21 @@ class Engine:
 
         Args:
             prompts, annotated_responses: equal-length lists (or one of each).
-            params: only ``return_logprobs``, ``stop`` (the replay ends as ``stop`` at one, as
-                a generated response does) and ``max_new_tokens`` matter (the latter is raised
-                to the response's length when smaller); one, or one per prompt (``n`` 1).
+            params: one :class:`SamplingParams`, or one per prompt (default: the budget the
+                replay needs). A replay honours ``return_logprobs`` (``logprobs=0``: the forced
+                tokens' log-probabilities), ``stop`` (the replay ends as ``stop`` at one, as a
+                generated response does) and ``max_new_tokens`` (tokens, all threads together;
+                raised to the tokens the replay samples when smaller, so it always runs whole).
+                A field that acts only where a token is sampled (``temperature``, ``top_p``,
+                ``top_k``, ``min_p``, the penalties, ``min_tokens``, ``ignore_eos``,
+                ``stop_token_ids``, ``seed``: :data:`~pasta_engine.core.replay.REPLAY_UNUSED_FIELDS`,
+                the server's rule too) must be left at its default, and ``n`` at 1.
             dialect: the language the responses are written in (as :meth:`add_request`'s).
 
-        Raises ParameterError when the two lists differ in length, or for a bad prompt or mode."""
+        Raises ParameterError, before any request is queued or takes a KV page: when the two
+        lists differ in length; for a bad prompt, mode or parameter; naming a sampling field
+        a replay cannot honour set away from its default
+        (:func:`~pasta_engine.core.replay.check_replay_sampling`), or ``n`` other than 1."""
         with self._lock:
             plist = _as_prompt_list(prompts)
             if isinstance(annotated_responses, str):
@@ -686,6 +701,15 @@ class Engine:
                 raise ParameterError("annotated_responses", len(responses),
                                      message=f"{len(plist)} prompts but {len(responses)} annotated responses")
             plist_params = _as_params_list(params, len(plist))
+            for i, sp in enumerate(plist_params):  # what a replay cannot honour: refused, never ignored
+                if not isinstance(sp, SamplingParams):
+                    continue  # None: the defaults; anything else is named by the input processor
+                where = "Engine.replay" if isinstance(params, SamplingParams) else f"Engine.replay, params {i}"
+                check_replay_sampling(sp, where)
+                if sp.n != 1:
+                    raise ParameterError("n", sp.n, message=(
+                        f"n={sp.n} cannot apply to a replay ({where}): it forces one response, so its completions "
+                        "would be the same tokens; leave n at 1 (list the prompt and its response n times for n runs)"))
             reqs = [self._make_request(RequestInputs(p, sp, mode, annotated_response=resp, dialect=dialect, index=i,
                                                      output_kind=OutputKind.FINAL))
                     for i, (p, resp, sp) in enumerate(zip(plist, responses, plist_params))]
@@ -757,29 +781,36 @@ def _check_kv_budget(kv_cache_bytes: int | None, device: torch.device) -> None:
 
 
 def _check_kv_pages(model: str | os.PathLike | None, config: EngineConfig, device: torch.device,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype) -> Any:
     """Raise ParameterError naming ``kv_cache_bytes`` (``--kv-cache-mb``) when the KV budget holds
     no page of the checkpoint's KV sizes (:func:`~pasta_engine.worker.model_runner.kv_pages`, as
     the model runner computes them), read from its ``config.json`` before any weight loads. A
     checkpoint whose sizes take more than that file (a ``.gguf``, the embedded model before its
-    first conversion), or whose config the load will refuse, is left to the model runner."""
-    from transformers import AutoConfig
+    first conversion), or whose config the load will refuse, is left to the model runner.
 
+    Returns the ``transformers`` config it read (:func:`~pasta_engine.models.loader.read_hf_config`),
+    for the load to use rather than read ``config.json`` again; None when it read none, or
+    the file is not a readable config (the load reads it again and names what is wrong)."""
     from ..models.config import ModelConfig
-    from ..models.loader import EMBEDDED_MODEL, cache_root
+    from ..models.loader import EMBEDDED_MODEL, cache_root, read_hf_config
 
     path = Path(model).expanduser() if model is not None else cache_root() / EMBEDDED_MODEL
     if not (path / "config.json").is_file():
-        return
+        return None
     try:
-        cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+        hf_cfg = read_hf_config(path)
     except Exception:  # noqa: BLE001  (the load reads it again and names what is wrong)
-        return
+        return None
+    try:
+        cfg = ModelConfig.from_hf(hf_cfg)
+    except Exception:  # noqa: BLE001  (the load refuses the same config, naming what is wrong)
+        return hf_cfg
     tp = config.tensor_parallel_size
     if cfg.num_kv_heads % tp:
-        return  # the load refuses it, naming tensor_parallel_size
+        return hf_cfg  # the load refuses it, naming tensor_parallel_size
     budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_cache_bytes(device)
     kv_pages(budget, config.page_size, cfg.num_layers, cfg.num_kv_heads // tp, cfg.head_dim, dtype)
+    return hf_cfg
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

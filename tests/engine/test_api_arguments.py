@@ -83,3 +83,84 @@ def test_check_threads_bounds():
         with pytest.raises(ParameterError, match=f"an integer from 1 to {MAX_THREADS}") as e:
             check_threads(bad)
         assert e.value.param == "threads" and e.value.value == bad
+
+
+#: Sampling fields a replay cannot honour (its tokens are forced), each set away from its default.
+_UNHONOURED_IN_A_REPLAY = [("temperature", 0.8), ("top_p", 0.5), ("top_k", 3), ("min_p", 0.1),
+                           ("presence_penalty", 1.0), ("frequency_penalty", -1.0), ("repetition_penalty", 1.3),
+                           ("min_tokens", 2), ("ignore_eos", True), ("stop_token_ids", (7,)), ("seed", 5)]
+
+
+@pytest.mark.parametrize("name, value", _UNHONOURED_IN_A_REPLAY + [("n", 2)])
+def test_replay_refuses_a_sampling_field_it_would_ignore(tiny_engine, name, value):
+    """A replay forces its tokens, so a field that acts only where a token is sampled was
+    silently ignored; it is refused, naming the field and its value and how to fix it, before
+    any request is queued or takes a KV page. One per prompt too, naming which."""
+    stats = tiny_engine.stats()
+    for params in (SamplingParams(**{name: value}), [SamplingParams(), SamplingParams(**{name: value})]):
+        prompts = ["a"] if isinstance(params, SamplingParams) else ["a", "b"]
+        with pytest.raises(ParameterError) as e:
+            tiny_engine.replay(prompts, ["x y"] * len(prompts), params=params)
+        shown = repr(list(value) if isinstance(value, tuple) else value)
+        assert e.value.param == name and f"{name}={shown} cannot apply to a replay" in str(e.value), str(e.value)
+        assert "leave" in str(e.value) and ("params 1" in str(e.value)) == (len(prompts) == 2)
+    after = tiny_engine.stats()
+    assert (after["steps"], after["kv_pages_free"]) == (stats["steps"], stats["kv_pages_free"])
+    assert not tiny_engine.has_unfinished_requests()
+
+
+def test_replay_takes_the_fields_it_honours_and_the_neutral_values(tiny_engine):
+    """What a replay honours (``return_logprobs``/``logprobs=0``, ``stop``, ``max_new_tokens``,
+    raised to the replay's length) and every sampling field at a value that asks for nothing."""
+    ann = 'A <promise topic="t" tokens="10"/><async>b c</async> d'
+    [ref] = tiny_engine.replay(["hi"], [ann])
+    neutral = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                             presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, ignore_eos=False,
+                             stop_token_ids=(), seed=None, n=1, max_new_tokens=1, logprobs=0)
+    [r] = tiny_engine.replay(["hi"], [ann], params=neutral)
+    assert r.token_ids == ref.token_ids and r.stats.finish_reason == "stop"
+    assert r.logprobs is not None and any(lp is not None for lp in r.logprobs)
+    [cut] = tiny_engine.replay(["hi"], [ann], params=SamplingParams(stop=("d",)))
+    assert cut.stats.finish_reason == "stop" and cut.stop_reason == "d"
+
+
+def test_the_server_and_replay_refuse_the_same_fields(tiny_engine):
+    """One rule (pasta_engine.core.replay.REPLAY_UNUSED_FIELDS) for both APIs: each field the
+    server refuses with pasta.annotated_response, Engine.replay refuses too, and the reverse."""
+    from pasta_engine.core.replay import REPLAY_UNUSED_FIELDS
+    from pasta_engine.entrypoints.openai.schema import CompletionRequest, parse_request
+
+    assert {name for name, _ in _UNHONOURED_IN_A_REPLAY} == set(REPLAY_UNUSED_FIELDS)
+    for name, value in _UNHONOURED_IN_A_REPLAY:
+        body = {"prompt": [5, 6], "pasta": {"annotated_response": "x y"},
+                name: list(value) if isinstance(value, tuple) else value}
+        with pytest.raises(ParameterError) as server:
+            parse_request(CompletionRequest, body)
+        with pytest.raises(ParameterError) as python:
+            tiny_engine.replay([[5, 6]], ["x y"], params=SamplingParams(**{name: value}))
+        assert server.value.param == python.value.param == name
+        assert "cannot apply to a replay (pasta.annotated_response" in str(server.value)
+        del body["pasta"]
+        parse_request(CompletionRequest, body)  # outside a replay the field is the server's to honour
+
+
+def test_from_pretrained_reads_the_checkpoint_config_once(tiny_llama, monkeypatch):
+    """The KV budget check before the weights load reads config.json, and the load reuses that
+    config instead of reading the file again (transformers' own reads inside its model and
+    tokenizer loaders are not pasta-engine's, so not counted)."""
+    import sys
+
+    from transformers import AutoConfig
+
+    read = AutoConfig.from_pretrained
+    calls = []
+
+    def counting(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("pasta_engine."):
+            calls.append(args[0] if args else kwargs)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", counting)
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=2**20)
+    assert len(calls) == 1, calls
+    assert engine.hf_config.vocab_size == engine.model.config.vocab_size and engine.encode("hi")

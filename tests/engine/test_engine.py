@@ -324,6 +324,29 @@ def test_check_request_makes_add_requests_checks_and_takes_nothing(tiny_engine):
     assert not tiny_engine.has_unfinished_requests() and tiny_engine.stats()["kv_pages_free"] == free
 
 
+TWO_FORKS = ('Intro <promise topic="a" tokens="5"/><async>x y z</async> mid <promise topic="b" tokens="5"/>'
+             "<async>u v</async> end<sync/> done")
+
+
+@pytest.mark.parametrize("limits", [None, Limits(max_forks=1), Limits(max_forks=0), Limits(max_threads=1)])
+@pytest.mark.parametrize("mode", ["pasta", "inline", "sequential"])
+def test_a_replays_budget_is_exactly_the_tokens_it_samples(tiny_llama, mode, limits):
+    """A replay's budget (``check_request``, the server's bar for ``max_tokens``) is the tokens
+    it samples (``stats.tokens_decoded``, the server's ``usage.completion_tokens``): it was the
+    reading-order stream plus one, so a pasta replay of 46 tokens asked for 49 (the inserted
+    ``<async>`` tokens, which are not sampled, and the one). Past the fork cap a chunk is decoded
+    inline, its inserted tag forced: counted too. With exactly that budget it runs whole."""
+    from pasta_engine.engine.input_processor import RequestInputs
+
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20, **({"limits": limits} if limits else {}))
+    [whole] = engine.replay([PROMPT], [TWO_FORKS], mode=mode, params=SamplingParams(max_new_tokens=4096))
+    need = engine.check_request(RequestInputs(PROMPT, SamplingParams(max_new_tokens=1), mode,
+                                              annotated_response=TWO_FORKS)).max_new_tokens
+    assert need == whole.stats.tokens_decoded and whole.stats.finish_reason == "stop"
+    for budget in (need, need + 1):
+        [r] = engine.replay([PROMPT], [TWO_FORKS], mode=mode, params=SamplingParams(max_new_tokens=budget))
+        assert (r.text, r.stats.finish_reason, r.stats.tokens_decoded) == (whole.text, "stop", need)
+
 def test_a_stop_token_is_the_results_stop_reason(tiny_engine):
     """vLLM's ``stop_reason``: the ``stop_token_ids`` id that ended the response (the engine's
     result, so the server and the Python API say the same), None for a response that ran out."""

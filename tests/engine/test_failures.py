@@ -336,6 +336,111 @@ def test_an_abort_after_a_preemption_keeps_what_was_streamed(tiny_llama):
     assert all_free(engine)
 
 
+FORKING_TIPS = ('Tips: <promise topic="a" tokens="10"/><async>Sleep well every night, it matters.</async> '
+                '<promise topic="b" tokens="10"/><async>Walk daily.</async><sync/> Done.')
+FORKING_LIST = ('List <promise topic="x" tokens="10"/><async>one two three</async> and <promise topic="y" '
+                'tokens="10"/><async>four five</async> end<sync/> bye')
+
+
+def _forking_replays(tiny_llama, abort_at: int | None = None) -> tuple[Engine, list, list]:
+    """Two forking replays in a 22-page cache under a 3-token budget: "L" is preempted once and
+    restarts. Aborts "L" before step ``abort_at`` (None: never). Returns the engine, the outputs
+    of "L", and per step before it ran: "L"'s preemptions and per thread its sampled tokens."""
+    probe = Engine.from_pretrained(tiny_llama, kv_cache_bytes=4 * 2**20, page_size=4)
+    per_page = probe.model_runner.kv_cache_bytes // probe.model_runner.num_pages
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=22 * per_page, page_size=4, max_num_batched_tokens=3)
+    engine.add_request([11, 12, 13], annotated_response=FORKING_TIPS, request_id="T")
+    engine.add_request([14, 15, 16, 17], annotated_response=FORKING_LIST, request_id="L")
+    outs, seen, n = [], [], 0
+    while engine.has_unfinished_requests():
+        req = engine.scheduler.get("L")
+        seen.append(None if req is None else (req.preemptions, [t.n_sampled for t in req.interp.threads]))
+        if n == abort_at:
+            assert engine.abort("L")
+        n += 1
+        outs += [o for o in engine.step() if o.request_id == "L"]
+    return engine, outs, seen
+
+
+def test_an_abort_after_a_preemption_of_a_forking_request_keeps_what_was_streamed(tiny_llama):
+    """Under a token budget a restarted forking request runs its threads at another pace: it can
+    be ahead of what it had written in one chunk and behind in the main thread. Its result was
+    chosen by all threads' tokens together, so an abort then gave the earlier run's text while
+    the restart's (further in that chunk) had been streamed: the final text took back streamed
+    text and the deltas did not add up to it. Now each thread counts on its own, and the text
+    extends what was streamed, aborted at every step of that window."""
+    _, _, seen = _forking_replays(tiny_llama)
+    restart = next(i for i, s in enumerate(seen) if s is not None and s[0])
+    written = seen[restart - 1][1]  # per thread, what it had sampled when it was preempted
+
+    def ahead_and_behind(now: list[int]) -> bool:
+        n = max(len(now), len(written))
+        now, was = now + [0] * (n - len(now)), written + [0] * (n - len(written))
+        return any(a > b for a, b in zip(now, was)) and any(a < b for a, b in zip(now, was))
+
+    mixed = [i for i, s in enumerate(seen[restart:], restart) if s is not None and ahead_and_behind(s[1])]
+    assert mixed, "the scenario no longer has a restart ahead in one thread and behind in another"
+    for k in mixed:
+        engine, outs, _ = _forking_replays(tiny_llama, abort_at=k)
+        last = outs[-1]
+        assert last.finished and last.finish_reason == "abort", k
+        assert last.result.text == last.text == "".join(o.delta_text for o in outs), k
+        assert all(last.text.startswith(o.text) for o in outs), k
+        assert all_free(engine) and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("exc", [Boom("the detokenizer failed"), KeyboardInterrupt()])
+def test_a_preempted_request_whose_text_snapshot_raises_ends_alone(tiny_llama, monkeypatch, exc):
+    """Preempting a request keeps the text it had written (its result) for its restart. When
+    taking that raised, the request used to be out of both queues already: it never ended, no
+    step reported it, ``has_unfinished_requests()`` stayed True for good and its id stayed
+    taken. Now it ends with an error naming the preemption and gets a final output, its pages
+    free; an ordinary exception goes no further (the other request finishes), a Ctrl-C is raised
+    again (the step's recovery ends the others)."""
+    import pasta_engine.core.request as request_module
+
+    probe = Engine.from_pretrained(tiny_llama, kv_cache_bytes=4 * 2**20, page_size=4)
+    per_page = probe.model_runner.kv_cache_bytes // probe.model_runner.num_pages
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=20 * per_page, page_size=4)
+    sp = SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=1.0, seed=1)
+    for rid, p in (("A", [5, 6, 7, 8, 9, 10, 11, 12]), ("B", [13, 14, 15, 16, 17, 18, 19, 20])):
+        engine.add_request(p, sp, mode="sequential", request_id=rid)
+    final_text = request_module.render.final_text
+    fired = []
+
+    def failing(interp, *a, **k):  # only a preemption renders a running request's final text
+        req = next((r for r in engine._requests.values() if r.interp is interp), None)
+        if not fired and req is not None and not req.finished:
+            fired.append(req.request_id)
+            raise exc
+        return final_text(interp, *a, **k)
+
+    monkeypatch.setattr(request_module.render, "final_text", failing)
+    outs: dict[str, list] = {"A": [], "B": []}
+    raised = False
+    for _ in range(300):
+        try:
+            for o in engine.step():
+                outs[o.request_id].append(o)
+        except KeyboardInterrupt:
+            raised = True
+        if not engine.has_unfinished_requests():
+            break
+    assert fired and raised == isinstance(exc, KeyboardInterrupt)
+    victim, other = fired[0], "AB".replace(fired[0], "")
+    last = outs[victim][-1]
+    assert last.finished and last.finish_reason == "error"
+    assert "preempting request" in last.error and type(exc).__name__ in last.error
+    assert outs[other][-1].finished
+    assert outs[other][-1].finish_reason == ("error" if raised else "length")
+    assert not engine.has_unfinished_requests() and all_free(engine)
+    assert not engine.abort(victim)  # nothing left to abort
+    engine.add_request([5, 6], SamplingParams(max_new_tokens=2), mode="sequential", request_id=victim)  # id free
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all_free(engine)
+
+
 @pytest.mark.parametrize("options, match", [
     ({"cuda_graphs": True}, r"cuda_graphs=True needs the model on a CUDA device.*--cuda-graphs on"),
     ({"kv_cache_bytes": 100}, r"holds no page of 16 tokens .*\(--kv-cache-mb\)"),

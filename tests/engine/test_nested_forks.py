@@ -122,6 +122,23 @@ def test_nesting_past_the_depth_cap_decodes_inline(tiny_llama):
     assert pool.num_free == pool.num_pages
 
 
+@pytest.mark.parametrize("caps", [{}, {"max_fork_depth": 1}, {"max_forks": 3}, {"max_forks": 0}])
+def test_a_nested_replays_budget_covers_what_it_samples(tiny_llama, caps):
+    """A nested replay's budget (the server's bar for ``max_tokens``) is the tokens it samples
+    when no fork can be refused, and with a cap that may refuse one (forks' order follows the
+    schedule) the reading-order stream's, the most a replay samples: it always runs whole."""
+    from pasta_engine.engine.input_processor import RequestInputs
+
+    engine = unlimited(tiny_llama, **caps)
+    need = engine.check_request(RequestInputs(PROMPT, SamplingParams(max_new_tokens=1), "pasta",
+                                              annotated_response=NESTED, dialect="multiverse")).max_new_tokens
+    [r] = engine.replay([PROMPT], [NESTED], dialect="multiverse")
+    assert r.stats.finish_reason == "stop" and r.text == MULTIVERSE.clean_text(NESTED)
+    seq = len(replay_script(engine.tokenizer, NESTED, replay_eos_id(engine.tokenizer, engine.eos_ids),
+                            MULTIVERSE).sequential_ids)
+    assert need == (r.stats.tokens_decoded if caps in ({}, {"max_forks": 0}) else seq) >= r.stats.tokens_decoded
+
+
 @pytest.mark.parametrize("trace", [FLAT, NESTED], ids=["flat", "nested"])
 def test_training_forward_equals_the_replay(tiny_llama, engine, trace):
     [res] = engine.replay([PROMPT], [trace], params=SamplingParams(return_logprobs=True), dialect="multiverse")

@@ -254,6 +254,23 @@ def test_abort_of_a_finished_or_unknown_request_says_so(engine, caplog):
     assert out.finish_reason == "abort" and out.finished
 
 
+def test_abort_says_true_only_when_the_scheduler_aborted_the_request(engine, caplog):
+    """``abort`` used to answer True for any unfinished request the engine knew, even one the
+    scheduler no longer held (a request stranded out of both queues was not aborted at all)."""
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=3))
+    req = engine.scheduler.waiting.pop()  # stranded: the engine knows it, the scheduler does not
+    try:
+        with caplog.at_level("WARNING", logger="pasta_engine.engine.llm_engine"):
+            assert engine.abort(rid) is False
+        assert "in neither the waiting nor the running queue; nothing was aborted" in caplog.text
+        assert not req.finished
+    finally:
+        engine.scheduler.waiting.append(req)
+    assert engine.abort(rid) is True
+    [out] = engine.step()
+    assert out.finish_reason == "abort" and out.finished and not engine.has_unfinished_requests()
+
+
 # --------------------------------------------------------------------------- interleavings with preemptions
 
 TRACE3 = ("Intro.\n" + "".join(f"{i}. <promise topic=\"p{i}\" tokens=\"10\"/><async>" + "word " * (3 + 2 * i)

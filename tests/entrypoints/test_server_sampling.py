@@ -140,6 +140,23 @@ def test_a_replay_refuses_a_max_tokens_below_its_length(server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "A b c d", ok.text
 
 
+def test_a_replay_takes_a_max_tokens_at_its_length(server):
+    """The bar is the tokens the replay samples (``usage.completion_tokens``): a ``max_tokens``
+    at it or a little above is served whole (the bar was the reading-order stream plus one, so a
+    replay of 46 tokens refused 46 to 48); one below is refused, naming the field and value."""
+    need = _post(server, {**REPLAY}).json()["usage"]["completion_tokens"]
+    for value in (need, need + 1, need + 2):
+        r = _post(server, {**REPLAY, "max_tokens": value})
+        assert r.status_code == 200, (value, r.text)
+        c = r.json()["choices"][0]
+        assert (c["text"], c["finish_reason"], r.json()["usage"]["completion_tokens"]) == ("A b c d", "stop", need)
+    r = _post(server, {**REPLAY, "max_tokens": need - 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and f"max_tokens={need - 1} is below" in err["message"], err
+    assert f"at least {need}" in err["message"], err
+
+
 def test_stop_reason_is_always_there_and_names_a_stop_token(server, greedy_ids):
     """vLLM's ``stop_reason``: the id of the ``stop_token_ids`` token that ended the response
     (it was missing), the stop string that ended it, or null (the key is always there),

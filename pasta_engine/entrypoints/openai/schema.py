@@ -23,11 +23,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ...config import GREEDY_TEMPERATURE, MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, PositionPolicy, SamplingParams
+from ...config import MAX_SEED, MAX_STOP_CHARS, MAX_STOPS, PositionPolicy, SamplingParams
+from ...core.replay import check_replay_sampling
 from ...errors import ParameterError
 from ...lang.dialect import DIALECT_NAMES
 from .errors import OpenAIError
@@ -342,23 +343,9 @@ def check_supported(req: _Request) -> None:
         raise ParameterError("pasta.events", True, message="pasta.events streams each step's thread events: it is "
                              "only allowed with stream=true")
     if req.pasta.annotated_response is not None:
-        for name, neutral in _SAMPLING_FIELDS.items():
-            value = getattr(req, name)
-            if value is not None and not neutral(value):
-                raise ParameterError(name, value, message=f"{name}={value!r} cannot apply to a replay "
-                                     "(pasta.annotated_response: its tokens are forced, none is sampled); leave it out")
-
-
-#: Request fields that act only where tokens are sampled, so never in a replay, each with the
-#: values that ask for nothing a forced token could differ by (greedy, no filter, no penalty;
-#: no seed asks for nothing: a seed only draws samples). A replay's ``max_tokens`` is checked
-#: against its length by the server (:meth:`~.serving.Server.start`).
-_SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "temperature": lambda v: v < GREEDY_TEMPERATURE, "top_p": lambda v: v == 1, "top_k": lambda v: v in (0, -1),
-    "min_p": lambda v: v == 0, "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1, "min_tokens": lambda v: v == 0, "ignore_eos": lambda v: not v,
-    "stop_token_ids": lambda v: not v, "seed": lambda v: False,
-}
+        # the rule the Python API's Engine.replay follows too; a replay's max_tokens is checked
+        # against its length by the server (Server.start)
+        check_replay_sampling(req, "pasta.annotated_response")
 
 
 def max_tokens_of(req: _Request) -> tuple[str, int] | None:
