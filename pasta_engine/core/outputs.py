@@ -161,6 +161,12 @@ class RequestOutput:
             preempted request re-samples its tokens after its restart.
         thread_deltas: the same per thread, with its id, its new tokens and its new clean text
             (:class:`~pasta_engine.core.render.ThreadDelta`), by thread id.
+        new_logprobs: with ``SamplingParams.return_logprobs``, ``(token id, logprob)`` of each
+            sampled token that joined the settled part of the response's spliced order since its
+            previous output (:func:`~pasta_engine.core.render.settled_spliced`: in tokens, the
+            prefix ``text`` is in text, tag tokens included, inserted ones left out), in that
+            order; the rest in the final output. The deltas concatenate to the sampled tokens
+            and logprobs of ``result.token_ids`` / ``result.logprobs``. Empty otherwise.
         events: what happened to its threads (:class:`~pasta_engine.core.render.ThreadEvent`:
             fork, text, end, join, finish), in order.
         finished: whether the request is over; then ``finish_reason`` is one of
@@ -177,13 +183,13 @@ class RequestOutput:
     ``delta_text`` = ``result.text``, no token, thread or event deltas (``result`` has them all)."""
 
     __slots__ = ("request_id", "text", "delta_text", "new_token_ids", "thread_deltas", "events", "finished",
-                 "finish_reason", "error", "result", "decode_steps", "tokens_decoded", "stop_reason")
+                 "finish_reason", "error", "result", "decode_steps", "tokens_decoded", "stop_reason", "new_logprobs")
 
     def __init__(self, request_id: str, new_token_ids: list[int], text: str = "", delta_text: str = "",
                  thread_deltas: list[ThreadDelta] | None = None, events: list[ThreadEvent] | None = None,
                  finished: bool = False, finish_reason: str | None = None, error: str | None = None,
                  result: RequestResult | None = None, decode_steps: int = 0, tokens_decoded: int = 0,
-                 stop_reason: str | int | None = None):
+                 stop_reason: str | int | None = None, new_logprobs: list[tuple[int, float]] | None = None):
         self.request_id = request_id
         self.new_token_ids = new_token_ids
         self.text = text
@@ -197,6 +203,7 @@ class RequestOutput:
         self.decode_steps = decode_steps
         self.tokens_decoded = tokens_decoded
         self.stop_reason = stop_reason
+        self.new_logprobs = new_logprobs if new_logprobs is not None else []
 
     def add(self, later: "RequestOutput") -> None:
         """Fold ``later``, the next output of the same request, into this one (vLLM's
@@ -207,6 +214,7 @@ class RequestOutput:
         if later.request_id != self.request_id:
             raise ValueError(f"cannot add an output of request {later.request_id!r} to one of {self.request_id!r}")
         self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.new_logprobs = self.new_logprobs + later.new_logprobs
         self.delta_text += later.delta_text
         merged = {d.thread: ThreadDelta(d.thread, list(d.token_ids), d.text) for d in self.thread_deltas}
         for d in later.thread_deltas:

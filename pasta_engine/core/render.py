@@ -50,6 +50,7 @@ __all__ = [
     "reading_order_key",
     "splice_clean",
     "spliced",
+    "settled_spliced",
     "annotated_text",
     "clean_text",
     "final_text",
@@ -107,6 +108,35 @@ def spliced(interp: "Interpreter") -> Spliced:
 
     walk(interp.main)
     return out
+
+
+def settled_spliced(interp: "Interpreter", final: bool = False) -> list[tuple["Thread", int, int]]:
+    """The part of :func:`spliced` that can no longer change, as ``(thread, lo, hi)``: runs of
+    ``thread.tokens[lo:hi]`` in spliced order. While the request runs (``final`` False) the walk
+    stops after the first chunk still decoding (its tokens so far included): a chunk's later
+    tokens, and its parent's tokens after its fork, come later. Each later call's runs extend
+    the earlier ones'; with ``final`` (the request has ended) they cover :func:`spliced` whole.
+    The prefix :func:`reading_order_prefix` gives in text, in tokens (tag tokens included). A
+    chunk that has sampled nothing yet stops the walk before its inserted tokens: if the request
+    ends before it samples, it never ran, and :func:`spliced` leaves it out."""
+    runs: list[tuple[Thread, int, int]] = []
+
+    def walk(t: Thread) -> bool:  # True: stopped at a chunk still decoding
+        at = 0
+        for c in sorted(_kids(t), key=lambda c: c.fork_at):  # stable: fork order at one token
+            if c.fork_at > at:
+                runs.append((t, at, c.fork_at))
+                at = c.fork_at
+            if not (final or c.ended or c.started and c.n_sampled > 0):
+                return True  # it may still end as "not_run" (the interpreter's _finish_request rule)
+            if walk(c) or not (final or c.ended):
+                return True
+        if len(t.tokens) > at:
+            runs.append((t, at, len(t.tokens)))
+        return False
+
+    walk(interp.main)
+    return runs
 
 
 def annotated_text(interp: "Interpreter") -> str:
@@ -437,12 +467,15 @@ class ThreadDelta:
 class RenderedStep:
     """What :meth:`OutputRenderer.update` found new: ``delta_text`` (reading-order text),
     ``new_token_ids`` (all threads, in the step's thread order), ``thread_deltas`` (by thread
-    id), ``events``."""
+    id), ``events``, and ``logprobs``: ``(token id, logprob)`` of each sampled token that
+    entered the response's settled spliced order (:func:`settled_spliced`) since the previous
+    update, in that order (empty unless asked; inserted tokens, which have no logprob, left out)."""
 
     delta_text: str
     new_token_ids: list[int]
     thread_deltas: list[ThreadDelta]
     events: list[ThreadEvent]
+    logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 class OutputRenderer:
@@ -458,7 +491,8 @@ class OutputRenderer:
     and a tail that may still become one is held back (:class:`StopFilter`, vLLM's rule).
     """
 
-    __slots__ = ("text", "_tokens_sent", "_text_sent", "_forked", "_ended", "_joined", "_finished", "_stop")
+    __slots__ = ("text", "_tokens_sent", "_text_sent", "_forked", "_ended", "_joined", "_finished", "_stop", "_held",
+                 "_lp_sent")
 
     def __init__(self) -> None:
         self.text = ""
@@ -469,9 +503,26 @@ class OutputRenderer:
         self._joined: set[int] = set()
         self._finished = False
         self._stop: StopFilter | None = None
+        self._held: list[tuple[int, int, int]] = []  # (thread id, sampled index, token id) not output yet
+        self._lp_sent = 0  # entries of settled_spliced (inserted tokens included) whose logprobs were output
+
+    def hold(self, interp: "Interpreter", sampled: Iterable[tuple[int, int]]) -> None:
+        """Keep tokens a step sampled whose output was never built (the step raised before or
+        while this request's output was rendered): the next :meth:`update` outputs them first,
+        so a request's ``new_token_ids`` still concatenate to every token it sampled.
+
+        Args:
+            interp: the request's interpreter, right after the step's sampling was applied
+                (each thread's ``n_sampled`` counts the step's token).
+            sampled: ``(thread id, token id)`` as :meth:`update` takes them.
+
+        Raises IndexError for a thread id the interpreter does not have. A token already output
+        is not output again (the same rule as :meth:`update`'s)."""
+        threads = interp.threads
+        self._held += [(tid, threads[tid].n_sampled - 1, tok) for tid, tok in sampled]
 
     def update(self, interp: "Interpreter", sampled: Iterable[tuple[int, int]] = (),
-               finish_reason: str | None = None, final: str | None = None) -> RenderedStep:
+               finish_reason: str | None = None, final: str | None = None, logprobs: bool = False) -> RenderedStep:
         """What is new after a step.
 
         Args:
@@ -482,36 +533,19 @@ class OutputRenderer:
                 every thread has ended then, and whatever was held back is output.
             final: the finished response's clean text when the caller has it already
                 (:func:`final_text` otherwise).
+            logprobs: also give the logprobs of the tokens that entered the settled spliced
+                order (:func:`settled_spliced`; all of it once ``finish_reason`` is set): the
+                request asked for logprobs. Over a request's updates they concatenate to the
+                logprobs of :func:`spliced` at its end (inserted tokens left out).
 
-        Returns a :class:`RenderedStep`; afterwards ``text`` is the cumulative text."""
+        Returns a :class:`RenderedStep`; afterwards ``text`` is the cumulative text. Nothing is
+        recorded as output before everything is rendered: when it raises (the dialect's text
+        rules, Ctrl-C), nothing of this call counts as output, and once the caller has handed
+        ``sampled`` to :meth:`hold`, the next call outputs all this one would have. Raises what
+        rendering raises."""
         threads = interp.threads
-        # tokens: a thread samples one token per step, its index is n_sampled - 1; a restarted
-        # request re-samples the same ones: only those past what was output are new
-        new_ids: list[int] = []
-        per_thread: dict[int, ThreadDelta] = {}
-        sent_tokens = self._tokens_sent
-        for tid, tok in sampled:
-            idx = threads[tid].n_sampled - 1
-            if idx >= sent_tokens.get(tid, 0):
-                sent_tokens[tid] = idx + 1
-                new_ids.append(tok)
-                d = per_thread.get(tid)
-                if d is None:
-                    d = per_thread[tid] = ThreadDelta(tid)
-                d.token_ids.append(tok)
-        # each thread's clean text
-        before0 = self._text_sent.get(0, 0)
-        for t in threads:
-            s = joined(t)
-            done = self._text_sent.get(t.tid, 0)
-            if len(s) > done:
-                self._text_sent[t.tid] = len(s)
-                d = per_thread.get(t.tid)
-                if d is None:
-                    d = per_thread[t.tid] = ThreadDelta(t.tid)
-                d.text = s[done:]
-        events = self._events(interp, finish_reason, before0, per_thread)
-        # the reading-order text
+        sampled = list(sampled)
+        # the reading-order text first: it is what runs the dialect's rules (and stop strings)
         if finish_reason is not None:
             text = final if final is not None else final_text(interp)
         else:
@@ -519,17 +553,77 @@ class OutputRenderer:
         if interp.stop_strings:  # the cut is final_text's at the end; a possible stop string's start is held
             if self._stop is None:
                 self._stop = StopFilter(interp.stop_strings)
-            self._stop.update(text, finish_reason is not None)
+            self._stop.update(text, finish_reason is not None)  # its cut moves only forward: safe to redo
             text = self._stop.sent
+        # tokens: a thread samples one token per step, its index is n_sampled - 1; a restarted
+        # request re-samples the same ones: only those past what was output are new. Tokens held
+        # from a step whose output was never built come first.
+        new_ids: list[int] = []
+        per_thread: dict[int, ThreadDelta] = {}
+        sent_tokens = self._tokens_sent
+        staged: dict[int, int] = {}  # thread id -> its tokens output after this call
+        items = self._held + [(tid, threads[tid].n_sampled - 1, tok) for tid, tok in sampled]
+        for tid, idx, tok in items:
+            if idx >= staged.get(tid, sent_tokens.get(tid, 0)):
+                staged[tid] = idx + 1
+                new_ids.append(tok)
+                d = per_thread.get(tid)
+                if d is None:
+                    d = per_thread[tid] = ThreadDelta(tid)
+                d.token_ids.append(tok)
+        # each thread's clean text
+        text_sent = self._text_sent
+        staged_text: dict[int, int] = {}
+        before0 = text_sent.get(0, 0)
+        for t in threads:
+            s = joined(t)
+            done = text_sent.get(t.tid, 0)
+            if len(s) > done:
+                staged_text[t.tid] = len(s)
+                d = per_thread.get(t.tid)
+                if d is None:
+                    d = per_thread[t.tid] = ThreadDelta(t.tid)
+                d.text = s[done:]
+        events, forked, ended, joined_now = self._events(interp, finish_reason, before0, per_thread)
+        lps, lp_sent = self._new_logprobs(interp, finish_reason is not None) if logprobs else ([], self._lp_sent)
+        # everything is rendered: record it as output
+        self._tokens_sent.update(staged)
+        text_sent.update(staged_text)
+        self._held = []
+        self._forked |= forked
+        self._ended |= ended
+        self._joined |= joined_now
+        self._finished = self._finished or finish_reason is not None
+        self._lp_sent = lp_sent
         delta = ""
         if len(text) > len(self.text):  # a restarted run gives nothing new until it gets past the output
             delta = text[len(self.text):]
             self.text = text
-        return RenderedStep(delta, new_ids, [per_thread[k] for k in sorted(per_thread)], events)
+        return RenderedStep(delta, new_ids, [per_thread[k] for k in sorted(per_thread)], events, lps)
+
+    def _new_logprobs(self, interp: "Interpreter", final: bool) -> tuple[list[tuple[int, float]], int]:
+        """``(token id, logprob)`` of the tokens of :func:`settled_spliced` past the entries
+        output so far, and the entries it holds (a restarted run gives nothing until it gets
+        past what was output)."""
+        out: list[tuple[int, float]] = []
+        sent = self._lp_sent
+        at = 0
+        for t, lo, hi in settled_spliced(interp, final):
+            end = at + hi - lo
+            if end > sent:
+                start = lo + max(0, sent - at)
+                out += [(tok, lp) for tok, lp in zip(t.tokens[start:hi], t.logprobs[start:hi]) if lp is not None]
+            at = end
+        return out, max(sent, at)
 
     def _events(self, interp: "Interpreter", finish_reason: str | None, sent0: int,
-                per_thread: dict[int, ThreadDelta]) -> list[ThreadEvent]:
+                per_thread: dict[int, ThreadDelta]) -> tuple[list[ThreadEvent], set[int], set[int], set[int]]:
+        """The thread events since the previous output, and the threads now reported forked,
+        ended and joined (the caller records them once everything is rendered)."""
         out: list[ThreadEvent] = []
+        forked_now: set[int] = set()
+        ended_now: set[int] = set()
+        joined_now: set[int] = set()
         main = interp.main
         main_text = joined(main)
         # the main thread's new text, with each new fork at its splice point (a column view then
@@ -540,27 +634,26 @@ class OutputRenderer:
                 sent0 = c.fork_clean
             p = c.promise
             out.append(ThreadEvent("fork", c.tid, parent=c.parent.tid, topic=p.topic, tokens=p.tokens, at=c.fork_clean))
-            self._forked.add(c.tid)
+            forked_now.add(c.tid)
         if len(main_text) > sent0:
             out.append(ThreadEvent("text", 0, text=main_text[sent0:]))
         if main.finish is not None and 0 not in self._ended:
             out.append(ThreadEvent("end", 0, reason=main.finish))
-            self._ended.add(0)
+            ended_now.add(0)
         for c in interp.threads[1:]:
             d = per_thread.get(c.tid)
             if d is not None and d.text:
                 out.append(ThreadEvent("text", c.tid, text=d.text))
             if c.ended and c.tid not in self._ended:
                 out.append(ThreadEvent("end", c.tid, reason=c.finish or finish_reason or "stop"))
-                self._ended.add(c.tid)
+                ended_now.add(c.tid)
             implicit = finish_reason == "stop" and c.finish != "not_run"  # the main thread's end syncs
             if (c.joined or implicit) and c.ended and c.tid not in self._joined:
                 out.append(ThreadEvent("join", c.tid, parent=c.parent.tid))
-                self._joined.add(c.tid)
+                joined_now.add(c.tid)
         if finish_reason is not None and not self._finished:
-            if 0 not in self._ended:
+            if 0 not in self._ended and 0 not in ended_now:
                 out.append(ThreadEvent("end", 0, reason=finish_reason))
-                self._ended.add(0)
+                ended_now.add(0)
             out.append(ThreadEvent("finish", 0, reason=finish_reason))
-            self._finished = True
-        return out
+        return out, forked_now, ended_now, joined_now

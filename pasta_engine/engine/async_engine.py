@@ -79,7 +79,13 @@ class StreamOutput:
         events: thread events since the previous output (only when the request asked for
             them), in order.
         decode_steps: forward passes that sampled for the request so far.
-        tokens_decoded: tokens sampled for it so far, all threads."""
+        tokens_decoded: tokens sampled for it so far, all threads.
+        logprobs: when the request asked for them (``SamplingParams.return_logprobs``),
+            ``(token id, logprob)`` of the sampled tokens in the response's spliced order (tag
+            tokens included, inserted ones left out), each sent with the output whose text
+            reaches it (:attr:`~pasta_engine.core.outputs.RequestOutput.new_logprobs`): new ones
+            (``delta``) or all so far; the final output's concatenate to ``result``'s. Empty
+            otherwise."""
 
     request_id: str
     text: str
@@ -92,6 +98,7 @@ class StreamOutput:
     decode_steps: int = 0
     tokens_decoded: int = 0
     result: RequestResult | None = None
+    logprobs: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def stats(self) -> RequestStats | None:
@@ -110,6 +117,7 @@ def _merge(old: StreamOutput, new: StreamOutput, kind: OutputKind) -> StreamOutp
     if kind is OutputKind.DELTA:
         new.text = old.text + new.text
         new.token_ids = old.token_ids + new.token_ids
+        new.logprobs = old.logprobs + new.logprobs
     new.events = old.events + new.events
     return new
 
@@ -193,6 +201,7 @@ class _Tracked:
     collector: _Collector
     token_ids: list[int] = field(default_factory=list)
     events: list[ThreadEvent] = field(default_factory=list)  # held for output_kind="final"
+    logprobs: list[tuple[int, float]] = field(default_factory=list)  # so far (cumulative, final)
 
 
 class AsyncEngine:
@@ -510,13 +519,16 @@ class AsyncEngine:
         is the engine's (cut at a stop string, its possible start held back)."""
         new = o.new_token_ids  # each sampled token once, a preempted request's re-sampled ones not again
         t.token_ids += new
+        lps = o.new_logprobs  # in spliced order, each with the output whose text reaches it
+        if t.kind is not OutputKind.DELTA:
+            t.logprobs += lps
         events = o.events if t.want_events else []
         if t.kind is OutputKind.FINAL:
             t.events += events
             if not o.finished:
                 return None
             events, t.events = t.events, []
-        elif not (o.delta_text or events or new or o.finished):
+        elif not (o.delta_text or events or new or lps or o.finished):
             return None
         cumulative = t.kind is not OutputKind.DELTA
         return StreamOutput(
@@ -531,6 +543,7 @@ class AsyncEngine:
             decode_steps=o.decode_steps,
             tokens_decoded=o.tokens_decoded,
             result=o.result,
+            logprobs=list(t.logprobs) if cumulative else lps,
         )
 
     def _shutdown_now(self) -> None:

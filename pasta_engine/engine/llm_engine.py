@@ -490,8 +490,10 @@ class Engine:
         request folded into them (:meth:`RequestOutput.add`: one id never gives two outputs in
         one step). Any exception escaping it (KeyboardInterrupt included) first ends every
         running request with an error, freeing all their pages; the outputs built before it are
-        kept for the next call, and an ended request whose output could not be built is
-        forgotten (its id free again; the caller got the exception)."""
+        kept for the next call, a running request whose output was not built gets the step's
+        tokens in its final output (its ``new_token_ids`` still concatenate to every token it
+        sampled), and an ended request whose output could not be built is forgotten (its id
+        free again; the caller got the exception)."""
         with self._lock:
             outputs = self._step()  # if it raises, the kept outputs stay kept for the next call
             merged = list(self._kept.values())
@@ -527,6 +529,9 @@ class Engine:
             # a request that had ended before the failure and whose output was not built is out of
             # the scheduler and would never be reported: forgotten (its id freed)
             lost = [r for r, _ in work[len(outputs):] if r.finished]
+            for r, taken in work[len(outputs):]:  # the one whose output raised, and those not reached
+                if r.renderer is not None and not r.finished:
+                    r.renderer.hold(r.interp, taken)  # its final output (error) still streams these tokens
             self.scheduler.fail_running(f"the engine step failed: {type(e).__name__}: {e}")
             for o in outputs:  # built before the failure: the next step() returns them
                 if o is not None:
@@ -558,8 +563,10 @@ class Engine:
         if rnd is None:  # only its result matters (generate()/replay()'s own, output_kind "final")
             out.text = out.delta_text = result.text  # its one output: the tokens are result.token_ids
             return out
-        step = rnd.update(req.interp, sampled, out.finish_reason, result.text if result is not None else None)
+        step = rnd.update(req.interp, sampled, out.finish_reason, result.text if result is not None else None,
+                          logprobs=req.params.return_logprobs)
         out.text, out.delta_text, out.new_token_ids = rnd.text, step.delta_text, step.new_token_ids
+        out.new_logprobs = step.logprobs
         out.thread_deltas, out.events = step.thread_deltas, step.events
         return out
 

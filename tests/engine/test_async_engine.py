@@ -295,13 +295,15 @@ def test_shutdown_aborts_open_requests_and_refuses_later_ones(tiny_llama):
 
 def test_streams_through_preemptions_send_each_token_and_character_once(tiny_llama):
     """A cache that preempts: the async engine, reading only the engine's RequestOutputs, sends
-    no token twice and no text twice when a request restarts."""
+    no token twice and no text twice when a request restarts, and no logprob twice: each
+    output's logprobs concatenate to the result's (a restart re-decodes the same tokens)."""
     probe = Engine.from_pretrained(tiny_llama, kv_cache_bytes=2**20, page_size=4)
     per_page = probe.model_runner.kv_cache_bytes // probe.stats()["kv_pages_total"]
     tight = AsyncEngine(Engine.from_pretrained(tiny_llama, kv_cache_bytes=24 * per_page, page_size=4,
                                                max_running_requests=4))
     idx = [i for i in range(8) if MODES[i] == "sequential"] + [0]  # 0 twice: two requests, same tokens
-    params = [SamplingParams(max_new_tokens=40, temperature=PARAMS[i].temperature, seed=PARAMS[i].seed) for i in idx]
+    params = [SamplingParams(max_new_tokens=40, temperature=PARAMS[i].temperature, seed=PARAMS[i].seed,
+                             return_logprobs=True) for i in idx]
 
     async def one(k):
         return [o async for o in tight.generate(PROMPTS[idx[k]], params[k], mode="sequential", output_kind="delta")]
@@ -319,6 +321,9 @@ def test_streams_through_preemptions_send_each_token_and_character_once(tiny_lla
         assert final.finish_reason in ("stop", "length")
         assert [t for o in outs for t in o.token_ids] == final.result.token_ids  # sequential: in order, once
         assert "".join(o.text for o in outs) == final.result.text
+        lps = [e for o in outs for e in o.logprobs]
+        assert [t for t, _ in lps] == final.result.token_ids
+        assert [lp for _, lp in lps] == pytest.approx(final.result.logprobs, abs=1e-4)
     assert any(o[-1].stats.preemptions for o in runs)
 
 

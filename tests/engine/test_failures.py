@@ -78,6 +78,48 @@ def test_outputs_kept_by_generate_survive_a_step_that_raises(engine, monkeypatch
     assert got == [("A", "length"), ("B", "error")] and all_free(engine)
 
 
+@pytest.mark.parametrize("exc", [Boom("rendering failed"), KeyboardInterrupt()])
+@pytest.mark.parametrize("victim", ["A", "B"])
+def test_a_step_whose_outputs_phase_raises_loses_no_token_from_the_deltas(engine, monkeypatch, exc, victim):
+    """Nothing the model wrote is lost: when rendering one request's output raises in the
+    outputs phase, that request (and the one after it, never rendered) end with ``error``, and
+    each one's ``new_token_ids`` over all its outputs still concatenate to its final
+    ``result.token_ids``, the failed step's token included (it used to be dropped)."""
+    from pasta_engine.core import render
+
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0)
+    engine.add_request([5, 6, 7], sp, mode="sequential", request_id="A")
+    engine.add_request([8, 9, 10], sp, mode="sequential", request_id="B")
+    target = engine.scheduler.waiting["AB".index(victim)]
+    prefix = render.reading_order_prefix
+    renders = []
+
+    def failing(interp):
+        if interp is target.interp:
+            renders.append(len(renders))
+            if len(renders) == 4:  # its fourth output: a decode step, after its tokens were taken
+                raise exc
+        return prefix(interp)
+
+    monkeypatch.setattr(render, "reading_order_prefix", failing)
+    outs = []
+    with pytest.raises(type(exc)):
+        for _ in range(20):
+            outs += engine.step()
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    for rid in "AB":
+        mine = [o for o in outs if o.request_id == rid]
+        last = mine[-1]
+        assert last.finished and last.finish_reason == "error", rid
+        assert len(last.result.token_ids) == 4, rid  # the failed step sampled its fourth token
+        assert sum((o.new_token_ids for o in mine), []) == last.result.token_ids, rid
+        per_thread = [t for o in mine for d in o.thread_deltas for t in d.token_ids]
+        assert per_thread == last.result.token_ids, rid
+        assert "".join(o.delta_text for o in mine) == last.text, rid
+    assert all_free(engine)
+
+
 def test_an_exception_in_a_kv_append_frees_every_page(engine, fresh_tokens, monkeypatch):
     append = engine.block_manager.append
     for n in (2, 7, 15):

@@ -288,3 +288,65 @@ def test_a_lone_lt_right_before_a_tag_stays_in_the_text(engine, mode):
     deltas, texts, final = _replay_streamed(engine, annotated, mode)
     assert "".join(deltas) == texts[-1] == final.result.text == want
     assert not any(isinstance(e, (Promise, AsyncOpen, AsyncClose, Sync)) for t in deltas + texts for e in parse(t))
+
+
+def test_step_outputs_carry_each_tokens_logprob_with_its_text(engine):
+    """With ``return_logprobs`` each step output carries the logprobs of the tokens whose text it
+    reaches (``new_logprobs``, the settled spliced order: a chunk's while it decodes, the main
+    text's after it once it ends), not all of them at the end; over the outputs they concatenate
+    to the result's sampled tokens and logprobs. A request that asked for none gets none."""
+    from pasta_engine.lang.tags import strip_tags
+
+    mains, chunks = ["Two tips: ", " and ", " That is all."], ["Sleep early, every day.", "Walk."]
+    annotated, clean = build(mains, chunks, [False, True])
+    sampled = SamplingParams(max_new_tokens=40, temperature=1.0, seed=5, return_logprobs=True)
+    for kw in ({"annotated_response": annotated, "params": SamplingParams(return_logprobs=True)},
+               {"params": sampled, "mode": "pasta"}, {"params": sampled, "mode": "sequential"}):
+        rid = engine.add_request(PROMPT, **kw)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == rid]
+        res = outs[-1].result
+        want = [(t, lp) for t, lp in zip(res.token_ids, res.logprobs) if lp is not None]
+        assert [e for o in outs for e in o.new_logprobs] == want, kw
+        assert sum(1 for o in outs if o.new_logprobs) > 1, kw  # spread over the outputs
+        if "annotated_response" not in kw:
+            continue
+        assert res.text == clean and len(want) < len(res.token_ids)  # the inserted <async> tokens left out
+        tokens, text = "", ""
+        for o in outs:  # the tokens so far write the text so far; what they write past it is a tag's start
+            tokens += "".join(engine.decode([t]) for t, _ in o.new_logprobs)
+            text += o.delta_text
+            rest = strip_tags(tokens)
+            assert rest.startswith(text) and (rest == text or rest[len(text)] == "<"), (rest, text)
+        assert len(outs[0].new_logprobs) == 1  # the prefill's token: "Two tips" is not all at once
+    rid = engine.add_request(PROMPT, sampled, output_kind="final")
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if o.request_id == rid]
+    assert outs[-1].finished and outs[-1].new_logprobs == [] and outs[-1].result.logprobs
+
+
+def test_logprob_deltas_of_a_request_ended_with_a_chunk_that_never_ran(engine):
+    """A chunk forked but not run yet (one thread at a time) has only its inserted ``<async>``
+    tokens; when the request ends then, it never ran and the result leaves it out. The logprob
+    deltas must not have counted it: they still concatenate to the result's (they used to skip
+    as many of the later tokens as the chunk had inserted ones)."""
+    annotated, _ = build(["A ", " B ", " C"], ["one two three four five six", "x y z"], [False, False])
+    for extra_steps in (0, 3):
+        rid = engine.add_request(PROMPT, SamplingParams(return_logprobs=True), annotated_response=annotated,
+                                 limits=Limits(max_threads=1))
+        req = next(r for r in engine.scheduler.waiting if r.request_id == rid)
+        outs, waited = [], None
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.request_id == rid]
+            if waited is None and any(not c.started for c in req.interp.threads[1:]):
+                waited = 0
+            if waited is not None and not req.finished:
+                waited += 1
+                if waited > extra_steps:
+                    engine.abort(rid)
+        res = outs[-1].result
+        assert waited is not None and res.stats.finish_reason == "abort"
+        assert "never ran" in "\n".join(res.diagnostics)
+        want = [(t, lp) for t, lp in zip(res.token_ids, res.logprobs) if lp is not None]
+        assert [e for o in outs for e in o.new_logprobs] == want

@@ -107,6 +107,41 @@ def test_logprobs_and_stop(server, client):
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
+def test_streamed_logprobs_come_with_their_chunks(server, client):
+    """A stream sends each chunk's logprobs with its tokens (OpenAI's and vLLM's shape), not all
+    in the last chunk: the entries are spread over the chunks, the tokens so far write the text
+    so far, and their concatenation is the non-streamed response's logprobs."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    for extra, budget in (({"pasta": {"annotated_response": ANNOTATED}}, {}),
+                          ({"pasta": {"mode": "sequential"}}, {"max_tokens": 12, "temperature": 0})):
+        full = client.chat.completions.create(model=server.model, messages=msgs, logprobs=True, extra_body=extra,
+                                              **budget)
+        want = full.choices[0].logprobs.content
+        per_chunk, text, tokens = [], "", ""
+        for chunk in client.chat.completions.create(model=server.model, messages=msgs, logprobs=True, stream=True,
+                                                    extra_body=extra, **budget):
+            c = chunk.choices[0]
+            entries = c.logprobs.content if c.logprobs is not None else []
+            per_chunk.append(entries)
+            text += c.delta.content or ""
+            tokens += "".join(e.token for e in entries)
+            if "annotated_response" in extra["pasta"]:  # the chunk's text is in the tokens sent so far
+                assert strip_tags(tokens).startswith(text), (tokens, text)
+        got = [e for entries in per_chunk for e in entries]
+        assert [(e.token, e.bytes) for e in got] == [(e.token, e.bytes) for e in want]
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
+        assert sum(1 for entries in per_chunk if entries) > 1, extra  # with their chunks, not all at once
+        assert text == full.choices[0].message.content
+    kw = dict(model=server.model, prompt="Once upon a time", temperature=0, max_tokens=12, logprobs=0)
+    full = client.completions.create(**kw).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)]
+    parts = [p for p in parts if p is not None]
+    assert len(parts) > 1
+    assert sum((p.tokens for p in parts), []) == full.tokens
+    assert sum((p.text_offset for p in parts), []) == full.text_offset  # offsets count from the first token
+    assert sum((p.token_logprobs for p in parts), []) == pytest.approx(full.token_logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("kw, status, param", [
     (dict(max_tokens=-1), 400, "max_tokens"),
     (dict(max_completion_tokens=0), 400, "max_completion_tokens"),

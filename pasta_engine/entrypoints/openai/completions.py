@@ -110,6 +110,18 @@ async def _stream(srv: Server, streams: list[RequestStream], opts: Options, cid:
         return c
 
     finals: dict[int, StreamOutput] = {}
+    # logprobs: each chunk carries those of the tokens its text reaches (entries that came with
+    # no text, tag tokens or a held-back tail, ride with the choice's next chunk)
+    lp_held: dict[int, list[tuple[int, float]]] = {i: [] for i in range(len(streams))}
+    lp_offset: dict[int, int] = {i: 0 for i in range(len(streams))}
+
+    async def with_logprobs(c: dict[str, Any]) -> dict[str, Any]:
+        i = c["index"]
+        if lp_held[i]:
+            pairs, lp_held[i] = lp_held[i], []
+            c["logprobs"], lp_offset[i] = await srv.logprobs_of(pairs, chat, lp_offset[i])
+        return c
+
     try:
         if chat:
             for i in range(len(streams)):
@@ -119,21 +131,20 @@ async def _stream(srv: Server, streams: list[RequestStream], opts: Options, cid:
                 if opts.meter is not None:
                     opts.meter.output(i, out)
                 log.add(event_records(i, out))
+                if opts.logprobs:
+                    lp_held[i] += out.logprobs
                 if opts.events and (out.events or not out.finished):
                     ext = {"events": [e.to_dict() for e in out.events], "decode_steps": out.decode_steps,
                            "tokens_decoded": out.tokens_decoded}
-                    yield chunk([choice(i, out.text, pasta=ext)])
+                    yield chunk([await with_logprobs(choice(i, out.text, pasta=ext))])
                 elif out.text:
-                    yield chunk([choice(i, out.text)])
+                    yield chunk([await with_logprobs(choice(i, out.text))])
                 if out.finished:
                     finals[i] = out
                     _check_final(srv, i, out, "after the text sent so far")
                     extra: dict[str, Any] = {"stop_reason": out.stop_reason,
                                              "pasta": srv.choice_ext(out, opts)}
-                    c = choice(i, None, out.finish_reason, **extra)
-                    if opts.logprobs:
-                        c["logprobs"] = await srv.logprobs(out, chat)
-                    yield chunk([c])
+                    yield chunk([await with_logprobs(choice(i, None, out.finish_reason, **extra))])
         if opts.include_usage:
             yield sse({"id": cid, "object": obj, "created": created, "model": srv.model_name, "choices": [],
                         "usage": _usage(_prompt_tokens(finals, opts.n), finals)})

@@ -283,17 +283,31 @@ class Server:
         sampled text with its tags, not ``text``, which has none)."""
         r = out.result
         pairs = [(t, lp) for t, lp in zip(r.token_ids, r.logprobs or []) if lp is not None]
-        texts = await self.engine.decode_tokens([t for t, _ in pairs])
+        lp, _ = await self.logprobs_of(pairs, chat)
+        return lp
+
+    async def logprobs_of(self, pairs: Sequence[tuple[int, float]], chat: bool,
+                          text_offset: int = 0) -> tuple[dict[str, Any], int]:
+        """OpenAI's logprobs object for ``pairs``, ``(token id, logprob)`` in spliced order (a
+        whole choice's, or a streamed chunk's: :attr:`StreamOutput.logprobs
+        <pasta_engine.engine.async_engine.StreamOutput.logprobs>`), each token's text and bytes
+        read on the engine thread (both reads queued at once). ``text_offset``: characters of
+        the choice's ``tokens`` before these (a completion's offsets count from its first
+        token, so a stream's chunks concatenate to the non-streamed object).
+
+        Returns the object and the text offset after these tokens. Raises EngineDeadError."""
+        ids = [t for t, _ in pairs]
         if chat:
-            raw = await self.engine.token_bytes([t for t, _ in pairs])
+            texts, raw = await asyncio.gather(self.engine.decode_tokens(ids), self.engine.token_bytes(ids))
             return {"content": [{"token": s, "logprob": lp, "bytes": list(b), "top_logprobs": []}
-                                for s, b, (_, lp) in zip(texts, raw, pairs)]}
-        offsets, at = [], 0
+                                for s, b, (_, lp) in zip(texts, raw, pairs)]}, text_offset
+        texts = await self.engine.decode_tokens(ids)
+        offsets, at = [], text_offset
         for s in texts:
             offsets.append(at)
             at += len(s)
         return {"tokens": texts, "token_logprobs": [lp for _, lp in pairs], "top_logprobs": None,
-                "text_offset": offsets}
+                "text_offset": offsets}, at
 
 
 class Prompts:
