@@ -490,10 +490,11 @@ class Engine:
         request folded into them (:meth:`RequestOutput.add`: one id never gives two outputs in
         one step). Any exception escaping it (KeyboardInterrupt included) first ends every
         running request with an error, freeing all their pages; the outputs built before it are
-        kept for the next call, a running request whose output was not built gets the step's
-        tokens in its final output (its ``new_token_ids`` still concatenate to every token it
-        sampled), and an ended request whose output could not be built is forgotten (its id
-        free again; the caller got the exception)."""
+        kept for the next call, a request whose output was not built gets the step's tokens in
+        its next output (its ``new_token_ids`` still concatenate to every token it sampled), a
+        request that had ended by itself and whose output was not reached is output by the next
+        call with its own finish reason, and an ended request whose output raised is forgotten
+        (its id free again; the caller got the exception)."""
         with self._lock:
             outputs = self._step()  # if it raises, the kept outputs stay kept for the next call
             merged = list(self._kept.values())
@@ -526,12 +527,19 @@ class Engine:
             for r, taken in work:  # rendering runs the tokenizer: it can raise, Ctrl-C can land here
                 outputs.append(self._output(r, taken))
         except BaseException as e:
-            # a request that had ended before the failure and whose output was not built is out of
-            # the scheduler and would never be reported: forgotten (its id freed)
-            lost = [r for r, _ in work[len(outputs):] if r.finished]
-            for r, taken in work[len(outputs):]:  # the one whose output raised, and those not reached
-                if r.renderer is not None and not r.finished:
-                    r.renderer.hold(r.interp, taken)  # its final output (error) still streams these tokens
+            # the request whose output raised, if it had ended, is out of the scheduler and its
+            # output cannot be built: forgotten (its id freed). Those after it were never tried:
+            # an ended one goes back to the scheduler's ended list (the next step outputs it with
+            # its own finish reason), a running one fails below with the others
+            lost: list[Request] = []
+            for i, (r, taken) in enumerate(work[len(outputs):]):
+                if r.finished and i == 0:
+                    lost.append(r)
+                    continue
+                if r.finished and r not in self.scheduler.ended:
+                    self.scheduler.ended.append(r)
+                if r.renderer is not None:
+                    r.renderer.hold(r.interp, taken)  # its next output still streams these tokens
             self.scheduler.fail_running(f"the engine step failed: {type(e).__name__}: {e}")
             for o in outputs:  # built before the failure: the next step() returns them
                 if o is not None:

@@ -120,6 +120,44 @@ def test_a_step_whose_outputs_phase_raises_loses_no_token_from_the_deltas(engine
     assert all_free(engine)
 
 
+@pytest.mark.parametrize("exc", [Boom("rendering failed"), KeyboardInterrupt()])
+def test_a_request_that_ended_by_itself_keeps_its_output_when_anothers_rendering_raises(engine, monkeypatch, exc):
+    """A request that ends by itself in the step where rendering an earlier request's output
+    raises was never tried: the next step outputs it, with its own finish reason and every
+    token (it used to be forgotten, its text lost). The one whose rendering raised fails."""
+    from pasta_engine.core import render
+
+    engine.add_request([8, 9, 10], SamplingParams(max_new_tokens=20, temperature=0.0), mode="sequential",
+                       request_id="B")  # first in the step's work
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0), mode="sequential",
+                       request_id="A")  # takes its last token in the step that raises
+    b = engine.scheduler.waiting[0]
+    prefix = render.reading_order_prefix
+    renders = []
+
+    def failing(interp):
+        if interp is b.interp:
+            renders.append(len(renders))
+            if len(renders) == 3:  # B's third output: the step in which A ends
+                raise exc
+        return prefix(interp)
+
+    monkeypatch.setattr(render, "reading_order_prefix", failing)
+    outs = []
+    with pytest.raises(type(exc)):
+        for _ in range(20):
+            outs += engine.step()
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    mine = [o for o in outs if o.request_id == "A"]
+    assert mine and mine[-1].finished and mine[-1].finish_reason == "length"
+    assert len(mine[-1].result.token_ids) == 3
+    assert sum((o.new_token_ids for o in mine), []) == mine[-1].result.token_ids
+    assert "".join(o.delta_text for o in mine) == mine[-1].text
+    assert [o.finish_reason for o in outs if o.request_id == "B" and o.finished] == ["error"]
+    assert all_free(engine)
+
+
 def test_an_exception_in_a_kv_append_frees_every_page(engine, fresh_tokens, monkeypatch):
     append = engine.block_manager.append
     for n in (2, 7, 15):
