@@ -158,6 +158,34 @@ def test_a_request_that_ended_by_itself_keeps_its_output_when_anothers_rendering
     assert all_free(engine)
 
 
+@pytest.mark.parametrize("exc", [Boom("a token's handling failed"), KeyboardInterrupt()])
+def test_a_step_that_raises_while_tokens_are_taken_loses_none_from_the_deltas(engine, exc):
+    """An exception while the interpreters take a step's tokens (B's on_token; A took its token
+    first): each request's ``new_token_ids`` over its outputs still concatenate to its final
+    ``result.token_ids`` (the step's tokens were missing from the deltas)."""
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.0), mode="sequential",
+                       request_id="A")
+    engine.add_request([8, 9, 10], SamplingParams(max_new_tokens=10, temperature=0.0), mode="sequential",
+                       request_id="B")
+    b = engine.scheduler.waiting[1]
+    b.interp.on_token = fail_on_call(3, exc)(b.interp.on_token)
+    outs = []
+    if isinstance(exc, Exception):  # a request's own failure: B fails alone, A goes on
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(20):
+                outs += engine.step()
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+    for rid in "AB":
+        mine = [o for o in outs if o.request_id == rid]
+        assert mine[-1].finished, rid
+        assert sum((o.new_token_ids for o in mine), []) == mine[-1].result.token_ids, rid
+    assert all_free(engine)
+
+
 def test_an_exception_in_a_kv_append_frees_every_page(engine, fresh_tokens, monkeypatch):
     append = engine.block_manager.append
     for n in (2, 7, 15):
