@@ -365,10 +365,21 @@ def plan_lists(
         block_m: query-tile rows to use (at least what the largest row set needs; a CUDA
             graph fixes it per bucket).
 
-    Raises ValueError for an empty batch, a row with no page, a too small ``block_m`` or an
-    unknown mode."""
+    Raises ValueError for an empty batch, a row with no page, a run with more or fewer pages
+    than page lengths, a too small ``block_m``, an unknown mode, or a ``group``,
+    ``num_kv_heads``, ``max_rows_per_item`` or ``target_work`` that is not an int >= 1 (the
+    error names it)."""
     if not views:
         raise ValueError("no decode rows")
+    for name, val in (("group", group), ("num_kv_heads", num_kv_heads), ("max_rows_per_item", max_rows_per_item),
+                      ("target_work", 1 if target_work is None else target_work)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+    for r, v in enumerate(views):  # host lists: no device sync
+        for sid, ps, ns in v:
+            if len(ps) != len(ns):
+                raise ValueError(f"decode row {r}, segment {sid}: {len(ps)} pages but {len(ns)} page lengths "
+                                 "(one length per page)")
     if mode == "auto":
         mode = choose_mode(views)
     if mode not in ("tree", "plain"):
@@ -529,7 +540,7 @@ def tree_decode_attention(
         merge: ``inline``, ``separate``, or a callable
             ``merge(part_o, part_lse, row_indptr, row_parts, out)`` given every row's partials
             (see the module docstring).
-        block_n: KV tokens per inner iteration (a multiple of 16 and of the page size or a divisor).
+        block_n: KV tokens per inner iteration: a power of two (below 16 it is raised to 16).
         grid_work: launch this many work programs (a capacity for CUDA graphs; default the plan's;
             at least the plan's work items).
         workspace: scratch buffers (:class:`DecodeWorkspace`); None allocates them for this call.
@@ -567,8 +578,11 @@ def tree_decode_attention(
     _, page, hkv, dk = k_cache.shape
     if dk != d or hq % hkv:
         raise ValueError(f"q heads {hq} x dim {d} do not fit the cache's {hkv} KV heads x dim {dk}")
-    if q.dtype != k_cache.dtype or k_cache.stride() != v_cache.stride():
-        raise ValueError(f"q dtype {q.dtype} / cache dtype {k_cache.dtype} differ, or K and V strides differ")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"q dtype {q.dtype}, k_cache dtype {k_cache.dtype} and v_cache dtype {v_cache.dtype} must "
+                         "be one dtype, and K and V must have the same strides")
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"tree_decode_attention: block_n must be a power of two, got {block_n!r}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("the last (head_dim) dimension of q and the caches must be contiguous")
     if d < 1:

@@ -185,6 +185,28 @@ def test_bad_inputs_are_named():
         tree_decode_attention(torch.zeros(1, 2, 64), k[:, :, :1], k[:, :, :1], plan, 1.0, merge="later")
 
 
+def test_plan_and_call_arguments_that_computed_garbage_are_refused_by_name():
+    """Each was accepted: group 0 made a plan whose call answered garbage (the capacity-plan
+    marker skipped the group check), target_work / max_rows_per_item 0 died in arithmetic, a run
+    with more pages than page lengths read past them, a float16 V under float32 K answered at
+    float16 precision, and block_n 48 died inside Triton."""
+    v1 = [[(1, [0, 1], [4, 4])]]
+    for kw, name in [(dict(group=0), "group"), (dict(num_kv_heads=0), "num_kv_heads"),
+                     (dict(target_work=0), "target_work"), (dict(max_rows_per_item=0), "max_rows_per_item")]:
+        args = dict(group=2, num_kv_heads=2, device="cpu") | kw
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got 0"):
+            build_plan(v1, **args)
+    with pytest.raises(ValueError, match="segment 1: 2 pages but 1 page lengths"):
+        build_plan([[(1, [0, 1], [4])]], group=2, num_kv_heads=2, device="cpu")
+    k = torch.zeros(4, 4, 2, 64)
+    plan = build_plan([[(1, [0], [2])]], group=2, num_kv_heads=2, device="cpu")
+    with pytest.raises(ValueError, match="v_cache dtype torch.float16"):
+        tree_decode_attention(torch.zeros(1, 4, 64), k, k.half(), plan, 1.0)
+    for bn in (48, 20, 0):
+        with pytest.raises(ValueError, match=f"block_n must be a power of two, got {bn}"):
+            tree_decode_attention(torch.zeros(1, 4, 64), k, k, plan, 1.0, block_n=bn)
+
+
 def test_a_call_that_does_not_fit_its_plan_or_out_is_refused():
     """Each of these was accepted and answered with garbage (or wrote past ``out``, or left the
     workspace's merge counters set so the next correct call merged unwritten partials)."""
