@@ -162,8 +162,8 @@ def add_train_parser(subparsers: Any) -> None:
                    "tokens). Experimental: on answers cut by the token budget it teaches the model not to stop "
                    "(bench/results/distill-smollm2-cpu)")
     s.add_argument("--tag-weight", type=float, default=1.0,
-                   help="loss weight of the tokens that open a tag (the fork, chunk-end and sync decisions); 1 = plain "
-                   "mean NLL")
+                   help="loss weight of the tokens that open a tag (the fork and sync decisions; a chunk's end is not "
+                   "weighted); 1 = plain mean NLL")
     s.add_argument("--min-promises", type=nonneg_int, default=0,
                    help="train only on answers the annotator gave at least this many promises (1 drops the unforked "
                    "ones; 2 keeps the answers with parallel chunks, whose content speedup the model should learn)")
@@ -314,6 +314,9 @@ def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """``train sft``: flags checked before any work, then one rank's run (torchrun: every rank's)."""
     if not args.tag_weight > 0:
         raise ParameterError("--tag-weight", args.tag_weight, "a weight > 0 (1 = plain mean NLL)")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ParameterError("--lr", args.lr, "a finite learning rate > 0 (0 trains nothing: the adapter stays the base "
+                             "model)")
     if args.adapter is not None and not (args.adapter / "adapter_config.json").exists():
         raise ParameterError("--adapter", str(args.adapter), "a folder with adapter_config.json (a peft LoRA adapter)")
     if not args.min_content_speedup >= 0:
@@ -334,7 +337,9 @@ def _refuse_unused_sft_flags(args: argparse.Namespace) -> None:
     any model loads; the manifest recorded such flags as if applied): the annotation flags with
     ``--examples`` (its rows are annotated already), the new adapter's shape and tag tokens with
     ``--adapter`` (training goes on from that adapter's), ``--distill-hard-open`` without
-    ``--content-loss distill``."""
+    ``--content-loss distill``, ``--lora-r`` / ``--lora-alpha`` with ``--tokens-only`` (the LoRA
+    matrices stay frozen at zero), ``--forked-only`` with ``--min-promises`` (it is
+    ``--min-promises 1``, which the larger count overrides)."""
     defaults = _sft_defaults()
     unused = []
     if args.examples is not None:
@@ -344,6 +349,11 @@ def _refuse_unused_sft_flags(args: argparse.Namespace) -> None:
     if args.adapter is not None:
         unused += [(f, f"training goes on from --adapter {args.adapter}, with its own shape and tokens")
                    for f in ("tag_tokens", "lora_r", "lora_alpha")]
+    if args.tokens_only:
+        unused += [(f, "--tokens-only trains the tag tokens' rows alone; the LoRA matrices stay frozen at zero")
+                   for f in ("lora_r", "lora_alpha")]
+    if args.min_promises >= 1:
+        unused.append(("forked_only", f"it is --min-promises 1, and --min-promises {args.min_promises} is given"))
     if args.content_loss != "distill":
         unused.append(("distill_hard_open", f"acts only with --content-loss distill (this run: {args.content_loss})"))
     for name, why in unused:

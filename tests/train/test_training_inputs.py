@@ -61,6 +61,9 @@ def test_bonbon_checks_its_optimizer_flags_before_sampling(flag, value, tiny_lla
     (["--adapter", "AD", "--lora-r", "8"], "--lora-r"),
     (["--adapter", "AD", "--tag-tokens"], "--tag-tokens"),
     (["--distill-hard-open", "2"], "--distill-hard-open"),
+    (["--tag-tokens", "--tokens-only", "--lora-r", "64"], "--lora-r"),
+    (["--tag-tokens", "--tokens-only", "--lora-alpha", "128"], "--lora-alpha"),
+    (["--forked-only", "--min-promises", "2"], "--forked-only"),
 ])
 def test_train_sft_refuses_flags_nothing_reads(extra, flag, tiny_llama, tmp_path, capsys):
     """Each was ignored, and the manifest recorded it as if applied."""
@@ -72,3 +75,15 @@ def test_train_sft_refuses_flags_nothing_reads(extra, flag, tiny_llama, tmp_path
     rc, err = _run(["train", "sft", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--model",
                     str(tiny_llama), *extra], capsys)
     assert rc == 2 and f"error: {flag} " in err and "leave it out" in err, err
+
+
+@pytest.mark.parametrize("lr", ["0", "-1", "nan", "inf"])
+def test_train_sft_refuses_a_learning_rate_that_trains_nothing_before_any_work(lr, tiny_llama, tmp_path, capsys):
+    """--lr 0 trained nothing and exited 0 (the adapter was the base model); -1 failed after the
+    annotation with an error naming no flag."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": "q", "dataset": "koala", "output": "a"}]))
+    rc, err = _run(["train", "sft", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--model",
+                    str(tiny_llama), "--lr", lr], capsys)
+    assert rc == 2 and "invalid --lr=" in err, err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
