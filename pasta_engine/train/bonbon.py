@@ -494,7 +494,8 @@ def train_bonbon(
             engine = Engine.from_pretrained(base, device=device, dtype=dtype, adapter=current,
                                             max_running_requests=settings.max_running_requests,
                                             kv_cache_bytes=settings.kv_cache_mb * 2**20,
-                                            pasta_prompt=pasta_prompt)
+                                            pasta_prompt=pasta_prompt,
+                                            lora_scale=1.0)  # the policy as trained (its reference: wrap_lora, 1.0)
             t0 = time.perf_counter()
             rows = _sample_rows(engine, prompts, settings, seed=settings.seed + 10_000 * k)
             sample_s = time.perf_counter() - t0
@@ -585,7 +586,8 @@ def train_bonbon(
         if reader_references is not None:
             summary_k["proxy_pair_agreement"] = proxy_pair_agreement(rows)
         rounds.append(summary_k)
-        prior = read_manifest(current) or {}
+        # a scale merged at serving was measured on the starting adapter, not on this one
+        prior = {k: v for k, v in (read_manifest(current) or {}).items() if k not in ("lora_scale", "lora_scale_note")}
         current = export_adapter(policy, rdir / "adapter", {
             **prior, **(manifest or {}), "pasta_prompt": pasta_prompt.to_dict(),
             "stages": [*prior.get("stages", []), {"stage": "bonbon", **summary_k}],

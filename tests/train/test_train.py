@@ -276,6 +276,40 @@ def test_a_bonbon_round_on_a_tiny_model(tiny_llama, tmp_path):
     assert [s["stage"] for s in manifest["stages"]] == ["sft", "bonbon", "bonbon"]
 
 
+def test_bonbon_samples_the_policy_as_trained_and_its_adapter_inherits_no_serving_scale(tiny_llama, tmp_path,
+                                                                                          monkeypatch):
+    """From an adapter served at lora_scale 0.85 (the shipped one's manifest), BoNBoN sampled at
+    0.85 while its policy and reference ran at 1.0 (off-policy pairs), and the new adapter's
+    manifest inherited the 0.85 measured on the old one (served at 85% of what was trained)."""
+    from pasta_engine.engine.llm_engine import Engine as EngineClass
+    from pasta_engine.train.bonbon import BonbonSettings, train_bonbon
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample
+    from pasta_engine.train.sft import SFTSettings, train_sft
+
+    ex = [TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 2
+    train_sft(ex, tmp_path / "sft", SFTSettings(epochs=1, grad_accum=2, lora=LoraSettings(r=4, alpha=8)),
+              base=str(tiny_llama), progress=False)
+    mpath = tmp_path / "sft" / "adapter" / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    mpath.write_text(json.dumps({**manifest, "lora_scale": 0.85, "lora_scale_note": "measured on this adapter"}))
+    scales = []
+    orig = EngineClass.from_pretrained.__func__
+
+    def spy(cls, *a, **kw):
+        scales.append(kw.get("lora_scale"))
+        return orig(cls, *a, **kw)
+
+    monkeypatch.setattr(EngineClass, "from_pretrained", classmethod(spy))
+    settings = BonbonSettings(n=2, max_new_tokens=6, temperature=1.0, best_must_finish=False, grad_accum=1, lr=1e-2,
+                              kv_cache_mb=16, max_running_requests=4)
+    train_bonbon(["tips"], tmp_path / "sft" / "adapter", tmp_path / "bb", settings, base=str(tiny_llama),
+                 scorer=lambda prompt, text: -len(text) / 100, progress=False)
+    assert scales and all(s == 1.0 for s in scales), scales
+    new = json.loads((tmp_path / "bb" / "adapter" / "manifest.json").read_text())
+    assert "lora_scale" not in new and "lora_scale_note" not in new
+
+
 def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, capsys):
     from pasta_engine.entrypoints.cli import main
     from pasta_engine.train.common import LoraSettings
