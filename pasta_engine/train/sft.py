@@ -21,6 +21,7 @@ and the loss curve are those of one process; rank 0 alone logs, checkpoints and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sys
@@ -85,6 +86,38 @@ class SFTSettings:
     dtype: str | None = None
     gradient_checkpointing: bool = False
     example_seeds: bool = False
+
+
+#: SFTSettings fields a resume may change: how often it saves and where it runs, and how long it
+#: goes on (more epochs or steps extend the same order of steps; the learning-rate schedule is
+#: stretched to the new total).
+_RESUME_FREE = ("save_every", "device", "dtype", "gradient_checkpointing", "epochs", "max_steps")
+
+
+def _run_fingerprint(examples: Sequence[TrainExample], settings: SFTSettings) -> dict[str, Any]:
+    """What a run's optimizer steps depend on: the examples in order (count and a SHA-256 of
+    their prompts, annotations and ends) and every setting but :data:`_RESUME_FREE`."""
+    digest = hashlib.sha256()
+    for e in examples:
+        digest.update(json.dumps([e.prompt, e.annotated, e.ended]).encode())
+    cfg = {k: v for k, v in asdict(settings).items() if k not in _RESUME_FREE}
+    return {"examples": len(examples), "examples_sha256": digest.hexdigest(),
+            "settings": json.loads(json.dumps(cfg, default=str))}
+
+
+def _check_resume(saved: dict[str, Any] | None, now: dict[str, Any], out: Path) -> None:
+    """Refuse to resume ``out``'s checkpoint under other examples or settings (its step would be
+    applied to another order: examples trained twice or never). A checkpoint from before
+    fingerprints (None) resumes as before. Raises ParameterError naming what changed."""
+    if saved is None or saved == now:
+        return
+    changed = [k for k in sorted(set(saved["settings"]) | set(now["settings"]))
+               if saved["settings"].get(k) != now["settings"].get(k)]
+    if saved.get("examples") != now["examples"] or saved.get("examples_sha256") != now["examples_sha256"]:
+        changed.insert(0, f"the examples ({saved.get('examples')} then, {now['examples']} now)")
+    raise ParameterError("--resume", str(out), message=(
+        f"the checkpoint in {out} was written under other training inputs: {', '.join(changed)} changed; "
+        "resume with the same data and flags, or train into a new --out"))
 
 
 def sft_memory_estimate(examples: Sequence[TrainExample], settings: SFTSettings, base: str | None = None,
@@ -161,7 +194,8 @@ def train_sft(
 
     Returns the summary (also in ``out/summary.json``). Raises ValueError (ParameterError naming
     the flag) for a bad setting, when the memory estimate does not fit (before the weights load),
-    or when the world is larger than ``grad_accum``."""
+    or when the world is larger than ``grad_accum``; ParameterError naming ``--resume`` when
+    ``out``'s checkpoint was written under other examples or settings (:func:`_check_resume`)."""
     from tqdm import tqdm
 
     if settings.content_loss not in ("nll", "distill"):
@@ -232,10 +266,13 @@ def train_sft(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, settings.warmup, total))
     state: dict[str, Any] = {"step": 0, "elapsed_s": 0.0}
     curve = LossCurve()
+    fingerprint = _run_fingerprint(examples, settings)
+    state["fingerprint"] = fingerprint
     if resume:
         got = load_checkpoint(out, model, opt, sched)
         if got is not None:
-            state = got
+            _check_resume(got.get("fingerprint"), fingerprint, out)
+            state = {**got, "fingerprint": fingerprint}
             if scaler is not None and "grad_scaler" in state:
                 scaler.load_state_dict(state["grad_scaler"])
             if (out / "loss.json").exists():

@@ -118,6 +118,15 @@ def test_a_few_sft_steps_lower_the_loss_and_the_adapter_merges_exactly(tiny_llam
     more = SFTSettings(**{**settings.__dict__, "epochs": 5})
     again = train_sft(ex, tmp_path / "run", more, base=str(tiny_llama), resume=True, progress=False)
     assert again["optimizer_steps"] == 10 and len(json.loads((tmp_path / "run" / "loss.json").read_text())) == 10
+    # ... but not under other examples or step-shaping settings: its steps would be another order's
+    # (examples trained twice or never)
+    from pasta_engine.errors import ParameterError
+
+    for other_ex, other in [(ex[:-1], more), (ex, SFTSettings(**{**more.__dict__, "grad_accum": 1})),
+                            (ex, SFTSettings(**{**more.__dict__, "lr": 1.0}))]:
+        with pytest.raises(ParameterError, match="other training inputs"):
+            train_sft(other_ex, tmp_path / "run", SFTSettings(**{**other.__dict__, "epochs": 6}), base=str(tiny_llama),
+                      resume=True, progress=False)
 
 
 def test_an_optimizer_step_stays_in_one_epoch_and_logs_its_own_lr(tiny_llama, tmp_path, monkeypatch):
