@@ -117,26 +117,28 @@ def test_streamed_logprobs_come_with_their_chunks(server, client):
         full = client.chat.completions.create(model=server.model, messages=msgs, logprobs=True, extra_body=extra,
                                               **budget)
         want = full.choices[0].logprobs.content
-        per_chunk, text, tokens = [], "", ""
+        per_chunk, text, tokens, texts = [], "", "", 0
         for chunk in client.chat.completions.create(model=server.model, messages=msgs, logprobs=True, stream=True,
                                                     extra_body=extra, **budget):
             c = chunk.choices[0]
             entries = c.logprobs.content if c.logprobs is not None else []
             per_chunk.append(entries)
             text += c.delta.content or ""
+            texts += bool(c.delta.content)
             tokens += "".join(e.token for e in entries)
             if "annotated_response" in extra["pasta"]:  # the chunk's text is in the tokens sent so far
                 assert strip_tags(tokens).startswith(text), (tokens, text)
         got = [e for entries in per_chunk for e in entries]
         assert [(e.token, e.bytes) for e in got] == [(e.token, e.bytes) for e in want]
         assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
-        assert sum(1 for entries in per_chunk if entries) > 1, extra  # with their chunks, not all at once
+        # with their chunks, not all at once (a loaded machine may send the whole text in one chunk)
+        assert sum(1 for entries in per_chunk if entries) >= min(texts, 2), (extra, texts)
         assert text == full.choices[0].message.content
     kw = dict(model=server.model, prompt="Once upon a time", temperature=0, max_tokens=12, logprobs=0)
     full = client.completions.create(**kw).choices[0].logprobs
-    parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)]
-    parts = [p for p in parts if p is not None]
-    assert len(parts) > 1
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    parts = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert len(parts) >= min(sum(bool(c.text) for c in chunks), 2)  # with their chunks, not all at once
     assert sum((p.tokens for p in parts), []) == full.tokens
     assert sum((p.text_offset for p in parts), []) == full.text_offset  # offsets count from the first token
     assert sum((p.token_logprobs for p in parts), []) == pytest.approx(full.token_logprobs, abs=1e-4)
