@@ -11,7 +11,8 @@ per (work item, KV head) then
   (rows = threads x query heads of the GQA group, padded to a power of two >= 16),
 * streams the work item's pages once (``BLOCK_N`` tokens per iteration, gathered through the
   page list, masked by each page's used length; pages in the middle of a list may be partial)
-  and multiplies each K/V tile with all those queries at once (tensor-core ``tl.dot``),
+  and multiplies each K/V tile with all those queries at once (tensor-core ``tl.dot``; float32
+  inputs use exact IEEE fp32 dots, the ``IEEE`` constexpr, not TF32, as the extend kernel),
 * keeps a FlashAttention-2 online softmax in fp32 with ``exp2`` (Dao 2023, section 3.1), and
 * writes a *split-KV partial* (output and natural-log log-sum-exp) per (row, head).
 
@@ -132,6 +133,7 @@ def _tree_decode_kernel(
     HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 inputs: exact fp32 dots instead of TF32 (as the extend kernel)
 ):
     w = tl.program_id(0)
     h = tl.program_id(1)
@@ -173,7 +175,10 @@ def _tree_decode_kernel(
             valid = inr & (off < plen)
             kv_off = page * stride_kp + off * stride_ks + h * stride_kh
             k = tl.load(K + kv_off[:, None] + offs_d[None, :], mask=valid[:, None] & dval[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k))
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
             if SOFTCAP:
                 s = cap_log2 * tanh(s * (sm_scale_log2 / cap_log2))
             else:
@@ -189,7 +194,10 @@ def _tree_decode_kernel(
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + kv_off[:, None] + offs_d[None, :], mask=valid[:, None] & dval[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -252,7 +260,9 @@ class DecodePlan:
     ``row_parts[row_part_start[r] : + row_nparts[r]]`` (``row_indptr``: the same starts with
     the end appended, CSR style). All int32 on the device;
     ``num_work``/``num_rows`` are 1-element device tensors. ``partials`` is False when every
-    row has one partial (no partial buffer traffic at all)."""
+    row has one partial (no partial buffer traffic at all). ``rows``/``group``: the query rows
+    and GQA group a step's plan was built for (checked by :func:`tree_decode_attention`); None
+    marks a capacity plan (:class:`StaticDecodePlan`), whose loads check them instead."""
 
     work_rowset: torch.Tensor
     work_lo: torch.Tensor
@@ -276,8 +286,8 @@ class DecodePlan:
     partials: bool
     pages_read: int  # pages streamed per KV head (for bytes-read accounting)
     grid_work: int | None = None  # programs to launch along work items (a capacity when captured)
-    rows: int = 0  # query rows the plan was built for (0: a capacity plan, checked by its load)
-    group: int = 0  # the GQA group it was built for (0: a capacity plan)
+    rows: int | None = None  # query rows the plan was built for (None: a capacity plan, checked by its load)
+    group: int | None = None  # the GQA group it was built for (None: a capacity plan)
 
 
 PLAN_ARRAYS = (
@@ -532,7 +542,7 @@ def tree_decode_attention(
     Args:
         q: ``[R, Hq, D]`` (fp16/bf16/fp32; row r is the query whose view is the plan's row r;
             strided rows allowed, last dim contiguous).
-        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]``, same dtype and strides as q's dtype.
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` of q's dtype, with the same strides.
         plan: :func:`build_plan` for these rows.
         scale: softmax scale (``head_dim ** -0.5`` for Llama).
         out: ``[R, Hq, D]`` output of q's dtype and device, last dim contiguous (allocated when
@@ -540,7 +550,8 @@ def tree_decode_attention(
         merge: ``inline``, ``separate``, or a callable
             ``merge(part_o, part_lse, row_indptr, row_parts, out)`` given every row's partials
             (see the module docstring).
-        block_n: KV tokens per inner iteration: a power of two (below 16 it is raised to 16).
+        block_n: KV tokens per inner iteration: a power of two >= 16 (``tl.arange`` and
+            ``tl.dot`` tiles).
         grid_work: launch this many work programs (a capacity for CUDA graphs; default the plan's;
             at least the plan's work items).
         workspace: scratch buffers (:class:`DecodeWorkspace`); None allocates them for this call.
@@ -552,9 +563,11 @@ def tree_decode_attention(
         key_positions: ``[num_pages, page_size]`` int32 logical position of every cache slot, unit
             last stride (with ``sliding_window``).
 
-    Returns ``out``: softmax(q k^T * scale) v per row and head. Raises ValueError on shape or
-    dtype mismatches (``out`` included), on a plan built for more rows or another GQA group than
-    the call's, on a ``grid_work`` below the plan's work items, naming
+    Returns ``out``: softmax(q k^T * scale) v per row and head (float32 inputs: IEEE fp32 dots,
+    no TF32). Raises ValueError on shape or dtype mismatches (``out`` included; a ``v_cache``
+    dtype other than ``k_cache``'s), on a ``block_n`` that is not a power of two >= 16, on a plan
+    built for more rows or another GQA group than the call's, on a ``grid_work`` below the
+    plan's work items, naming
     ``sliding_window``/``logit_softcap`` when their inputs are missing or invalid.
 
     Example (two threads over a shared 8-token prefix of pages 0-1 and a private page each; runs
@@ -581,8 +594,9 @@ def tree_decode_attention(
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype or k_cache.stride() != v_cache.stride():
         raise ValueError(f"q dtype {q.dtype}, k_cache dtype {k_cache.dtype} and v_cache dtype {v_cache.dtype} must "
                          "be one dtype, and K and V must have the same strides")
-    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
-        raise ValueError(f"tree_decode_attention: block_n must be a power of two, got {block_n!r}")
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"tree_decode_attention: block_n must be a power of two >= 16 (16, 32, 64, ...), "
+                         f"got {block_n!r}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("the last (head_dim) dimension of q and the caches must be contiguous")
     if d < 1:
@@ -592,9 +606,9 @@ def tree_decode_attention(
     if not (merge in ("inline", "separate") or callable(merge)):
         raise ValueError(f"merge must be 'inline', 'separate' or a callable, got {merge!r}")
     group = hq // hkv
-    if plan.rows and r < plan.rows:
+    if plan.rows is not None and r < plan.rows:
         raise ValueError(f"the plan covers {plan.rows} query rows but q has {r}: build the plan for these rows")
-    if plan.group and plan.group != group:
+    if plan.group is not None and plan.group != group:
         raise ValueError(f"the plan was built for GQA group {plan.group}, the call's is {group} "
                          f"({hq} query heads / {hkv} KV heads): pass group={group} to build_plan")
     if grid_work is not None and grid_work < plan.n_work:
@@ -614,7 +628,6 @@ def tree_decode_attention(
         merge_mode = MERGE_NONE
     else:
         merge_mode = MERGE_INLINE if merge == "inline" else MERGE_SEPARATE
-    block_n = max(16, block_n)
     grid = (grid_work or plan.grid_work or plan.n_work, hkv)
     _tree_decode_kernel[grid](
         q, k_cache, v_cache, out,
@@ -628,7 +641,7 @@ def tree_decode_attention(
         key_positions.stride(0) if window else 0,
         scale * LOG2E, window, cap_log2,
         HKV=hkv, GROUP=group, GROUP_PAD=group_pad, D=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=plan.block_m, BLOCK_N=block_n,
-        MERGE=merge_mode.value, WINDOW=bool(window), SOFTCAP=bool(cap_log2),
+        MERGE=merge_mode.value, WINDOW=bool(window), SOFTCAP=bool(cap_log2), IEEE=q.dtype == torch.float32,
     )
     if merge_mode is MERGE_SEPARATE:
         _merge_kernel[(r, hkv)](
@@ -654,7 +667,7 @@ def _register() -> None:
         "sm_scale_log2": "fp32", "window": "i32", "cap_log2": "fp32",
         "HKV": "constexpr", "GROUP": "constexpr", "GROUP_PAD": "constexpr", "D": "constexpr", "BLOCK_D": "constexpr",
         "PAGE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "MERGE": "constexpr",
-        "WINDOW": "constexpr", "SOFTCAP": "constexpr",
+        "WINDOW": "constexpr", "SOFTCAP": "constexpr", "IEEE": "constexpr",
     }
     _ALL_MERGES = (MERGE_INLINE, MERGE_SEPARATE, MERGE_EXTERNAL)
     # (name, KV heads, GQA group, head_dim, query tile, window, soft-cap, merges): Llama-3-8B and
@@ -673,7 +686,8 @@ def _register() -> None:
             register_compile_spec(
                 f"tree_decode[{name},merge={merge.value}]", _tree_decode_kernel, common,
                 {"HKV": hkv, "GROUP": group, "GROUP_PAD": _next_pow2(group), "D": d, "BLOCK_D": block_d, "PAGE": 16,
-                 "BLOCK_M": bm, "BLOCK_N": 64, "MERGE": merge.value, "WINDOW": window, "SOFTCAP": softcap},
+                 "BLOCK_M": bm, "BLOCK_N": 64, "MERGE": merge.value, "WINDOW": window, "SOFTCAP": softcap,
+                 "IEEE": False},
             )
         if MERGE_SEPARATE in merges:
             register_compile_spec(
@@ -684,6 +698,13 @@ def _register() -> None:
                  "BLOCK_D": "constexpr"},
                 {"HKV": hkv, "GROUP": group, "GROUP_PAD": _next_pow2(group), "D": d, "BLOCK_D": block_d},
             )
+    # float32 models (tests, a correctness path): exact IEEE fp32 dots, as the wrapper launches them
+    register_compile_spec(
+        "tree_decode[smollm2-fp32,merge=1]", _tree_decode_kernel,
+        {k: v.replace("bf16", "fp32") for k, v in common.items()},
+        {"HKV": 3, "GROUP": 3, "GROUP_PAD": 4, "D": 64, "BLOCK_D": 64, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64,
+         "MERGE": MERGE_INLINE.value, "WINDOW": False, "SOFTCAP": False, "IEEE": True},
+    )
 
 
 _register()

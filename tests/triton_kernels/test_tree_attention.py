@@ -202,9 +202,61 @@ def test_plan_and_call_arguments_that_computed_garbage_are_refused_by_name():
     plan = build_plan([[(1, [0], [2])]], group=2, num_kv_heads=2, device="cpu")
     with pytest.raises(ValueError, match="v_cache dtype torch.float16"):
         tree_decode_attention(torch.zeros(1, 4, 64), k, k.half(), plan, 1.0)
-    for bn in (48, 20, 0):
-        with pytest.raises(ValueError, match=f"block_n must be a power of two, got {bn}"):
+    for bn in (48, 20, 0, 8):  # 8: below the 16-wide tl.dot tile (was silently raised to 16)
+        with pytest.raises(ValueError, match=f"block_n must be a power of two >= 16 .*got {bn}"):
             tree_decode_attention(torch.zeros(1, 4, 64), k, k, plan, 1.0, block_n=bn)
+
+
+def test_only_a_capacity_plan_skips_the_rows_and_group_checks():
+    """A capacity plan (CUDA graphs) is marked by ``rows``/``group`` None; a step's plan whose
+    group reads 0 (or whose rows read 0) is still checked against the call (0 was the marker, so
+    such a plan bypassed the GQA-group check and answered garbage)."""
+    from pasta_engine.triton_kernels.tree_attention import StaticDecodePlan, plan_lists, upload_plan
+
+    static = StaticDecodePlan(4, 4, 8, 8, 16, "cpu")
+    assert static.plan.group is None and static.plan.rows is None
+    k = torch.zeros(4, 4, 2, 64)
+    arrays, info = plan_lists([[(1, [0], [2])]], group=2, num_kv_heads=2, device="cpu")
+    assert info["group"] == 2 and info["rows"] == 1
+    with pytest.raises(ValueError, match="GQA group 0, the call's is 2"):
+        tree_decode_attention(torch.zeros(1, 4, 64), k, k, upload_plan(arrays, info | {"group": 0}, "cpu"), 1.0)
+    with pytest.raises(ValueError, match="covers 3 query rows but q has 1"):
+        tree_decode_attention(torch.zeros(1, 4, 64), k, k, upload_plan(arrays, info | {"rows": 3}, "cpu"), 1.0)
+
+
+class _LaunchSpy:
+    """Stands in for ``_tree_decode_kernel``: records each launch's constexprs, runs nothing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append(kw)
+
+
+@pytest.mark.parametrize("dtype,ieee", [(torch.float32, True), (torch.float16, False), (torch.bfloat16, False)])
+def test_float32_launches_exact_ieee_dots_and_half_precision_does_not(monkeypatch, dtype, ieee):
+    """On a GPU a float32 ``tl.dot`` without ``input_precision`` runs in TF32 (10-bit mantissa);
+    the extend kernel passes IEEE for float32, and the tree decode kernel now does too."""
+    from pasta_engine.triton_kernels import tree_attention
+
+    spy = _LaunchSpy()
+    monkeypatch.setattr(tree_attention, "_tree_decode_kernel", spy)
+    k = torch.zeros(4, 4, 2, 64, dtype=dtype)
+    plan = build_plan([[(1, [0], [2])]], group=2, num_kv_heads=2, device="cpu")
+    tree_decode_attention(torch.zeros(1, 4, 64, dtype=dtype), k, k, plan, 1.0)
+    assert [kw["IEEE"] for kw in spy.launches] == [ieee]
+
+
+def test_the_ieee_switch_is_in_the_kernel_and_its_compile_specs():
+    """The float32 switch reaches the GPU compile check: every tree-decode spec sets IEEE, and a
+    float32 spec compiles the IEEE branch."""
+    import pasta_engine.triton_kernels as pkg
+    from pasta_engine.triton_kernels import tree_attention
+
+    specs = [s for s in pkg.COMPILE_SPECS if s.fn is tree_attention._tree_decode_kernel]
+    assert specs and all("IEEE" in s.constexprs and s.signature.get("IEEE") == "constexpr" for s in specs)
+    assert any(s.constexprs["IEEE"] and s.signature["Q"] == "*fp32" for s in specs)
 
 
 def test_a_call_that_does_not_fit_its_plan_or_out_is_refused():
