@@ -596,7 +596,7 @@ def _bonbon(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 def _answers(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..config import SamplingParams
     from ..engine.llm_engine import Engine
-    from ..train.answers import generate_answers
+    from ..train.answers import check_answers_resume, generate_answers
     from ..train.data import EVAL_DATASET
 
     SamplingParams(temperature=args.temperature, top_p=args.top_p,
@@ -606,6 +606,9 @@ def _answers(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     rows = _train_rows(args)
     if args.limit is not None:
         rows = rows[: args.limit]
+    check_answers_resume(args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                         repetition_penalty=args.repetition_penalty, seed=args.seed,
+                         generator=str(args.model or "SmolLM2-135M-Instruct"))  # before the model loads
     _check_engine_memory(args, device, dtype, "train answers")
     engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, adapter=None,
                                     max_running_requests=args.max_running_requests)
@@ -628,7 +631,7 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from ..tools.annotate_independent import document_frequencies
     from ..tools.bench import count_tokens_fn
     from ..train.data import EVAL_DATASET, build_examples
-    from ..train.thread_chunks import rewrite_chunks
+    from ..train.thread_chunks import check_chunks_resume, rewrite_chunks
 
     SamplingParams(repetition_penalty=args.repetition_penalty)  # ParameterError names a bad flag value
     _no_torchrun("chunks")
@@ -636,6 +639,8 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     rows = _train_rows(args, need_output=True)
     if args.limit is not None:
         rows = rows[: args.limit]
+    check_chunks_resume(args.out, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_chunk_tokens,
+                        model=str(args.model or "SmolLM2-135M-Instruct"))  # before the model loads
     _check_engine_memory(args, device, dtype, "train chunks")
     engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, adapter=None,
                                     max_running_requests=args.max_running_requests)
@@ -645,7 +650,7 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     idf = document_frequencies(r.output for r in rows if r.output)
     _, chunk_counts = rewrite_chunks(engine, examples, args.out, count_tokens=count, idf=idf,
                                      repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_chunk_tokens,
-                                     batch=args.batch)
+                                     batch=args.batch, model=str(args.model or "SmolLM2-135M-Instruct"))
     summary = {**chunk_counts, "annotation": counts, "command": command_line(argv)}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"train chunks: {chunk_counts['answers']} answers (never {EVAL_DATASET!r}); chunks rewritten "

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..config import SamplingParams
+from ..errors import ParameterError
 from ..tools.traces import PromptRow
 
-__all__ = ["MODEL_CARD_SAMPLING", "generate_answers"]
+__all__ = ["MODEL_CARD_SAMPLING", "check_answers_resume", "generate_answers"]
 
 #: SmolLM2-135M-Instruct's model-card sampling (its ``generate`` example): temperature, top-p.
 MODEL_CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
@@ -43,6 +44,40 @@ def _done(path: Path) -> dict[str, dict[str, Any]]:
                 r = json.loads(line)
                 rows[r["instruction"]] = r
     return rows
+
+
+def _sampling(generator: str, max_new_tokens: int, temperature: float, top_p: float, repetition_penalty: float,
+              seed: int) -> dict[str, Any]:
+    return {"model": generator, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+            "repetition_penalty": repetition_penalty, "seed": seed}
+
+
+def check_answers_resume(out: Path, *, max_new_tokens: int = 320,
+                         temperature: float = MODEL_CARD_SAMPLING["temperature"],
+                         top_p: float = MODEL_CARD_SAMPLING["top_p"], repetition_penalty: float = 1.0, seed: int = 0,
+                         generator: str = "SmolLM2-135M-Instruct") -> None:
+    """What :func:`generate_answers` checks first, before any model loads (the CLI calls it early):
+    raises ParameterError when ``out`` holds answers sampled under another model (``generator``) or
+    other sampling flags (``out/sampling.json``)."""
+    _check_sampling(out, _sampling(generator, max_new_tokens, temperature, top_p, repetition_penalty, seed))
+
+
+def _check_sampling(out: Path, sampling: dict[str, Any]) -> None:
+    """Refuse to resume ``out``'s answers when they were sampled under other flags (``sampling.json``):
+    a resume reuses each answered instruction, so the rows would mix two runs' sampling. A folder
+    from before ``sampling.json`` resumes as before. Raises ParameterError naming the first flag
+    that differs (every one in the message)."""
+    path = out / "sampling.json"
+    if not path.exists():
+        return
+    kept = json.loads(path.read_text(encoding="utf-8"))
+    differ = [k for k in sampling if k in kept and kept[k] != sampling[k]]
+    if differ:
+        flag = "--" + differ[0].replace("_", "-")
+        shown = "; ".join(f"--{k.replace('_', '-')} {kept[k]!r} then, {sampling[k]!r} now" for k in differ)
+        raise ParameterError(flag, sampling[differ[0]], message=(
+            f"{out} holds answers sampled under other flags ({shown}): rerun with the same flags to go on from "
+            f"them, or answer into a new --out"))
 
 
 def generate_answers(engine: Any, rows: Sequence[PromptRow], out: Path, *, max_new_tokens: int = 320,
@@ -64,12 +99,25 @@ def generate_answers(engine: Any, rows: Sequence[PromptRow], out: Path, *, max_n
         generator: the name written into each row's ``generator`` field.
         progress: one line per batch on stderr.
 
+    A rerun into the same ``out`` resumes: rows answered already are kept, except those whose
+    ``finish_reason`` is ``"error"`` (answered again). ``sampling.json`` keeps the model
+    (``generator``) and the sampling flags.
+
     Returns the summary: rows, answers, how many ended at the budget (``length``), tokens per
-    second of the whole run, the settings."""
+    second of the whole run, the settings.
+
+    Raises:
+        ParameterError: ``out`` holds answers sampled under another model, max_new_tokens,
+            temperature, top_p, repetition_penalty or seed (named; the fix: the same flags, or a new
+            ``--out``)."""
+    sampling = _sampling(generator, max_new_tokens, temperature, top_p, repetition_penalty, seed)
+    _check_sampling(out, sampling)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "sampling.json").write_text(json.dumps(sampling, indent=2) + "\n")
     log = out / "answers.jsonl"
     done = _done(log)
-    todo = [(i, r) for i, r in enumerate(rows) if r.instruction not in done]
+    todo = [(i, r) for i, r in enumerate(rows)
+            if r.instruction not in done or done[r.instruction].get("finish_reason") == "error"]
     t0 = time.perf_counter()
     tokens = 0
     for at in range(0, len(todo), batch):

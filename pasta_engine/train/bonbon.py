@@ -313,10 +313,18 @@ def _scorer_quality(scorer: Scorer | None) -> str:
     return f"the scorer given to train_bonbon ({type(scorer).__name__})"
 
 
+#: The LoRA scale BoNBoN samples at: the policy as trained (its reference and policy, ``wrap_lora``,
+#: run at 1.0), not a starting adapter's serving ``lora_scale``, so that the pairs are on-policy.
+SAMPLING_LORA_SCALE = 1.0
+
+
 def _round_inputs(prompts: Sequence[str], settings: BonbonSettings, seed: int, start: Path,
                   pasta_prompt: PastaPrompt, quality: str) -> dict[str, Any]:
-    """What a round's samples and their scores depend on (kept as ``sampling.json`` beside them)."""
+    """What a round's samples and their scores depend on (kept as ``sampling.json`` beside them;
+    ``lora_scale``: the scale the adapter was sampled at, the policy's own 1.0 whatever its
+    manifest serves at)."""
     return {"prompts": list(prompts), "n": settings.n, "temperature": settings.temperature, "top_p": settings.top_p,
+            "lora_scale": SAMPLING_LORA_SCALE,
             "repetition_penalty": settings.repetition_penalty, "max_new_tokens": settings.max_new_tokens,
             "seed": seed, "quality_weight": settings.quality_weight, "quality": quality,
             "pasta_prompt": pasta_prompt.to_dict(), "start_adapter": str(Path(start).resolve())}
@@ -430,9 +438,13 @@ def train_bonbon(
     scoring only the ones not scored yet (each score is kept in ``scores.jsonl`` as it arrives):
     when they were drawn or scored under other prompts or settings (``sampling.json``: prompts,
     ``n``, temperature, ``top_p``, repetition penalty, ``max_new_tokens``, seed, quality weight and
-    term, pasta prompt, starting adapter) it raises ValueError naming what differs. A round sampled
+    term, pasta prompt, starting adapter, LoRA scale) it raises ValueError naming what differs. A round sampled
     again (another sample count) moves a reader's folder written for the old samples to
     ``reader.stale``.
+
+    Each round samples its adapter at LoRA scale 1.0 (:data:`SAMPLING_LORA_SCALE`: the policy and
+    reference as trained), not at a serving ``lora_scale`` in its manifest, and the adapters it
+    writes carry no ``lora_scale`` / ``lora_scale_note`` (measured on the starting adapter, not on them).
 
     ``scorer``: quality of ``(prompt, clean text)``; default :class:`LikelihoodQuality` with the
     base model. ``reader_references`` (prompt -> reference answer): a blind reader's preference
@@ -495,7 +507,7 @@ def train_bonbon(
                                             max_running_requests=settings.max_running_requests,
                                             kv_cache_bytes=settings.kv_cache_mb * 2**20,
                                             pasta_prompt=pasta_prompt,
-                                            lora_scale=1.0)  # the policy as trained (its reference: wrap_lora, 1.0)
+                                            lora_scale=SAMPLING_LORA_SCALE)
             t0 = time.perf_counter()
             rows = _sample_rows(engine, prompts, settings, seed=settings.seed + 10_000 * k)
             sample_s = time.perf_counter() - t0

@@ -111,7 +111,8 @@ def _check_resume(saved: dict[str, Any] | None, now: dict[str, Any], out: Path) 
     fingerprints (None) resumes as before. Raises ParameterError naming what changed."""
     if saved is None or saved == now:
         return
-    changed = [k for k in sorted(set(saved["settings"]) | set(now["settings"]))
+    changed = [f"{k} ({str(saved['settings'].get(k))[:60]} then, {str(now['settings'].get(k))[:60]} now)"
+               for k in sorted(set(saved["settings"]) | set(now["settings"]))
                if saved["settings"].get(k) != now["settings"].get(k)]
     if saved.get("examples") != now["examples"] or saved.get("examples_sha256") != now["examples_sha256"]:
         changed.insert(0, f"the examples ({saved.get('examples')} then, {now['examples']} now)")

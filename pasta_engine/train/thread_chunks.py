@@ -40,12 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from ..errors import ParameterError
 from ..lang.dialect import source_text
 from ..lang.tags import AsyncClose, AsyncOpen, Promise, Sync, Text, parse, promise_tag, strip_tags
 from ..tools.annotate import round_to_tens
 from .data import TrainExample
 
-__all__ = ["OPENING_WORDS", "ChunkJob", "chunk_jobs", "chunk_opening", "assemble", "chunk_topics", "rewrite_chunks"]
+__all__ = ["OPENING_WORDS", "ChunkJob", "chunk_jobs", "chunk_opening", "assemble", "chunk_topics", "rewrite_chunks",
+           "check_chunks_resume"]
 
 #: Words of a chunk's original opening given to the base model when the chunk has no bold title.
 OPENING_WORDS = 3
@@ -260,9 +262,36 @@ def chunk_topics(chunks: Sequence[str], idf: Mapping[str, float] | None = None) 
     return topics
 
 
+def check_chunks_resume(out: Path, *, repetition_penalty: float = 1.1, max_new_tokens: int = 256,
+                        model: str | None = None) -> None:
+    """What :func:`rewrite_chunks` checks first, before any model loads (the CLI calls it early):
+    raises ParameterError when ``out`` holds chunks rewritten under another model,
+    ``--max-chunk-tokens`` or ``--repetition-penalty`` (``out/sampling.json``)."""
+    _check_rewriting(out, {"model": model, "max_chunk_tokens": max_new_tokens, "repetition_penalty": repetition_penalty})
+
+
+def _check_rewriting(out: Path, rewriting: dict[str, Any]) -> None:
+    """Refuse to resume ``out``'s rewrites when they were written under other flags (``sampling.json``
+    beside ``examples.jsonl``): a resume reuses each rewritten answer, so the rows would mix two
+    runs. A folder from before ``sampling.json`` resumes as before. Raises ParameterError naming
+    the first flag that differs (every one in the message)."""
+    path = out / "sampling.json"
+    if not path.exists():
+        return
+    kept = json.loads(path.read_text(encoding="utf-8"))
+    differ = [k for k in rewriting if k in kept and kept[k] != rewriting[k]]
+    if differ:
+        flag = "--" + differ[0].replace("_", "-")
+        shown = "; ".join(f"--{k.replace('_', '-')} {kept[k]!r} then, {rewriting[k]!r} now" for k in differ)
+        raise ParameterError(flag, rewriting[differ[0]], message=(
+            f"{out} holds chunks rewritten under other flags ({shown}): rerun with the same flags to go on from "
+            f"them, or rewrite into a new --out"))
+
+
 def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, count_tokens: Callable[[str], int],
                    idf: Mapping[str, float] | None = None, repetition_penalty: float = 1.1,
-                   max_new_tokens: int = 256, batch: int = 16, progress: bool = True) -> tuple[list[TrainExample],
+                   max_new_tokens: int = 256, batch: int = 16, progress: bool = True,
+                   model: str | None = None) -> tuple[list[TrainExample],
                                                                                               dict[str, Any]]:
     """Rewrite every chunk of ``examples`` in its own thread's context with ``engine`` (the base
     model, sequential mode, greedy with ``repetition_penalty``) and write ``out/examples.jsonl``
@@ -277,12 +306,22 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
         out: output folder (created).
         count_tokens: tokens of a text; idf: word weights for descriptive topics
             (:func:`~pasta_engine.tools.annotate_independent.document_frequencies`).
-        max_new_tokens: the most tokens a rewritten chunk may take.
+        max_new_tokens: the most tokens a rewritten chunk may take (``--max-chunk-tokens``).
+        model: the base model's name, kept with ``repetition_penalty`` and ``max_new_tokens`` in
+            ``out/sampling.json``.
 
-    Returns ``(examples, counts)``; counts of chunks ``stop``, ``cut``, ``original`` and answers."""
+    Returns ``(examples, counts)``; counts of chunks ``stop``, ``cut``, ``original`` and answers.
+
+    Raises:
+        ParameterError: ``out`` holds rewrites made under another model, ``--max-chunk-tokens`` or
+            ``--repetition-penalty`` (named; the fix: the same flags, or a new ``--out``).
+        ValueError: a line of ``examples.jsonl`` other than the last is not JSON."""
     from ..config import SamplingParams
 
+    rewriting = {"model": model, "max_chunk_tokens": max_new_tokens, "repetition_penalty": repetition_penalty}
+    _check_rewriting(out, rewriting)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "sampling.json").write_text(json.dumps(rewriting, indent=2) + "\n")
     log = out / "examples.jsonl"
     packed = out / "examples.jsonl.gz"
     if not log.exists() and packed.exists():  # a stored run, gzipped to keep a repository small: resume from it

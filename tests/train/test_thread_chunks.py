@@ -241,3 +241,25 @@ def test_rewrite_chunks_skips_empty_chunks_repeats_and_a_row_cut_off_by_an_inter
     log.write_text("{oops\n" + rows[0] + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match="line 1 is not a JSON row"):
         rewrite_chunks(eng, [ex], tmp_path / "run", count_tokens=_words, progress=False)
+
+
+def test_rewrite_chunks_refuses_to_resume_under_other_flags(tmp_path):
+    """A rerun with another --max-chunk-tokens / --repetition-penalty / model kept the first run's
+    rewrites as if made under the new flags."""
+    from pasta_engine.errors import ParameterError
+
+    ex = TrainExample(SLEEP_PROMPT, SLEEP_TIPS, "koala", "mixed", 3, 30, ended=False)
+    eng = _FakeEngine()
+    rewrite_chunks(eng, [ex], tmp_path, count_tokens=_words, repetition_penalty=1.0, max_new_tokens=2,
+                   model="m", progress=False)
+    assert json.loads((tmp_path / "sampling.json").read_text()) == {
+        "model": "m", "max_chunk_tokens": 2, "repetition_penalty": 1.0}
+    for kw, flag in [({"max_new_tokens": 256}, "--max-chunk-tokens"), ({"repetition_penalty": 1.1},
+                     "--repetition-penalty"), ({"model": "other"}, "--model")]:
+        given = {"repetition_penalty": 1.0, "max_new_tokens": 2, "model": "m", **kw}
+        with pytest.raises(ParameterError, match=f"{flag} .* then, .* now.*new --out") as e:
+            rewrite_chunks(eng, [ex], tmp_path, count_tokens=_words, progress=False, **given)
+        assert e.value.param == flag
+    again, _ = rewrite_chunks(eng, [ex], tmp_path, count_tokens=_words, repetition_penalty=1.0, max_new_tokens=2,
+                              model="m", progress=False)
+    assert len(eng.calls) == 1  # the same flags go on from the kept rows

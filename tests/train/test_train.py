@@ -127,6 +127,14 @@ def test_a_few_sft_steps_lower_the_loss_and_the_adapter_merges_exactly(tiny_llam
         with pytest.raises(ParameterError, match="other training inputs"):
             train_sft(other_ex, tmp_path / "run", SFTSettings(**{**other.__dict__, "epochs": 6}), base=str(tiny_llama),
                       resume=True, progress=False)
+    # a checkpoint from before the fingerprint resumes as it did
+    ck = tmp_path / "run" / "checkpoint" / "trainer.pt"
+    blob = torch.load(ck, weights_only=True)
+    assert blob["state"].pop("fingerprint")["settings"]["grad_accum"] == settings.grad_accum
+    torch.save(blob, ck)
+    old = train_sft(ex, tmp_path / "run", SFTSettings(**{**more.__dict__, "epochs": 6}), base=str(tiny_llama),
+                    resume=True, progress=False)
+    assert old["optimizer_steps"] == 12
 
 
 def test_an_optimizer_step_stays_in_one_epoch_and_logs_its_own_lr(tiny_llama, tmp_path, monkeypatch):
@@ -315,6 +323,7 @@ def test_bonbon_samples_the_policy_as_trained_and_its_adapter_inherits_no_servin
     train_bonbon(["tips"], tmp_path / "sft" / "adapter", tmp_path / "bb", settings, base=str(tiny_llama),
                  scorer=lambda prompt, text: -len(text) / 100, progress=False)
     assert scales and all(s == 1.0 for s in scales), scales
+    assert json.loads((tmp_path / "bb" / "round1" / "sampling.json").read_text())["lora_scale"] == 1.0
     new = json.loads((tmp_path / "bb" / "adapter" / "manifest.json").read_text())
     assert "lora_scale" not in new and "lora_scale_note" not in new
 

@@ -87,3 +87,28 @@ def test_train_sft_refuses_a_learning_rate_that_trains_nothing_before_any_work(l
                     str(tiny_llama), "--lr", lr], capsys)
     assert rc == 2 and "invalid --lr=" in err, err
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+@pytest.mark.parametrize("command, kept, flag", [
+    (["answers", "--max-new-tokens", "40"], {"model": "M", "max_new_tokens": 6, "temperature": 0.2, "top_p": 0.9,
+                                             "repetition_penalty": 1.0, "seed": 0}, "--max-new-tokens"),
+    (["chunks", "--max-chunk-tokens", "256"], {"model": "M", "max_chunk_tokens": 2, "repetition_penalty": 1.1},
+     "--max-chunk-tokens"),
+])
+def test_answers_and_chunks_refuse_to_resume_under_other_flags_before_the_model_loads(command, kept, flag, tmp_path,
+                                                                                      capsys, monkeypatch):
+    """A rerun into the same --out with other flags reused the first run's rows as if drawn under the new ones."""
+    from pasta_engine.engine.llm_engine import Engine
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(Engine, "from_pretrained", no_load)
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": "q", "dataset": "koala", "output": "a"}]))
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "sampling.json").write_text(json.dumps(kept))
+    rc, err = _run(["train", *command[:1], "--prompts", str(prompts), "--out", str(out), "--model", "M", *command[1:]],
+                   capsys)
+    assert rc == 2 and f"{flag} " in err and "then" in err and "new --out" in err, err
