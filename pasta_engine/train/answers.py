@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .common import check_resume_record
 from ..config import SamplingParams
 from ..errors import ParameterError
 from ..tools.traces import PromptRow
@@ -63,21 +64,8 @@ def check_answers_resume(out: Path, *, max_new_tokens: int = 320,
 
 
 def _check_sampling(out: Path, sampling: dict[str, Any]) -> None:
-    """Refuse to resume ``out``'s answers when they were sampled under other flags (``sampling.json``):
-    a resume reuses each answered instruction, so the rows would mix two runs' sampling. A folder
-    from before ``sampling.json`` resumes as before. Raises ParameterError naming the first flag
-    that differs (every one in the message)."""
-    path = out / "sampling.json"
-    if not path.exists():
-        return
-    kept = json.loads(path.read_text(encoding="utf-8"))
-    differ = [k for k in sampling if k in kept and kept[k] != sampling[k]]
-    if differ:
-        flag = "--" + differ[0].replace("_", "-")
-        shown = "; ".join(f"--{k.replace('_', '-')} {kept[k]!r} then, {sampling[k]!r} now" for k in differ)
-        raise ParameterError(flag, sampling[differ[0]], message=(
-            f"{out} holds answers sampled under other flags ({shown}): rerun with the same flags to go on from "
-            f"them, or answer into a new --out"))
+    """:func:`~pasta_engine.train.common.check_resume_record` for this command's rows."""
+    check_resume_record(out, sampling, "answers sampled", "answer into a new --out")
 
 
 def generate_answers(engine: Any, rows: Sequence[PromptRow], out: Path, *, max_new_tokens: int = 320,

@@ -300,3 +300,23 @@ def base_manifest(model: str | os.PathLike | None, command: str) -> dict[str, An
     if model is None or (gguf.is_file() and gguf.suffix == ".gguf"):  # a one-file base model: its hash is checked
         out.update(base_model_file=gguf.name, base_model_sha256=file_sha256(gguf))
     return out
+
+
+def check_resume_record(out: Path, record: dict[str, Any], holds: str, new_out: str) -> None:
+    """Refuse to resume ``out`` when ``out/sampling.json`` (the flags its rows were made under)
+    differs from ``record`` in a key both have: a resume reuses the rows, so they would mix two
+    runs. A folder from before ``sampling.json`` resumes as before. ``holds`` says what the rows
+    are ("answers sampled"), ``new_out`` the advice ("answer into a new --out"). Raises
+    ParameterError naming the first flag that differs (every one in the message)."""
+    from ..errors import ParameterError
+
+    path = out / "sampling.json"
+    if not path.exists():
+        return
+    kept = json.loads(path.read_text(encoding="utf-8"))
+    differ = [k for k in record if k in kept and kept[k] != record[k]]
+    if differ:
+        shown = "; ".join(f"--{k.replace('_', '-')} {kept[k]!r} then, {record[k]!r} now" for k in differ)
+        raise ParameterError("--" + differ[0].replace("_", "-"), record[differ[0]], message=(
+            f"{out} holds {holds} under other flags ({shown}): rerun with the same flags to go on from them, "
+            f"or {new_out}"))

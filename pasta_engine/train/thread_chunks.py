@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from .common import check_resume_record
 from ..errors import ParameterError
 from ..lang.dialect import source_text
 from ..lang.tags import AsyncClose, AsyncOpen, Promise, Sync, Text, parse, promise_tag, strip_tags
@@ -271,21 +272,8 @@ def check_chunks_resume(out: Path, *, repetition_penalty: float = 1.1, max_new_t
 
 
 def _check_rewriting(out: Path, rewriting: dict[str, Any]) -> None:
-    """Refuse to resume ``out``'s rewrites when they were written under other flags (``sampling.json``
-    beside ``examples.jsonl``): a resume reuses each rewritten answer, so the rows would mix two
-    runs. A folder from before ``sampling.json`` resumes as before. Raises ParameterError naming
-    the first flag that differs (every one in the message)."""
-    path = out / "sampling.json"
-    if not path.exists():
-        return
-    kept = json.loads(path.read_text(encoding="utf-8"))
-    differ = [k for k in rewriting if k in kept and kept[k] != rewriting[k]]
-    if differ:
-        flag = "--" + differ[0].replace("_", "-")
-        shown = "; ".join(f"--{k.replace('_', '-')} {kept[k]!r} then, {rewriting[k]!r} now" for k in differ)
-        raise ParameterError(flag, rewriting[differ[0]], message=(
-            f"{out} holds chunks rewritten under other flags ({shown}): rerun with the same flags to go on from "
-            f"them, or rewrite into a new --out"))
+    """:func:`~pasta_engine.train.common.check_resume_record` for this command's rows."""
+    check_resume_record(out, rewriting, "chunks rewritten", "rewrite into a new --out")
 
 
 def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, count_tokens: Callable[[str], int],
