@@ -55,8 +55,14 @@ def check_replay_sampling(source: Any, where: str = "") -> None:
         where: what made it a replay, named in the message (``"pasta.annotated_response"``,
             ``"Engine.replay"``).
 
+    ``n`` other than 1 is refused too: a replay forces one response, so its completions would
+    be the same tokens.
+
     Raises ParameterError (``param`` the field); its callers call it before a request is queued
-    or takes a KV page."""
+    or takes a KV page: the server on the request's own fields, the Python API
+    (:meth:`~pasta_engine.engine.llm_engine.Engine.replay`, and the input processor for the step
+    API and :class:`~pasta_engine.engine.async_engine.AsyncEngine`) on the caller's
+    :class:`~pasta_engine.config.SamplingParams`."""
     for name, (neutral, shown) in REPLAY_UNUSED_FIELDS.items():
         value = getattr(source, name, None)
         if value is not None and not neutral(value):
@@ -65,6 +71,11 @@ def check_replay_sampling(source: Any, where: str = "") -> None:
             raise ParameterError(name, value, message=(
                 f"{name}={value!r} cannot apply to a replay ({where + ': ' if where else ''}its tokens are forced, "
                 f"none is sampled); leave {name} out (or {shown})"))
+    n = getattr(source, "n", None)
+    if n is not None and n != 1:
+        raise ParameterError("n", n, message=(
+            f"n={n} cannot apply to a replay ({where + ': ' if where else ''}it forces one response, so its "
+            "completions would be the same tokens); leave n at 1 (list the prompt and its response n times for n runs)"))
 
 
 @dataclass

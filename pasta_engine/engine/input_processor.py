@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from ..config import MAX_SEED, EngineConfig, Limits, PositionPolicy, SamplingParams
+from ..core.replay import check_replay_sampling
 from ..errors import ContextLengthError, ParameterError
 from ..lang.dialect import DIALECT_NAMES, BaseDialect, Dialect, as_dialect, dialect_prompt, get_dialect
 from ..lang.grammar import GrammarState
@@ -428,7 +429,8 @@ class InputProcessor:
                 it is refused, naming ``n``.
 
         Raises ParameterError naming the first bad parameter (``mode``, ``dialect``,
-        ``params``, ``n``, ``limits``, ``fork_threshold``, ``position_policy``,
+        ``params``, a sampling field a replay cannot honour
+        (:func:`~pasta_engine.core.replay.check_replay_sampling`), ``n``, ``limits``, ``fork_threshold``, ``position_policy``,
         ``annotated_response``, ``prompt``, ``messages``, ``stop_token_ids``), and
         ContextLengthError for a prompt with no room under the context length."""
         mode = check_mode(inputs.mode)
@@ -443,6 +445,8 @@ class InputProcessor:
             params = SamplingParams(max_new_tokens=1) if replay else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ParameterError("params", params, "a pasta_engine.SamplingParams")
+        if replay:  # what a replay cannot honour is refused, never ignored (before the fresh seed below)
+            check_replay_sampling(params, "annotated_response")
         if params.n != 1 and not allow_n:
             raise ParameterError("n", params.n, message=(
                 f"n={params.n}: a request of the step API or of AsyncEngine is one completion; add n requests "

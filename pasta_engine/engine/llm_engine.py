@@ -721,10 +721,6 @@ class Engine:
                     continue  # None: the defaults; anything else is named by the input processor
                 where = "Engine.replay" if isinstance(params, SamplingParams) else f"Engine.replay, params {i}"
                 check_replay_sampling(sp, where)
-                if sp.n != 1:
-                    raise ParameterError("n", sp.n, message=(
-                        f"n={sp.n} cannot apply to a replay ({where}): it forces one response, so its completions "
-                        "would be the same tokens; leave n at 1 (list the prompt and its response n times for n runs)"))
             reqs = [self._make_request(RequestInputs(p, sp, mode, annotated_response=resp, dialect=dialect, index=i,
                                                      output_kind=OutputKind.FINAL))
                     for i, (p, resp, sp) in enumerate(zip(plist, responses, plist_params))]

@@ -182,6 +182,45 @@ def test_n_is_refused_where_a_request_is_one_completion(engine, served):
     assert e.value.param == "n"
 
 
+@pytest.mark.parametrize("name, value", [("temperature", 0.8), ("seed", 5), ("repetition_penalty", 1.3), ("n", 2)])
+def test_every_api_refuses_what_a_replay_cannot_honour(engine, served, name, value):
+    """A replay forces its tokens: the step API and AsyncEngine took a sampling field (or ``n``)
+    with ``annotated_response`` and ignored it, while Engine.replay and the server refused it.
+    All four refuse it now, naming it, before a KV page is taken; the server still serves a
+    replay when its own defaults (``serve --temperature``, ...) are not neutral, since those
+    are not the request's."""
+    from pasta_engine.entrypoints.openai.api_server import build_app
+
+    params = SamplingParams(**{name: value})
+    with pytest.raises(ParameterError) as e:
+        engine.add_request(PROMPT, params, annotated_response=ANNOTATED)
+    assert e.value.param == name and "cannot apply to a replay (annotated_response" in str(e.value), str(e.value)
+    assert _all_free(engine) and not engine.has_unfinished_requests()
+
+    async def add():
+        await served[0].add_request(PROMPT, params, annotated_response=ANNOTATED)
+
+    with pytest.raises(ParameterError) as e:
+        asyncio.run(add())
+    assert e.value.param == name
+
+    app = build_app(served[0], "tiny", defaults=SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1,
+                                                               max_new_tokens=32))
+
+    async def post(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=120) as h:
+            return await h.post("/v1/completions", json=body)
+
+    replay = {"prompt": PROMPT, "pasta": {"annotated_response": ANNOTATED}}
+    refused = asyncio.run(post({**replay, name: value}))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == name, refused.text
+    ok = asyncio.run(post(replay))
+    assert ok.status_code == 200, ok.text
+    [choice] = ok.json()["choices"]
+    assert choice["text"] == "Tips: Sleep early and often. and Walk. Then the rest of it."
+
+
 def test_choice_params_seeds():
     p = SamplingParams(n=3, seed=MAX_SEED)
     assert [c.seed for c in choice_params(p)] == [MAX_SEED, 0, 1] and all(c.n == 1 for c in choice_params(p))
