@@ -362,10 +362,12 @@ def train_sft(
             bar.set_postfix(loss=f"{loss_mean:.3f}",
                             tok_s=f"{run_tokens / max(time.perf_counter() - t_run, 1e-9):.0f}")
             if state["step"] % settings.save_every == 0 or state["step"] == total:
-                if dp.is_main:
-                    save_checkpoint(out, model, opt, sched, state)
+                if dp.is_main:  # the curve first: a run killed between the two resumes from the older
+                    # checkpoint and drops the curve's later points (a resume keeps points <= its step);
+                    # the other order lost the points between the two checkpoints
                     curve.save(out, "SFT loss (mean NLL per sampled token)" if teacher is None else
                                "SFT loss (content: cross-entropy against the base model; tags: NLL)")
+                    save_checkpoint(out, model, opt, sched, state)
                 dp.barrier()
     finally:
         bar.close()

@@ -137,6 +137,39 @@ def test_a_few_sft_steps_lower_the_loss_and_the_adapter_merges_exactly(tiny_llam
     assert old["optimizer_steps"] == 12
 
 
+@pytest.mark.parametrize("written", [True, False], ids=["after-the-checkpoint", "before-the-checkpoint"])
+def test_a_run_killed_at_a_checkpoint_resumes_with_every_point_of_its_curve(tiny_llama, tmp_path, monkeypatch,
+                                                                            written):
+    """A run killed at its second checkpoint, once that checkpoint is written (``written``) or
+    before it is, resumes with loss.json holding each optimizer step exactly once, in order (the
+    checkpoint was written before the curve: a kill between them lost the steps since the
+    previous checkpoint from the curve)."""
+    from pasta_engine.train import sft as sftmod
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample
+
+    real = sftmod.save_checkpoint
+    calls = []
+
+    def killed(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            if written:
+                real(*a, **k)
+            raise KeyboardInterrupt
+        real(*a, **k)
+
+    monkeypatch.setattr(sftmod, "save_checkpoint", killed)
+    ex = [TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 2
+    settings = sftmod.SFTSettings(epochs=6, lr=1e-2, grad_accum=1, warmup=1, save_every=2,
+                                  lora=LoraSettings(r=2, alpha=4, dropout=0.0))
+    with pytest.raises(KeyboardInterrupt):
+        sftmod.train_sft(ex, tmp_path / "run", settings, base=str(tiny_llama), progress=False)
+    summary = sftmod.train_sft(ex, tmp_path / "run", settings, base=str(tiny_llama), resume=True, progress=False)
+    curve = json.loads((tmp_path / "run" / "loss.json").read_text())
+    assert summary["optimizer_steps"] == 12 and [p["step"] for p in curve] == list(range(1, 13))
+
+
 def test_an_optimizer_step_stays_in_one_epoch_and_logs_its_own_lr(tiny_llama, tmp_path, monkeypatch):
     """7 examples, 4 per step, 3 epochs: 3 steps of 4 different examples, one epoch's shuffle
     each (the epochs ran together: a step held one example twice and the third epoch was never
