@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from ..lang.tags import drop_empty_items, held_line_start
+from ..lang.tags import drop_empty_items, held_line_start, thread_text
 
 # The interpreter imports this module, so this one does not import it (no cycle, not even for
 # type checking): these names stand for pasta_engine.core.interpreter's Interpreter and Thread,
@@ -168,6 +168,16 @@ def joined(t: "Thread") -> str:
         text += "".join(t.clean[n:])
         t.clean_joined = (len(t.clean), text)
     return text
+
+
+def _thread_view(t: "Thread", ended: bool) -> tuple[str, Any]:
+    """A thread's clean text on its own (its per-thread deltas and text events) and the mover of
+    its offsets: :func:`~pasta_engine.lang.tags.thread_text` of :func:`joined`, final once the
+    thread or the request (``ended``) has ended; a chunk whose promise follows a ``<`` of its
+    parent's text is read after it, as the spliced text reads it."""
+    p = t.parent
+    after_lt = p is not None and t.fork_clean > 0 and joined(p)[t.fork_clean - 1 : t.fork_clean] == "<"
+    return thread_text(joined(t), t.drops, ended or t.ended, after_lt)
 
 
 def reading_order_key(t: "Thread") -> tuple[int, int]:
@@ -571,12 +581,15 @@ class OutputRenderer:
                 if d is None:
                     d = per_thread[tid] = ThreadDelta(tid)
                 d.token_ids.append(tok)
-        # each thread's clean text
+        # each thread's clean text (less text that would rejoin a kept '<' into tag text)
         text_sent = self._text_sent
         staged_text: dict[int, int] = {}
         before0 = text_sent.get(0, 0)
+        main_view = None
         for t in threads:
-            s = joined(t)
+            s, moved = _thread_view(t, finish_reason is not None)
+            if t.parent is None:
+                main_view = (s, moved)
             done = text_sent.get(t.tid, 0)
             if len(s) > done:
                 staged_text[t.tid] = len(s)
@@ -584,7 +597,7 @@ class OutputRenderer:
                 if d is None:
                     d = per_thread[t.tid] = ThreadDelta(t.tid)
                 d.text = s[done:]
-        events, forked, ended, joined_now = self._events(interp, finish_reason, before0, per_thread)
+        events, forked, ended, joined_now = self._events(interp, finish_reason, before0, per_thread, main_view)
         lps, lp_sent = self._new_logprobs(interp, finish_reason is not None) if logprobs else ([], self._lp_sent)
         # everything is rendered: record it as output
         self._tokens_sent.update(staged)
@@ -617,23 +630,28 @@ class OutputRenderer:
         return out, max(sent, at)
 
     def _events(self, interp: "Interpreter", finish_reason: str | None, sent0: int,
-                per_thread: dict[int, ThreadDelta]) -> tuple[list[ThreadEvent], set[int], set[int], set[int]]:
+                per_thread: dict[int, ThreadDelta], main_view: "tuple[str, Any] | None" = None,
+                ) -> tuple[list[ThreadEvent], set[int], set[int], set[int]]:
         """The thread events since the previous output, and the threads now reported forked,
-        ended and joined (the caller records them once everything is rendered)."""
+        ended and joined (the caller records them once everything is rendered). ``main_view``:
+        the main thread's text as :func:`_thread_view` gives it, with its offset mover."""
         out: list[ThreadEvent] = []
         forked_now: set[int] = set()
         ended_now: set[int] = set()
         joined_now: set[int] = set()
         main = interp.main
-        main_text = joined(main)
+        main_text, moved = main_view if main_view is not None else _thread_view(main, finish_reason is not None)
         # the main thread's new text, with each new fork at its splice point (a column view then
         # shows where each chunk belongs)
         for c in sorted((c for c in interp.threads[1:] if c.tid not in self._forked), key=reading_order_key):
-            if c.parent is main and c.fork_clean > sent0:
-                out.append(ThreadEvent("text", 0, text=main_text[sent0 : c.fork_clean]))
-                sent0 = c.fork_clean
+            at = moved(c.fork_clean) if c.parent is main else c.fork_clean
+            if c.parent is main and at > sent0:
+                upto = min(at, len(main_text))  # past a held '<': the rest of the text comes later
+                if upto > sent0:
+                    out.append(ThreadEvent("text", 0, text=main_text[sent0:upto]))
+                    sent0 = upto
             p = c.promise
-            out.append(ThreadEvent("fork", c.tid, parent=c.parent.tid, topic=p.topic, tokens=p.tokens, at=c.fork_clean))
+            out.append(ThreadEvent("fork", c.tid, parent=c.parent.tid, topic=p.topic, tokens=p.tokens, at=at))
             forked_now.add(c.tid)
         if len(main_text) > sent0:
             out.append(ThreadEvent("text", 0, text=main_text[sent0:]))

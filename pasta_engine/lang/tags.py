@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from .dialect import AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, Sync, TagText, Text, Threads, source_text
 
@@ -78,6 +78,7 @@ __all__ = [
     "strip_tags",
     "clean_text",
     "clean_from_items",
+    "thread_text",
     "drop_empty_items",
     "held_line_start",
     "is_empty_list_item",
@@ -563,10 +564,58 @@ def _cut_rejoined(text: str, drops: Iterable[int], final: bool) -> tuple[str, Se
     one), and where the text must be held back when not ``final`` (text after a kept ``<``
     that may still become tag text; None: nothing held). O(len(drops)) when no ``<`` stands
     before a drop."""
-    n = len(text)
     drops = drops if isinstance(drops, (list, tuple)) else list(drops)
+    ds, cuts, hold = _rejoin_cuts(text, drops, final)
+    if not cuts:
+        return text, ds, hold
+    moved = _mover(cuts)
+    return _without(text, cuts), [moved(o) for o in ds], None if hold is None else moved(hold)
+
+
+def thread_text(text: str, drops: Sequence[int], final: bool, after_lt: bool = False) -> tuple[str, Callable[[int], int]]:
+    """One thread's clean text as a reader may see it on its own (the per-thread text of a
+    stream): ``text`` less the text that would rejoin a kept lone ``<`` into tag text (as
+    :func:`drop_empty_items` cuts it from the spliced text: ``x <<sync/>sync/> y`` shows
+    ``x < y``), cut where it is held back when not ``final``.
+
+    Args:
+        text, drops: the thread's clean text and the offsets where tags were left out of it.
+        final: the thread has ended (its text is complete).
+        after_lt: the thread is a chunk whose promise stands right after a ``<`` of its
+            parent's clean text: its text is read after that ``<`` and the promise
+            (``a <<promise .../>`` then a chunk ``sync/> b`` shows `` b``).
+
+    Returns the text and a function moving an offset of ``text`` to the returned text (an
+    offset inside a cut goes to the cut's start; one past a hold stays past the returned
+    text's end). O(len(drops)) when no ``<`` stands before a drop."""
+    if after_lt:
+        lead = "<" + text
+        ds, cuts, hold = _rejoin_cuts(lead, [1] + [d + 1 for d in drops], final)
+        if not cuts and hold is None:
+            return text, _same
+        moved = _mover(cuts)
+        out = _without(lead, cuts)[1:]
+        if hold is not None:
+            out = out[: moved(hold) - 1]
+        return out, lambda o: moved(o + 1) - 1
+    ds, cuts, hold = _rejoin_cuts(text, drops, final)
+    if not cuts and hold is None:
+        return text, _same
+    moved = _mover(cuts)
+    out = _without(text, cuts)
+    return (out if hold is None else out[: moved(hold)]), moved
+
+
+def _same(o: int) -> int:
+    return o
+
+
+def _rejoin_cuts(text: str, drops: Sequence[int], final: bool) -> tuple[Sequence[int], list[tuple[int, int]], int | None]:
+    """:func:`_cut_rejoined`'s work: the drops (sorted, each once, when a ``<`` stands before
+    one; else as given), the ``(start, end)`` spans to cut, and the hold offset (or None)."""
+    n = len(text)
     if not any(0 < d <= n and text[d - 1] == "<" for d in drops):  # the common case: as they are
-        return text, drops, None
+        return drops, [], None
     ds = sorted({min(max(d, 0), n) for d in drops})
     marks = set(ds)
     cuts: list[tuple[int, int]] = []
@@ -587,15 +636,21 @@ def _cut_rejoined(text: str, drops: Iterable[int], final: bool) -> tuple[str, Se
             at = done_to = end  # the '<' now stands before what was left out
         if hold is not None:
             break
-    if not cuts:
-        return text, ds, hold
+    return ds, cuts, hold
+
+
+def _without(text: str, cuts: Sequence[tuple[int, int]]) -> str:
     parts: list[str] = []
     prev = 0
     for s, e in cuts:
         parts.append(text[prev:s])
         prev = e
     parts.append(text[prev:])
+    return "".join(parts)
 
+
+def _mover(cuts: Sequence[tuple[int, int]]) -> Callable[[int], int]:
+    """The offset of a text to the same place in it less ``cuts`` (sorted, disjoint spans)."""
     def moved(o: int) -> int:
         gone = 0
         for s, e in cuts:
@@ -604,7 +659,7 @@ def _cut_rejoined(text: str, drops: Iterable[int], final: bool) -> tuple[str, Se
             gone += min(o, e) - s
         return o - gone
 
-    return "".join(parts), [moved(o) for o in ds], None if hold is None else moved(hold)
+    return moved
 
 
 def _rejoined_end(text: str, at: int, marks: set[int], final: bool) -> int | None:

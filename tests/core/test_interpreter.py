@@ -353,6 +353,8 @@ def check_stream_and_final(seed, max_new, width, min_cap, max_forks, mode, no_ta
 
     limits = Limits(max_threads=width, async_min_cap=min_cap, cap_factor=0.1, max_forks=max_forks)
     streams: dict[str, tuple[ReadingOrderStream, list[str]]] = {}
+    # per request: each thread's streamed text (ThreadDelta.text) and the main thread's text events
+    per_thread: dict[str, tuple[render.OutputRenderer, dict[int, str], list[str]]] = {}
 
     def on_step(reqs):
         for r in reqs:
@@ -360,6 +362,11 @@ def check_stream_and_final(seed, max_new, width, min_cap, max_forks, mode, no_ta
             if stream._finished or r.preemptions:
                 continue
             it = r.interp
+            renderer, texts, main_events = per_thread.setdefault(r.request_id, (render.OutputRenderer(), {}, []))
+            step = renderer.update(it, finish_reason=r.finish_reason if r.finished else None)
+            for d in step.thread_deltas:
+                texts[d.thread] = texts.get(d.thread, "") + d.text
+            main_events += [e.text for e in step.events if e.kind == "text" and e.thread == 0]
             if r.finished:
                 deltas.append(stream.update(it, r.finish_reason)[0])
                 stream._finished = True
@@ -380,8 +387,14 @@ def check_stream_and_final(seed, max_new, width, min_cap, max_forks, mode, no_ta
         stream, deltas = streams[r.request_id]
         if not r.preemptions:
             assert "".join(deltas) == final  # nothing taken back, nothing missing
+        if not r.preemptions:  # each thread's deltas build its own text, the main thread's events the same
+            _, texts, main_events = per_thread[r.request_id]
+            for t in it.threads:
+                assert texts.get(t.tid, "") == render._thread_view(t, True)[0], t.tid
+            assert "".join(main_events) == texts.get(0, "")
         if no_tags:
-            shown = [final, it.clean_text(), stream.sent]
+            shown = [final, it.clean_text(), stream.sent] + (list(per_thread[r.request_id][1].values())
+                                                             if not r.preemptions else [])
             assert not [e for t in shown for e in parse(t) if isinstance(e, (Promise, AsyncOpen, AsyncClose, Sync,
                                                                             TagText))], shown
 

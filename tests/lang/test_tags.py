@@ -523,3 +523,21 @@ def test_a_tag_in_a_broken_topics_tail_is_read_with_the_piece_that_completes_it(
     p = TagParser()
     out = [(ch, e) for ch in '<promise topic="a<sync/>x"y' for e in p.feed(ch)]
     assert [ch for ch, e in out if isinstance(e, Sync)] == [">"]
+
+
+def test_thread_text_leaves_out_what_would_rejoin_a_kept_lt_into_a_tag():
+    """One thread's text on its own (its stream's per-thread deltas): ``x <<sync/>sync/> y``
+    written by one thread shows ``x < y`` as the spliced text does (it showed ``x <sync/> y``),
+    a chunk whose promise follows the parent's ``<`` is read after it, undecided text after a
+    kept ``<`` is held while the thread runs, and offsets move with the cuts."""
+    from pasta_engine.lang.tags import thread_text
+
+    text, moved = thread_text("x <sync/> y", [3], final=True)  # "x <" <sync/> "sync/> y"
+    assert text == "x < y" and [moved(o) for o in (0, 3, 5, 9, 11)] == [0, 3, 3, 3, 5]
+    assert thread_text("x <syn", [3], final=False)[0] == "x <"  # may still become "sync/>"
+    assert thread_text("x <syn", [3], final=True)[0] == "x <syn"  # it never did: the model's text
+    assert thread_text("x <, y", [3], final=False)[0] == "x <, y"  # text after the '<': decided
+    assert thread_text("sync/> b", [], final=True, after_lt=True)[0] == " b"
+    assert thread_text("b c", [], final=True, after_lt=True)[0] == "b c"
+    plain, same = thread_text("a b", [1, 3], final=False)
+    assert plain == "a b" and same(2) == 2
