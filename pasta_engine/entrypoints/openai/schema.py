@@ -147,8 +147,8 @@ class PastaOptions(BaseModel):
         "Furthermore, This, Finally, ...; default false; where the sampler enforces the PASTA-LANG grammar)")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
     annotated_response: str | None = Field(None, description=(
-        "replay this annotated response (forced decoding): a sampling field or seed is refused, and max_tokens "
-        "below the replay's length (it cannot end early)"))
+        "replay this annotated response (forced decoding): a sampling field or seed is refused, so is n > 1 "
+        "(its choices would be the same tokens), and max_tokens below the replay's length (it cannot end early)"))
 
     @field_validator("position_policy")
     @classmethod
