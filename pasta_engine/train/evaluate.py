@@ -159,17 +159,22 @@ def summarize_learned(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             return {}
         out: dict[str, Any] = {"responses": len(xs)}
         if "content_speedup" in xs[0]:
-            out["geomean_content_speedup"] = geomean_positive(x["content_speedup"] for x in xs)
-            out["geomean_realized_content_speedup"] = geomean_positive(x["realized_content_speedup"] for x in xs)
-            out["realized_content_speedup_spread"] = _spread([x["realized_content_speedup"] for x in xs])
+            # every speedup figure over the same answers: those with content (an empty answer has no
+            # content speedup; its realized one, a replay of nothing, would still count otherwise)
+            full = [x for x in xs if x["content_speedup"] > 0]
+            out["geomean_content_speedup"] = geomean_positive(x["content_speedup"] for x in full)
+            out["geomean_realized_content_speedup"] = geomean_positive(x["realized_content_speedup"] for x in full)
+            out["realized_content_speedup_spread"] = (_spread([x["realized_content_speedup"] for x in full])
+                                                      if full else None)
             out["tag_token_fraction"] = tag_token_fraction(sum(x["tag_tokens"] for x in xs),
                                                            sum(x["tokens"] for x in xs))
-            out["geomean_token_parallelism"] = geomean_positive(x["token_parallelism"] for x in xs)
-            timed = [{**r[key], "index": r.get("index", i)} for i, r in enumerate(rows) if r.get(key, {}).get("timing")]
-            forked = [x for x in xs if x.get("forks", 0) > 0]
+            out["geomean_token_parallelism"] = geomean_positive(x["token_parallelism"] for x in full)
+            timed = [{**r[key], "index": r.get("index", i)} for i, r in enumerate(rows)
+                     if r.get(key, {}).get("timing") and r[key]["content_speedup"] > 0]
+            forked = [x for x in full if x.get("forks", 0) > 0]
             out["timing"] = timing_summary(timed)
             out["warnings"] = summary_warnings(
-                len(xs), len(forked), out["geomean_realized_content_speedup"],
+                len(full), len(forked), out["geomean_realized_content_speedup"],
                 geomean_positive(x["realized_content_speedup"] for x in forked) if forked else None, out["timing"])
         out.update({
             "forked": sum(1 for x in xs if x.get("forks", 0) > 0),

@@ -454,6 +454,27 @@ def test_bench_learned_warns_when_realized_exceeds_theoretical_beyond_the_spread
     assert any("prompts 0" in w and "disturbed" in w for w in a["warnings"])
 
 
+def test_bench_learned_takes_every_speedup_figure_over_the_answers_with_content():
+    """An empty answer has no content speedup (0, left out of the theoretical geomean); its
+    realized figure (a replay of nothing) was still in the realized geomean, so the two
+    headline figures were over different answers (1.73x theoretical against 1.08x realized
+    here, 1.59x over the same two)."""
+    from pasta_engine.train.evaluate import summarize_learned
+
+    def side(theo, real, content):
+        return {"content_speedup": theo, "realized_content_speedup": real, "content_tokens": content,
+                "tag_tokens": 2, "tokens": content + 3, "token_parallelism": 1.2, "forks": 1 if content else 0,
+                "quality": -1.0, "text": "x" if content else "", "finish_reason": "stop"}
+
+    base = {"text": "x", "content_tokens": 5, "tokens": 5, "wall_s": 1.0, "finish_reason": "stop", "quality": -1.0}
+    rows = [{"index": i, "base_sequential": base, "adapter_pasta": side(*xs), "end_to_end_speedup": 1.0,
+             "length_ratio": 1.0} for i, xs in enumerate([(2.0, 1.8, 20), (1.5, 1.4, 15), (0.0, 0.5, 0)])]
+    a = summarize_learned(rows)["adapter_pasta"]
+    assert a["geomean_content_speedup"] == pytest.approx((2.0 * 1.5) ** 0.5)
+    assert a["geomean_realized_content_speedup"] == pytest.approx((1.8 * 1.4) ** 0.5)
+    assert a["realized_content_speedup_spread"]["min"] == pytest.approx(1.4) and a["empty_answers"] == 1
+
+
 LISTED = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
 
 
