@@ -874,7 +874,10 @@ def pareto_row(seq: Any, pasta: Any, clean_seq: Any = None, pasta_replay: Any = 
     tokens (None when the sequential answer has none) and each side's finish reason (``length``:
     cut by the token budget); ``text_length_ratio``: the same in characters;
     ``throughput_ratio``: pasta / sequential content tokens per second (= end-to-end speedup x
-    length ratio). Then token parallelism, tag tokens, fork statistics: forks, threads, chunks
+    length ratio). ``step_speedup``: decode steps of ``clean_seq`` / of ``pasta_replay`` (else
+    of the pasta generation), the same text on both sides (None without ``clean_seq``);
+    ``end_to_end_step_speedup``: the sequential generation's steps / the pasta generation's
+    (different answers). Then token parallelism, tag tokens, fork statistics: forks, threads, chunks
     capped or cut off by the interpreter, malformed tags."""
     s, q = pasta.stats, seq.stats
     content_wall = (pasta_replay or pasta).stats.wall_s
@@ -896,7 +899,10 @@ def pareto_row(seq: Any, pasta: Any, clean_seq: Any = None, pasta_replay: Any = 
         "decode_steps_sequential": q.decode_steps,
         "decode_steps": s.decode_steps,
         "critical_path": s.critical_path,
-        "step_speedup": step_speedup(q.decode_steps, s.decode_steps),
+        # content: the same text on both sides (the clean text's sequential replay / the pasta run)
+        "step_speedup": (step_speedup(clean_seq.stats.decode_steps, (pasta_replay or pasta).stats.decode_steps)
+                         if clean_seq else None),
+        "end_to_end_step_speedup": step_speedup(q.decode_steps, s.decode_steps),  # different answers
         "wall_s_sequential": q.wall_s,
         "wall_s": s.wall_s,
         "wall_s_clean_sequential": clean_seq.stats.wall_s if clean_seq else None,
@@ -955,6 +961,7 @@ def summarize_pareto(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                                  sum(r["tokens_pasta"] for r in rows)),
         "geomean_token_parallelism": _geo([r["token_parallelism"] for r in full]),
         "geomean_step_speedup": _geo([r["step_speedup"] for r in full]),
+        "geomean_end_to_end_step_speedup": _geo([r.get("end_to_end_step_speedup") for r in both]),
         "forked_responses": len(forked),
         "fork_rate": sum(1 for r in rows if r["forks"] > 0) / n,
         "mean_forks": sum(r["forks"] for r in rows) / n,

@@ -251,6 +251,31 @@ def test_bench_pareto_takes_the_end_to_end_means_over_prompts_where_both_answers
     assert s["timing"]["geomean_realized_content_speedup_spread"]["min"] == pytest.approx(1.1)
 
 
+def test_bench_pareto_step_speedup_is_over_the_same_text_on_both_sides():
+    """The row's ``step_speedup`` (a content figure of the summary) divided the sequential
+    generation's steps (another answer, 201 steps) by the pasta run's (40): 5.0x. It is now the
+    pasta answer's clean text replayed sequentially (51 steps) over the pasta replay (40), and
+    the ratio of the two generations is ``end_to_end_step_speedup``, averaged with the other
+    end-to-end figures."""
+    from types import SimpleNamespace as NS
+
+    from pasta_engine.tools.bench import pareto_row, summarize_pareto
+
+    def res(content, steps, wall, forks=1):
+        st = NS(content_tokens=content, content_speedup=content / steps, wall_s=wall, tokens_decoded=steps,
+                tag_tokens=0, token_parallelism=1.0, decode_steps=steps, critical_path=steps, forks=forks,
+                threads=forks + 1, finish_reason="stop")
+        return NS(stats=st, text="p" * content, annotated_text="p" * content, diagnostics=[])
+
+    pasta, seq, clean_seq, replay = res(50, 40, 1.0), res(200, 201, 5.0, 0), res(50, 51, 1.3, 0), res(50, 40, 1.0)
+    row = pareto_row(seq, pasta, clean_seq, replay)
+    assert row["step_speedup"] == pytest.approx(51 / 40) and row["end_to_end_step_speedup"] == pytest.approx(201 / 40)
+    assert pareto_row(seq, pasta)["step_speedup"] is None  # no replay of the same text: no content figure
+    s = summarize_pareto([row])
+    assert s["geomean_step_speedup"] == pytest.approx(51 / 40)
+    assert s["geomean_end_to_end_step_speedup"] == pytest.approx(201 / 40)
+
+
 def test_the_plot_writes_the_summarys_geomeans(tmp_path, monkeypatch):
     """The geomeans drawn on speedup.png are the summary's, over the answers with content (an
     empty answer's 0.25x 'realized speedup' used to pull the drawn one down to 0.71x)."""
