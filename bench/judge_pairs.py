@@ -28,9 +28,39 @@ from pathlib import Path
 from pasta_engine.tools.judge import read_blind_sides, write_blind_pairs
 
 
+#: What a reading leaves in its folder: a new ``make`` there would pair them with another key.
+READING_FILES = ("verdicts.jsonl", "verdicts_reversed.jsonl", "summary.json")
+
+
+def read_outputs(path: Path) -> list[dict]:
+    """An AlpacaEval outputs file: a JSON list of objects whose ``instruction`` and ``output`` are
+    strings. Raises SystemExit naming the file (and the row) when it is not."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"judge_pairs make: cannot read {path}: {e}") from None
+    if not isinstance(rows, list):
+        raise SystemExit(f"judge_pairs make: {path} must hold a JSON list of {{instruction, output}} objects, "
+                         f"not a {type(rows).__name__}")
+    for i, r in enumerate(rows):
+        bad = [k for k in ("instruction", "output") if not isinstance(r, dict) or not isinstance(r.get(k), str)]
+        if bad:
+            raise SystemExit(f"judge_pairs make: {path} row {i} has no string {bad[0]!r} (each row is an object "
+                             "with the instruction and the model's output as strings)")
+    return rows
+
+
 def make(candidate: Path, baseline: Path, out: Path, seed: int, label: str) -> None:
-    cand = json.loads(candidate.read_text())
-    base_rows = json.loads(baseline.read_text())
+    """Write the pair files and their key into ``out`` (see the module docstring). Raises
+    SystemExit naming the problem: an outputs file that is not a list of ``{instruction,
+    output}`` strings, an instruction twice or in one file only, or a folder that already holds
+    a reading (its verdicts would be joined against the new key)."""
+    stale = [n for n in READING_FILES if (out / n).exists()]
+    if stale:
+        raise SystemExit(f"judge_pairs make: {out} already holds a reading ({', '.join(stale)}): its verdicts were "
+                         "given on other pairs; make the new pairs in another folder")
+    cand = read_outputs(candidate)
+    base_rows = read_outputs(baseline)
     for path, rows in ((candidate, cand), (baseline, base_rows)):
         seen: set[str] = set()
         for r in rows:
@@ -87,7 +117,7 @@ def main() -> None:
     else:
         try:
             s = join(a.out)
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # OSError: no key.json (make first) or an unreadable file
             raise SystemExit(f"judge_pairs join: {e}") from None
         print(json.dumps({k: v for k, v in s.items() if k != "rows"}, indent=1))
 

@@ -139,6 +139,39 @@ def test_judge_pairs_round_trip_counts_wins_from_the_candidates_side(tmp_path):
     assert run.returncode != 0 and "holds the instruction 'q0' twice" in run.stderr
 
 
+def test_judge_pairs_refuses_a_folder_with_a_reading_and_bad_outputs_files(tmp_path):
+    """``make`` over a folder that holds verdicts wrote new pairs and a new key beside the old
+    verdicts, and ``join`` then read the old A/B letters against the new key (exit 0, a wrong
+    win rate); it is refused now, naming the files. An outputs file that is not a list of
+    ``{instruction, output}`` strings, or a ``join`` before any ``make``, is an error naming the
+    problem instead of a traceback (or, for a null output, pairs holding null)."""
+    def judge_pairs(*args):
+        return subprocess.run([sys.executable, str(BENCH / "judge_pairs.py"), *args], capture_output=True, text=True,
+                              env=ENV, timeout=120)
+
+    rows = [{"instruction": f"q{i}", "output": f"x {i}"} for i in range(3)]
+    (tmp_path / "c.json").write_text(json.dumps(rows))
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    out = tmp_path / "judge"
+    make = ["make", "--candidate", str(tmp_path / "c.json"), "--baseline", str(tmp_path / "b.json"), "--out", str(out)]
+    assert judge_pairs(*make).returncode == 0
+    assert judge_pairs(*make, "--seed", "1").returncode == 0  # pairs made again before any verdict: fine
+    (out / "verdicts.jsonl").write_text('{"id": 0, "verdict": "A"}\n')
+    run = judge_pairs(*make, "--seed", "2")
+    assert run.returncode != 0 and "already holds a reading (verdicts.jsonl)" in run.stderr, run.stderr
+    for bad, says in [({"instruction": "q0"}, "row 0 has no string 'output'"),
+                      ({"instruction": None, "output": "x"}, "row 0 has no string 'instruction'"),
+                      ({"instruction": "q0", "output": None}, "row 0 has no string 'output'")]:
+        (tmp_path / "b.json").write_text(json.dumps([bad]))
+        run = judge_pairs(*make[:-1], str(tmp_path / "j2"))
+        assert run.returncode != 0 and says in run.stderr and "Traceback" not in run.stderr, run.stderr
+    (tmp_path / "b.json").write_text(json.dumps({"q0": "x"}))
+    run = judge_pairs(*make[:-1], str(tmp_path / "j2"))
+    assert run.returncode != 0 and "must hold a JSON list" in run.stderr and "Traceback" not in run.stderr
+    run = judge_pairs("join", "--out", str(tmp_path / "nothing"))
+    assert run.returncode != 0 and "key.json" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
 def test_frontier_writes_its_table_and_plot_from_stored_rows(tmp_path):
     """bench/frontier.py: from stored screen and judge summaries (no model run), a row per
     operating point with the win rate over both orders and its bootstrap interval, and a plot."""
