@@ -62,6 +62,9 @@ def main() -> None:
     from pasta_engine.tools.annotate_independent import LexicalDependence, check_forks
 
     rows = [r for r in json.loads(args.prompts.read_text()) if r.get("dataset") == "vicuna"][: args.limit]
+    if not rows:  # before the model loads and anything is written
+        raise SystemExit(f"screen_adapter: {args.prompts} has no row with dataset 'vicuna'"
+                         + (f" within --limit {args.limit}" if args.limit is not None else ""))
     adapter = None if args.adapter == "none" else args.adapter
     limits = Limits(fork_threshold=args.fork_threshold, distinct_topics=args.distinct_topics,
                     chunk_clean_end=args.chunk_clean_end, independent_topics=args.independent_topics,

@@ -286,6 +286,14 @@ def test_screen_adapter_counts_an_empty_answer_instead_of_crashing(tmp_path, mon
     runpy.run_path(str(BENCH / "screen_adapter.py"), run_name="__main__")
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["empty_answers"] == 1 and s["geomean_content_speedup"] == 0.75
+    # no vicuna row to screen (or --limit 0): an error naming it, before the model loads or a file is written
+    for argv in (["--limit", "0"], ["--prompts", str(tmp_path / "none.json")]):
+        (tmp_path / "none.json").write_text(json.dumps([{"instruction": "a", "dataset": "koala"}]))
+        monkeypatch.setattr(sys, "argv", ["screen_adapter.py", "--prompts", str(prompts), "--out",
+                                          str(tmp_path / "out2"), "--adapter", "none", *argv])
+        with pytest.raises(SystemExit, match="no row with dataset 'vicuna'"):
+            runpy.run_path(str(BENCH / "screen_adapter.py"), run_name="__main__")
+        assert not (tmp_path / "out2").exists()
 
 
 def _reading(out: Path, first: dict[int, str], reversed_: dict[int, str] | None, n: int = 4, meta: dict | None = None):
