@@ -54,16 +54,25 @@ def win_rate_interval(rows: list[dict], draws: int = 2000, seed: int = 0) -> tup
 
 
 def _realized(timed: Path) -> dict | None:
+    """The realized content speedup of a timed run's summary (``bench learned``'s adapter side, or
+    ``bench speedup``'s), with ``realized_spread_over_repeats`` (the geomean's min / median / max
+    over the timed repeats, from the summary's ``timing``) and, where the summary has it,
+    ``realized_spread_over_prompts`` (per-prompt percentiles); None without a realized figure."""
     s = json.loads(timed.read_text())
     s = s.get("summary", s)
     if "adapter_pasta" in s:  # bench learned
         a = s["adapter_pasta"]
-        return {"realized": a.get("geomean_realized_content_speedup"), "spread": a.get("realized_content_speedup_spread"),
+        return {"realized": a.get("geomean_realized_content_speedup"),
+                "realized_spread_over_repeats": (a.get("timing") or {}).get("geomean_realized_content_speedup_spread"),
+                "realized_spread_over_prompts": a.get("realized_content_speedup_spread"),
                 "theoretical_timed": a.get("geomean_content_speedup"), "prompts": s.get("prompts")}
     for key in ("geomean_realized_content_speedup", "realized_content_speedup"):
         if key in s:
-            return {"realized": s[key], "spread": s.get("realized_content_speedup_spread"),
-                    "theoretical_timed": s.get("geomean_content_speedup"), "prompts": s.get("answers", s.get("traces", s.get("prompts")))}
+            return {"realized": s[key],
+                    "realized_spread_over_repeats": (s.get("timing") or {}).get("geomean_realized_content_speedup_spread"),
+                    "realized_spread_over_prompts": s.get("realized_content_speedup_spread"),
+                    "theoretical_timed": s.get("geomean_content_speedup"),
+                    "prompts": s.get("answers", s.get("traces", s.get("prompts")))}
     return None
 
 
@@ -97,7 +106,9 @@ def table(points: list[dict]) -> str:
 
     for q in points:
         real = f"{q['realized']:.2f}x" if q.get("realized") else "-"
-        lines.append(f"| {q['label']} | {q['theoretical_content_speedup']:.2f}x | {real} | {q['fork_rate']:.0%} | "
+        theo = q["theoretical_content_speedup"]  # None: every answer of the screen was empty
+        theo = "-" if theo is None else f"{theo:.2f}x"
+        lines.append(f"| {q['label']} | {theo} | {real} | {q['fork_rate']:.0%} | "
                      f"{q['win_rate']:.1%} | {q['win_rate_ci95'][0]:.1%}-{q['win_rate_ci95'][1]:.1%} | "
                      f"{pct(q['win_rate_first_order'])} / {pct(q['win_rate_reversed_order'])} | "
                      f"{'-'.join(map(str, q['wins_losses_ties']))} |")
@@ -113,6 +124,8 @@ def plot(points: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for q in points:
         x = q["theoretical_content_speedup"]
+        if x is None:  # no answer with content: no speedup to place it at (the table shows "-")
+            continue
         y = 100 * q["win_rate"]
         lo, hi = (100 * v for v in q["win_rate_ci95"])
         ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=3)

@@ -211,6 +211,24 @@ def test_frontier_writes_its_table_and_plot_from_stored_rows(tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stderr
     assert "62.5% / - |" in (out / "frontier.md").read_text()
+    # a timed `bench speedup` summary gives the realized figure with its spread over the repeats
+    # (read from the wrong level before: always null); a screen whose answers were all empty
+    # (no theoretical speedup) is a row with "-", left off the plot
+    (tmp_path / "t.json").write_text(json.dumps({"geomean_realized_content_speedup": 1.38, "geomean_content_speedup": 1.5,
+                                                 "prompts": 40, "timing": {"geomean_realized_content_speedup_spread":
+                                                                           {"min": 1.31, "median": 1.38, "max": 1.42}}}))
+    points[0]["timed"] = "t.json"
+    (tmp_path / "points.json").write_text(json.dumps(points))
+    s1 = json.loads((tmp_path / "s1" / "summary.json").read_text())
+    (tmp_path / "s1" / "summary.json").write_text(json.dumps({**s1, "geomean_content_speedup": None}))
+    run = subprocess.run([sys.executable, str(BENCH / "frontier.py"), "--points", str(tmp_path / "points.json"),
+                          "--out", str(out), "--base", str(tmp_path)], capture_output=True, text=True, env=ENV,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads((out / "frontier.json").read_text())["points"]
+    assert got[0]["realized"] == 1.38 and got[0]["realized_spread_over_repeats"] == {"min": 1.31, "median": 1.38,
+                                                                                      "max": 1.42}
+    assert "| p1 | - | - |" in (out / "frontier.md").read_text()
 
 
 def test_run_gpu_fails_without_a_gpu_and_when_a_stage_fails(tmp_path):
