@@ -139,28 +139,45 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
 
-    def check_fits(self, req: Request) -> str | None:
-        """Why ``req`` could never run in this KV cache (None when it could): its prompt alone
-        needs more pages than the cache has, or it is a replay (its tokens are known, and a
-        request keeps every page it wrote until it ends) whose KV tokens fill the cache's pages
-        and more (the failure model: it fails before it takes any resource, rather than decoding
-        until the cache runs out). The bound counts the trace's tokens as
+    def check_fits(self, req: Request) -> tuple[str, int, str] | None:
+        """Why ``req`` could never run in this KV cache, as ``(parameter, its value, why)``
+        (None when it could): its prompt alone needs more pages than the cache has
+        (``prompt``); it is a replay (its tokens are known, and a request keeps every page it
+        wrote until it ends) whose KV tokens fill the cache's pages and more (``prompt``); or it
+        must sample more tokens than the cache holds after its prompt: ``ignore_eos`` without a
+        stop token or string runs to ``max_new_tokens`` (``max_new_tokens``), and no request
+        ends before ``min_tokens`` unless a stop string ends it (``min_tokens``). The failure
+        model: it fails before it takes any resource, rather than decoding until the cache runs
+        out. A replay's bound counts the trace's tokens as
         :meth:`~pasta_engine.core.interpreter.Interpreter.worst_case_kv` does, a little above
         what is written (the end-of-sequence token, each fork's tag), so the check allows two
         pages per fork and two more: a replay near the cache's size runs, and fails alone if it
-        does not fit after all."""
+        does not fit after all. A sampled request's floor is exact (every sampled token but the
+        last is written; forks only add pages)."""
         bm = self.block_manager
         n = len(req.interp.prompt_ids)
         pages = math.ceil(n / bm.page_size)  # the prefill's; the first token needs no more
         if pages > bm.num_pages:
-            return (f"the prompt's {n} tokens need {pages} KV pages but the cache has {bm.describe()}; "
+            return ("prompt", n, f"the prompt's {n} tokens need {pages} KV pages but the cache has {bm.describe()}; "
                     f"raise kv_cache_bytes or shorten the prompt")
         if req.interp.replay:
             tokens, forks = req.interp.worst_case_kv()
             least = math.ceil(tokens / bm.page_size)
             if least > bm.num_pages + 2 * forks + 2:
-                return (f"the replay's {tokens} KV tokens ({forks} forks) need about {least} KV pages but the cache "
-                        f"has {bm.describe()}; raise kv_cache_bytes or replay a shorter response")
+                return ("prompt", n, f"the replay's {tokens} KV tokens ({forks} forks) need about {least} KV pages but "
+                        f"the cache has {bm.describe()}; raise kv_cache_bytes or replay a shorter response")
+            return None
+        prm = req.params
+        if prm.stop:  # a stop string may end it at any token
+            return None
+        floor, param = prm.min_tokens, "min_tokens"
+        if prm.ignore_eos and not prm.stop_token_ids and prm.max_new_tokens > floor:
+            floor, param = prm.max_new_tokens, "max_new_tokens"
+        least = math.ceil((n + floor - 1) / bm.page_size) if floor else 0
+        if least > bm.num_pages:
+            why = "ignore_eos runs it to max_new_tokens" if param == "max_new_tokens" else "it samples at least min_tokens"
+            return (param, floor, f"{param}={floor}: {why}, and with the prompt's {n} tokens that needs {least} KV "
+                    f"pages but the cache has {bm.describe()}; raise kv_cache_bytes or lower {param}")
         return None
 
     def add(self, req: Request) -> None:

@@ -329,10 +329,10 @@ class Engine:
                           stop_ids=frozenset(params.stop_token_ids) - frozenset(self.eos_ids))
         except ValueError as e:  # e.g. the oracle position policy outside replay
             raise ParameterError("position_policy", str(p.policy), message=str(e)) from None
-        why = self.scheduler.check_fits(req)
-        if why is not None:
-            raise ContextLengthError("prompt", len(p.prompt_ids),
-                                     message=why if p.index is None else f"prompt {p.index}: {why}")
+        unfit = self.scheduler.check_fits(req)
+        if unfit is not None:
+            param, value, why = unfit
+            raise ContextLengthError(param, value, message=why if p.index is None else f"prompt {p.index}: {why}")
         if p.output_kind is not OutputKind.FINAL:
             req.renderer = OutputRenderer()  # step() outputs its text and tokens as they come
         return req

@@ -199,6 +199,50 @@ def test_kv_exhaustion_fails_the_request_alone_and_frees_its_pages(tiny_llama):
     assert fits.error is None and fits.text == "word0 word1 word2"
 
 
+def test_a_request_that_must_sample_past_the_cache_is_refused_before_it_runs(tiny_llama):
+    """``ignore_eos`` (no stop token or string) runs a request to ``max_new_tokens``, and none
+    ends before ``min_tokens``: one whose floor cannot fit in the KV cache was admitted,
+    decoded until the cache ran out and ended in error; it is refused first, naming the
+    parameter. A stop string, a stop token, or a floor that fits, runs as before."""
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=40 * 1024, page_size=4)
+    total = engine.stats()["kv_pages_total"]
+    prompt = list(range(3, 10))
+    room = total * 4 - len(prompt) + 1  # the most tokens a request of this prompt can sample
+    for params, param in [(SamplingParams(max_new_tokens=room + 1, ignore_eos=True), "max_new_tokens"),
+                          (SamplingParams(max_new_tokens=room + 5, min_tokens=room + 1), "min_tokens")]:
+        with pytest.raises(ContextLengthError, match=f"{param}={room + 1}: .* raise kv_cache_bytes or lower") as e:
+            engine.generate([prompt], params)
+        assert e.value.param == param and e.value.value == room + 1
+        assert engine.stats()["kv_pages_free"] == total and not engine.has_unfinished_requests()
+    for params in (SamplingParams(max_new_tokens=room + 1, ignore_eos=True, stop=("zz",)),
+                   SamplingParams(max_new_tokens=room + 1, ignore_eos=True, stop_token_ids=(5,))):
+        assert engine.abort(engine.add_request(prompt, params))  # accepted: it may end in time
+    [full] = engine.generate([prompt], SamplingParams(max_new_tokens=room, ignore_eos=True), mode="sequential")
+    assert full.error is None and len(full.token_ids) == room  # the exact floor fits, and runs
+    assert engine.stats()["kv_pages_free"] == total
+    # the server: a 400 naming max_tokens (it was a 500 after the cache ran out), nothing taken
+    import asyncio
+
+    import httpx
+
+    from pasta_engine import AsyncEngine
+    from pasta_engine.entrypoints.openai.api_server import build_app
+
+    aengine = AsyncEngine(engine)
+    try:
+        async def post():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(aengine, "tiny")),
+                                         base_url="http://test", timeout=120) as h:
+                return await h.post("/v1/completions", json={"prompt": prompt, "max_tokens": room + 1,
+                                                             "ignore_eos": True})
+
+        r = asyncio.run(post())
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert engine.stats()["kv_pages_free"] == total
+    finally:
+        aengine.shutdown()
+
+
 def test_preemption_keeps_outputs_unchanged(tiny_llama):
     prompts = [[5 + i, 9, 10, 11] for i in range(4)]
     params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=11)

@@ -53,8 +53,9 @@ def as_openai_error(exc: BaseException, prompt_param: str = "messages") -> OpenA
     """Map an engine error to OpenAI's status and body."""
     if isinstance(exc, OpenAIError):
         return exc
-    if isinstance(exc, ContextLengthError):
-        return OpenAIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, ContextLengthError):  # the prompt's length, or a floor of tokens (max_tokens, min_tokens)
+        param = prompt_param if exc.param == "prompt" else _PARAM_NAMES.get(exc.param, exc.param)
+        return OpenAIError(400, str(exc), param=param, code="context_length_exceeded")
     if isinstance(exc, ParameterError):
         param = exc.param if exc.param != "prompt" else prompt_param
         return OpenAIError(400, str(exc), param=_PARAM_NAMES.get(param, param))
