@@ -484,8 +484,17 @@ def test_tokenize_and_detokenize_as_vllm_names_them(app_srv):
     assert seq.json()["tokens"] == eng.format_prompt(msgs[0]["content"], "sequential")
     assert chat.json()["tokens"] != seq.json()["tokens"]  # pasta mode's system prompt
     assert d.status_code == 200 and d.json() == {"prompt": "Hello world"}
-    for r in (both, none_):
-        assert r.status_code == 400 and "exactly one of prompt and messages" in r.text
+    for r in (both, none_):  # the rule over the whole body, named by its own words, on the prompt
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["message"] == "give exactly one of prompt and messages", err
+        assert err["param"] == "prompt"
+    # an unknown pasta field lists the endpoint's own pasta fields (it listed the completions' ones)
+    [odd] = asgi(app, ("POST", "/tokenize", {"json": {"prompt": "x", "pasta": {"max_threads": 2}}}))
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "pasta.max_threads"
+    assert odd.json()["error"]["message"].endswith("known fields are mode, dialect"), odd.text
+    [chat_odd] = asgi(app, ("POST", "/v1/chat/completions",
+                            {"json": {"messages": msgs, "pasta": {"bogus": 1}}}))
+    assert chat_odd.status_code == 400 and "known fields are mode, dialect, " in chat_odd.text
     assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "tokens"
     assert wrong_model.status_code == 404
     assert extra.status_code == 400 and "add_special_tokens" in extra.text  # not honoured: refused, not ignored

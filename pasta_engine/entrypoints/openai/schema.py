@@ -431,6 +431,10 @@ class DetokenizeRequest(BaseModel):
     tokens: list[_TokenId] = Field(max_length=1 << 20, description="token ids")
 
 
+#: The field a body-wide rule of a request model names (its model validator has no field path).
+_BODY_RULE_PARAMS: dict[type, str] = {TokenizeRequest: "prompt"}
+
+
 def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
     """Validate a request body against ``model`` (then :func:`check_supported`).
 
@@ -450,13 +454,16 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
         if kind == "missing":
             message = f"{path} is required"
         elif kind == "extra_forbidden":
-            owner = PastaOptions if loc[0] == "pasta" and len(loc) == 2 else model if len(loc) == 1 else None
+            owner = (model.model_fields["pasta"].annotation if loc[0] == "pasta" and len(loc) == 2
+                     else model if len(loc) == 1 else None)  # the endpoint's own pasta options
             known = f": known fields are {', '.join(owner.model_fields)}" if owner is not None else ""
             message = f"unknown field {path}{known}"
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            message = f"invalid {path}={_short(err.get('input'))}: {_NICE.get(kind, msg)}"
-        raise ParameterError(_param(loc) or "body", err.get("input"), message=message) from None
+            # a rule over the whole body (no field path) says what it wants by itself
+            message = f"invalid {path}={_short(err.get('input'))}: {_NICE.get(kind, msg)}" if loc else msg
+        param = _param(loc) or _BODY_RULE_PARAMS.get(model, "body")
+        raise ParameterError(param, err.get("input") if loc else None, message=message) from None
     if isinstance(req, _Request):
         check_supported(req)
     return req
