@@ -29,6 +29,7 @@ __all__ = [
     "SamplingOptions",
     "SeenTokens",
     "RandomStream",
+    "thread_seed",
     "SamplingRow",
     "ScheduledThread",
     "ScheduledBatch",
@@ -160,13 +161,33 @@ class SeenTokens:
 
 @dataclass(slots=True, eq=False)
 class RandomStream:
-    """One request's random numbers: ``seed`` (its ``SamplingParams.seed``) and the generator
-    the model runner makes from it at the request's first random draw (a ``torch.Generator``;
-    opaque here, this module imports no torch). Every sampling row of the request holds the
-    same stream; a preempted request restarts with a new one, so its tokens repeat."""
+    """One thread's random numbers: ``seed`` (:func:`thread_seed` of its request's
+    ``SamplingParams.seed``) and the generator the model runner makes from it at the thread's
+    first random draw (a ``torch.Generator``; opaque here, this module imports no torch). Each
+    thread of a request has its own stream, so what a thread samples does not depend on how
+    many of its siblings sample in the same steps (a thread that ends early, at a stop string,
+    or a width limit changes no other thread's draws); a preempted request restarts with new
+    ones, so its tokens repeat."""
 
     seed: int | None
     generator: object | None = None
+
+
+_MASK64 = 2**64 - 1
+
+
+def thread_seed(seed: int | None, tid: int) -> int | None:
+    """The seed of thread ``tid`` of a request seeded ``seed`` (an int in ``[0, 2**64 - 1]``):
+    the main thread's is ``seed`` itself (a request that never forks draws what it always
+    did), a child's is SplitMix64's finalizer of ``seed + tid * golden gamma`` (Steele et al.
+    2014, the mixer of Java's SplittableRandom), so the streams of a request's threads, and of
+    the ``seed + i`` choices of ``n``, do not overlap. None stays None."""
+    if seed is None or tid == 0:
+        return seed
+    z = (seed + tid * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass(slots=True)
@@ -177,7 +198,7 @@ class SamplingRow:
     thread's grammar state (0: no mask), the tokens it sees (None when no penalty applies), the
     end-token ids it may not sample now (``min_tokens``, ``ignore_eos``; may hold ids past the
     vocabulary, which the sampler leaves out), the request's ``Limits.fork_threshold`` (None:
-    off) and its :class:`RandomStream`. Rows of one request are consecutive in a batch."""
+    off) and the thread's :class:`RandomStream`. Rows of one request are consecutive in a batch."""
 
     request_id: str
     tid: int

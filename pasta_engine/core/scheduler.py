@@ -77,7 +77,7 @@ from typing import Callable
 from ..config import THREAD_POLICIES
 from ..errors import KVCacheExhausted
 from .batch import (KVFork, KVJoin, KVRelease, RandomStream, SampledTokens, SamplingRow, ScheduledBatch, ScheduledThread,
-                    SeenTokens, ThreadStep)
+                    SeenTokens, ThreadStep, thread_seed)
 from .block_manager import BlockManager, KVView
 from .request import Request, RequestStatus
 
@@ -86,11 +86,13 @@ __all__ = ["Scheduler", "ScheduledThread", "ScheduledBatch", "SampledTokens"]  #
 
 @dataclass(slots=True)
 class _RequestSampling:
-    """What the scheduler keeps per running request to fill its sampling rows: its random
-    stream, and per thread the tokens it sees, counted (only when a penalty applies)."""
+    """What the scheduler keeps per running request to fill its sampling rows: per thread its
+    random stream (made at its first sampling row), and the tokens it sees, counted (only when
+    a penalty applies)."""
 
-    rng: RandomStream
+    seed: int | None
     penalised: bool
+    rngs: dict[int, RandomStream] = field(default_factory=dict)
     seen: dict[int, SeenTokens] = field(default_factory=dict)
     uncounted: dict[int, tuple[int, int] | None] = field(default_factory=dict)  # Thread.uncounted when counted
 
@@ -581,8 +583,7 @@ class Scheduler:
         state = self._sampling.get(rid)
         if state is None:
             prm = req.params
-            state = self._sampling[rid] = _RequestSampling(RandomStream(prm.seed),
-                                                           prm.repetition_penalty != 1.0 or prm.penalised)
+            state = self._sampling[rid] = _RequestSampling(prm.seed, prm.repetition_penalty != 1.0 or prm.penalised)
         ends: tuple[int, ...] | None = None
         for s, n in picks:
             allocate(s.tid)
@@ -603,8 +604,11 @@ class Scheduler:
             if step.sample:
                 if ends is None:
                     ends = _masked_ends(req)
+                rng = state.rngs.get(s.tid)
+                if rng is None:
+                    rng = state.rngs[s.tid] = RandomStream(thread_seed(state.seed, s.tid))
                 row = SamplingRow(rid, s.tid, req.params, step.forced, step.grammar, seen, ends,
-                                  it.limits.fork_threshold, state.rng)
+                                  it.limits.fork_threshold, rng)
             out.append(ScheduledThread(rid, step, slots[s.tid], runs(views[s.tid]), row))
 
     # ------------------------------------------------------------------ stepping

@@ -311,8 +311,9 @@ class SamplingBatch:
         rows: the rows, in batch order (``N``); request_ids: each row's request.
         forced: per row the token replay forces, -1 where it samples; all_forced: no row samples.
         logprobs: per row, whether its request wants logprobs.
-        groups: per request (its rows are consecutive): ``(first row, rows, stream, draws)``,
-            ``draws`` when it samples randomly (its rows get noise from its stream).
+        groups: per random stream (each thread has its own: ``core.batch.RandomStream``; rows
+            sharing one are consecutive): ``(first row, rows, stream, draws)``, ``draws`` when it
+            samples randomly (its rows get noise from its stream).
         repetition: ``(rows, seen counts, penalties)`` of the rows a repetition penalty applies
             to, or None; output: ``(rows, response counts, presence, frequency)``, or None.
         ends: ``(rows, ids)`` of the end tokens masked per row (ids below the vocabulary), or None.
@@ -433,7 +434,7 @@ class SamplingBatch:
 
     def pick(self, logits: torch.Tensor, errors: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each row's token: forced, or sampled by :func:`sample_batch` with each drawing
-        request's noise from its own stream (its generator made from its seed at its first
+        thread's noise from its own stream (its generator made from its seed at its first
         draw). A request whose draw raised is named in ``errors``. Returns ``(tokens [N] int64,
         bad [N] bool or None)`` (``bad``: see :func:`sample_batch`; None when all are forced)."""
         dev = logits.device

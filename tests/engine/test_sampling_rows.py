@@ -8,6 +8,7 @@ mixed batches."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -167,3 +168,52 @@ def test_a_masked_end_id_the_grammar_requires_is_left_to_the_grammar():
     tokens, bad = sample_batch(torch.cat([out, torch.full((1, vocab), float("-inf"))]),
                                torch.ones(4, dtype=torch.bool), torch.ones(4, 1), None, None, None)
     assert tokens[0] == 9 and bad.tolist() == [False, False, False, True]
+
+
+def _forking_hook(engine, child_tokens=5):
+    """A logits hook that makes the main thread write two promises and a sync, and each chunk
+    sample ``child_tokens`` tokens (no '<', no early end) before it ends."""
+    script = engine.encode('Intro <promise topic="a" tokens="4"/> mid <promise topic="b" tokens="4"/> more<sync/> end')
+    eos, lt = sorted(engine.eos_ids)[0], engine.encode("<")[0]
+
+    def hook(row, tid, x):
+        req = engine._requests.get(row.request_id)
+        if req is None or req.interp is None:
+            return
+        k = req.interp.threads[tid].n_sampled
+        if tid == 0:
+            if k < len(script):
+                x[script[k]] += 1e4
+        elif k >= child_tokens:
+            x[eos] += 1e4
+        else:
+            x[eos] -= 1e4
+            x[lt] -= 1e4
+
+    return hook
+
+
+def test_each_thread_draws_from_its_own_stream(tiny_llama):
+    """A request's threads shared one random stream: a thread that stopped sampling (the main
+    thread ending at a stop string) or a width limit changed what its siblings drew, so a stop
+    string changed text before it. Each thread has its own stream now
+    (``core.batch.thread_seed``): the stopped text is the unstopped text cut at the stop, one
+    thread at a time (max_threads=1) gives every thread the same tokens as all at once, and the
+    main thread keeps the request's own seed."""
+    from pasta_engine.config import Limits
+    from pasta_engine.core.batch import thread_seed
+
+    engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20, page_size=4)
+    engine.logits_hook = _forking_hook(engine)
+    params = SamplingParams(max_new_tokens=50, temperature=1.0, seed=10)
+    [full] = engine.generate([[5, 9, 10]], params)
+    [cut] = engine.generate([[5, 9, 10]], dataclasses.replace(params, stop=(" mid ",)))
+    assert full.stats.forks == 2 and cut.stats.finish_reason == "stop"
+    assert full.text.startswith(cut.text) and full.text[len(cut.text):].startswith(" mid ")
+    one = Engine.from_pretrained(tiny_llama, kv_cache_bytes=8 * 2**20, page_size=4, limits=Limits(max_threads=1))
+    one.logits_hook = _forking_hook(one)
+    [narrow] = one.generate([[5, 9, 10]], params)
+    by_thread = lambda r: sorted(zip(r.threads, r.token_ids), key=lambda p: p[0])  # noqa: E731
+    assert by_thread(narrow) == by_thread(full) and narrow.stats.decode_steps > full.stats.decode_steps
+    assert thread_seed(10, 0) == 10 and thread_seed(None, 3) is None
+    assert len({thread_seed(s, t) for s in range(4) for t in range(4)}) == 16  # no two streams alike
