@@ -145,10 +145,13 @@ class Scheduler:
         """Why ``req`` could never run in this KV cache, as ``(parameter, its value, why)``
         (None when it could): its prompt alone needs more pages than the cache has
         (``prompt``); it is a replay (its tokens are known, and a request keeps every page it
-        wrote until it ends) whose KV tokens fill the cache's pages and more (``prompt``); or it
-        must sample more tokens than the cache holds after its prompt: ``ignore_eos`` without a
-        stop token or string runs to ``max_new_tokens`` (``max_new_tokens``), and no request
-        ends before ``min_tokens`` unless a stop string ends it (``min_tokens``). The failure
+        wrote until it ends) whose KV tokens fill the cache's pages and more (``prompt``); or, in
+        sequential mode, it must sample more tokens than the cache holds after its prompt:
+        ``ignore_eos`` without a stop token or string runs to ``max_new_tokens``
+        (``max_new_tokens``), and no request ends before ``min_tokens`` unless a stop string ends
+        it (``min_tokens``), either up to the context length. (In pasta and inline modes forks
+        reserve positions and tags are inserted, so the context length may end a request first:
+        no floor is known, and one that runs out of pages fails alone then.) The failure
         model: it fails before it takes any resource, rather than decoding until the cache runs
         out. A replay's bound counts the trace's tokens as
         :meth:`~pasta_engine.core.interpreter.Interpreter.worst_case_kv` does, a little above
@@ -170,12 +173,16 @@ class Scheduler:
                         f"the cache has {bm.describe()}; raise kv_cache_bytes or replay a shorter response")
             return None
         prm = req.params
-        if prm.stop:  # a stop string may end it at any token
+        it = req.interp
+        if prm.stop or it.mode != "sequential":  # a stop string may end it at any token; so may the context
+            # length in pasta and inline modes, where forks reserve positions and tags are inserted
             return None
         floor, param = prm.min_tokens, "min_tokens"
         if prm.ignore_eos and not prm.stop_token_ids and prm.max_new_tokens > floor:
             floor, param = prm.max_new_tokens, "max_new_tokens"
-        least = math.ceil((n + floor - 1) / bm.page_size) if floor else 0
+        if it.max_positions is not None:  # it ends at the context length: no token at a position past it
+            floor = min(floor, it.max_positions - n)
+        least = math.ceil((n + floor - 1) / bm.page_size) if floor > 0 else 0
         if least > bm.num_pages:
             why = "ignore_eos runs it to max_new_tokens" if param == "max_new_tokens" else "it samples at least min_tokens"
             return (param, floor, f"{param}={floor}: {why}, and with the prompt's {n} tokens that needs {least} KV "

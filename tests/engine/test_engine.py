@@ -201,9 +201,10 @@ def test_kv_exhaustion_fails_the_request_alone_and_frees_its_pages(tiny_llama):
 
 def test_a_request_that_must_sample_past_the_cache_is_refused_before_it_runs(tiny_llama):
     """``ignore_eos`` (no stop token or string) runs a request to ``max_new_tokens``, and none
-    ends before ``min_tokens``: one whose floor cannot fit in the KV cache was admitted,
-    decoded until the cache ran out and ended in error; it is refused first, naming the
-    parameter. A stop string, a stop token, or a floor that fits, runs as before."""
+    ends before ``min_tokens`` (in sequential mode, up to the context length): one whose floor
+    cannot fit in the KV cache was admitted, decoded until the cache ran out and ended in error;
+    it is refused first, naming the parameter. A stop string, a stop token, a floor that fits,
+    or pasta mode (the context length may end it first), runs as before."""
     engine = Engine.from_pretrained(tiny_llama, kv_cache_bytes=40 * 1024, page_size=4)
     total = engine.stats()["kv_pages_total"]
     prompt = list(range(3, 10))
@@ -211,12 +212,13 @@ def test_a_request_that_must_sample_past_the_cache_is_refused_before_it_runs(tin
     for params, param in [(SamplingParams(max_new_tokens=room + 1, ignore_eos=True), "max_new_tokens"),
                           (SamplingParams(max_new_tokens=room + 5, min_tokens=room + 1), "min_tokens")]:
         with pytest.raises(ContextLengthError, match=f"{param}={room + 1}: .* raise kv_cache_bytes or lower") as e:
-            engine.generate([prompt], params)
+            engine.generate([prompt], params, mode="sequential")
         assert e.value.param == param and e.value.value == room + 1
         assert engine.stats()["kv_pages_free"] == total and not engine.has_unfinished_requests()
     for params in (SamplingParams(max_new_tokens=room + 1, ignore_eos=True, stop=("zz",)),
                    SamplingParams(max_new_tokens=room + 1, ignore_eos=True, stop_token_ids=(5,))):
-        assert engine.abort(engine.add_request(prompt, params))  # accepted: it may end in time
+        assert engine.abort(engine.add_request(prompt, params, mode="sequential"))  # accepted: it may end in time
+    assert engine.abort(engine.add_request(prompt, SamplingParams(max_new_tokens=room + 1, ignore_eos=True)))  # pasta
     [full] = engine.generate([prompt], SamplingParams(max_new_tokens=room, ignore_eos=True), mode="sequential")
     assert full.error is None and len(full.token_ids) == room  # the exact floor fits, and runs
     assert engine.stats()["kv_pages_free"] == total
@@ -234,7 +236,7 @@ def test_a_request_that_must_sample_past_the_cache_is_refused_before_it_runs(tin
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(aengine, "tiny")),
                                          base_url="http://test", timeout=120) as h:
                 return await h.post("/v1/completions", json={"prompt": prompt, "max_tokens": room + 1,
-                                                             "ignore_eos": True})
+                                                             "ignore_eos": True, "pasta": {"mode": "sequential"}})
 
         r = asyncio.run(post())
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
