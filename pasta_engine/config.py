@@ -139,7 +139,7 @@ class SamplingParams:
             "Parameter details" formula, vLLM's ``frequency_penalty``). Penalties apply in vLLM's
             order: repetition, then frequency and presence, all before the masks below and the
             temperature; they apply to greedy threads too, not to forced (replayed) tokens.
-        stop_token_ids: token ids (at most 1024, each in ``[0, 2**31 - 1]``; an id outside the
+        stop_token_ids: token ids (at most 1024, each in ``[0, 2**31 - 1]``; None is none; an id outside the
             model's vocabulary is refused when the request is added) that end a thread as the
             model's end-of-sequence token does: in the main thread they end the response
             (``finish_reason`` ``stop`` once its chunks have ended), in a chunk (pasta mode)
@@ -148,7 +148,7 @@ class SamplingParams:
             (vLLM's rule). Stored as a tuple. The PASTA-LANG grammar does not forbid them inside
             a tag (it forbids only the model's EOS there). A replay (``annotated_response``)
             ignores them: its forced tokens are the response.
-        stop: strings (a string, or at most 16, each 1 to 1024 characters) that end the
+        stop: strings (a string, or at most 16, each 1 to 1024 characters; None, vLLM's default, is none) that end the
             response right before the first of them in its reading-order clean text (vLLM's
             ``stop``; the text left out of the result, ``finish_reason`` ``stop`` and
             ``stop_reason`` the string; the annotated text keeps everything decoded). Applied by
@@ -228,7 +228,7 @@ class SamplingParams:
         check_float("repetition_penalty", self.repetition_penalty, 0.01, 100.0)  # 1e-45 overflowed the logits
         check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        ids = self.stop_token_ids
+        ids = () if self.stop_token_ids is None else self.stop_token_ids  # None: vLLM's default, none
         expected = f"a list of at most {MAX_STOP_TOKEN_IDS} token ids (integers in [0, {MAX_TOKEN_ID}])"
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or len(ids) > MAX_STOP_TOKEN_IDS:
             raise ParameterError("stop_token_ids", ids, expected)
@@ -236,7 +236,7 @@ class SamplingParams:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i <= MAX_TOKEN_ID:
                 raise ParameterError("stop_token_ids", ids, expected)
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
-        stops = (self.stop,) if isinstance(self.stop, str) else self.stop
+        stops = (self.stop,) if isinstance(self.stop, str) else () if self.stop is None else self.stop
         if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOPS or not all(
                 isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops):
             raise ParameterError("stop", self.stop, f"a non-empty string or a list of at most {MAX_STOPS} of them "

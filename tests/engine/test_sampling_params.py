@@ -408,3 +408,15 @@ def test_async_engine_takes_stop_from_sampling_params(tiny_llama):
             asyncio.run(run(dataclasses.replace(base, stop=(stop,)), stop=[stop]))
     finally:
         aengine.shutdown()
+
+
+def test_stop_and_stop_token_ids_take_none_as_vllm_does():
+    """vLLM's default for ``stop`` and ``stop_token_ids`` is None; code written for vLLM passes it
+    and was refused. None is no stop string or token; the other rules stay."""
+    p = SamplingParams(stop=None, stop_token_ids=None)
+    assert p.stop == () and p.stop_token_ids == ()
+    assert SamplingParams(stop="x").stop == ("x",) and SamplingParams(stop_token_ids=[3]).stop_token_ids == (3,)
+    for bad in ({"stop": ""}, {"stop": [None]}, {"stop_token_ids": [None]}, {"stop_token_ids": "7"}):
+        with pytest.raises(ParameterError) as e:
+            SamplingParams(**bad)
+        assert e.value.param == next(iter(bad))
