@@ -150,7 +150,8 @@ def test_bad_sampling_values_name_the_flag_value(tiny_llama, capsys):
 
 def test_generate_samples_with_the_model_cards_settings_and_serve_has_no_penalty_flag():
     """``generate`` defaults to SmolLM2's card settings (temperature 0.2, top-p 0.9) with the
-    training answers' repetition penalty 1.1, and the flag reaches SamplingParams; ``serve``
+    training answers' repetition penalty 1.1 and the evaluation's 512 tokens, and the flag
+    reaches SamplingParams; ``serve``
     takes a penalty per request (vLLM's ``repetition_penalty`` field) and has no server-wide
     default for it, so it has no such flag."""
     from pasta_engine.entrypoints.args import sampling_params
@@ -159,6 +160,7 @@ def test_generate_samples_with_the_model_cards_settings_and_serve_has_no_penalty
     parser = build_parser()
     params = sampling_params(parser.parse_args(["generate"]))
     assert (params.temperature, params.top_p, params.repetition_penalty) == (0.2, 0.9, 1.1)
+    assert params.max_new_tokens == 512  # the budget the shipped adapter was evaluated at (its forks pass 256)
     assert sampling_params(parser.parse_args(["generate", "--repetition-penalty", "1.3"])).repetition_penalty == 1.3
     assert sampling_params(parser.parse_args(["generate", "--ignore-eos"])).ignore_eos is True
     assert sampling_params(parser.parse_args(["generate"])).ignore_eos is False
