@@ -893,13 +893,15 @@ def _refuse_unused_limits(args: argparse.Namespace) -> None:
     generates (no true chunk lengths there), and every flag
     :func:`~pasta_engine.config.limits_without_effect` names for the command's mode, dialect and
     whether it replays (the rule the server's ``pasta`` fields follow too; ``--mode both``: its
-    pasta side). ParameterError naming the flag, before any model loads."""
+    pasta side). Not ``serve``'s: they are the defaults of requests that each choose their own
+    mode, dialect and replay. ParameterError naming the flag, before any model loads."""
     from ..config import PositionPolicy, limits_without_effect
     from ..errors import ParameterError
     from ..lang.dialect import get_dialect
 
     defaults = getattr(args, "pasta_defaults", None)
-    if defaults is None:
+    if defaults is None or args.command == "serve":  # serve's are the defaults of requests, which each
+        # set their own mode, dialect and replay: what has no effect is refused per request
         return
 
     def set_flags(names: Sequence[str]) -> list[tuple[str, str, Any]]:

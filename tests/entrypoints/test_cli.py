@@ -168,3 +168,20 @@ def test_generate_samples_with_the_model_cards_settings_and_serve_has_no_penalty
     for flag in (["--repetition-penalty", "1.1"], ["--ignore-eos"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", *flag])
+
+
+def test_serve_takes_pasta_defaults_that_requests_use():
+    """``serve``'s PASTA flags are the defaults of requests that each choose their own mode,
+    dialect and replay: ``serve --no-distinct-topics`` was refused as having "no effect in a
+    replay", and ``--max-fork-depth 3`` as having none in the 'pasta' dialect, though a
+    request may ask for multiverse. They are taken now; ``generate`` still refuses what its own
+    mode cannot use."""
+    from pasta_engine.entrypoints.cli import _refuse_unused_limits, build_parser
+    from pasta_engine.errors import ParameterError
+
+    parser = build_parser()
+    for flags in (["--no-distinct-topics"], ["--no-chunk-clean-end"], ["--max-fork-depth", "3"]):
+        _refuse_unused_limits(parser.parse_args(["serve", *flags]))
+    with pytest.raises(ParameterError) as e:
+        _refuse_unused_limits(parser.parse_args(["generate", "--mode", "sequential", "--no-distinct-topics"]))
+    assert e.value.param == "--no-distinct-topics"
