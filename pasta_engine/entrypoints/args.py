@@ -23,6 +23,7 @@ DEFAULT_WARMUP = 1
 
 __all__ = [
     "positive_int",
+    "tcp_port",
     "nonneg_int",
     "add_model_args",
     "add_pasta_args",
@@ -59,6 +60,15 @@ def _int_at_least(lo: int):
 positive_int = _int_at_least(1)
 #: argparse type: an integer >= 0.
 nonneg_int = _int_at_least(0)
+
+
+def tcp_port(text: str) -> int:
+    """argparse type: a TCP port, an integer from 0 (any free port) to 65535 (checked while the
+    flags are parsed, before any model loads)."""
+    v = nonneg_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 0 to 65535, got {v}")
+    return v
 
 
 # The CPU thread policy lives with the engine (Engine.from_pretrained applies it); the CLI's

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from .args import add_model_args, add_pasta_args, add_sampling_args, api_key_problem, nonneg_int, positive_int
+from .args import add_model_args, add_pasta_args, add_sampling_args, api_key_problem, positive_int, tcp_port
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -25,7 +25,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     )
     g = v.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    g.add_argument("--port", type=nonneg_int, default=8000, help="TCP port (0: any free port; the URL is printed)")
+    g.add_argument("--port", type=tcp_port, default=8000, help="TCP port (0: any free port; the URL is printed)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes and /openapi.json (default: no key; an "
                    "empty key is refused)")

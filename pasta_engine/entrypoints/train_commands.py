@@ -312,15 +312,20 @@ def add_learned_parser(bench_subparsers: Any) -> None:
 
 def _sft(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """``train sft``: flags checked before any work, then one rank's run (torchrun: every rank's)."""
-    if not args.tag_weight > 0:
-        raise ParameterError("--tag-weight", args.tag_weight, "a weight > 0 (1 = plain mean NLL)")
+    if not (args.tag_weight > 0 and math.isfinite(args.tag_weight)):  # inf: every weight NaN, loss NaN
+        raise ParameterError("--tag-weight", args.tag_weight, "a finite weight > 0 (1 = plain mean NLL)")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ParameterError("--lr", args.lr, "a finite learning rate > 0 (0 trains nothing: the adapter stays the base "
                              "model)")
     if args.adapter is not None and not (args.adapter / "adapter_config.json").exists():
         raise ParameterError("--adapter", str(args.adapter), "a folder with adapter_config.json (a peft LoRA adapter)")
-    if not args.min_content_speedup >= 0:
-        raise ParameterError("--min-content-speedup", args.min_content_speedup, "a speedup >= 0 (0 keeps every answer)")
+    if not (args.min_content_speedup >= 0 and math.isfinite(args.min_content_speedup)):  # inf keeps no answer
+        raise ParameterError("--min-content-speedup", args.min_content_speedup,
+                             "a finite speedup >= 0 (0 keeps every answer)")
+    if args.tokens_only and (not args.tag_tokens or args.adapter is not None):
+        raise ParameterError("--tokens-only", True, message=(
+            "--tokens-only trains a fresh adapter's tag-token rows: it needs --tag-tokens and no --adapter "
+            f"(got {'--adapter ' + str(args.adapter) if args.adapter is not None else 'no --tag-tokens'})"))
     _refuse_unused_sft_flags(args)
     device, dtype = _device_dtype(args)
     from ..train.scale import init_data_parallel

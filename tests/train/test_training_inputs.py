@@ -89,6 +89,34 @@ def test_train_sft_refuses_a_learning_rate_that_trains_nothing_before_any_work(l
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--tag-weight", "inf"], "invalid --tag-weight=inf"),
+    (["--min-content-speedup", "inf"], "invalid --min-content-speedup=inf"),
+    (["--tokens-only"], "--tokens-only trains a fresh adapter's tag-token rows: it needs --tag-tokens"),
+    (["--tokens-only", "--tag-tokens", "--adapter", "AD"], "and no --adapter"),
+])
+def test_train_sft_refuses_values_that_train_garbage_before_any_work(extra, says, tiny_llama, tmp_path, capsys):
+    """--tag-weight inf trained every adapter weight to NaN and exited 0 (loss.json held NaN);
+    --min-content-speedup inf and --tokens-only without --tag-tokens failed only after the
+    annotation, leaving examples.jsonl behind (and the latter named no flag)."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": "q", "dataset": "koala", "output": "a"}]))
+    extra = [str(tiny_adapter(tmp_path)) if x == "AD" else x for x in extra]
+    rc, err = _run(["train", "sft", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--model",
+                    str(tiny_llama), *extra], capsys)
+    assert rc == 2 and says in err, err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_serve_refuses_a_port_past_65535_while_parsing():
+    """--port 70000 passed the parser and failed only after the model loaded."""
+    from pasta_engine.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--port", "70000"])
+    assert build_parser().parse_args(["serve", "--port", "65535"]).port == 65535
+
+
 @pytest.mark.parametrize("command, kept, flag", [
     (["answers", "--max-new-tokens", "40"], {"model": "M", "max_new_tokens": 6, "temperature": 0.2, "top_p": 0.9,
                                              "repetition_penalty": 1.0, "seed": 0}, "--max-new-tokens"),
