@@ -297,7 +297,13 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[str] | None) -> int:
+    """``generate`` (``responses`` None) or ``replay`` of ``prompts``: each prompt decoded in
+    ``--mode`` (both: :func:`_compare`), printed as it ends. Every prompt is checked first, in
+    every mode it runs in, against the model's context and the KV cache, so that a prompt that
+    cannot fit is refused (ContextLengthError naming ``prompt {index}``, 0-based as the printed
+    results) before any is decoded. Returns the exit status (:func:`_exit_status`)."""
     from ..config import SamplingParams
+    from ..tools.bench import check_fits
 
     if args.limit is not None:
         prompts, responses = prompts[: args.limit], (responses[: args.limit] if responses is not None else None)
@@ -316,6 +322,10 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
         if key not in engines:
             engines[key] = build_engine(args, adapter=choice)[0]
         per_mode[mode] = engines[key]
+    dialect = None if generated else args.dialect
+    for mode in modes:  # replay --mode both: the sequential side replays the pasta answer's clean text, made later
+        if generated or not both or mode == "pasta":
+            check_fits(per_mode[mode], prompts, mode, params=params, responses=responses, dialect=dialect)
     if both and args.warmup:
         _warm_up(args, per_mode, prompts, params, responses)
     bar = None
@@ -562,8 +572,42 @@ def _out_folder(out: Path) -> Path:
     return out
 
 
+def _model_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """What a ``bench speedup`` or ``bench pareto`` row was measured with besides its prompt,
+    trace and sampling: the model (``--model``'s absolute path, or ``--preset`` and
+    ``--preset-seed``; both None: the embedded model), ``--dtype`` (resolved: the default is the
+    device's), the adapter of the pasta side (``--adapter``'s absolute path, the shipped one's
+    for the default, None for none), ``--lora-scale``, pareto's ``--baseline`` and every PASTA
+    flag (``add_pasta_args``), keyed by flag. Read from the flags before any model loads (a bad
+    ``--device`` raises ParameterError naming it), so that ``--resume`` refuses another model's
+    rows before any work (:func:`~pasta_engine.tools.bench.check_resumed_inputs`)."""
+    from ..config import Limits, PositionPolicy
+    from ..models.adapter import shipped_adapter
+    from .args import _dtype_name
+
+    choice = adapter_choice(args, "pasta")
+    if not loads_adapter(args, choice):
+        adapter = None
+    elif choice == "auto":
+        adapter = str(shipped_adapter().resolve())
+    else:
+        adapter = str(Path(choice).expanduser().resolve())
+    record: dict[str, Any] = {
+        "--model": str(Path(args.model).expanduser().resolve()) if args.model else None,
+        "--preset": args.preset, "--preset-seed": args.preset_seed if args.preset else None,
+        "--dtype": _dtype_name(args), "--adapter": adapter, "--lora-scale": args.lora_scale,
+    }
+    if hasattr(args, "baseline"):
+        record["--baseline"] = args.baseline
+    for name in [*getattr(args, "pasta_defaults", {}), *Limits.GRAMMAR_KNOBS]:
+        value = getattr(args, name)
+        record["--" + name.replace("_", "-")] = str(PositionPolicy.parse(value)) if name == "position_policy" else value
+    return record
+
+
 def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from ..tools.bench import BenchError, annotate_rows, annotate_rows_in_dialect, dialect_annotator, run_speedup
+    from ..tools.bench import (BenchError, annotate_rows, annotate_rows_in_dialect, check_fits, check_resumed_inputs,
+                               dialect_annotator, run_speedup)
     from ..tools.traces import read_prompts, read_traces, write_traces
 
     pasta = args.dialect == "pasta"
@@ -588,7 +632,9 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         dialect_annotator(args.dialect)  # a missing annotator fails before the model loads
         traces, to_annotate = None, _limit(read_prompts(args.responses, need_output=True), args.limit)
     params = sampling_params(args)  # the model annotator's: a bad flag fails before the model loads
+    model_inputs = _model_inputs(args)
     out: Path = _out_folder(args.out)
+    check_resumed_inputs(out, args.resume, {"model_inputs": model_inputs})  # another model's rows: before any work
     engine, settings = build_engine(args)
     if traces is None:
         count = lambda text: len(engine.encode(text))  # noqa: E731
@@ -596,6 +642,9 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             traces = annotate_rows(to_annotate, args.annotator, count, engine=engine, params=params)
         else:
             traces = annotate_rows_in_dialect(to_annotate, args.dialect, count)
+        # a trace too long for the context is named (its row) before any file is written
+        check_fits(engine, [t.prompt for t in traces], "pasta", responses=[t.annotated_response for t in traces],
+                   dialect=args.dialect, indices=[t.index for t in traces])
         write_traces(out / "traces.jsonl", traces)
     from ..tools.bench import run_info
 
@@ -603,7 +652,7 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                     traces=str(args.traces) if args.traces else str(out / "traces.jsonl"),
                     responses=str(args.responses) if args.responses else None)
     result = run_speedup(engine, traces, out, settings, warmup=args.warmup, repeats=args.repeats, resume=args.resume,
-                         progress=not args.no_progress, dialect=args.dialect)
+                         progress=not args.no_progress, dialect=args.dialect, model_inputs=model_inputs)
     s = result["summary"]
     print(f"bench speedup (dialect {args.dialect}): {s['prompts']} prompts, {s['forked_responses']} forked; geomean content speedup "
           f"{_x(s['geomean_content_speedup'])} theoretical, {_x(s['geomean_realized_content_speedup'])} realized "
@@ -617,12 +666,15 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
 
 def _bench_pareto(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from ..tools.bench import run_info, run_pareto
+    from ..tools.bench import check_resumed_inputs, run_info, run_pareto, sampling_record
     from ..tools.traces import read_prompts
 
     prompts = _limit(read_prompts(args.prompts), args.limit)
     params = sampling_params(args)
+    model_inputs = _model_inputs(args)
     _out_folder(args.out)
+    # rows of another model or sampling: refused before any work
+    check_resumed_inputs(args.out, args.resume, {"sampling": sampling_record(params), "model_inputs": model_inputs})
     engine, settings = build_engine(args)
     seq_choice = adapter_choice(args, "sequential")
     seq_engine = None
@@ -634,7 +686,8 @@ def _bench_pareto(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                     sequential_adapter=None if (seq_engine or engine).adapter is None
                     else str((seq_engine or engine).adapter))
     result = run_pareto(engine, prompts, params, args.out, settings, warmup=args.warmup, repeats=args.repeats,
-                        resume=args.resume, sequential_engine=seq_engine, progress=not args.no_progress)
+                        resume=args.resume, sequential_engine=seq_engine, progress=not args.no_progress,
+                        model_inputs=model_inputs)
     s = result["summary"]
     who = "the base model's" if seq_engine is not None else "the same weights'"
     print(f"bench pareto: {s['prompts']} prompts, {s['forked_responses']} forked; geomean content speedup "
@@ -679,11 +732,35 @@ def _annotate_tokenizer(args: argparse.Namespace) -> tuple[Any, str]:
     return AutoTokenizer.from_pretrained(path, **kw), str(args.model or "embedded model")
 
 
+def _trace_file(out: Path) -> Path:
+    """``bench annotate --out``, the trace file (JSONL) to write, checked before anything is
+    read or annotated: not a folder (an empty ``--out`` is the current folder), and its nearest
+    existing parent a folder (the missing ones are made when the file is written). Raises
+    ParameterError naming ``--out`` and its value."""
+    from ..errors import ParameterError
+
+    if out.is_dir():
+        shown = "'' or '.' (the current folder)" if str(out) == "." else str(out)
+        raise ParameterError("--out", str(out), message=f"--out {shown} is a folder: name the trace file to write "
+                             "(JSONL), e.g. traces.jsonl")
+    parent = out.absolute().parent
+    while not parent.exists() and parent.parent != parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ParameterError("--out", str(out), message=f"--out {out}: {parent} is a file, not a folder: the trace "
+                             "file cannot be made under it")
+    return out
+
+
 def _bench_annotate(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``bench annotate``: annotate ``--responses`` with ``--annotator`` and write the trace
+    file ``--out`` (JSONL; checked first, :func:`_trace_file`). Returns 0; raises
+    ParameterError naming a bad flag before any response is annotated."""
     from ..errors import ParameterError
     from ..tools.bench import annotate_rows, count_tokens_fn
     from ..tools.traces import read_prompts, write_traces
 
+    _trace_file(args.out)
     rows = _limit(read_prompts(args.responses, need_output=args.annotator != "model"), args.limit)
     endpoint = endpoint_from_args(args, "endpoint")
     if (endpoint is not None) != (args.annotator == "endpoint"):
@@ -943,8 +1020,12 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
     gives the sequential side the base weights); ``--warmup`` or ``--repeats`` outside ``--mode
     both`` (``generate``, ``replay``); sampling flags in ``bench speedup`` and ``bench annotate``
     unless ``--annotator model`` samples the traces; ``--tokenizer`` in ``bench annotate
-    --annotator model`` (the model's own tokenizer counts there); ``--compare-transformers``
-    where its comparison cannot hold (:func:`_refuse_compare_transformers`)."""
+    --annotator model`` (the model's own tokenizer counts there); in ``bench annotate`` with an
+    annotator other than ``model`` (no engine is built), every model and engine flag
+    (``add_model_args``) set away from its default but ``--model`` and ``--preset``, which pick
+    the tokenizer of promise lengths, and those two as well beside ``--tokenizer``, which picks
+    it instead; ``--compare-transformers`` where its comparison cannot hold
+    (:func:`_refuse_compare_transformers`)."""
     from ..errors import ParameterError
     from ..tools.bench import DEFAULT_REPEATS
 
@@ -979,6 +1060,38 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
             and args.tokenizer is not None:
         refuse("--tokenizer", args.tokenizer, "sets how sot, apar and endpoint annotations count promise lengths; "
                "--annotator model counts with the model's own tokenizer")
+    if args.command == "bench" and args.bench_command == "annotate" and args.annotator != "model":
+        _refuse_engine_flags(args)
+
+
+def _refuse_engine_flags(args: argparse.Namespace) -> None:
+    """``bench annotate`` with ``--annotator`` sot, apar or endpoint builds no engine: refuse
+    each model or engine flag (``add_model_args``) set away from its default, except
+    ``--model`` and ``--preset`` (their tokenizer counts promise lengths) when ``--tokenizer``
+    is not given. ParameterError naming the flag and its value, before anything is read."""
+    from ..errors import ParameterError
+    from .args import add_model_args
+
+    reference = argparse.ArgumentParser(add_help=False)
+    add_model_args(reference)
+    tokenizer_flags = ("model", "preset")
+    for action in reference._actions:
+        if not action.option_strings or action.dest not in vars(args):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        shown = flag if action.nargs == 0 else f"{flag} {value}"  # a switch, or a flag with a value
+        if action.dest in tokenizer_flags:
+            if args.tokenizer is None:
+                continue  # it picks the tokenizer that counts promise lengths
+            why = (f"picks the tokenizer of promise lengths, and --tokenizer {args.tokenizer} picks it already "
+                   f"(--annotator {args.annotator} runs no model)")
+        else:
+            why = (f"sets the model or engine that --annotator model runs, and --annotator {args.annotator} runs "
+                   "none (only --model or --preset is read: its tokenizer counts promise lengths)")
+        raise ParameterError(flag, value, message=f"{shown} {why}: leave it out")
 
 
 def _refuse_compare_transformers(args: argparse.Namespace) -> None:

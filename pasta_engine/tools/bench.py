@@ -26,7 +26,8 @@ annotated response.
 The runners write what they measure as they go (``prompts.jsonl`` grows one line per prompt),
 then ``summary.json`` with the aggregates and the run's settings (also after an interruption,
 marked ``complete: false``); ``resume=True`` keeps the rows of an earlier run of the same inputs
-(prompts, and each row's trace, annotator and dialect, or sampling settings: :func:`resumed_rows`)
+(prompts, and each row's trace, annotator and dialect, or sampling settings, and the model and its
+settings, ``model_inputs``: :func:`resumed_rows`)
 and runs the rest. Before timing, ``warmup`` untimed runs in each mode prepare the engine
 (speedup: the first trace and the one with the most forks, so that every thread-count bucket
 the run reaches, e.g. its CUDA graphs, exists before the clock starts). Each prompt then runs
@@ -86,6 +87,8 @@ __all__ = [
     "trace_sha256",
     "sampling_record",
     "resumed_rows",
+    "check_resumed_inputs",
+    "check_fits",
 ]
 
 
@@ -485,28 +488,75 @@ def _has(row: Any, dotted: str) -> bool:
     return True
 
 
-def resumed_rows(out: Path, prompts: Sequence[str], resume: bool, need: str | None = None,
-                 inputs: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """With ``resume``: the rows of ``out/prompts.jsonl`` from an earlier run of the same
-    prompts (checked in order; a truncated last line is dropped) and, with ``inputs`` (one dict
-    per prompt), the same inputs: row i must hold every key of ``inputs[i]`` with that value
-    (``bench speedup``: ``annotated_sha256``, :func:`trace_sha256`, ``annotator`` and
-    ``dialect``; ``bench pareto``: ``sampling``, :func:`sampling_record`).
+#: What a resumed row's input key is set by, for the error that refuses another (:func:`resumed_rows`).
+_INPUT_FLAGS = {
+    "sampling": "sampling flags",
+    "run_inputs": "adapter, lora scale, sampling flags and baseline",
+    "model_inputs": "model flags (--model or --preset, --dtype, --adapter, --lora-scale, --baseline and the PASTA "
+                    "flags)",
+}
 
-    Raises BenchError naming the file and row, and saying to remove the file (or use another
-    ``--out``) or to resume with the same inputs: when a row is for another prompt; when it
-    lacks the key path ``need`` (``"a.b"`` for a nested key) or a key of ``inputs[i]`` (a row
-    written by an older version, whose figures this one does not compute the same way or whose
-    inputs it did not record); when an input differs."""
-    path = out / "prompts.jsonl"
-    if not resume or not path.exists():
-        return []
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``prompts.jsonl`` (a truncated last line, the one an interrupted run was
+    writing, is dropped; so is every line after it)."""
     rows = []
     for line in path.read_text().splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break  # the line an interrupted run was writing
+    return rows
+
+
+def _check_row_inputs(path: Path, i: int, row: dict[str, Any], inputs: dict[str, Any]) -> None:
+    """Raise BenchError unless row ``i`` (0-based) of ``path`` holds every key of ``inputs``
+    with that value (see :func:`resumed_rows`)."""
+    for key, want in inputs.items():
+        if key not in row:
+            raise BenchError(f"--resume: {path} row {i + 1} has no {key!r}: it was written by an older pasta-engine "
+                             "that did not record its inputs, so this run cannot tell whether they are its own; "
+                             f"remove {path} (or run into another --out) to measure again")
+        if row[key] != want:
+            same = _INPUT_FLAGS.get(key, "traces, annotator and --dialect")
+            raise BenchError(f"--resume: {path} row {i + 1} was measured with other inputs than this run's prompt "
+                             f"{i + 1} ({_difference(key, row[key], want)}): remove {path} (or run into another "
+                             f"--out) to measure these inputs, or resume with the same {same}")
+
+
+def check_resumed_inputs(out: Path, resume: bool, inputs: dict[str, Any]) -> None:
+    """With ``resume``: refuse the rows of ``out/prompts.jsonl`` unless each holds ``inputs``,
+    the inputs every row of a run shares (``model_inputs``: the model and the settings that
+    change what is measured). A command calls it before its model loads, so that a resume with
+    another model is refused before any work; :func:`resumed_rows` checks the same again with
+    each row's own inputs. Raises BenchError as :func:`resumed_rows` does (naming the file, the
+    row and, for ``model_inputs``, each flag that differs with both values)."""
+    path = out / "prompts.jsonl"
+    if not resume or not path.exists():
+        return
+    for i, row in enumerate(_read_rows(path)):
+        _check_row_inputs(path, i, row, inputs)
+
+
+def resumed_rows(out: Path, prompts: Sequence[str], resume: bool, need: str | None = None,
+                 inputs: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """With ``resume``: the rows of ``out/prompts.jsonl`` from an earlier run of the same
+    prompts (checked in order; a truncated last line is dropped) and, with ``inputs`` (one dict
+    per prompt), the same inputs: row i must hold every key of ``inputs[i]`` with that value
+    (``bench speedup``: ``annotated_sha256``, :func:`trace_sha256`, ``annotator`` and
+    ``dialect``; ``bench pareto``: ``sampling``, :func:`sampling_record`; both, from the
+    command line: ``model_inputs``, the model and the settings that change what is measured).
+
+    Raises BenchError naming the file and row, and saying to remove the file (or use another
+    ``--out``) or to resume with the same inputs: when a row is for another prompt; when it
+    lacks the key path ``need`` (``"a.b"`` for a nested key) or a key of ``inputs[i]`` (a row
+    written by an older version, whose figures this one does not compute the same way or whose
+    inputs it did not record); when an input differs (naming the fields that differ, with both
+    values)."""
+    path = out / "prompts.jsonl"
+    if not resume or not path.exists():
+        return []
+    rows = _read_rows(path)
     if len(rows) > len(prompts):
         raise BenchError(f"--resume: {path} has {len(rows)} rows but this run has {len(prompts)} prompts")
     for i, row in enumerate(rows):
@@ -516,18 +566,26 @@ def resumed_rows(out: Path, prompts: Sequence[str], resume: bool, need: str | No
         if need is not None and not _has(row, need):
             raise BenchError(f"--resume: {path} row {i + 1} has no {need!r} (written by an older pasta-engine); "
                              "run again without --resume or into another --out")
-        for key, want in (inputs[i] if inputs is not None else {}).items():
-            if key not in row:
-                raise BenchError(f"--resume: {path} row {i + 1} has no {key!r}: it was written by an older pasta-engine "
-                                 "that did not record its inputs, so this run cannot tell whether they are its own; "
-                                 f"remove {path} (or run into another --out) to measure again")
-            if row[key] != want:
-                same = {"sampling": "sampling flags", "run_inputs": "adapter, lora scale, sampling flags and baseline"
-                        }.get(key, "traces, annotator and --dialect")
-                raise BenchError(f"--resume: {path} row {i + 1} was measured with other inputs than this run's prompt "
-                                 f"{i + 1} ({_difference(key, row[key], want)}): remove {path} (or run into another "
-                                 f"--out) to measure these inputs, or resume with the same {same}")
+        _check_row_inputs(path, i, row, inputs[i] if inputs is not None else {})
     return rows
+
+
+def check_fits(engine: Any, prompts: Sequence[Any], mode: str, *, params: SamplingParams | None = None,
+               responses: Sequence[str] | None = None, dialect: Any = "pasta",
+               indices: Sequence[int | None] | None = None) -> None:
+    """Make every check ``engine.add_request`` would make of each prompt (with ``responses``:
+    each a replay of its response) in ``mode`` and take nothing
+    (:meth:`~pasta_engine.Engine.check_request`): a run calls it before its first decode, so a
+    prompt too long for the model's context (or the KV cache) is refused before any row is
+    measured or any file written, naming its place in the list (``indices[i]``, default ``i``;
+    0-based, as the rows' ``index``). Raises ContextLengthError (a ParameterError) or
+    ParameterError, naming ``prompt {index}``."""
+    from ..engine.input_processor import RequestInputs
+
+    for i, prompt in enumerate(prompts):
+        index = indices[i] if indices is not None and indices[i] is not None else i
+        engine.check_request(RequestInputs(prompt, params, mode, annotated_response=None if responses is None
+                                           else responses[i], dialect=dialect, index=index))
 
 
 def _difference(key: str, there: Any, here: Any) -> str:
@@ -789,7 +847,7 @@ def plot_or_warn(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None
 
 def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: dict[str, Any], *, warmup: int = 1,
                 repeats: int = DEFAULT_REPEATS, resume: bool = False, progress: bool = True,
-                dialect: str = "pasta") -> dict[str, Any]:
+                dialect: str = "pasta", model_inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Replay every trace in pasta mode, and its clean text sequentially (see the module
     docstring); write ``prompts.jsonl``, ``summary.json`` and ``speedup.png`` into ``out``.
 
@@ -803,22 +861,34 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
             both sides then find the prompt in the prefix cache); the fastest counts and the
             spread is recorded (:func:`timing_record`, :data:`TIMING_STATISTIC`).
         resume: keep the rows of an earlier run in ``out`` and run the rest; raises BenchError
-            when those rows were measured from other inputs (another trace, annotator or
-            dialect) or by a version that did not record them (:func:`resumed_rows`).
+            when those rows were measured from other inputs (another trace, annotator,
+            dialect or ``model_inputs``) or by a version that did not record them
+            (:func:`resumed_rows`).
         progress: a tqdm bar on stderr (prompts, decoded tokens/s of the pasta runs, tags included).
         dialect: the language the traces are written in (a name of
             :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`): both sides replay with it, and
             ``settings``, the summary and each row record it.
+        model_inputs: what identifies the model and the settings that change what is measured
+            (JSON values; the command line's: each flag and its value): each row records it, and
+            ``resume`` refuses rows that recorded another (or none). None: not recorded nor
+            checked.
+
+    Raises BenchError (no traces, a resume of other inputs) and, before any replay or file,
+    ContextLengthError naming ``prompt {index}`` for a trace whose prompt and response cannot
+    fit the model's context or the KV cache (:func:`check_fits`).
 
     Returns ``{"summary": ..., "settings": ...}`` as written to ``summary.json``; the summary's
     ``warnings`` (answers that never forked, realized beyond theoretical) are also printed on
     stderr by the command."""
     if not traces:
         raise BenchError("no traces to run")
+    check_fits(engine, [t.prompt for t in traces], "pasta", responses=[t.annotated_response for t in traces],
+               dialect=dialect, indices=[t.index for t in traces])
     out.mkdir(parents=True, exist_ok=True)
+    same = {} if model_inputs is None else {"model_inputs": model_inputs}
     rows = resumed_rows(out, [t.prompt for t in traces], resume, need="content_speedup",
                         inputs=[{"annotated_sha256": trace_sha256(t.annotated_response), "annotator": t.annotator,
-                                 "dialect": dialect} for t in traces])
+                                 "dialect": dialect, **same} for t in traces])
     settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, timing_statistic=TIMING_STATISTIC,
                     batch_size=1, annotators=sorted({t.annotator for t in traces}), dialect=dialect,
                     sequential_side="the pasta answer's clean text (no tag tokens), replayed")
@@ -838,7 +908,7 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
         return {"index": t.index if t.index is not None else i, "prompt": t.prompt, "annotator": t.annotator,
                 "dialect": dialect, "annotated_sha256": trace_sha256(t.annotated_response),
                 "promises": t.promises, "note": t.note,
-                **speedup_row(fastest["clean_text_sequential"], fastest["pasta"]), "timing": timing}
+                **speedup_row(fastest["clean_text_sequential"], fastest["pasta"]), "timing": timing, **same}
 
     try:
         _measure_rows(out, traces, rows, measure, "bench speedup",
@@ -1002,7 +1072,8 @@ def export_row(instruction: str, output: str, mode: str, label: str, dataset: st
 
 def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams, out: Path,
                settings: dict[str, Any], *, warmup: int = 1, repeats: int = DEFAULT_REPEATS, resume: bool = False,
-               sequential_engine: Any = None, progress: bool = True) -> dict[str, Any]:
+               sequential_engine: Any = None, progress: bool = True,
+               model_inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Answer every prompt sequentially and with PASTA (see the module docstring); write
     ``prompts.jsonl``, ``summary.json``, ``model_outputs_sequential.json`` and
     ``model_outputs_pasta.json`` (AlpacaEval format) into ``out``.
@@ -1013,16 +1084,21 @@ def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams
     it). The clean-text replay of the content speedup always runs on ``engine``. Before the
     timed runs of each prompt, short untimed answers of it in both modes (and a replay of the
     pasta one's clean text) put it in the prefix cache of every engine, so that no timed run
-    pays a prefill the others skip. Each row records the sampling settings (``sampling``);
-    ``resume`` refuses rows measured with other ones (:func:`resumed_rows`). Returns
-    ``{"summary": ..., "settings": ...}``."""
+    pays a prefill the others skip. Each row records the sampling settings (``sampling``) and
+    ``model_inputs`` (as :func:`run_speedup`'s); ``resume`` refuses rows measured with other
+    ones (:func:`resumed_rows`). Before any answer or file, every prompt is checked to fit the
+    context and the KV cache in both modes with ``params`` (:func:`check_fits`:
+    ContextLengthError naming ``prompt {index}``). Returns ``{"summary": ..., "settings": ...}``."""
     seq_engine = engine if sequential_engine is None else sequential_engine
     if not prompts:
         raise BenchError("no prompts to run")
+    check_fits(engine, [p.instruction for p in prompts], "pasta", params=params)
+    check_fits(seq_engine, [p.instruction for p in prompts], "sequential", params=params)
     out.mkdir(parents=True, exist_ok=True)
     sampling = sampling_record(params)
+    same = {} if model_inputs is None else {"model_inputs": model_inputs}
     rows = resumed_rows(out, [p.instruction for p in prompts], resume, need="content_speedup",
-                        inputs=[{"sampling": sampling}] * len(prompts))
+                        inputs=[{"sampling": sampling, **same}] * len(prompts))
     settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, timing_statistic=TIMING_STATISTIC,
                     batch_size=1)
     if warmup and len(rows) < len(prompts):
@@ -1058,7 +1134,7 @@ def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams
             exports[mode].append(export_row(p.instruction, res.text, mode, label, p.dataset))
         return {"index": i, "instruction": p.instruction, "dataset": p.dataset,
                 **pareto_row(seq, pas, fastest["clean_text_sequential"], fastest["pasta_replay"]), "sampling": sampling,
-                "timing": timing}
+                "timing": timing, **same}
 
     try:
         _measure_rows(out, prompts, rows, measure, "bench pareto",

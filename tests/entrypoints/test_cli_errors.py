@@ -436,3 +436,122 @@ def test_compare_transformers_matches_a_greedy_base_answer(tiny_llama, capsys):
     row = json.loads(out.splitlines()[0])
     hf = row["transformers"]
     assert hf["same_tokens"] is True and hf["tokens"] == len(row["sequential"]["token_ids"])
+
+
+def _fail_if_called(what):
+    def call(*a, **k):
+        raise AssertionError(f"{what} before the refusal")
+    return call
+
+
+def test_a_resume_with_another_model_or_setting_is_refused_before_any_work(tiny_llama, tmp_path, capsys, monkeypatch):
+    """``bench pareto --resume`` and ``bench speedup --resume`` kept the rows another model had
+    measured (exit 0, the summary naming the new model over the old model's rows): a row now
+    records the model and the settings that change what is measured, and a resume with another
+    is refused naming the flag and both values, before the model loads."""
+    import shutil
+    from pathlib import Path
+
+    import pasta_engine.entrypoints.cli as cli
+
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_llama, other)
+    (tmp_path / "p.txt").write_text("Tips?\n")
+    (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": "Tips?", "annotated_response": "Sleep."}) + "\n")
+    quick = ["--kv-cache-mb", "8", "--repeats", "1", "--warmup", "0", "--no-progress"]
+    pareto = ["bench", "pareto", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "par"),
+              "--max-new-tokens", "4", *quick]
+    speedup = ["bench", "speedup", "--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "sp"), *quick]
+    for argv in (pareto, speedup):
+        assert main([*argv, "--model", str(tiny_llama)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    monkeypatch.setattr(cli, "build_engine", _fail_if_called("the model loaded"))
+    for argv, changed, pieces in [
+        (pareto, ["--model", str(other)], ["--model", repr(str(tiny_llama.resolve())), repr(str(other.resolve()))]),
+        (speedup, ["--model", str(other)], ["--model", repr(str(other.resolve()))]),
+        (pareto, ["--model", str(tiny_llama), "--dtype", "bfloat16"], ["--dtype 'float32' there, 'bfloat16' here"]),
+        (speedup, ["--model", str(tiny_llama), "--max-threads", "3"], ["--max-threads 16 there, 3 here"]),
+        (pareto, ["--preset", "tiny-llama"], ["--preset None there, 'tiny-llama' here"]),
+    ]:
+        rc = main([*argv, *changed, "--resume"])
+        _, err = capsys.readouterr()
+        assert rc == 2, err
+        _one_error_line(err, "--resume:", "row 1 was measured with other inputs", *pieces)
+    for argv in (pareto, speedup):  # what the rows recorded
+        row = json.loads((Path(argv[argv.index("--out") + 1]) / "prompts.jsonl").read_text().splitlines()[0])
+        assert row["model_inputs"]["--model"] == str(tiny_llama.resolve())
+
+
+def test_bench_annotate_out_is_checked_before_anything_is_annotated(tmp_path, capsys, monkeypatch):
+    """``bench annotate --out`` naming a folder annotated every response, then failed with
+    ``[Errno 21] Is a directory`` (``--out ""``: ``Is a directory: '.'``), never naming
+    ``--out``; it is now refused first, naming it."""
+    import pasta_engine.tools.bench as bench
+
+    monkeypatch.setattr(bench, "annotate_rows", _fail_if_called("the responses were annotated"))
+    responses = tmp_path / "r.json"
+    responses.write_text(json.dumps([{"instruction": "Tips?", "output": "Tips:\n- Sleep.\n- Walk.\n"}]))
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    for out, pieces in [(str(folder), [f"--out {folder} is a folder"]), ("", ["--out", "the current folder"]),
+                        (str(responses / "t.jsonl"), ["--out", f"{responses} is a file"])]:
+        rc = main(["bench", "annotate", "--annotator", "sot", "--responses", str(responses), "--out", out,
+                   "--tokenizer", "approx"])
+        _, err = capsys.readouterr()
+        assert rc == 2, err
+        _one_error_line(err, *pieces)
+    assert not any(folder.iterdir())
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--device", "cuda"], "--device cuda"),
+    (["--kv-cache-mb", "5"], "--kv-cache-mb 5"),
+    (["--dtype", "float16"], "--dtype float16"),
+    (["--no-prefix-caching"], "--no-prefix-caching"),
+    (["--preset-seed", "3"], "--preset-seed 3"),
+    (["--no-adapter"], "--no-adapter"),
+    (["--tokenizer", "approx"], "--model"),  # --tokenizer picks the tokenizer: --model is read by nothing
+])
+@pytest.mark.parametrize("annotator", ["sot", "apar"])
+def test_bench_annotate_without_a_model_refuses_engine_flags(tiny_llama, tmp_path, capsys, annotator, extra, flag):
+    """``bench annotate --annotator sot|apar`` builds no engine, and ignored ``--device cuda``,
+    ``--kv-cache-mb 5`` or ``--dtype float16`` (exit 0): a model or engine flag is refused
+    there, naming it, except ``--model`` and ``--preset`` when their tokenizer counts."""
+    responses = tmp_path / "r.json"
+    responses.write_text(json.dumps([{"instruction": "Tips?", "output": "Tips:\n- Sleep.\n- Walk.\n"}]))
+    out = tmp_path / "t.jsonl"
+    rc = main(["bench", "annotate", "--annotator", annotator, "--responses", str(responses), "--out", str(out),
+               "--model", str(tiny_llama), *extra])
+    _, err = capsys.readouterr()
+    assert rc == 2, err
+    _one_error_line(err, f"pasta-engine: error: {flag} ", f"--annotator {annotator}", "leave it out")
+    assert not out.exists()
+
+
+def test_a_prompt_too_long_for_the_context_is_named_before_any_decode(tiny_llama, tmp_path, capsys):
+    """A prompt too long for the model's context was found mid-run: ``generate --prompts-file``
+    printed prompt 0's answer, then failed without the prompt's index; ``bench speedup`` named
+    every trace ``prompt 0`` and left its new ``--out`` folder holding traces.jsonl. Every
+    prompt is now checked before the first decode, named by its index, nothing written."""
+    long = "word " * 5000  # more tokens than tiny-llama's context of 4096
+    (tmp_path / "long.json").write_text(json.dumps(["Say hi.", long]))
+    (tmp_path / "r.json").write_text(json.dumps([{"instruction": "Tips?", "output": "- Sleep.\n- Walk.\n"},
+                                                 {"instruction": long, "output": "Fine."}]))
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"prompt": p, "annotated_response": "Fine."}) + "\n"
+                                              for p in ("Hi.", long)))
+    model = ["--model", str(tiny_llama), "--kv-cache-mb", "8"]
+    for argv in (["generate", "--prompts-file", str(tmp_path / "long.json"), "--max-new-tokens", "4"],
+                 ["generate", "--prompts-file", str(tmp_path / "long.json"), "--max-new-tokens", "4", "--mode", "both"],
+                 ["replay", "--traces", str(tmp_path / "t.jsonl")],
+                 ["bench", "speedup", "--annotator", "sot", "--responses", str(tmp_path / "r.json"), "--out",
+                  str(tmp_path / "new" / "inner")],
+                 ["bench", "speedup", "--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "new")],
+                 ["bench", "pareto", "--prompts", str(tmp_path / "long.json"), "--max-new-tokens", "4", "--out",
+                  str(tmp_path / "new")]):
+        rc = main([*argv, *model])
+        out, err = capsys.readouterr()
+        assert rc == 2, err
+        assert out == ""  # no answer of prompt 0 first
+        err = "\n".join(line for line in err.splitlines() if not line.startswith("annotating (sot)"))  # its bar
+        _one_error_line(err, "prompt 1 has", "context length of 4096")
+        assert not (tmp_path / "new").exists()
