@@ -167,7 +167,6 @@ def _busy_port() -> socket.socket:
 
 @needs_serve
 @pytest.mark.parametrize("where, pieces", [
-    (["--port", "70000"], ["--port 70000"]),
     (["--host", "no-such-host.invalid"], ["--host no-such-host.invalid", "unknown host"]),
     (["--port", "BUSY"], ["already in use"]),
 ])
