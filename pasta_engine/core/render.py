@@ -31,7 +31,7 @@ nothing here changes it, except the cached join of a thread's clean pieces.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..lang.tags import drop_empty_items, held_line_start, thread_text
 
@@ -170,7 +170,7 @@ def joined(t: "Thread") -> str:
     return text
 
 
-def _thread_view(t: "Thread", ended: bool) -> tuple[str, Any]:
+def _thread_view(t: "Thread", ended: bool) -> tuple[str, Callable[[int], int]]:
     """A thread's clean text on its own (its per-thread deltas and text events) and the mover of
     its offsets: :func:`~pasta_engine.lang.tags.thread_text` of :func:`joined`, final once the
     thread or the request (``ended``) has ended; a chunk whose promise follows a ``<`` of its
@@ -588,8 +588,8 @@ class OutputRenderer:
         main_view = None
         for t in threads:
             s, moved = _thread_view(t, finish_reason is not None)
-            if t.parent is None:
-                main_view = (s, moved)
+            if t.tid == 0:
+                main_view = (s, moved)  # the main thread's text events are cut from the same view
             done = text_sent.get(t.tid, 0)
             if len(s) > done:
                 staged_text[t.tid] = len(s)
@@ -630,7 +630,7 @@ class OutputRenderer:
         return out, max(sent, at)
 
     def _events(self, interp: "Interpreter", finish_reason: str | None, sent0: int,
-                per_thread: dict[int, ThreadDelta], main_view: "tuple[str, Any] | None" = None,
+                per_thread: dict[int, ThreadDelta], main_view: tuple[str, Callable[[int], int]],
                 ) -> tuple[list[ThreadEvent], set[int], set[int], set[int]]:
         """The thread events since the previous output, and the threads now reported forked,
         ended and joined (the caller records them once everything is rendered). ``main_view``:
@@ -640,7 +640,7 @@ class OutputRenderer:
         ended_now: set[int] = set()
         joined_now: set[int] = set()
         main = interp.main
-        main_text, moved = main_view if main_view is not None else _thread_view(main, finish_reason is not None)
+        main_text, moved = main_view
         # the main thread's new text, with each new fork at its splice point (a column view then
         # shows where each chunk belongs)
         for c in sorted((c for c in interp.threads[1:] if c.tid not in self._forked), key=reading_order_key):
