@@ -682,27 +682,25 @@ class Scheduler:
                     bm.cache_prefix(req.views[main], it.prompt_ids, min(n_prompt, s.positions[-1] + 1))
             it.step_done(steps)
         out: list[tuple[Request, list[tuple[int, int]]]] = []
-        taking: list[tuple[Request, list[tuple[int, int]]]] = []  # the request taking its tokens now
         try:
-            self._take_sampled(by_req, sampled, out, taking)
+            self._take_sampled(by_req, sampled, out)
         except BaseException:
             # a request that ended in this step before the exception is no longer running, so
             # fail_running will not see it: its final output comes from take_ended instead
             self.ended.extend(r for r, _ in out if r.finished and r not in self.ended)
             # the tokens taken so far are the requests' own: their next output streams them
             # (nothing the model wrote is lost from the deltas)
-            for r, taken in out + [t for t in taking if all(t[0] is not o for o, _ in out)]:
+            for r, taken in out:
                 if r.renderer is not None and taken:
                     r.renderer.hold(r.interp, taken)
             raise
         return out
 
     def _take_sampled(self, by_req: dict[str, tuple[Request | None, list[ScheduledThread]]],
-                      sampled: SampledTokens | None, out: list[tuple[Request, list[tuple[int, int]]]],
-                      taking: list[tuple[Request, list[tuple[int, int]]]]) -> None:
+                      sampled: SampledTokens | None, out: list[tuple[Request, list[tuple[int, int]]]]) -> None:
         """Hand each request of ``by_req`` its sampled tokens, ending those that finished;
-        append ``(request, taken tokens)`` to ``out`` as each is done. ``taking`` holds the
-        request taking its tokens now, with those it has taken (for an exception to find)."""
+        append ``(request, taken tokens)`` to ``out`` as each starts (its list fills as it takes
+        them, so an exception midway finds what each request has taken)."""
         at = 0
         if sampled is not None:
             errors, all_toks, all_lps = sampled.errors, sampled.token_ids, sampled.logprobs  # waits for the tokens
@@ -723,7 +721,7 @@ class Scheduler:
                 continue
             it = req.interp
             taken: list[tuple[int, int]] = []
-            taking[:] = [(req, taken)]
+            out.append((req, taken))
             if sampling:
                 req.steps += 1
                 on_token = it.on_token
@@ -737,14 +735,12 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - e.g. a request's own dialect: it fails alone
                     self.fail(req, f"handling a sampled token raised {e!r}")
                     self.ended.remove(req)
-                    out.append((req, taken))
                     continue
                 # the threads whose tokens were kept (at the token budget the last step's other
                 # samples are cut: a promised chunk that never ran is no width)
                 req.max_width = max(req.max_width, len(taken))
             if it.done:
                 self._end(req, it.finish)
-            out.append((req, taken))
 
 
 def _masked_ends(req: Request) -> tuple[int, ...]:
