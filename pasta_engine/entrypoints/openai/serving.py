@@ -195,13 +195,13 @@ class Server:
         check_pasta_fields(pasta)
         limits = request_limits(pasta, self.engine.engine.config.limits)
         more = engine_sampling_fields(req)  # vLLM's fields SamplingParams has too (penalties, ...)
+        honoured = dict(max_new_tokens=max_tokens, return_logprobs=logprobs, stop=tuple(req.stops()))
         if pasta.annotated_response is not None:  # a replay samples nothing: the request's sampling fields
             # were checked neutral (schema.check_replay_sampling), and the server's defaults cannot apply
-            params = SamplingParams(max_new_tokens=max_tokens, return_logprobs=logprobs, stop=tuple(req.stops()))
+            params = SamplingParams(**honoured)
         else:
-            params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                                    top_k=top_k, seed=seed, return_logprobs=logprobs, stop=tuple(req.stops()),
-                                    n=req.n, **more)
+            params = SamplingParams(**honoured, temperature=float(temperature), top_p=float(top_p), top_k=top_k,
+                                    seed=seed, n=req.n, **more)
         return Options(params=choice_params(params), n=req.n, stream=req.stream,  # seeds seed, seed + 1, ...
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
                         logprobs=logprobs, mode=pasta.mode, dialect=pasta.dialect,
