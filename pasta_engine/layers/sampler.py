@@ -178,9 +178,10 @@ _MT_WORDS = 624
 
 
 def request_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The ``torch.Generator`` a request with ``seed`` draws its random numbers from: a function
-    of the whole seed (an int in ``[0, 2**64 - 1]``, ``SamplingParams.seed``), so the same seed
-    gives the same stream and two seeds give two streams.
+    """The ``torch.Generator`` a random stream with ``seed`` draws its numbers from (one per
+    thread of a request: :func:`~pasta_engine.core.batch.thread_seed` of ``SamplingParams.seed``,
+    the seed itself for the main thread): a function of the whole seed (an int in
+    ``[0, 2**64 - 1]``), so the same seed gives the same stream and two seeds give two streams.
 
     ``manual_seed`` of a CPU generator keeps only a seed's low 32 bits (mt19937 is seeded from
     one 32-bit word), so seeds that differ by a multiple of ``2**32`` (a server's fresh 64-bit
@@ -188,7 +189,8 @@ def request_generator(seed: int, device: torch.device | str = "cpu") -> torch.Ge
     ``manual_seed`` does (the numbers it always gave); a larger one sets its whole mt19937 state
     from the seed (624 words of ``numpy.random.SeedSequence(seed)``, the way numpy seeds its
     MT19937), and ``initial_seed()`` reports the seed. A CUDA (Philox) generator takes all 64
-    bits: ``manual_seed``. Built once per request, at its first draw (no device sync).
+    bits: ``manual_seed``. Built once per thread, at its first draw (no device sync; a chunk's
+    64-bit seed takes the SeedSequence path, tens of microseconds, once).
 
     Raises ValueError for a seed outside ``[0, 2**64 - 1]``, RuntimeError when the device has
     no generator."""
