@@ -385,11 +385,13 @@ def plan_lists(
                       ("target_work", 1 if target_work is None else target_work)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be an int >= 1, got {val!r}")
-    for r, v in enumerate(views):  # host lists: no device sync
+    for r, v in enumerate(views):  # host lists, one pass: no device sync
         for sid, ps, ns in v:
             if len(ps) != len(ns):
                 raise ValueError(f"decode row {r}, segment {sid}: {len(ps)} pages but {len(ns)} page lengths "
                                  "(one length per page)")
+        if not any(ps for _, ps, _ in v):
+            raise ValueError(f"decode row {r} has an empty KV view")
     if mode == "auto":
         mode = choose_mode(views)
     if mode not in ("tree", "plain"):
@@ -405,9 +407,6 @@ def plan_lists(
     for rows, ps, ns in _rowsets(views, mode):
         for i in range(0, len(rows), max_rows_per_item):
             rowsets.append((rows[i : i + max_rows_per_item], ps, ns))
-    for r, v in enumerate(views):
-        if not any(ps for _, ps, _ in v):
-            raise ValueError(f"decode row {r} has an empty KV view")
     total = sum(len(ps) for _, ps, _ in rowsets)
     split = max(1, math.ceil(total / target_work))
 
