@@ -298,8 +298,8 @@ def test_clean_text_splices_chunks_and_holds_a_partial_tag_back():
 # --------------------------------------------------------------------------- the clean text
 
 
-@settings(max_examples=120, deadline=None)
-@given(
+#: The scripted requests the two stream tests below draw (check_stream_and_final's arguments).
+STREAM_CASES = dict(
     seed=st.integers(0, 2**32 - 1),
     max_new=st.integers(1, 150),
     width=st.sampled_from([None, 1, 2]),
@@ -307,6 +307,10 @@ def test_clean_text_splices_chunks_and_holds_a_partial_tag_back():
     max_forks=st.integers(0, 4),
     mode=st.sampled_from(["pasta", "pasta", "sequential", "inline"]),
 )
+
+
+@settings(max_examples=120, deadline=None)
+@given(**STREAM_CASES)
 def test_clean_text_streams_and_ends_as_the_whole_string_rule(seed, max_new, width, min_cap, max_forks, mode):
     """Random PASTA-LANG, well-formed or not, cut anywhere: the interpreter's clean text and the
     reading-order stream agree with clean_text(annotated_text), and the stream never takes text
@@ -322,14 +326,7 @@ LT_WEIGHTS = [6.0 if p in ("<", "<sync/>", "</async>", "sync", "/", '"/>', "asyn
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    max_new=st.integers(1, 150),
-    width=st.sampled_from([None, 1, 2]),
-    min_cap=st.integers(1, 12),
-    max_forks=st.integers(0, 4),
-    mode=st.sampled_from(["pasta", "pasta", "sequential", "inline"]),
-)
+@given(**STREAM_CASES)
 def test_a_kept_lone_lt_streams_and_ends_as_the_whole_string_rule(seed, max_new, width, min_cap, max_forks, mode):
     """The same, with a lone '<' written right before a tag often and text after it that would
     complete it into a tag: the '<' stays, whatever would complete it is left out (in a thread's

@@ -78,6 +78,34 @@ def test_outputs_kept_by_generate_survive_a_step_that_raises(engine, monkeypatch
     assert got == [("A", "length"), ("B", "error")] and all_free(engine)
 
 
+def _fail_rendering(monkeypatch, req, nth: int, exc: BaseException) -> None:
+    """Make the ``nth`` rendering of ``req``'s output (its reading-order prefix) raise ``exc``."""
+    from pasta_engine.core import render
+
+    prefix = render.reading_order_prefix
+    renders = []
+
+    def failing(interp):
+        if interp is req.interp:
+            renders.append(len(renders))
+            if len(renders) == nth:
+                raise exc
+        return prefix(interp)
+
+    monkeypatch.setattr(render, "reading_order_prefix", failing)
+
+
+def _steps_through(engine, exc: type[BaseException]) -> list:
+    """Step until ``exc`` escapes a step, then until every request has finished: every output."""
+    outs = []
+    with pytest.raises(exc):
+        for _ in range(20):
+            outs += engine.step()
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
 @pytest.mark.parametrize("exc", [Boom("rendering failed"), KeyboardInterrupt()])
 @pytest.mark.parametrize("victim", ["A", "B"])
 def test_a_step_whose_outputs_phase_raises_loses_no_token_from_the_deltas(engine, monkeypatch, exc, victim):
@@ -85,29 +113,12 @@ def test_a_step_whose_outputs_phase_raises_loses_no_token_from_the_deltas(engine
     outputs phase, that request (and the one after it, never rendered) end with ``error``, and
     each one's ``new_token_ids`` over all its outputs still concatenate to its final
     ``result.token_ids``, the failed step's token included (it used to be dropped)."""
-    from pasta_engine.core import render
-
     sp = SamplingParams(max_new_tokens=12, temperature=0.0)
     engine.add_request([5, 6, 7], sp, mode="sequential", request_id="A")
     engine.add_request([8, 9, 10], sp, mode="sequential", request_id="B")
-    target = engine.scheduler.waiting["AB".index(victim)]
-    prefix = render.reading_order_prefix
-    renders = []
-
-    def failing(interp):
-        if interp is target.interp:
-            renders.append(len(renders))
-            if len(renders) == 4:  # its fourth output: a decode step, after its tokens were taken
-                raise exc
-        return prefix(interp)
-
-    monkeypatch.setattr(render, "reading_order_prefix", failing)
-    outs = []
-    with pytest.raises(type(exc)):
-        for _ in range(20):
-            outs += engine.step()
-    while engine.has_unfinished_requests():
-        outs += engine.step()
+    # its fourth output: a decode step, after its tokens were taken
+    _fail_rendering(monkeypatch, engine.scheduler.waiting["AB".index(victim)], 4, exc)
+    outs = _steps_through(engine, type(exc))
     for rid in "AB":
         mine = [o for o in outs if o.request_id == rid]
         last = mine[-1]
@@ -125,30 +136,12 @@ def test_a_request_that_ended_by_itself_keeps_its_output_when_anothers_rendering
     """A request that ends by itself in the step where rendering an earlier request's output
     raises was never tried: the next step outputs it, with its own finish reason and every
     token (it used to be forgotten, its text lost). The one whose rendering raised fails."""
-    from pasta_engine.core import render
-
     engine.add_request([8, 9, 10], SamplingParams(max_new_tokens=20, temperature=0.0), mode="sequential",
                        request_id="B")  # first in the step's work
     engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0), mode="sequential",
                        request_id="A")  # takes its last token in the step that raises
-    b = engine.scheduler.waiting[0]
-    prefix = render.reading_order_prefix
-    renders = []
-
-    def failing(interp):
-        if interp is b.interp:
-            renders.append(len(renders))
-            if len(renders) == 3:  # B's third output: the step in which A ends
-                raise exc
-        return prefix(interp)
-
-    monkeypatch.setattr(render, "reading_order_prefix", failing)
-    outs = []
-    with pytest.raises(type(exc)):
-        for _ in range(20):
-            outs += engine.step()
-    while engine.has_unfinished_requests():
-        outs += engine.step()
+    _fail_rendering(monkeypatch, engine.scheduler.waiting[0], 3, exc)  # B's third output: the step A ends in
+    outs = _steps_through(engine, type(exc))
     mine = [o for o in outs if o.request_id == "A"]
     assert mine and mine[-1].finished and mine[-1].finish_reason == "length"
     assert len(mine[-1].result.token_ids) == 3
@@ -174,11 +167,7 @@ def test_a_step_that_raises_while_tokens_are_taken_loses_none_from_the_deltas(en
         while engine.has_unfinished_requests():
             outs += engine.step()
     else:
-        with pytest.raises(KeyboardInterrupt):
-            for _ in range(20):
-                outs += engine.step()
-        while engine.has_unfinished_requests():
-            outs += engine.step()
+        outs = _steps_through(engine, KeyboardInterrupt)
     for rid in "AB":
         mine = [o for o in outs if o.request_id == rid]
         assert mine[-1].finished, rid
