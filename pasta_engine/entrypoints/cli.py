@@ -303,7 +303,7 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
     cannot fit is refused (ContextLengthError naming ``prompt {index}``, 0-based as the printed
     results) before any is decoded. Returns the exit status (:func:`_exit_status`)."""
     from ..config import SamplingParams
-    from ..tools.bench import check_fits
+    from ..tools.bench import check_prompts
 
     if args.limit is not None:
         prompts, responses = prompts[: args.limit], (responses[: args.limit] if responses is not None else None)
@@ -325,7 +325,7 @@ def _run(args: argparse.Namespace, prompts: Sequence[str], responses: Sequence[s
     dialect = None if generated else args.dialect
     for mode in modes:  # replay --mode both: the sequential side replays the pasta answer's clean text, made later
         if generated or not both or mode == "pasta":
-            check_fits(per_mode[mode], prompts, mode, params=params, responses=responses, dialect=dialect)
+            check_prompts(per_mode[mode], prompts, mode, params=params, responses=responses, dialect=dialect)
     if both and args.warmup:
         _warm_up(args, per_mode, prompts, params, responses)
     bar = None
@@ -606,7 +606,7 @@ def _model_inputs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from ..tools.bench import (BenchError, annotate_rows, annotate_rows_in_dialect, check_fits, check_resumed_inputs,
+    from ..tools.bench import (BenchError, annotate_rows, annotate_rows_in_dialect, check_prompts, check_resumed_inputs,
                                dialect_annotator, run_speedup)
     from ..tools.traces import read_prompts, read_traces, write_traces
 
@@ -643,8 +643,8 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         else:
             traces = annotate_rows_in_dialect(to_annotate, args.dialect, count)
         # a trace too long for the context is named (its row) before any file is written
-        check_fits(engine, [t.prompt for t in traces], "pasta", responses=[t.annotated_response for t in traces],
-                   dialect=args.dialect, indices=[t.index for t in traces])
+        check_prompts(engine, [t.prompt for t in traces], "pasta", responses=[t.annotated_response for t in traces],
+                      dialect=args.dialect, indices=[t.index for t in traces])
         write_traces(out / "traces.jsonl", traces)
     from ..tools.bench import run_info
 

@@ -88,7 +88,7 @@ __all__ = [
     "sampling_record",
     "resumed_rows",
     "check_resumed_inputs",
-    "check_fits",
+    "check_prompts",
 ]
 
 
@@ -570,7 +570,7 @@ def resumed_rows(out: Path, prompts: Sequence[str], resume: bool, need: str | No
     return rows
 
 
-def check_fits(engine: Any, prompts: Sequence[Any], mode: str, *, params: SamplingParams | None = None,
+def check_prompts(engine: Any, prompts: Sequence[Any], mode: str, *, params: SamplingParams | None = None,
                responses: Sequence[str] | None = None, dialect: Any = "pasta",
                indices: Sequence[int | None] | None = None) -> None:
     """Make every check ``engine.add_request`` would make of each prompt (with ``responses``:
@@ -875,15 +875,15 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
 
     Raises BenchError (no traces, a resume of other inputs) and, before any replay or file,
     ContextLengthError naming ``prompt {index}`` for a trace whose prompt and response cannot
-    fit the model's context or the KV cache (:func:`check_fits`).
+    fit the model's context or the KV cache (:func:`check_prompts`).
 
     Returns ``{"summary": ..., "settings": ...}`` as written to ``summary.json``; the summary's
     ``warnings`` (answers that never forked, realized beyond theoretical) are also printed on
     stderr by the command."""
     if not traces:
         raise BenchError("no traces to run")
-    check_fits(engine, [t.prompt for t in traces], "pasta", responses=[t.annotated_response for t in traces],
-               dialect=dialect, indices=[t.index for t in traces])
+    check_prompts(engine, [t.prompt for t in traces], "pasta", responses=[t.annotated_response for t in traces],
+                  dialect=dialect, indices=[t.index for t in traces])
     out.mkdir(parents=True, exist_ok=True)
     same = {} if model_inputs is None else {"model_inputs": model_inputs}
     rows = resumed_rows(out, [t.prompt for t in traces], resume, need="content_speedup",
@@ -1087,13 +1087,13 @@ def run_pareto(engine: Any, prompts: Sequence[PromptRow], params: SamplingParams
     pays a prefill the others skip. Each row records the sampling settings (``sampling``) and
     ``model_inputs`` (as :func:`run_speedup`'s); ``resume`` refuses rows measured with other
     ones (:func:`resumed_rows`). Before any answer or file, every prompt is checked to fit the
-    context and the KV cache in both modes with ``params`` (:func:`check_fits`:
+    context and the KV cache in both modes with ``params`` (:func:`check_prompts`:
     ContextLengthError naming ``prompt {index}``). Returns ``{"summary": ..., "settings": ...}``."""
     seq_engine = engine if sequential_engine is None else sequential_engine
     if not prompts:
         raise BenchError("no prompts to run")
-    check_fits(engine, [p.instruction for p in prompts], "pasta", params=params)
-    check_fits(seq_engine, [p.instruction for p in prompts], "sequential", params=params)
+    check_prompts(engine, [p.instruction for p in prompts], "pasta", params=params)
+    check_prompts(seq_engine, [p.instruction for p in prompts], "sequential", params=params)
     out.mkdir(parents=True, exist_ok=True)
     sampling = sampling_record(params)
     same = {} if model_inputs is None else {"model_inputs": model_inputs}
