@@ -606,9 +606,9 @@ def _model_inputs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from ..tools.bench import (BenchError, annotate_rows, annotate_rows_in_dialect, check_prompts, check_resumed_inputs,
+    from ..tools.bench import (BenchError, annotate_rows, annotate_rows_in_dialect, check_resumed_inputs,
                                dialect_annotator, run_speedup)
-    from ..tools.traces import read_prompts, read_traces, write_traces
+    from ..tools.traces import read_prompts, read_traces
 
     pasta = args.dialect == "pasta"
     if args.traces is not None:
@@ -636,23 +636,24 @@ def _bench_speedup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     out: Path = _out_folder(args.out)
     check_resumed_inputs(out, args.resume, {"model_inputs": model_inputs})  # another model's rows: before any work
     engine, settings = build_engine(args)
+    traces_file = None
     if traces is None:
         count = lambda text: len(engine.encode(text))  # noqa: E731
         if pasta:
             traces = annotate_rows(to_annotate, args.annotator, count, engine=engine, params=params)
         else:
             traces = annotate_rows_in_dialect(to_annotate, args.dialect, count)
-        # a trace too long for the context is named (its row) before any file is written
-        check_prompts(engine, [t.prompt for t in traces], "pasta", responses=[t.annotated_response for t in traces],
-                      dialect=args.dialect, indices=[t.index for t in traces])
-        write_traces(out / "traces.jsonl", traces)
+        # written by run_speedup once its checks pass: a refused run (a trace too long for the
+        # context, a resume of other traces) leaves an earlier run's traces.jsonl as it was
+        traces_file = out / "traces.jsonl"
     from ..tools.bench import run_info
 
     settings.update(run_info(command_line(argv)), limit=args.limit,
                     traces=str(args.traces) if args.traces else str(out / "traces.jsonl"),
                     responses=str(args.responses) if args.responses else None)
     result = run_speedup(engine, traces, out, settings, warmup=args.warmup, repeats=args.repeats, resume=args.resume,
-                         progress=not args.no_progress, dialect=args.dialect, model_inputs=model_inputs)
+                         progress=not args.no_progress, dialect=args.dialect, model_inputs=model_inputs,
+                         traces_file=traces_file)
     s = result["summary"]
     print(f"bench speedup (dialect {args.dialect}): {s['prompts']} prompts, {s['forked_responses']} forked; geomean content speedup "
           f"{_x(s['geomean_content_speedup'])} theoretical, {_x(s['geomean_realized_content_speedup'])} realized "

@@ -847,7 +847,8 @@ def plot_or_warn(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None
 
 def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: dict[str, Any], *, warmup: int = 1,
                 repeats: int = DEFAULT_REPEATS, resume: bool = False, progress: bool = True,
-                dialect: str = "pasta", model_inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+                dialect: str = "pasta", model_inputs: dict[str, Any] | None = None,
+                traces_file: Path | None = None) -> dict[str, Any]:
     """Replay every trace in pasta mode, and its clean text sequentially (see the module
     docstring); write ``prompts.jsonl``, ``summary.json`` and ``speedup.png`` into ``out``.
 
@@ -872,6 +873,11 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
             (JSON values; the command line's: each flag and its value): each row records it, and
             ``resume`` refuses rows that recorded another (or none). None: not recorded nor
             checked.
+        traces_file: where to write ``traces`` (JSONL, :func:`~pasta_engine.tools.traces.write_traces`;
+            ``bench speedup --annotator``'s ``out/traces.jsonl``), once every check above has
+            passed and before the first replay, so that a refused run (a trace too long, a
+            resume of other inputs) leaves the file an earlier run wrote as it was. None: not
+            written.
 
     Raises BenchError (no traces, a resume of other inputs) and, before any replay or file,
     ContextLengthError naming ``prompt {index}`` for a trace whose prompt and response cannot
@@ -889,6 +895,10 @@ def run_speedup(engine: Any, traces: Sequence[TraceRow], out: Path, settings: di
     rows = resumed_rows(out, [t.prompt for t in traces], resume, need="content_speedup",
                         inputs=[{"annotated_sha256": trace_sha256(t.annotated_response), "annotator": t.annotator,
                                  "dialect": dialect, **same} for t in traces])
+    if traces_file is not None:
+        from .traces import write_traces
+
+        write_traces(traces_file, traces)
     settings.update(resumed_rows=len(rows), warmup=warmup, repeats=repeats, timing_statistic=TIMING_STATISTIC,
                     batch_size=1, annotators=sorted({t.annotator for t in traces}), dialect=dialect,
                     sequential_side="the pasta answer's clean text (no tag tokens), replayed")

@@ -481,6 +481,27 @@ def test_a_resume_with_another_model_or_setting_is_refused_before_any_work(tiny_
         assert row["model_inputs"]["--model"] == str(tiny_llama.resolve())
 
 
+def test_a_refused_speedup_resume_leaves_the_earlier_traces_file(tiny_llama, tmp_path, capsys):
+    """``bench speedup --annotator sot --responses R --resume`` wrote the new annotations over
+    ``out/traces.jsonl`` and only then refused the resume (the rows were measured from other
+    traces), so the traces the kept rows were measured from were lost. The file is now written
+    after the checks: a refused resume leaves it byte for byte as the earlier run wrote it."""
+    out = tmp_path / "sp"
+    argv = ["bench", "speedup", "--annotator", "sot", "--out", str(out), "--model", str(tiny_llama),
+            "--kv-cache-mb", "8", "--repeats", "1", "--warmup", "0", "--no-progress"]
+    for name, items in [("r1.json", "- Sleep.\n- Walk.\n"), ("r2.json", "- Read.\n- Swim.\n- Cook.\n")]:
+        (tmp_path / name).write_text(json.dumps([{"instruction": "Tips?", "output": "Tips:\n" + items}]))
+    assert main([*argv, "--responses", str(tmp_path / "r1.json")]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    before = (out / "traces.jsonl").read_bytes()
+    assert b"Walk" in before
+    rc = main([*argv, "--responses", str(tmp_path / "r2.json"), "--resume"])
+    _, err = capsys.readouterr()
+    assert rc == 2, err
+    assert "row 1 was measured with other inputs" in err
+    assert (out / "traces.jsonl").read_bytes() == before
+
+
 def test_bench_annotate_out_is_checked_before_anything_is_annotated(tmp_path, capsys, monkeypatch):
     """``bench annotate --out`` naming a folder annotated every response, then failed with
     ``[Errno 21] Is a directory`` (``--out ""``: ``Is a directory: '.'``), never naming
