@@ -729,7 +729,8 @@ def run_learned(args: argparse.Namespace, argv: Sequence[str] | None = None) -> 
                 "torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg())}
     result = evaluate_learned(prompts, base, adapter, LikelihoodQuality(hf, tok), args.out, settings, params,
                               repeats=args.repeats, warmup=args.warmup, base_pasta=not args.no_base_pasta,
-                              resume=args.resume)
+                              resume=args.resume,
+                              model=str(Path(args.model).expanduser().resolve()) if args.model else None)
     s = result["summary"]
     a = s["adapter_pasta"]
     def x(v: float | None) -> str:

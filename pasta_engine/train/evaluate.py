@@ -249,18 +249,23 @@ def plot_learned(rows: Sequence[dict[str, Any]], path: Path) -> Path | None:
 
 def evaluate_learned(prompts: Sequence[PromptRow], base_engine: Any, adapter_engine: Any, quality: LikelihoodQuality,
                      out: Path, settings: dict[str, Any], params: SamplingParams, *, repeats: int = 3,
-                     warmup: int = 1, base_pasta: bool = True, resume: bool = False) -> dict[str, Any]:
+                     warmup: int = 1, base_pasta: bool = True, resume: bool = False,
+                     model: str | None = None) -> dict[str, Any]:
     """Run :func:`learned_row` over ``prompts`` (resumable), then write the summary, the plot and
     the AlpacaEval exports. ``repeats``: timed replays per side (the fastest counts, the spread is
-    reported); ``warmup``: untimed short answers in each mode on each engine first (0: none).
-    Returns ``{"summary": ..., "settings": ...}``."""
+    reported); ``warmup``: untimed short answers in each mode on each engine first (0: none);
+    ``model``: what names the base checkpoint (``--model``'s absolute path; None: the embedded
+    model). Each row records ``run_inputs`` (the model, the adapter, its lora_scale, the
+    sampling, whether the base model answers in pasta mode too), and ``resume`` refuses rows that
+    recorded others (:func:`~pasta_engine.tools.bench.resumed_rows`: BenchError naming the row
+    and the fields that differ). Returns ``{"summary": ..., "settings": ...}``."""
     from tqdm import tqdm
 
     from ..tools.bench import sampling_record
 
     out.mkdir(parents=True, exist_ok=True)
-    # what a row was measured with: --resume refuses rows of another adapter, sampling or baseline
-    run_inputs = {"adapter": str(adapter_engine.adapter), "lora_scale": getattr(adapter_engine, "lora_scale", None),
+    # what a row was measured with: --resume refuses rows of another model, adapter, sampling or baseline
+    run_inputs = {"model": model, "adapter": str(adapter_engine.adapter), "lora_scale": getattr(adapter_engine, "lora_scale", None),
                   "sampling": sampling_record(params), "base_pasta": bool(base_pasta)}
     run_inputs = json.loads(json.dumps(run_inputs, default=str))
     rows = resumed_rows(out, [p.instruction for p in prompts], resume, need="adapter_pasta.content_speedup",

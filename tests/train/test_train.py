@@ -423,6 +423,15 @@ def test_bench_learned_evaluates_only_the_vicuna_split(tiny_llama, tmp_path, cap
                str(tmp_path / "sft" / "adapter"), "--max-new-tokens", "7", "--out", str(out), "--resume"])
     _, err2 = capsys.readouterr()
     assert rc == 2 and "was measured with other inputs" in err2 and "sampling.max_new_tokens 6 there, 7 here" in err2, err2
+    # ... and of the same model: another checkpoint the adapter also loads on was resumed over
+    import shutil
+
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_llama, other)
+    rc = main(["bench", "learned", "--prompts", str(prompts), "--model", str(other), "--adapter",
+               str(tmp_path / "sft" / "adapter"), "--max-new-tokens", "6", "--out", str(out), "--resume"])
+    _, err3 = capsys.readouterr()
+    assert rc == 2 and "was measured with other inputs" in err3 and str(other.resolve()) in err3, err3
     timing = s["adapter_pasta"]["timing"]
     assert timing["runs_per_side"] == 3 and set(timing["geomean_realized_content_speedup_spread"]) == {"min", "median", "max"}
     assert isinstance(s["adapter_pasta"]["warnings"], list)
