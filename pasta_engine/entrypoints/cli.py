@@ -1016,7 +1016,8 @@ def _refuse_unused_limits(args: argparse.Namespace) -> None:
 
 def _refuse_unused_flags(args: argparse.Namespace) -> None:
     """Refuse a flag set in a command, or a mode, where nothing reads it (ParameterError naming
-    it, before any model loads): a prompt with ``--prompts-file``; ``--compare-transformers``
+    it, before any model loads): a prompt with ``--prompts-file``; ``--limit`` in ``generate``
+    without ``--prompts-file`` (it answers one prompt); ``--compare-transformers``
     outside ``--mode sequential`` and ``both``; ``--baseline base`` in pasta or inline mode (it
     gives the sequential side the base weights); ``--warmup`` or ``--repeats`` outside ``--mode
     both`` (``generate``, ``replay``); sampling flags in ``bench speedup`` and ``bench annotate``
@@ -1035,6 +1036,8 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
 
     if args.command == "generate" and args.prompt is not None and args.prompts_file is not None:
         refuse("prompt", repr(args.prompt), f"and --prompts-file {args.prompts_file} both give the prompts")
+    if args.command == "generate" and args.prompts_file is None and args.limit is not None:
+        refuse("--limit", args.limit, "takes the first N prompts of --prompts-file, and this run answers one prompt")
     mode = getattr(args, "mode", None)
     if args.command in ("generate", "replay"):
         if getattr(args, "compare_transformers", False) and mode not in ("sequential", "both"):

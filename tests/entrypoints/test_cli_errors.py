@@ -233,6 +233,8 @@ def test_independent_topics_where_nothing_samples_in_pasta_mode_is_refused(tiny_
 
 @pytest.mark.parametrize("argv, flag", [
     (["generate", "a prompt", "--prompts-file", "p.txt"], "prompt"),
+    (["generate", "a prompt", "--limit", "2"], "--limit"),  # one prompt: --limit took nothing from it
+    (["generate", "--limit", "2"], "--limit"),
     (["generate", "--mode", "pasta", "--compare-transformers"], "--compare-transformers"),
     (["generate", "--mode", "inline", "--baseline", "base"], "--baseline"),
     (["generate", "--mode", "sequential", "--repeats", "9"], "--repeats"),
