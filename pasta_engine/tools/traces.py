@@ -48,7 +48,8 @@ def read_prompts(path: str | Path, need_output: bool = False) -> list[PromptRow]
         need_output: every row must carry a string ``output`` (for the text annotators).
 
     Raises TraceFileError naming the file (and row): unreadable, not JSON, not a list (a JSON
-    object is not a prompts file), a row without a string ``instruction``, a non-string
+    object is not a prompts file), a row without a string ``instruction``, an empty or
+    whitespace-only prompt (a text file's blank lines are skipped instead), a non-string
     ``output``, no prompt at all."""
     p = Path(path)
     try:
@@ -66,10 +67,14 @@ def read_prompts(path: str | Path, need_output: bool = False) -> list[PromptRow]
         rows = []
         for i, row in enumerate(data):
             if isinstance(row, str):
+                if not row.strip():
+                    raise TraceFileError(f"{p}: row {i} is an empty prompt: give it a prompt or remove the row")
                 rows.append(PromptRow(row))
                 continue
             if not isinstance(row, dict) or not isinstance(row.get("instruction"), str):
                 raise TraceFileError(f"{p}: row {i} is not a string or an object with a string 'instruction'")
+            if not row["instruction"].strip():
+                raise TraceFileError(f"{p}: row {i} has an empty 'instruction': give it a prompt or remove the row")
             out = row.get("output")
             if out is not None and not isinstance(out, str):
                 raise TraceFileError(f"{p}: row {i} has a non-string 'output'")

@@ -62,5 +62,12 @@ def test_prompts_file_errors_name_the_file_and_row(tmp_path):
     bad.write_text(json.dumps([]))
     with pytest.raises(TraceFileError, match="holds no prompt"):
         read_prompts(bad)
+    # an empty prompt was taken (and answered) where the command line refuses one
+    bad.write_text(json.dumps([{"instruction": "a"}, {"instruction": " \n"}]))
+    with pytest.raises(TraceFileError, match=r"r\.json: row 1 has an empty 'instruction'"):
+        read_prompts(bad)
+    bad.write_text(json.dumps(["a", "", "c"]))
+    with pytest.raises(TraceFileError, match=r"r\.json: row 1 is an empty prompt"):
+        read_prompts(bad)
     with pytest.raises(TraceFileError, match="cannot read prompts file"):
         read_prompts(tmp_path / "missing.json")
