@@ -654,7 +654,9 @@ class Engine:
         shape): ``result.outputs[i]`` is its completion ``i`` (one for ``n=1``; the result's own
         fields are those of completion 0, so ``result.text`` reads as before). A request that
         failed in flight has ``stats.finish_reason == "error"`` and its message in ``error``.
-        Raises ParameterError for a bad prompt, parameter or mode before anything is queued."""
+        Raises ParameterError for a bad prompt, parameter, mode or ``progress`` (not a bool)
+        before anything is queued."""
+        _check_progress(progress)
         with self._lock:
             plist = _as_prompt_list(prompts)
             plist_params = _as_params_list(params, len(plist))
@@ -699,7 +701,9 @@ class Engine:
         Raises ParameterError, before any request is queued or takes a KV page: when the two
         lists differ in length; for a bad prompt, mode or parameter; naming a sampling field
         a replay cannot honour set away from its default
-        (:func:`~pasta_engine.core.replay.check_replay_sampling`), or ``n`` other than 1."""
+        (:func:`~pasta_engine.core.replay.check_replay_sampling`), or ``n`` other than 1;
+        ``progress`` not a bool."""
+        _check_progress(progress)
         with self._lock:
             plist = _as_prompt_list(prompts)
             if isinstance(annotated_responses, str):
@@ -822,6 +826,12 @@ def _check_kv_pages(model: str | os.PathLike | None, config: EngineConfig, devic
     budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_cache_bytes(device)
     kv_pages(budget, config.page_size, cfg.num_layers, cfg.num_kv_heads // tp, cfg.head_dim, dtype)
     return hf_cfg
+
+
+def _check_progress(progress: Any) -> None:
+    """Raise ParameterError unless ``progress`` is a bool (``"no"`` is truthy: it drew a bar)."""
+    if not isinstance(progress, bool):
+        raise ParameterError("progress", progress, "True or False")
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -50,6 +50,18 @@ def test_replay_refuses_a_response_that_is_not_text(tiny_engine, responses):
     assert tiny_engine.stats()["steps"] == steps and not tiny_engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("call", ["generate", "replay"])
+@pytest.mark.parametrize("progress", ["no", 1, None])
+def test_progress_that_is_not_a_bool_is_refused(tiny_engine, call, progress):
+    """``generate(progress="no")`` drew a bar (any non-empty string is truthy): it is refused."""
+    steps = tiny_engine.stats()["steps"]
+    args = (["a"],) if call == "generate" else (["a"], ["b"])
+    with pytest.raises(ParameterError) as e:
+        getattr(tiny_engine, call)(*args, progress=progress)
+    assert e.value.param == "progress" and repr(progress) in str(e.value)
+    assert tiny_engine.stats()["steps"] == steps and not tiny_engine.has_unfinished_requests()
+
+
 def test_an_aborted_id_is_refused_until_step_reports_the_abort(tiny_llama):
     """vLLM refuses the id of a request it still tracks; an aborted request is tracked until its
     final output is returned, so the id cannot give two outputs in one step."""
