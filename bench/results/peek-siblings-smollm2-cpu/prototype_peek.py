@@ -17,10 +17,11 @@ up to the same step; never a later sibling. Greedy, repetition penalty 1.1 over 
 chunk sees (HF's rule), each chunk's stop strings and budget as `chunk_jobs` sets them, the
 result cut by `_finish` (fragments cut at the last sentence end), reassembled by `assemble`.
 
-Usage: python prototype_peek.py BASE_OUTPUTS_JSON OUT_DIR [--no-peek]
+Usage: [FIRST_ITEM=sequential] python prototype_peek.py BASE_OUTPUTS_JSON OUT_DIR [--no-peek]
 (--no-peek: the same layout with the siblings' generated tokens hidden: their openings only.)
 """
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,6 +48,13 @@ PEEK = "--no-peek" not in sys.argv
 PENALTY = 1.1
 NEG = torch.finfo(torch.float32).min
 
+if os.environ.get("FIRST_ITEM") == "sequential":
+    # as ../base-plan-smollm2-cpu/prototype_base_plan.py: a list's first item stays in sequence
+    import pasta_engine.tools.annotate as annotate_module
+    _list_forks = annotate_module._list_forks
+    annotate_module._list_forks = lambda response, unit, count, min_tokens: [
+        f for f in _list_forks(response, unit, count, min_tokens)
+        if len(unit.items) >= 3 and f.start != unit.items[0].fork_start]
 rows = [PromptRow(r["instruction"], r["output"], "vicuna", "stop") for r in base]
 engine = Engine.from_pretrained(adapter=None, threads=2)
 tok = engine.tokenizer
@@ -214,6 +222,7 @@ json.dump(outputs, open(out / "model_outputs.json", "w"), indent=1, ensure_ascii
 summary = {"annotation": counts, "chunks": how_counts, "answers": len(outputs), "peek": PEEK,
            "forked": sum(1 for r in base if "<promise" in done_rows[r["instruction"]]["annotated"]),
            "geomean_content_speedup": statistics.geometric_mean(speed),
+           "first_item": os.environ.get("FIRST_ITEM", ""),
            "command": "python " + " ".join(sys.argv)}
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 print(json.dumps(summary, indent=1))
