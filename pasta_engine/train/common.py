@@ -220,13 +220,17 @@ class LossCurve:
 def save_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]) -> None:
     """Write a resumable checkpoint into ``out/checkpoint`` (adapter, optimizer, schedule and
     ``state``: the trainer's counters, e.g. ``{"step": optimizer steps done, "elapsed_s": training
-    seconds so far}``), replacing the previous one atomically. ``trainer.pt`` holds only tensors
-    and plain Python types (the RNG state as a tensor), so :func:`load_checkpoint` reads it with
-    ``torch.load(weights_only=True)``."""
-    tmp = out / "checkpoint.tmp"
-    if tmp.exists():
-        import shutil
+    seconds so far}``), replacing the previous one so that a kill at any instant leaves one whole
+    checkpoint to resume from: the new one is written whole into ``checkpoint.tmp``, the previous
+    one is renamed ``checkpoint.old``, the new one renamed into place, and only then is the old
+    one deleted (:func:`_finish_checkpoint_swap` completes a swap a kill interrupted). ``trainer.pt``
+    holds only tensors and plain Python types (the RNG state as a tensor), so
+    :func:`load_checkpoint` reads it with ``torch.load(weights_only=True)``."""
+    import shutil
 
+    _finish_checkpoint_swap(out)
+    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    if tmp.exists():  # a save a kill broke off: never whole, never resumed from
         shutil.rmtree(tmp)
     peft_model.save_pretrained(str(tmp / "adapter"), save_embedding_layers=False)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "state": state,
@@ -234,17 +238,33 @@ def save_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any, 
                 # the CUDA generators too: dropout on a GPU draws from them
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
                tmp / "trainer.pt")
-    final = out / "checkpoint"
     if final.exists():
-        import shutil
-
-        shutil.rmtree(final)
+        final.rename(old)
     tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _finish_checkpoint_swap(out: Path) -> None:
+    """Complete the swap of :func:`save_checkpoint` that a kill interrupted: with no
+    ``checkpoint`` but a ``checkpoint.old``, the kill came after the new checkpoint was written
+    whole into ``checkpoint.tmp`` (the old one is renamed only then), so that one moves into place
+    (the old one when it is somehow missing); a ``checkpoint.old`` beside a ``checkpoint`` is the
+    previous one, not yet deleted."""
+    import shutil
+
+    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    if not final.exists() and old.exists():
+        (tmp if (tmp / "trainer.pt").exists() else old).rename(final)
+    if final.exists() and old.exists():
+        shutil.rmtree(old)
 
 
 def load_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any] | None:
     """Restore ``out/checkpoint`` into the model, optimizer and schedule; returns its state, or
-    None when there is no checkpoint."""
+    None when there is no checkpoint. A swap of :func:`save_checkpoint` that a kill interrupted
+    is completed first (:func:`_finish_checkpoint_swap`)."""
+    _finish_checkpoint_swap(out)
     ck = out / "checkpoint"
     if not (ck / "trainer.pt").exists():
         return None

@@ -47,3 +47,49 @@ def test_a_trainer_pt_that_would_run_code_is_refused_unread(tmp_path):
     with pytest.raises(CheckpointError, match="cannot resume from") as e:
         load_checkpoint(tmp_path, None, None, None)
     assert e.value.param == "resume" and not marker.exists()
+
+
+class _Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("kill_at", [1, 2, 3])
+def test_a_kill_anywhere_in_a_save_leaves_a_whole_checkpoint_to_resume(tmp_path, monkeypatch, kill_at):
+    """save_checkpoint deleted the old checkpoint before renaming the new one into place: a kill
+    between the two left only ``checkpoint.tmp``, and ``--resume`` started again from step 0.
+    A kill at any file operation of a save (the old one moved aside, the new one moved in, the
+    old one deleted) now leaves the previous checkpoint or the new one, whole."""
+    import shutil
+    from pathlib import Path
+
+    from pasta_engine.train import common
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    save_checkpoint(tmp_path, _Adapter(), opt, sched, {"step": 1})
+    calls = []
+    real_rename, real_rmtree = Path.rename, shutil.rmtree
+
+    def op(real):
+        def run(*a, **k):
+            calls.append(a[0])
+            if len(calls) == kill_at:
+                raise _Killed
+            return real(*a, **k)
+        return run
+
+    monkeypatch.setattr(Path, "rename", op(real_rename))
+    monkeypatch.setattr(shutil, "rmtree", op(real_rmtree))
+    with pytest.raises(_Killed):
+        save_checkpoint(tmp_path, _Adapter(), opt, sched, {"step": 2})
+    monkeypatch.undo()
+    common._finish_checkpoint_swap(tmp_path)
+    blob = torch.load(tmp_path / "checkpoint" / "trainer.pt", map_location="cpu", weights_only=True)
+    # killed moving the old one aside (1): the old one stays; the new one not yet in place (2) or the
+    # old one not yet deleted (3): the new one, written whole, is the checkpoint
+    assert blob["state"]["step"] == (2 if kill_at >= 2 else 1)
+    assert not (tmp_path / "checkpoint.old").exists()
+    save_checkpoint(tmp_path, _Adapter(), opt, sched, {"step": 3})  # and the next save goes on from there
+    assert torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=True)["state"]["step"] == 3
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["checkpoint"]
