@@ -27,6 +27,7 @@ __all__ = [
     "lr_lambda",
     "save_checkpoint",
     "load_checkpoint",
+    "checkpoint_state",
     "git_commit",
     "machine",
     "base_manifest",
@@ -245,40 +246,67 @@ def save_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any, 
         shutil.rmtree(old)
 
 
-def _finish_checkpoint_swap(out: Path) -> None:
-    """Complete the swap of :func:`save_checkpoint` that a kill interrupted: with no
-    ``checkpoint`` but a ``checkpoint.old``, the kill came after the new checkpoint was written
-    whole into ``checkpoint.tmp`` (the old one is renamed only then), so that one moves into place
-    (the old one when it is somehow missing); a ``checkpoint.old`` beside a ``checkpoint`` is the
-    previous one, not yet deleted."""
-    import shutil
-
+def _checkpoint_dir(out: Path) -> Path:
+    """The folder holding ``out``'s latest whole checkpoint (read only: every rank may ask):
+    ``checkpoint``; with none but a ``checkpoint.old``, a kill interrupted :func:`save_checkpoint`
+    after the new checkpoint was written whole into ``checkpoint.tmp`` (the old one is moved
+    aside only then), so that one (the old one when it is somehow missing)."""
     tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
     if not final.exists() and old.exists():
-        (tmp if (tmp / "trainer.pt").exists() else old).rename(final)
+        return tmp if (tmp / "trainer.pt").exists() else old
+    return final
+
+
+def _finish_checkpoint_swap(out: Path) -> None:
+    """Complete the swap of :func:`save_checkpoint` that a kill interrupted (rank 0, which alone
+    writes): the latest whole checkpoint (:func:`_checkpoint_dir`) moves into place, and a
+    ``checkpoint.old`` beside a ``checkpoint`` (the previous one, not yet deleted) goes."""
+    import shutil
+
+    final, old = out / "checkpoint", out / "checkpoint.old"
+    latest = _checkpoint_dir(out)
+    if latest != final:
+        latest.rename(final)
     if final.exists() and old.exists():
         shutil.rmtree(old)
 
 
+def checkpoint_state(out: Path) -> dict[str, Any] | None:
+    """The ``state`` of ``out/checkpoint`` (the trainer's counters and its run's fingerprint),
+    read without any model, so that a resume can be refused before the weights load; None when
+    there is no checkpoint. Raises CheckpointError as :func:`load_checkpoint` does."""
+    blob = _read_trainer(out)
+    return None if blob is None else blob["state"]
+
+
+def _read_trainer(out: Path) -> dict[str, Any] | None:
+    """The latest whole checkpoint's ``trainer.pt`` (:func:`_checkpoint_dir`) read with
+    ``weights_only=True`` (None when absent). Raises CheckpointError (param ``resume``) naming
+    the file when it cannot be read that way."""
+    from ..errors import CheckpointError
+
+    path = _checkpoint_dir(out) / "trainer.pt"
+    if not path.exists():
+        return None
+    try:  # tensors and plain types only: a trainer.pt from elsewhere cannot run code when it is read
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  (pickle, zip and OS errors: the file cannot be resumed from)
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise CheckpointError("resume", str(path), message=f"cannot resume from {path}: "
+                              f"{first[:200]} (only tensors and plain types are read)") from None
+
+
 def load_checkpoint(out: Path, peft_model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any] | None:
     """Restore ``out/checkpoint`` into the model, optimizer and schedule; returns its state, or
-    None when there is no checkpoint. A swap of :func:`save_checkpoint` that a kill interrupted
-    is completed first (:func:`_finish_checkpoint_swap`)."""
-    _finish_checkpoint_swap(out)
-    ck = out / "checkpoint"
-    if not (ck / "trainer.pt").exists():
+    None when there is no checkpoint. Where a kill interrupted :func:`save_checkpoint`, the
+    latest whole checkpoint is read (:func:`_checkpoint_dir`); the next save moves it into place."""
+    blob = _read_trainer(out)
+    if blob is None:
         return None
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from ..errors import CheckpointError
-
-    try:  # tensors and plain types only: a trainer.pt from elsewhere cannot run code when it is read
-        blob = torch.load(ck / "trainer.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001  (pickle, zip and OS errors: the file cannot be resumed from)
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise CheckpointError("resume", str(ck / "trainer.pt"), message=f"cannot resume from {ck / 'trainer.pt'}: "
-                              f"{first[:200]} (only tensors and plain types are read)") from None
+    ck = _checkpoint_dir(out)
     set_peft_model_state_dict(peft_model, load_file(ck / "adapter" / "adapter_model.safetensors"))
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import sys
 import time
@@ -37,8 +38,8 @@ from ..errors import ParameterError
 from ..models.adapter import read_manifest
 from ..lang.grammar import tag_tokens_of
 from ..lang.prompts import LEARNED_PASTA_PROMPT, PastaPrompt
-from .common import LoraSettings, LossCurve, export_adapter, git_commit, load_base, load_checkpoint, load_config, \
-    load_tokenizer, lr_lambda, machine, save_checkpoint, wrap_lora
+from .common import LoraSettings, LossCurve, checkpoint_state, export_adapter, git_commit, load_base, load_checkpoint, \
+    load_config, load_tokenizer, lr_lambda, machine, save_checkpoint, wrap_lora
 from .data import TrainExample
 from .forward import forward_log_softmax, forward_logprobs, layout_for
 from .distill import distill_loss, teacher_rows
@@ -94,28 +95,41 @@ class SFTSettings:
 _RESUME_FREE = ("save_every", "device", "dtype", "gradient_checkpointing", "epochs", "max_steps")
 
 
-def _run_fingerprint(examples: Sequence[TrainExample], settings: SFTSettings) -> dict[str, Any]:
-    """What a run's optimizer steps depend on: the examples in order (count and a SHA-256 of
-    their prompts, annotations and ends) and every setting but :data:`_RESUME_FREE`."""
+def _run_fingerprint(examples: Sequence[TrainExample], settings: SFTSettings,
+                     base: str | os.PathLike | None = None) -> dict[str, Any]:
+    """What a run's optimizer steps depend on: the base checkpoint (``--model``'s absolute path,
+    or the embedded model's name for None), the examples in order (count and a SHA-256 of their
+    prompts, annotations and ends) and every setting but :data:`_RESUME_FREE`."""
+    from ..models.loader import EMBEDDED_MODEL
+
     digest = hashlib.sha256()
     for e in examples:
         digest.update(json.dumps([e.prompt, e.annotated, e.ended]).encode())
     cfg = {k: v for k, v in asdict(settings).items() if k not in _RESUME_FREE}
-    return {"examples": len(examples), "examples_sha256": digest.hexdigest(),
+    return {"base": EMBEDDED_MODEL if base is None else str(Path(base).expanduser().resolve()),
+            "examples": len(examples), "examples_sha256": digest.hexdigest(),
             "settings": json.loads(json.dumps(cfg, default=str))}
 
 
 def _check_resume(saved: dict[str, Any] | None, now: dict[str, Any], out: Path) -> None:
-    """Refuse to resume ``out``'s checkpoint under other examples or settings (its step would be
-    applied to another order: examples trained twice or never). A checkpoint from before
-    fingerprints (None) resumes as before. Raises ParameterError naming what changed."""
-    if saved is None or saved == now:
+    """Refuse to resume ``out``'s checkpoint under another base model, other examples or
+    settings (its step would be applied to other weights or another order: examples trained
+    twice or never). A checkpoint from before fingerprints (None) resumes as before, and one
+    from before the base was recorded is not checked for it. Raises ParameterError naming what
+    changed."""
+    if saved is None:
+        return
+    if "base" not in saved:
+        now = {k: v for k, v in now.items() if k != "base"}
+    if saved == now:
         return
     changed = [f"{k} ({str(saved['settings'].get(k))[:60]} then, {str(now['settings'].get(k))[:60]} now)"
                for k in sorted(set(saved["settings"]) | set(now["settings"]))
                if saved["settings"].get(k) != now["settings"].get(k)]
     if saved.get("examples") != now["examples"] or saved.get("examples_sha256") != now["examples_sha256"]:
         changed.insert(0, f"the examples ({saved.get('examples')} then, {now['examples']} now)")
+    if saved.get("base", now.get("base")) != now.get("base"):
+        changed.insert(0, f"the base model --model ({saved['base']} then, {now['base']} now)")
     raise ParameterError("--resume", str(out), message=(
         f"the checkpoint in {out} was written under other training inputs: {', '.join(changed)} changed; "
         "resume with the same data and flags, or train into a new --out"))
@@ -195,8 +209,9 @@ def train_sft(
 
     Returns the summary (also in ``out/summary.json``). Raises ValueError (ParameterError naming
     the flag) for a bad setting, when the memory estimate does not fit (before the weights load),
-    or when the world is larger than ``grad_accum``; ParameterError naming ``--resume`` when
-    ``out``'s checkpoint was written under other examples or settings (:func:`_check_resume`)."""
+    or when the world is larger than ``grad_accum``; ParameterError naming ``--resume``, before
+    the weights load, when ``out``'s checkpoint was written from another base model or under
+    other examples or settings (:func:`_check_resume`)."""
     from tqdm import tqdm
 
     if settings.content_loss not in ("nll", "distill"):
@@ -215,6 +230,9 @@ def train_sft(
         raise ParameterError("--grad-accum", settings.grad_accum, message=f"--grad-accum {settings.grad_accum} is the "
                              f"global batch of an optimizer step: it must be at least the world size {dp.world_size} "
                              "(each rank runs one example or more per step)")
+    fingerprint = _run_fingerprint(examples, settings, base)
+    if resume:  # another model, data or settings: refused before the weights load
+        _check_resume((checkpoint_state(out) or {}).get("fingerprint"), fingerprint, out)
     estimate = sft_memory_estimate(examples, settings, base)
     line = check_memory(estimate, device, f"train sft (rank {dp.rank} of {dp.world_size})" if dp.world_size > 1
                         else "train sft", max_memory_gib=max_memory_gib, flags=_memory_flags(settings, dtype))
@@ -267,13 +285,16 @@ def train_sft(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, settings.warmup, total))
     state: dict[str, Any] = {"step": 0, "elapsed_s": 0.0}
     curve = LossCurve()
-    fingerprint = _run_fingerprint(examples, settings)
     state["fingerprint"] = fingerprint
     if resume:
         got = load_checkpoint(out, model, opt, sched)
         if got is not None:
-            _check_resume(got.get("fingerprint"), fingerprint, out)
             state = {**got, "fingerprint": fingerprint}
+            # the optimizer state brought back the old schedule's last rate: a longer run
+            # (epochs, max_steps) stretches the schedule, so its next step takes the new one's
+            for group, base_lr in zip(opt.param_groups, sched.base_lrs):
+                group["lr"] = base_lr * lr_lambda(sched.last_epoch, settings.warmup, total)
+            sched._last_lr = [group["lr"] for group in opt.param_groups]
             if scaler is not None and "grad_scaler" in state:
                 scaler.load_state_dict(state["grad_scaler"])
             if (out / "loss.json").exists():

@@ -84,8 +84,10 @@ def test_a_kill_anywhere_in_a_save_leaves_a_whole_checkpoint_to_resume(tmp_path,
     with pytest.raises(_Killed):
         save_checkpoint(tmp_path, _Adapter(), opt, sched, {"step": 2})
     monkeypatch.undo()
-    common._finish_checkpoint_swap(tmp_path)
+    read = common.checkpoint_state(tmp_path)  # what a resume reads, before anything is moved
+    common._finish_checkpoint_swap(tmp_path)  # what the next save does first
     blob = torch.load(tmp_path / "checkpoint" / "trainer.pt", map_location="cpu", weights_only=True)
+    assert read == blob["state"]
     # killed moving the old one aside (1): the old one stays; the new one not yet in place (2) or the
     # old one not yet deleted (3): the new one, written whole, is the checkpoint
     assert blob["state"]["step"] == (2 if kill_at >= 2 else 1)

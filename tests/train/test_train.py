@@ -170,6 +170,59 @@ def test_a_run_killed_at_a_checkpoint_resumes_with_every_point_of_its_curve(tiny
     assert summary["optimizer_steps"] == 12 and [p["step"] for p in curve] == list(range(1, 13))
 
 
+def test_a_resume_from_another_base_model_is_refused_before_the_weights_load(tiny_llama, tiny_qwen2, tmp_path,
+                                                                               monkeypatch):
+    """``train sft --resume --model OTHER`` trained the later steps on other weights (exit 0,
+    a loss curve jumping from 5.8 to 9.6) or, for another shape, died in peft with a size
+    mismatch traceback: the checkpoint's fingerprint now names the base model, and a resume
+    from another is refused naming it, before any weights load."""
+    import shutil
+
+    from pasta_engine.errors import ParameterError
+    from pasta_engine.train import sft as sftmod
+    from pasta_engine.train.common import LoraSettings
+    from pasta_engine.train.data import TrainExample
+
+    ex = [TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 2
+    settings = sftmod.SFTSettings(epochs=1, grad_accum=1, save_every=1, max_steps=1,
+                                  lora=LoraSettings(r=2, alpha=4, dropout=0.0))
+    sftmod.train_sft(ex, tmp_path / "run", settings, base=str(tiny_llama), progress=False)
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama, copy)
+    longer = sftmod.SFTSettings(**{**settings.__dict__, "max_steps": 2})
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights loaded before the refusal")
+
+    with monkeypatch.context() as m:
+        m.setattr(sftmod, "load_base", no_load)
+        for other in (copy, tiny_qwen2):
+            with pytest.raises(ParameterError, match="the base model --model") as e:
+                sftmod.train_sft(ex, tmp_path / "run", longer, base=str(other), resume=True, progress=False)
+            assert e.value.param == "--resume" and str(Path(other).resolve()) in str(e.value)
+    summary = sftmod.train_sft(ex, tmp_path / "run", longer, base=str(tiny_llama), resume=True, progress=False)
+    assert summary["optimizer_steps"] == 2  # the same model still resumes
+
+
+def test_a_longer_resumed_run_takes_the_stretched_schedules_rate_at_once(tiny_llama, tmp_path):
+    """A resume with more steps stretches the schedule, but its first step ran at the old
+    schedule's last rate (the optimizer state brought it back): every step now logs the rate of
+    the schedule it runs under."""
+    from pasta_engine.train import sft as sftmod
+    from pasta_engine.train.common import LoraSettings, lr_lambda
+    from pasta_engine.train.data import TrainExample
+
+    ex = [TrainExample(PROMPT, ANNOTATED, "koala", "sot", 3, 40)] * 4
+    short = sftmod.SFTSettings(epochs=1, lr=1e-3, grad_accum=1, warmup=0, save_every=1, max_steps=2,
+                               lora=LoraSettings(r=2, alpha=4, dropout=0.0))
+    sftmod.train_sft(ex, tmp_path / "run", short, base=str(tiny_llama), progress=False)
+    longer = sftmod.SFTSettings(**{**short.__dict__, "max_steps": 4})
+    sftmod.train_sft(ex, tmp_path / "run", longer, base=str(tiny_llama), resume=True, progress=False)
+    curve = json.loads((tmp_path / "run" / "loss.json").read_text())
+    assert [p["step"] for p in curve] == [1, 2, 3, 4]
+    assert [p["lr"] for p in curve[2:]] == pytest.approx([1e-3 * lr_lambda(s, 0, 4) for s in (2, 3)])
+
+
 def test_an_optimizer_step_stays_in_one_epoch_and_logs_its_own_lr(tiny_llama, tmp_path, monkeypatch):
     """7 examples, 4 per step, 3 epochs: 3 steps of 4 different examples, one epoch's shuffle
     each (the epochs ran together: a step held one example twice and the third epoch was never
