@@ -354,6 +354,55 @@ def _check_round_inputs(rdir: Path, rows: Sequence[Mapping[str, Any]], inputs: M
         raise ValueError(f"{rdir}: its samples were drawn or scored under other settings: {'; '.join(differ)}: {fix}")
 
 
+def _training_inputs(settings: BonbonSettings, reader: bool) -> dict[str, Any]:
+    """What a round's training depends on beyond its samples (:func:`_round_inputs`): the loss, the
+    optimizer, which samples pair up and whether a reader scored them (kept as ``training`` in
+    ``round.json``)."""
+    return {"alpha": settings.alpha, "lr": settings.lr, "grad_accum": settings.grad_accum, "epochs": settings.epochs,
+            "warmup": settings.warmup, "best_must_finish": settings.best_must_finish, "reader": reader}
+
+
+#: The ``train bonbon`` flag that sets a recorded round input, where it is not the input's own name.
+_ROUND_FLAGS = {"prompts": "--prompts", "start_adapter": "--adapter", "pasta_prompt": "--adapter",
+                "quality": "--judge-url"}
+
+
+def _check_done_round(rdir: Path, inputs: Mapping[str, Any], training: Mapping[str, Any], seed_offset: int) -> None:
+    """Refuse to reuse the finished round ``rdir`` unless it was sampled, scored and trained under
+    ``inputs`` (:func:`_round_inputs`, against its ``sampling.json``) and ``training``
+    (:func:`_training_inputs`, against the ``training`` record of its ``round.json``): its adapter
+    would stand for flags that trained nothing. A key a record lacks is not compared (a round
+    written before either record resumes as before). ``seed_offset``: the round's, taken off the
+    seeds shown. Raises ParameterError naming the first flag that differs (every one, with both
+    values, in the message)."""
+    from ..errors import ParameterError
+
+    kept = json.loads((rdir / "sampling.json").read_text(encoding="utf-8")) if (rdir / "sampling.json").exists() else {}
+    kept.update(json.loads((rdir / "round.json").read_text(encoding="utf-8")).get("training", {}))
+    now = {**inputs, **training}
+    for record in (kept, now):  # the --seed given, not the round's
+        if isinstance(record.get("seed"), int):
+            record["seed"] -= seed_offset
+    differ = [k for k in now if k in kept and kept[k] != now[k]]
+    if not differ:
+        return
+    flag = {k: _ROUND_FLAGS.get(k, "--" + k.replace("_", "-")) for k in differ}
+    shown = []
+    for k in differ:
+        was, is_ = kept[k], now[k]
+        if k == "prompts":
+            other = sum(1 for a, b in zip(was, is_) if a != b) + abs(len(was) - len(is_))
+            shown.append(f"{flag[k]}: {other} of {len(is_)} prompts differ (another --prompts, --limit, "
+                         "--sample-prompts or --seed?)")
+        elif k in ("pasta_prompt", "quality"):
+            shown.append(f"{flag[k]}: {k} {str(was)[:80]!r} then, {str(is_)[:80]!r} now")
+        else:
+            shown.append(f"{flag[k]} {was!r} then, {is_!r} now")
+    raise ParameterError(flag[differ[0]], now[differ[0]], message=(
+        f"{rdir} is a finished round sampled and trained under other flags ({'; '.join(shown)}): rerun with the "
+        "same flags to go on from it, or train into a new --out"))
+
+
 def _score_pending(rows: list[dict[str, Any]], rdir: Path, scorer: Scorer, quality_weight: float) -> None:
     """Score every row of ``rdir``'s samples that has no score yet, in place: scores kept in
     ``rdir/scores.jsonl`` by an earlier, interrupted run are taken from there, each new one is
@@ -438,7 +487,12 @@ def train_bonbon(
     scoring only the ones not scored yet (each score is kept in ``scores.jsonl`` as it arrives):
     when they were drawn or scored under other prompts or settings (``sampling.json``: prompts,
     ``n``, temperature, ``top_p``, repetition penalty, ``max_new_tokens``, seed, quality weight and
-    term, pasta prompt, starting adapter, LoRA scale) it raises ValueError naming what differs. A round sampled
+    term, pasta prompt, starting adapter, LoRA scale) it raises ValueError naming what differs. A finished
+    round is reused only when it was sampled, scored and trained under the same inputs: its
+    ``sampling.json`` and the ``training`` record of its ``round.json`` (alpha, lr, grad_accum, epochs,
+    warmup, best_must_finish, reader) are compared before anything loads, and a difference raises
+    ParameterError naming the first flag that differs and both values (rerun with the same flags,
+    or a new ``out``); a round written before those records resumes as before. A round sampled
     again (another sample count) moves a reader's folder written for the old samples to
     ``reader.stale``.
 
@@ -474,10 +528,19 @@ def train_bonbon(
             print(line, file=sys.stderr, flush=True)
     on_gpu = device if device.type == "cuda" else None
     pasta_prompt = adapter_pasta_prompt(adapter, settings.pasta_prompt)
+    quality = _scorer_quality(scorer)
+    training_inputs = _training_inputs(settings, reader_references is not None)
+    start = Path(adapter)
+    for k in range(settings.rounds):  # the finished rounds to reuse, checked before anything loads
+        rdir = out / f"round{k + 1}"
+        if not ((rdir / "round.json").exists() and (rdir / "adapter" / "adapter_config.json").exists()):
+            break
+        _check_done_round(rdir, _round_inputs(prompts, settings, settings.seed + 10_000 * k, start, pasta_prompt,
+                                              quality), training_inputs, 10_000 * k)
+        start = rdir / "adapter"
     out.mkdir(parents=True, exist_ok=True)
     base_model, tok, path = load_base(base, dtype, device=on_gpu)
     base_model.eval()
-    quality = _scorer_quality(scorer)
     scorer = scorer or LikelihoodQuality(base_model, tok)
     current = Path(adapter)
     rounds = []
@@ -593,7 +656,7 @@ def train_bonbon(
             "mean_tokens": sum(r["tokens"] for r in rows) / len(rows),
             "length_cut_samples": sum(1 for r in rows if r["finish_reason"] == "length"),
             "first_margin": curve.points[0]["margin"], "last_margin": curve.points[-1]["margin"],
-            "train_seconds": round(curve_seconds, 1),
+            "train_seconds": round(curve_seconds, 1), "training": training_inputs,
         }
         if reader_references is not None:
             summary_k["proxy_pair_agreement"] = proxy_pair_agreement(rows)
