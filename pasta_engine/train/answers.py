@@ -37,14 +37,36 @@ __all__ = ["MODEL_CARD_SAMPLING", "check_answers_resume", "generate_answers"]
 MODEL_CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
-def _done(path: Path) -> dict[str, dict[str, Any]]:
+def _read_log(path: Path) -> tuple[dict[str, dict[str, Any]], list[str] | None]:
+    """The rows of ``answers.jsonl`` by instruction, and the lines to write back when the file
+    does not end with a whole row (None when it does): its last line cut off part-way by an
+    interrupted run (the row in flight, left out: it is answered again), or a whole last row
+    without its line end.
+
+    Raises ValueError naming the file and the line when a line other than the last is not a
+    JSON row (the file was edited or two runs wrote it: nothing an interrupted run leaves)."""
     rows: dict[str, dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                r = json.loads(line)
-                rows[r["instruction"]] = r
-    return rows
+    if not path.exists():
+        return rows, None
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if not isinstance(r, dict) or not isinstance(r.get("instruction"), str):
+                raise ValueError("not an answer row (an object with an 'instruction')")
+        except ValueError as e:
+            if i != last:
+                raise ValueError(
+                    f"{path}: line {i + 1} is not a JSON row ({e}), and it is not the last line (the one an "
+                    f"interrupted run was writing): delete that line to resume (its prompt is answered again), "
+                    f"or remove {path} (or answer into a new --out) to start over") from None
+            return rows, lines[:i]  # cut off part-way by an interrupted run: that row is answered again
+        rows[r["instruction"]] = r
+    return rows, (lines if text and not text.endswith("\n") else None)
 
 
 def _sampling(generator: str, max_new_tokens: int, temperature: float, top_p: float, repetition_penalty: float,
@@ -59,8 +81,11 @@ def check_answers_resume(out: Path, *, max_new_tokens: int = 320,
                          generator: str = "SmolLM2-135M-Instruct") -> None:
     """What :func:`generate_answers` checks first, before any model loads (the CLI calls it early):
     raises ParameterError when ``out`` holds answers sampled under another model (``generator``) or
-    other sampling flags (``out/sampling.json``)."""
+    other sampling flags (``out/sampling.json``), and ValueError when a line of ``out/answers.jsonl``
+    other than the last is not a JSON row (a last line cut off by an interrupted run is fine:
+    :func:`generate_answers` drops it and answers that prompt again)."""
     _check_sampling(out, _sampling(generator, max_new_tokens, temperature, top_p, repetition_penalty, seed))
+    _read_log(out / "answers.jsonl")
 
 
 def _check_sampling(out: Path, sampling: dict[str, Any]) -> None:
@@ -88,8 +113,9 @@ def generate_answers(engine: Any, rows: Sequence[PromptRow], out: Path, *, max_n
         progress: one line per batch on stderr.
 
     A rerun into the same ``out`` resumes: rows answered already are kept, except those whose
-    ``finish_reason`` is ``"error"`` (answered again). ``sampling.json`` keeps the model
-    (``generator``) and the sampling flags.
+    ``finish_reason`` is ``"error"`` (answered again) and a last line cut off part-way by an
+    interrupted run (dropped; its prompt is answered again). Each row is flushed as it is written.
+    ``sampling.json`` keeps the model (``generator``) and the sampling flags.
 
     Returns the summary: rows, answers, how many ended at the budget (``length``), tokens per
     second of the whole run, the settings.
@@ -97,13 +123,17 @@ def generate_answers(engine: Any, rows: Sequence[PromptRow], out: Path, *, max_n
     Raises:
         ParameterError: ``out`` holds answers sampled under another model, max_new_tokens,
             temperature, top_p, repetition_penalty or seed (named; the fix: the same flags, or a new
-            ``--out``)."""
+            ``--out``).
+        ValueError: a line of ``answers.jsonl`` other than the last is not a JSON row (named, with
+            the fix)."""
     sampling = _sampling(generator, max_new_tokens, temperature, top_p, repetition_penalty, seed)
     _check_sampling(out, sampling)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampling.json").write_text(json.dumps(sampling, indent=2) + "\n")
     log = out / "answers.jsonl"
-    done = _done(log)
+    done, whole = _read_log(log)
+    if whole is not None:  # the row an interrupted run was writing: left out (answered again), so a row appends cleanly
+        log.write_text("".join(x + "\n" for x in whole), encoding="utf-8")
     todo = [(i, r) for i, r in enumerate(rows)
             if r.instruction not in done or done[r.instruction].get("finish_reason") == "error"]
     t0 = time.perf_counter()
@@ -121,6 +151,7 @@ def generate_answers(engine: Any, rows: Sequence[PromptRow], out: Path, *, max_n
                 done[r.instruction] = row
                 tokens += res.stats.tokens_decoded
                 f.write(json.dumps(row) + "\n")
+                f.flush()  # on disk row by row: a kill loses at most the row being written
         if progress:
             el = time.perf_counter() - t0
             print(f"answers: {len(done)}/{len(rows)} ({tokens / max(el, 1e-9):.1f} tokens/s this run)", file=sys.stderr,
