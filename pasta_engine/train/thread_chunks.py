@@ -263,12 +263,59 @@ def chunk_topics(chunks: Sequence[str], idf: Mapping[str, float] | None = None) 
     return topics
 
 
+def _rewriting(model: str | None, max_new_tokens: int, repetition_penalty: float, annotator: str | None,
+               max_response_tokens: int | None) -> dict[str, Any]:
+    """The flags that make a row of ``examples.jsonl``, as ``out/sampling.json`` keeps them: the
+    model, ``--max-chunk-tokens``, ``--repetition-penalty`` and, when given, the annotation flags
+    the answers were annotated under (``--annotator``, ``--max-response-tokens``)."""
+    record: dict[str, Any] = {"model": model, "max_chunk_tokens": max_new_tokens,
+                              "repetition_penalty": repetition_penalty}
+    if annotator is not None:
+        record["annotator"] = annotator
+    if max_response_tokens is not None:
+        record["max_response_tokens"] = max_response_tokens
+    return record
+
+
 def check_chunks_resume(out: Path, *, repetition_penalty: float = 1.1, max_new_tokens: int = 256,
-                        model: str | None = None) -> None:
+                        model: str | None = None, annotator: str | None = None,
+                        max_response_tokens: int | None = None) -> None:
     """What :func:`rewrite_chunks` checks first, before any model loads (the CLI calls it early):
     raises ParameterError when ``out`` holds chunks rewritten under another model,
-    ``--max-chunk-tokens`` or ``--repetition-penalty`` (``out/sampling.json``)."""
-    _check_rewriting(out, {"model": model, "max_chunk_tokens": max_new_tokens, "repetition_penalty": repetition_penalty})
+    ``--max-chunk-tokens``, ``--repetition-penalty``, ``--annotator`` or ``--max-response-tokens``
+    (``out/sampling.json``; the last two only when given), and ValueError when a line of
+    ``out/examples.jsonl`` other than the last is not a JSON row."""
+    _check_rewriting(out, _rewriting(model, max_new_tokens, repetition_penalty, annotator, max_response_tokens))
+    log, packed = out / "examples.jsonl", out / "examples.jsonl.gz"
+    if log.exists():
+        _read_log(log, log.read_text(encoding="utf-8"))
+    elif packed.exists():
+        _read_log(log, gzip.decompress(packed.read_bytes()).decode("utf-8"))
+
+
+def _read_log(log: Path, text: str) -> tuple[dict[tuple[str, str], tuple[dict[str, Any], str]], bool]:
+    """The rows of ``examples.jsonl`` (its ``text``) by ``(prompt, source)``, each with its line,
+    and whether the text ends in a line an interrupted run cut off part-way (left out: that
+    answer is rewritten again) or a row without its line end.
+
+    Raises ValueError naming the file and line when a line other than the last is not a JSON row."""
+    rows: dict[tuple[str, str], tuple[dict[str, Any], str]] = {}
+    lines = text.splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if not isinstance(r, dict) or not isinstance(r.get("prompt"), str) or not isinstance(r.get("source"), str):
+                raise ValueError("not a row with a 'prompt' and a 'source'")
+        except ValueError as e:
+            if i != last:
+                raise ValueError(f"{log}: line {i + 1} is not a JSON row ({e}); remove the file to start "
+                                 "over") from None
+            return rows, True  # cut off by an interrupted run
+        rows[(r["prompt"], r["source"])] = (r, line)
+    return rows, bool(text) and not text.endswith("\n")
 
 
 def _check_rewriting(out: Path, rewriting: dict[str, Any]) -> None:
@@ -276,11 +323,20 @@ def _check_rewriting(out: Path, rewriting: dict[str, Any]) -> None:
     check_resume_record(out, rewriting, "chunks rewritten", "rewrite into a new --out")
 
 
+def _made_from(row: Mapping[str, Any], e: TrainExample) -> bool:
+    """Whether a row of ``examples.jsonl`` is the rewrite of example ``e``: its source is ``e``'s
+    annotated answer, and the fields it took from ``e`` (the annotator, dataset, promises, whether
+    the answer ended) are ``e``'s."""
+    return (row.get("prompt"), row.get("source")) == (e.prompt, e.annotated) \
+        and row.get("annotator") == f"{e.annotator}+thread-rewrite" \
+        and (row.get("dataset"), row.get("promises"), row.get("ended")) == (e.dataset, e.promises, e.ended)
+
+
 def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, count_tokens: Callable[[str], int],
                    idf: Mapping[str, float] | None = None, repetition_penalty: float = 1.1,
                    max_new_tokens: int = 256, batch: int = 16, progress: bool = True,
-                   model: str | None = None) -> tuple[list[TrainExample],
-                                                                                              dict[str, Any]]:
+                   model: str | None = None, annotator: str | None = None,
+                   max_response_tokens: int | None = None) -> tuple[list[TrainExample], dict[str, Any]]:
     """Rewrite every chunk of ``examples`` in its own thread's context with ``engine`` (the base
     model, sequential mode, greedy with ``repetition_penalty``) and write ``out/examples.jsonl``
     (:class:`TrainExample` rows, appended per ``batch`` of answers: an interrupted run resumes)
@@ -296,17 +352,23 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
             (:func:`~pasta_engine.tools.annotate_independent.document_frequencies`).
         max_new_tokens: the most tokens a rewritten chunk may take (``--max-chunk-tokens``).
         model: the base model's name, kept with ``repetition_penalty`` and ``max_new_tokens`` in
-            ``out/sampling.json``.
+            ``out/sampling.json``; annotator, max_response_tokens: the annotation flags that made
+            ``examples`` (``--annotator``, ``--max-response-tokens``), kept there too when given.
+
+    A rerun into the same ``out`` resumes from the rows already written for ``examples``; rows
+    ``examples.jsonl`` holds for other answers (another ``--prompts``, ``--limit`` or annotation)
+    are dropped from it first, so it only ever holds this run's rows.
 
     Returns ``(examples, counts)``; counts of chunks ``stop``, ``cut``, ``original`` and answers.
 
     Raises:
-        ParameterError: ``out`` holds rewrites made under another model, ``--max-chunk-tokens`` or
-            ``--repetition-penalty`` (named; the fix: the same flags, or a new ``--out``).
+        ParameterError: ``out`` holds rewrites made under another model, ``--max-chunk-tokens``,
+            ``--repetition-penalty``, ``--annotator`` or ``--max-response-tokens`` (named; the fix:
+            the same flags, or a new ``--out``).
         ValueError: a line of ``examples.jsonl`` other than the last is not JSON."""
     from ..config import SamplingParams
 
-    rewriting = {"model": model, "max_chunk_tokens": max_new_tokens, "repetition_penalty": repetition_penalty}
+    rewriting = _rewriting(model, max_new_tokens, repetition_penalty, annotator, max_response_tokens)
     _check_rewriting(out, rewriting)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampling.json").write_text(json.dumps(rewriting, indent=2) + "\n")
@@ -316,20 +378,17 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
         log.write_bytes(gzip.decompress(packed.read_bytes()))
     done: dict[tuple[str, str], dict[str, Any]] = {}
     if log.exists():
-        lines = log.read_text(encoding="utf-8").splitlines()
-        last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-        for i, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                if i != last:
-                    raise ValueError(f"{log}: line {i + 1} is not a JSON row ({e}); remove the file to start "
-                                     "over") from None
-                log.write_text("".join(x + "\n" for x in lines[:i]), encoding="utf-8")  # cut off by an interrupted run
-                break
-            done[(r["prompt"], r["source"])] = r
+        kept, torn = _read_log(log, log.read_text(encoding="utf-8"))
+        ours = {(e.prompt, e.annotated): e for e in examples}
+        other = [k for k, (r, _) in kept.items() if k not in ours or not _made_from(r, ours[k])]  # never kept
+        for k in other:
+            del kept[k]
+        if other or torn:
+            log.write_text("".join(line + "\n" for _, line in kept.values()), encoding="utf-8")
+        if other and progress:
+            print(f"train chunks: dropped {len(other)} rows of {log} made from other answers than this run's "
+                  "(another --prompts, --limit, --annotator or --max-response-tokens)", file=sys.stderr, flush=True)
+        done = {k: r for k, (r, _) in kept.items()}
     counts = {"answers": len(examples), "stop": 0, "cut": 0, "original": 0}
     t0 = time.perf_counter()
     todo = list({(e.prompt, e.annotated): e for e in examples if (e.prompt, e.annotated) not in done}.values())
@@ -362,6 +421,7 @@ def rewrite_chunks(engine: Any, examples: Sequence[TrainExample], out: Path, *, 
                        "response_tokens": count_tokens(strip_tags(annotated)), "source": e.annotated, "chunks": h}
                 done[(e.prompt, e.annotated)] = row
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()  # on disk row by row: a kill loses at most the row being written
         if progress:
             print(f"train chunks: {len(done)}/{len(examples)} answers ({time.perf_counter() - t0:.0f} s this run)",
                   file=sys.stderr, flush=True)

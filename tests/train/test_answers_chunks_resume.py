@@ -1,8 +1,20 @@
-"""Resuming ``train answers`` into the same --out after a kill cut a row of answers.jsonl off."""
+"""Resuming ``train answers`` and ``train chunks`` into the same --out: a row cut off by a kill
+(answers.jsonl), and a rerun with other annotation flags (examples.jsonl)."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+
+import pytest
+
+from pasta_engine.errors import ParameterError
+from pasta_engine.train.data import TrainExample
+from pasta_engine.train.thread_chunks import check_chunks_resume, rewrite_chunks
+
+from sample_traces import SLEEP_PROMPT, SLEEP_TIPS  # noqa: E402  (tests/sample_traces.py)
+
+LISTED = "Tips:\n1. Go to bed early, and get up at the same time every day.\n2. Avoid screens at night.\n"
 
 
 def _main(argv, capsys):
@@ -45,3 +57,60 @@ def test_train_answers_resumes_after_a_kill_left_half_a_row(tiny_llama, tmp_path
     log.write_text("{oops\n" + log.read_text(encoding="utf-8"), encoding="utf-8")
     rc, err = _main(cmd, capsys)
     assert rc == 2 and f"{log}: line 1 is not a JSON row" in err and "delete that line" in err, err
+
+
+def test_train_chunks_rerun_with_another_annotator_never_mixes_two_runs_rows(tiny_llama, tmp_path, capsys):
+    """A rerun into the same --out with another --annotator / --max-response-tokens kept the first
+    run's rows: examples.jsonl held each prompt twice (4 rows for 2 answers) and `train sft
+    --examples` trained on both runs."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": f"How to sleep better {k}?", "dataset": "koala", "output": LISTED}
+                                   for k in range(2)]))
+    out = tmp_path / "c"
+    cmd = ["train", "chunks", "--prompts", str(prompts), "--model", str(tiny_llama), "--out", str(out),
+           "--max-chunk-tokens", "8", "--device", "cpu"]
+    assert _main(cmd + ["--annotator", "sot"], capsys)[0] == 0
+    first = _rows(out / "examples.jsonl")
+    assert sorted(r["annotator"] for r in first) == ["sot+thread-rewrite"] * 2
+    rc, err = _main(cmd + ["--annotator", "apar", "--max-response-tokens", "20"], capsys)
+    rows = _rows(out / "examples.jsonl")
+    if rc != 0:  # refused up front (the CLI hands the annotation flags to check_chunks_resume): rows untouched
+        assert rc == 2 and "--annotator" in err and rows == first, err
+    else:  # resumed: only this run's rows, one per answer
+        assert sorted(r["prompt"] for r in rows) == [f"How to sleep better {k}?" for k in range(2)], rows
+        assert not any(r["annotator"].startswith("sot") for r in rows)
+        assert json.loads((out / "summary.json").read_text())["answers"] == len(rows)
+
+
+@pytest.mark.parametrize("kw, flag", [({"annotator": "apar"}, "--annotator"),
+                                      ({"max_response_tokens": 20}, "--max-response-tokens")])
+def test_chunks_resume_records_the_annotation_flags_and_drops_rows_of_other_answers(tmp_path, kw, flag):
+    """sampling.json kept only --max-chunk-tokens / --repetition-penalty / the model, and rows made
+    from other answers stayed in examples.jsonl."""
+
+    class Engine:
+        def format_prompt(self, prompt, mode):
+            return [1]
+
+        def encode(self, text):
+            return [2]
+
+        def generate(self, prompts, params, mode):
+            return [SimpleNamespace(text=" rewritten.", stats=SimpleNamespace(finish_reason="stop")) for _ in prompts]
+
+    words = lambda s: len(s.split())  # noqa: E731
+    made = {"annotator": "sot", "max_response_tokens": 448}
+    sot = TrainExample(SLEEP_PROMPT, SLEEP_TIPS, "koala", "sot", 3, 30)
+    rewrite_chunks(Engine(), [sot], tmp_path, count_tokens=words, progress=False, **made)
+    assert json.loads((tmp_path / "sampling.json").read_text())["annotator"] == "sot"
+    with pytest.raises(ParameterError, match=f"{flag} .* then, .* now.*new --out") as e:
+        check_chunks_resume(tmp_path, **{**made, **kw})
+    assert e.value.param == flag
+    with pytest.raises(ParameterError):
+        rewrite_chunks(Engine(), [sot], tmp_path, count_tokens=words, progress=False, **{**made, **kw})
+    check_chunks_resume(tmp_path, **made)  # the same flags resume
+    # rows made from other answers (here: the same answer annotated by another annotator) are dropped
+    other = TrainExample(SLEEP_PROMPT, "Tips: no forks.", "koala", "none", 0, 3)
+    got, counts = rewrite_chunks(Engine(), [other], tmp_path, count_tokens=words, progress=False)
+    assert [r["annotator"] for r in _rows(tmp_path / "examples.jsonl")] == ["none+thread-rewrite"]
+    assert counts["answers"] == 1 and got[0].annotated == "Tips: no forks."
