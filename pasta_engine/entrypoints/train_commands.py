@@ -645,7 +645,8 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if args.limit is not None:
         rows = rows[: args.limit]
     check_chunks_resume(args.out, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_chunk_tokens,
-                        model=str(args.model or "SmolLM2-135M-Instruct"))  # before the model loads
+                        model=str(args.model or "SmolLM2-135M-Instruct"), annotator=args.annotator,
+                        max_response_tokens=args.max_response_tokens)  # before the model loads
     _check_engine_memory(args, device, dtype, "train chunks")
     engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, adapter=None,
                                     max_running_requests=args.max_running_requests)
@@ -655,7 +656,8 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     idf = document_frequencies(r.output for r in rows if r.output)
     _, chunk_counts = rewrite_chunks(engine, examples, args.out, count_tokens=count, idf=idf,
                                      repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_chunk_tokens,
-                                     batch=args.batch, model=str(args.model or "SmolLM2-135M-Instruct"))
+                                     batch=args.batch, model=str(args.model or "SmolLM2-135M-Instruct"),
+                                     annotator=args.annotator, max_response_tokens=args.max_response_tokens)
     summary = {**chunk_counts, "annotation": counts, "command": command_line(argv)}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"train chunks: {chunk_counts['answers']} answers (never {EVAL_DATASET!r}); chunks rewritten "
