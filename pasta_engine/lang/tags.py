@@ -479,6 +479,9 @@ _ONE_MARKER = r"(?:[-*+\u2022]|[0-9]{1,9}[.)])"
 _MARKER_LINE = re.compile(rf"[ \t\r]*{_ONE_MARKER}(?:[ \t\r]+{_ONE_MARKER})*[ \t\r]*")
 # A line that may still become one (every prefix of a _MARKER_LINE, the empty line included).
 _MARKER_START = re.compile(rf"[ \t\r]*(?:{_ONE_MARKER}[ \t\r]+)*(?:{_ONE_MARKER}[ \t\r]*|[0-9]{{1,9}})?")
+# A number and its "." or ")" right before a drop (with search's endpos): text a tag followed
+# ("1949.</async>"), which drop_empty_items keeps; a marker a tag emptied has a space first.
+_NUMBER_RIGHT_BEFORE = re.compile(r"[0-9][.)]\Z")
 # A thematic break ("---", "* * *", "___"): a line of markers that is no list item.
 _THEMATIC_BREAK = re.compile(r"[ \t\r]*([-*_])(?:[ \t\r]*\1){2,}[ \t\r]*")
 
@@ -506,7 +509,10 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str
     A line of ``text`` (its characters between line breaks) that is an empty list item
     (:func:`is_empty_list_item`: only list markers, nested ones too) and holds a drop
     offset (``d`` with ``start <= d <= end`` of the line, ``end`` being its line break) goes,
-    with its line break. A list item the model left empty by itself (no drop in its line) stays.
+    with its line break. A list item the model left empty by itself (no drop in its line) stays,
+    and so does a line whose drops all come right after a number and its ``.`` or ``)``: that
+    is text the tag followed (``1949.</async>``, ``42.<sync/>``), not a marker the tag emptied
+    (``1. <promise .../>``, ``- <sync/>``).
 
     First, text that would rejoin a kept lone ``<`` into tag text goes: where a ``<`` stands
     right before a drop (``x <<sync/>``: the model's ``<`` stays, the tag is left out), the
@@ -534,11 +540,11 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str
         s = text.rfind("\n", 0, d) + 1
         if s in seen or s >= end:
             continue
-        seen.add(s)
         e = text.find("\n", d)
         if e < 0:
             e = end
-        if is_empty_list_item(text[s:e]):
+        if is_empty_list_item(text[s:e]) and not _NUMBER_RIGHT_BEFORE.search(text, s, min(d, e)):
+            seen.add(s)
             cuts.append((s, min(e + 1, end)))
     if not cuts:
         return text if end == len(text) else text[:end]

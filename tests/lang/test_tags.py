@@ -326,6 +326,19 @@ def test_a_nested_or_bulleted_item_emptied_by_a_tag_goes_too():
         [True, True, True, False, False, False, False, False]
 
 
+def test_a_number_a_tag_follows_is_text_not_an_emptied_item():
+    """A chunk whose last line was a number and a full stop lost that line ("published in\n1949."
+    read "published in"): a drop right after a number's "." or ")" is text the tag followed; a
+    marker with a space before the tag, or a bullet, is an item the tag emptied, as before."""
+    ann = 'Intro <promise topic="Year" tokens="10"/><async>It was published in\n1949.</async>\nMore.'
+    assert clean_text(ann) == "Intro It was published in\n1949.\nMore." == strip_tags(ann)
+    assert clean_text("The answer is\n42.<sync/>\nDone.") == "The answer is\n42.\nDone."
+    assert clean_text("Steps:\n7)<sync/>\nDone.") == "Steps:\n7)\nDone."
+    assert clean_text("Tips:\n1. <sync/>\n- <sync/>\n-<sync/>\nDone.") == "Tips:\nDone."
+    assert drop_empty_items("a\n1949.", [7]) == "a\n1949." and drop_empty_items("a\n1. ", [5]) == "a\n"
+    assert drop_empty_items("a\n1. ", [4, 5]) == "a\n"  # any drop of the line that empties it counts
+
+
 def test_drop_empty_items_holds_a_last_line_that_may_still_become_an_empty_item():
     assert drop_empty_items("a\n- ", [4], final=True) == "a\n"
     assert drop_empty_items("a\n- ", [], final=True) == "a\n- "
