@@ -309,7 +309,12 @@ def grammar_state(is_main: bool, pending: str, can_fork: bool = True,
             may not end yet); None: no such rule (``CHUNK``).
 
     A partial promise written as text tokens (``<prom``) is not constrained: only what follows a
-    ``<promise topic="`` prefix is (the piece token writes exactly that prefix)."""
+    ``<promise topic="`` prefix is (the piece token writes exactly that prefix), and only while
+    it is what the pieces write: a topic (no ``"``, which topic text never holds) and then
+    digits. Text tokens that went past the topic's quote (``topic=""`` as one token) or put
+    anything but digits in the length leave the tag unconstrained (``MAIN``): a state never
+    allows what the parser rejects there, nor holds the thread in a tag that can only end
+    malformed."""
     if not is_main:
         return GrammarState.CHUNK_OPEN if tail is not None and not chunk_may_end(tail) else GrammarState.CHUNK
     # the parser holds back a broken partial tag before a promise too ("<" then the piece): the
@@ -319,6 +324,10 @@ def grammar_state(is_main: bool, pending: str, can_fork: bool = True,
         return GrammarState.MAIN if can_fork else GrammarState.MAIN_NO_FORK
     rest = pending[at + len(PROMISE_OPEN):]
     topic, sep, digits = rest.partition(PROMISE_LENGTH)
+    if '"' in topic or (digits and not (digits.isascii() and digits.isdigit())):
+        # text tokens wrote past the topic's closing quote or into the length ('=""' is one
+        # token of SmolLM2's): no piece wrote this, so it is unconstrained as any text-written tag
+        return GrammarState.MAIN if can_fork else GrammarState.MAIN_NO_FORK
     if not sep:
         if not topic:
             return GrammarState.TOPIC_EMPTY

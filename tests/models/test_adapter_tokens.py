@@ -172,6 +172,11 @@ def test_grammar_states_follow_the_parsers_pending_text():
     assert grammar_state(True, '<<promise topic="') is GrammarState.TOPIC_EMPTY
     assert grammar_state(True, '<pro<promise topic="Sleep') is GrammarState.TOPIC
     assert grammar_state(True, '<<promise topic="a" tokens="3') is GrammarState.LENGTH
+    # text tokens past the topic's quote ('=""' is one SmolLM2 token) or a length that is no
+    # digits: TOPIC allowed topic text the parser then rejected, and masked every valid way on
+    assert grammar_state(True, '<promise topic=""') is GrammarState.MAIN
+    assert grammar_state(True, '<promise topic="" tokens=\'1\'') is GrammarState.MAIN
+    assert grammar_state(True, '<promise topic="a" tokens="3"', can_fork=False) is GrammarState.MAIN_NO_FORK
 
 
 def test_a_topic_already_promised_may_not_end_there():
