@@ -31,6 +31,8 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+#: The dtypes the kernels take for queries, keys, values and caches (each wrapper refuses others).
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 if INTERPRET:
     import triton.language.standard as _std

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from . import register_compile_spec, upload_int32  # the package sets TRITON_INTERPRET on CPU first
+from . import FLOAT_DTYPES, register_compile_spec, upload_int32  # the package sets TRITON_INTERPRET on CPU first
 from .attention_options import check_softcap, check_window, tanh
 
 import triton  # noqa: E402
@@ -49,7 +49,6 @@ import triton.language as tl  # noqa: E402
 
 __all__ = ["extend_attention", "extend_attention_reference", "extend_indices"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 
@@ -201,8 +200,8 @@ def _validate(fn, q, k_cache, v_cache, q_indptr, kv_page_indptr, kv_pages, kv_pa
         _check(x.dim() == nd, fn, f"{name} must have {nd} dims, got shape {tuple(x.shape)}")
         _check(x.device == q.device, fn, f"{name} is on {x.device} but q is on {q.device}")
     t, hq, d = q.shape
-    _check(q.dtype in _FLOAT_DTYPES, fn, f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
-    _check(k_cache.dtype in _FLOAT_DTYPES, fn, f"k_cache dtype must be float16, bfloat16 or float32, got {k_cache.dtype}")
+    _check(q.dtype in FLOAT_DTYPES, fn, f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    _check(k_cache.dtype in FLOAT_DTYPES, fn, f"k_cache dtype must be float16, bfloat16 or float32, got {k_cache.dtype}")
     _check(v_cache.dtype == k_cache.dtype, fn, f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     _check(tuple(v_cache.shape) == tuple(k_cache.shape), fn,
            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")

@@ -23,7 +23,7 @@ be captured in a CUDA graph; a negative slot means "padding row: rotate q, write
 
 from __future__ import annotations
 
-from . import register_compile_spec  # the package sets TRITON_INTERPRET on CPU before triton.jit runs
+from . import FLOAT_DTYPES, register_compile_spec  # the package sets TRITON_INTERPRET on CPU before triton.jit runs
 
 import torch
 import triton
@@ -31,7 +31,6 @@ import triton.language as tl
 
 __all__ = ["rope_and_write"]
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -139,7 +138,7 @@ def rope_and_write(
         _check(x.device == q.device, f"{name} is on {x.device} but q is on {q.device}")
     t, hq, d = q.shape
     hkv = k.shape[1]
-    _check(q.dtype in _FLOAT_DTYPES, f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    _check(q.dtype in FLOAT_DTYPES, f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
     for name, x in (("k", k), ("v", v), ("cos", cos), ("sin", sin)):
         _check(x.dtype == q.dtype, f"{name} dtype {x.dtype} != q dtype {q.dtype}")
     _check(tuple(k.shape) == (t, hkv, d), f"k shape {tuple(k.shape)} must be [T={t}, Hkv, D={d}]")
@@ -148,7 +147,7 @@ def rope_and_write(
     _check(d % 2 == 0 and d > 0, f"head_dim D={d} must be even")
     for name, x in (("cos", cos), ("sin", sin)):
         _check(tuple(x.shape) == (t, d), f"{name} shape {tuple(x.shape)} must be [T={t}, D={d}]")
-    _check(k_cache.dtype in _FLOAT_DTYPES, f"k_cache dtype must be float16, bfloat16 or float32, got {k_cache.dtype}")
+    _check(k_cache.dtype in FLOAT_DTYPES, f"k_cache dtype must be float16, bfloat16 or float32, got {k_cache.dtype}")
     _check(v_cache.dtype == k_cache.dtype, f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     _check(tuple(v_cache.shape) == tuple(k_cache.shape),
            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")

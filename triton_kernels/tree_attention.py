@@ -50,7 +50,7 @@ from typing import Callable
 
 import torch
 
-from . import INTERPRET, register_compile_spec, upload_int32  # noqa: F401  (INTERPRET: the mode the kernels run in)
+from . import FLOAT_DTYPES, INTERPRET, register_compile_spec, upload_int32  # noqa: F401  (INTERPRET: the mode the kernels run in)
 from .attention_options import check_softcap, check_window, tanh
 
 import triton  # noqa: E402
@@ -564,8 +564,10 @@ def tree_decode_attention(
 
     Returns ``out``: softmax(q k^T * scale) v per row and head (float32 inputs: IEEE fp32 dots,
     no TF32). Raises ValueError on shape or dtype mismatches (``out`` included; a ``v_cache``
-    dtype other than ``k_cache``'s), on a ``block_n`` that is not a power of two >= 16, on a plan
-    built for more rows or another GQA group than the call's, on a ``grid_work`` below the
+    dtype other than ``k_cache``'s; a dtype other than float16, bfloat16 or float32; no KV
+    head), on a ``block_n`` that is not a power of two >= 16, on a step plan built for another
+    number of rows or another GQA group than the call's (a capacity plan, ``rows`` None, takes
+    padded rows), on a ``grid_work`` below the
     plan's work items, naming
     ``sliding_window``/``logit_softcap`` when their inputs are missing or invalid.
 
@@ -588,8 +590,10 @@ def tree_decode_attention(
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     r, hq, d = q.shape
     _, page, hkv, dk = k_cache.shape
-    if dk != d or hq % hkv:
+    if dk != d or hkv < 1 or hq % hkv:
         raise ValueError(f"q heads {hq} x dim {d} do not fit the cache's {hkv} KV heads x dim {dk}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype or k_cache.stride() != v_cache.stride():
         raise ValueError(f"q dtype {q.dtype}, k_cache dtype {k_cache.dtype} and v_cache dtype {v_cache.dtype} must "
                          "be one dtype, and K and V must have the same strides")
@@ -605,7 +609,7 @@ def tree_decode_attention(
     if not (merge in ("inline", "separate") or callable(merge)):
         raise ValueError(f"merge must be 'inline', 'separate' or a callable, got {merge!r}")
     group = hq // hkv
-    if plan.rows is not None and r < plan.rows:
+    if plan.rows is not None and r != plan.rows:
         raise ValueError(f"the plan covers {plan.rows} query rows but q has {r}: build the plan for these rows")
     if plan.group is not None and plan.group != group:
         raise ValueError(f"the plan was built for GQA group {plan.group}, the call's is {group} "

@@ -116,6 +116,7 @@ class TritonAttention(AttentionBackend):
         self.num_heads = self.num_kv_heads = self.head_dim = 0
         self.device = torch.device("cpu")
         self._plan: _Plan | None = None
+        self._page_size = 0  # the planned step's (AttentionMetadata.page_size), which attend's caches must have
         self._workspace = DecodeWorkspace()
         self._graph: _GraphState | None = None
         self._bump: _Bump | None = None
@@ -164,6 +165,7 @@ class TritonAttention(AttentionBackend):
         the plan's page lengths on the device; anything else plans from ``meta``'s runs."""
         if not self.num_kv_heads:
             raise RuntimeError("TritonAttention.configure(num_heads, num_kv_heads, device) was not called")
+        self._page_size = meta.page_size
         if self._graph is not None:
             return self._plan_static(meta)
         keys = self._try_bump(meta)
@@ -250,6 +252,10 @@ class TritonAttention(AttentionBackend):
         p = self._plan
         if p is None:
             raise RuntimeError("TritonAttention.attend before plan()")
+        if k_cache.dim() != 4 or k_cache.shape[1] != self._page_size:
+            # the kernels read the page size off the cache: another one would drop or misread slots
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} must be [num_pages, page_size={self._page_size}, Hkv, D], "
+                             "the page size of the planned step's metadata")
         check_attention_options(sliding_window, logit_softcap, positions, key_positions, q, k_cache)
         merge = self._merge_fn()
         opts = dict(sliding_window=sliding_window, logit_softcap=logit_softcap, key_positions=key_positions)

@@ -94,3 +94,22 @@ def test_cuda_graph_mode_refuses_the_reference_kv_write():
 
     with pytest.raises(ParameterError, match="kv_write"):
         TritonAttention(kv_write="torch").for_cuda_graph(4, 16)
+
+
+def test_the_triton_backend_refuses_a_cache_of_another_page_size_than_its_plan():
+    """Metadata with pages of 4 over a cache reshaped to pages of 2 was accepted: the kernel
+    took its page size from the cache and dropped slots 2-3 of every page (off by 1.39 against
+    the reference backend, which reads the metadata's). It is refused, naming both."""
+    import torch
+
+    from pasta_engine.layers.triton_attention import TritonAttention
+
+    backend = TritonAttention()
+    backend.configure(4, 2, "cpu", 16)
+    meta = AttentionMetadata.from_pages(4, [1, 1], [[1, 0], [2]], [[4, 2], [1]])
+    assert backend.plan(meta)
+    q = torch.randn(2, 4, 16)
+    cache = torch.randn(4, 4, 2, 16)
+    assert backend.attend(q, cache, cache, 0.25).shape == (2, 4, 16)  # the planned page size runs
+    with pytest.raises(ValueError, match=r"page_size=4.*\(8, 2, 2, 16\)|\(8, 2, 2, 16\).*page_size=4"):
+        backend.attend(q, cache.view(8, 2, 2, 16), cache.view(8, 2, 2, 16), 0.25)

@@ -222,6 +222,23 @@ def test_only_a_capacity_plan_skips_the_rows_and_group_checks():
         tree_decode_attention(torch.zeros(1, 4, 64), k, k, upload_plan(arrays, info | {"group": 0}, "cpu"), 1.0)
     with pytest.raises(ValueError, match="covers 3 query rows but q has 1"):
         tree_decode_attention(torch.zeros(1, 4, 64), k, k, upload_plan(arrays, info | {"rows": 3}, "cpu"), 1.0)
+    # more rows than the step's plan: the extra rows came back as uninitialized memory
+    with pytest.raises(ValueError, match="covers 1 query rows but q has 3"):
+        tree_decode_attention(torch.zeros(3, 4, 64), k, k, upload_plan(arrays, info, "cpu"), 1.0)
+
+
+def test_a_dtype_the_kernel_cannot_take_or_no_kv_head_is_refused_by_name():
+    """int8 q/k/v were accepted and answered int8 garbage (the softmax weights cast to int8
+    before P.V, off by 13 against float attention), int32 died inside Triton, and a cache with
+    no KV head raised ZeroDivisionError; each is now a ValueError saying what is wrong."""
+    plan = build_plan([[(1, [0], [2])]], group=2, num_kv_heads=2, device="cpu")
+    for dtype in (torch.int8, torch.int32, torch.float64):
+        k = torch.zeros(4, 4, 2, 64, dtype=dtype)
+        with pytest.raises(ValueError, match=f"q dtype must be float16, bfloat16 or float32, got {dtype}"):
+            tree_decode_attention(torch.zeros(1, 4, 64, dtype=dtype), k, k, plan, 1.0)
+    k = torch.zeros(4, 4, 0, 64)
+    with pytest.raises(ValueError, match="do not fit the cache's 0 KV heads"):
+        tree_decode_attention(torch.zeros(1, 4, 64), k, k, plan, 1.0)
 
 
 class _LaunchSpy:
