@@ -33,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from ..lang.tags import drop_empty_items, held_line_start, thread_text
+from ..lang.dialect import Rejoin
+from ..lang.tags import PASTA_REJOIN, drop_empty_items, held_line_start, thread_text
 
 # The interpreter imports this module, so this one does not import it (no cycle, not even for
 # type checking): these names stand for pasta_engine.core.interpreter's Interpreter and Thread,
@@ -170,14 +171,16 @@ def joined(t: "Thread") -> str:
     return text
 
 
-def _thread_view(t: "Thread", ended: bool) -> tuple[str, Callable[[int], int]]:
+def _thread_view(t: "Thread", ended: bool, rejoin: Rejoin | None = None) -> tuple[str, Callable[[int], int]]:
     """A thread's clean text on its own (its per-thread deltas and text events) and the mover of
     its offsets: :func:`~pasta_engine.lang.tags.thread_text` of :func:`joined`, final once the
     thread or the request (``ended``) has ended; a chunk whose promise follows a ``<`` of its
-    parent's text is read after it, as the spliced text reads it."""
+    parent's text (the dialect's opener: ``rejoin``, None for PASTA-LANG's) is read after it, as
+    the spliced text reads it."""
+    rejoin = rejoin or PASTA_REJOIN
     p = t.parent
-    after_lt = p is not None and t.fork_clean > 0 and joined(p)[t.fork_clean - 1 : t.fork_clean] == "<"
-    return thread_text(joined(t), t.drops, ended or t.ended, after_lt)
+    after_lt = p is not None and t.fork_clean > 0 and joined(p)[t.fork_clean - 1 : t.fork_clean] == rejoin.opener
+    return thread_text(joined(t), t.drops, ended or t.ended, after_lt, rejoin)
 
 
 def reading_order_key(t: "Thread") -> tuple[int, int]:
@@ -187,7 +190,7 @@ def reading_order_key(t: "Thread") -> tuple[int, int]:
 
 
 def splice_clean(main: str, main_drops: Sequence[int], chunks: Sequence[tuple["Thread", str, Sequence[int], bool]],
-                 final: bool, stop_after: "Thread | None" = None) -> str:
+                 final: bool, stop_after: "Thread | None" = None, rejoin: Rejoin | None = None) -> str:
     """The clean text a reader sees: the main thread's clean text with each chunk's spliced at
     its promise, less the list items left empty by what was left out
     (:func:`~pasta_engine.lang.tags.drop_empty_items` over every thread's drops).
@@ -200,11 +203,12 @@ def splice_clean(main: str, main_drops: Sequence[int], chunks: Sequence[tuple["T
             a chunk that has not ended (after its first line, which holds the chunk's
             ``<async>`` and so is dropped when it is only a marker).
         stop_after: the text ends after this chunk (a reading-order prefix).
+        rejoin: the dialect's opener and parser (``dialect._rejoin``); None: PASTA-LANG's.
 
     A main-thread drop at a chunk's splice offset goes before the chunk when it was made
     before the fork (``fork_drop``), after it otherwise, as in the annotated text."""
     text, drops, _ = _splice(main, main_drops, chunks, final, stop_after)
-    return drop_empty_items(text, drops, final)
+    return drop_empty_items(text, drops, final, rejoin)
 
 
 def _splice(main: str, main_drops: Sequence[int], chunks: Sequence[tuple["Thread", str, Sequence[int], bool]],
@@ -246,7 +250,7 @@ def clean_text(interp: "Interpreter", final: bool | None = None) -> str:
     end it equals :func:`final_text`."""
     final = interp.done if final is None else final
     text, drops, _ = _clean_tree(interp.main, final, False)
-    return drop_empty_items(text, drops, final)
+    return drop_empty_items(text, drops, final, interp.dialect._rejoin)
 
 
 #: Thread finishes the request's end imposed: a chunk cut off mid-way, or never run.
@@ -304,7 +308,7 @@ def _uncut_final_text(interp: "Interpreter", annotated: str | None = None) -> st
     if interp.length_end and interp.limits.length_cut == "prefix" and \
             any(c.finish in _CUT for c in interp.threads[1:]):
         text, drops, _ = _clean_tree(interp.main, True, False, cut=True)
-        return drop_empty_items(text, drops, True)
+        return drop_empty_items(text, drops, True, interp.dialect._rejoin)
     return interp.dialect.clean_text(annotated_text(interp) if annotated is None else annotated)
 
 
@@ -334,7 +338,7 @@ def reading_order_prefix(interp: "Interpreter") -> str:
     (its text so far included), less a last line that may still become an empty list item.
     Every later prefix of the same run extends it, and :func:`final_text` at the end does."""
     text, drops, _ = _clean_tree(interp.main, False, True)
-    return drop_empty_items(text, drops, False)
+    return drop_empty_items(text, drops, False, interp.dialect._rejoin)
 
 
 # --------------------------------------------------------------------------- stop strings
@@ -581,13 +585,15 @@ class OutputRenderer:
                 if d is None:
                     d = per_thread[tid] = ThreadDelta(tid)
                 d.token_ids.append(tok)
-        # each thread's clean text (less text that would rejoin a kept '<' into tag text)
+        # each thread's clean text (less text that would rejoin a kept '<' (the dialect's opener)
+        # into tag text)
         text_sent = self._text_sent
         staged_text: dict[int, int] = {}
         before0 = text_sent.get(0, 0)
         main_view = None
+        rejoin = interp.dialect._rejoin
         for t in threads:
-            s, moved = _thread_view(t, finish_reason is not None)
+            s, moved = _thread_view(t, finish_reason is not None, rejoin)
             if t.tid == 0:
                 main_view = (s, moved)  # the main thread's text events are cut from the same view
             done = text_sent.get(t.tid, 0)

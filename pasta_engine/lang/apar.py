@@ -35,6 +35,14 @@ What is a marker and what is text (the line the parser draws, character by chara
   most :data:`MAX_MARKER_JUNK` characters;
 * a head followed by a letter, digit, ``_`` or ``-`` is a word, and text (``[Forklift]``,
   ``[Children]``); so is anything that stops short of a head (``[1]``, ``[For``, ``[/b]``);
+* a partial marker that a ``[`` cut short (``[Fo[Fork]``, ``[/Chi[Fork]``) is tag-like when what
+  that ``[`` starts is a marker or tag-like (else both are text: ``[a[b``), as PASTA-LANG's
+  partial tags are (:class:`~pasta_engine.lang.tags.TagParser`): kept as text it would meet the
+  text after the left-out marker (``[Fo[Fork]rk]`` would show ``[Fork]``). A lone ``[`` never is:
+  the model's ``[`` right before a marker (``x [[Fork]``) stays in the clean text, and the text
+  after the marker that would complete it into a marker (``Fork]`` in ``[[Fork]Fork]``) is left
+  out of the clean text instead (:data:`APAR_REJOIN`,
+  :func:`~pasta_engine.lang.tags.drop_empty_items`);
 * a head still held back when the text ends (a partial marker at a length cut or end of
   sequence: ``[Fork``, ``[/Child``) is tag-like; a shorter prefix (``[Fo``) is text.
 
@@ -49,13 +57,14 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
-from .dialect import (AsyncClose, AsyncOpen, BaseDialect, Chunk, Malformed, Parsed, Promise, TagText, Text, Threads,
-                      policy_reserve, register_dialect, source_text)
+from .dialect import (AsyncClose, AsyncOpen, BaseDialect, Chunk, Malformed, Parsed, Promise, Rejoin, TagText, Text,
+                      Threads, policy_reserve, register_dialect, source_text)
 from .grammar import GrammarState
 from .prompts import PastaPrompt
 from .tags import clean_from_items
 
-__all__ = ["AparDialect", "AparParser", "APAR", "APAR_PROMPT", "FORK", "CHILD", "CHILD_CLOSE", "DEFAULT_RESERVE", "MAX_MARKER_JUNK"]
+__all__ = ["AparDialect", "AparParser", "APAR", "APAR_PROMPT", "APAR_REJOIN", "FORK", "CHILD", "CHILD_CLOSE",
+           "DEFAULT_RESERVE", "MAX_MARKER_JUNK"]
 
 #: The paper's ``[Fork]``: the main thread forks after it.
 FORK = "[Fork]"
@@ -98,17 +107,20 @@ class AparParser:
     marker split across pieces is held back until decided), never raises on content and never
     drops a character (the text it emits plus the markers' ``raw`` equal its input)."""
 
-    __slots__ = ("_buf", "_count", "_junk")
+    __slots__ = ("_buf", "_broken", "_count", "_junk")
 
     def __init__(self) -> None:
         self._buf = ""  # a would-be marker held back (starts with "[")
+        # partial markers a "[" cut short, held until what that "[" starts is decided (only while
+        # _buf holds it)
+        self._broken: list[str] = []
         self._count = 0  # characters consumed
         self._junk = 0  # after a malformed marker: characters it may still run on
 
     @property
     def pending(self) -> str:
-        """Characters held back because they may still become a marker."""
-        return self._buf
+        """Characters held back because they may still become a marker (or be left out with one)."""
+        return "".join(self._broken) + self._buf if self._broken else self._buf
 
     def feed_plain(self, text: str) -> bool:
         """Consume ``text`` and return True when it is all text (no ``[`` in it, nothing held
@@ -140,14 +152,36 @@ class AparParser:
 
     def finish(self) -> list[Parsed]:
         """End of the text: a held-back head (``[Fork``) is tag-like with a Malformed
-        diagnostic, a shorter prefix (``[Fo``) is text."""
+        diagnostic (and so is a partial marker its ``[`` cut short), a shorter prefix (``[Fo``) is
+        text."""
         self._junk = 0
         buf, self._buf = self._buf, ""
-        if not buf:
-            return []
+        out: list[Parsed] = []
         if buf.startswith(_HEADS):
-            return [Malformed(raw=buf, reason="unterminated marker at end of text"), TagText(buf)]
-        return [Text(buf)]
+            self._left_out(out)
+            out += [Malformed(raw=buf, reason="unterminated marker at end of text"), TagText(buf)]
+        else:
+            if self._broken:
+                out.append(Text("".join(self._broken)))
+                self._broken = []
+            if buf:
+                out.append(Text(buf))
+        return _merge(out)
+
+    def _left_out(self, out: list[Parsed]) -> None:
+        """What a ``[`` cut short goes out as tag-like text, since what that ``[`` started is left
+        out; but a lone ``[`` is the model's text, and so is every partial marker a ``[`` cut
+        short before it (``x [[Fork]`` keeps ``x [``, ``[Fo[[Fork]`` keeps ``[Fo[``, ``[[Fo[Fork]``
+        keeps ``[`` and leaves ``[Fo`` out), as :class:`~pasta_engine.lang.tags.TagParser` does."""
+        if self._broken:
+            broken, self._broken = self._broken, []
+            lone = max((k for k, b in enumerate(broken) if b == "["), default=-1)
+            if lone >= 0:
+                out.append(Text("".join(broken[: lone + 1])))
+            rest = "".join(broken[lone + 1:])
+            if rest:
+                out.append(Malformed(raw=rest, reason="partial marker cut short by a marker"))
+                out.append(TagText(rest))
 
     def _push(self, ch: str, out: list[Parsed], at: int) -> None:
         """Consume ``ch``, found at offset ``at`` of the input."""
@@ -167,6 +201,7 @@ class AparParser:
         kind = _MARKERS.get(buf)
         if kind is not None:
             self._buf = ""
+            self._left_out(out)  # what a "[" cut short goes with the marker ("[Fo[Fork]rk]")
             end = at + 1
             out.append(Promise("", 0, buf, end=end) if kind == "fork"
                        else AsyncOpen(buf, end=end) if kind == "open" else AsyncClose(buf, end=end))
@@ -176,11 +211,18 @@ class AparParser:
             return
         prefix, self._buf = buf[:-1], ""
         if prefix in _HEADS and not _word_char(ch):
+            self._left_out(out)
             out.append(Malformed(raw=buf, reason="malformed marker"))
             out.append(TagText(prefix))
             self._junk = MAX_MARKER_JUNK
+        elif ch == "[":
+            # "[Fo" cut short by a "[": if that "[" starts a marker (or tag-like text), the two must
+            # not meet again once it is left out ("[Fo[Fork]rk]" would read "[Fork]") and "[Fo"
+            # goes with it; else both are text ("[a[b")
+            self._broken.append(prefix)
         else:
-            out.append(Text(prefix))
+            out.append(Text("".join(self._broken) + prefix) if self._broken else Text(prefix))
+            self._broken = []
         self._push(ch, out, at)  # it may start a marker itself ("[Fo[Fork]")
 
 
@@ -196,6 +238,11 @@ def _merge(items: list[Parsed]) -> list[Parsed]:
                 continue
         merged.append(e)
     return merged
+
+
+#: APAR's :class:`~pasta_engine.lang.dialect.Rejoin`: a kept lone ``[`` and the text after a
+#: drop read by :class:`AparParser`, a drop read as ``[Fork]`` (``[[Fork]Fork]`` shows ``[``).
+APAR_REJOIN = Rejoin("[", AparParser, FORK)
 
 
 class AparDialect(BaseDialect):
@@ -214,6 +261,7 @@ class AparDialect(BaseDialect):
     open_tag = CHILD
     close_tag = CHILD_CLOSE
     nesting = False
+    _rejoin = APAR_REJOIN
 
     def __init__(self, reserve: int = DEFAULT_RESERVE) -> None:
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
@@ -335,8 +383,9 @@ class AparDialect(BaseDialect):
         """What a reader sees: ``annotated`` without markers and tag-like text (each item's
         header then its body), less the list items that leaving them out emptied
         (:func:`~pasta_engine.lang.tags.drop_empty_items`, the rule the engine's streamed text
-        follows too)."""
-        return clean_from_items(self.parse(annotated))
+        follows too), and less the text that would rejoin a kept lone ``[`` into a marker
+        (``[[Fork]Fork]`` shows ``[``: :data:`APAR_REJOIN`)."""
+        return clean_from_items(self.parse(annotated), APAR_REJOIN)
 
     def prompt(self, pasta_prompt: PastaPrompt) -> PastaPrompt:
         """:data:`APAR_PROMPT` (``pasta_prompt``, PASTA-LANG's, would teach the wrong tags)."""

@@ -52,14 +52,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Collection, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Collection, Protocol, Sequence, Union, runtime_checkable
 
 from .prompts import NO_PROMPT, PastaPrompt
 
 __all__ = [
     "Text", "TagText", "Promise", "AsyncOpen", "AsyncClose", "Sync", "Markup", "Malformed", "Parsed", "source_text",
     "Chunk", "Threads", "TraceFork", "TraceThread",
-    "TextParser", "Dialect", "BaseDialect", "DIALECT_MEMBERS", "as_dialect", "check_dialect",
+    "TextParser", "Rejoin", "Dialect", "BaseDialect", "DIALECT_MEMBERS", "as_dialect", "check_dialect",
     "policy_reserve", "dialect_prompt",
     "DIALECT_NAMES", "register_dialect", "get_dialect",
 ]
@@ -251,6 +251,28 @@ class TextParser(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Rejoin:
+    """How a dialect's tag text could form again in its clean text, and how the clean text keeps
+    it from (:func:`~pasta_engine.lang.tags.drop_empty_items`; docs/DESIGN.md section 2: no tag
+    text reaches a reader). A lone ``opener`` the model wrote right before something left out
+    (``x <<sync/>``, ``x [[Fork]``) is its text and stays; the text after what was left out that,
+    read after that opener by a fresh ``parser()``, is a tag or tag-like text (``sync/>``,
+    ``Fork]``) is left out instead.
+
+    Attributes:
+        opener: the one character every tag of the dialect starts with (``<``, ``[``).
+        parser: a fresh parser that reads that text as the dialect's tags read anywhere a
+            reader sees text (a context-free one for a dialect whose parser has contexts).
+        mark: a whole tag of the dialect, which that parser reads for each offset where something
+            was left out (so a partial tag cut short there reads as cut short by a tag, as it
+            does in the annotated text)."""
+
+    opener: str
+    parser: Callable[[], TextParser]
+    mark: str
+
+
 @runtime_checkable
 class Dialect(Protocol):
     """The members every dialect must have (docs/DESIGN.md section 2, "Dialects"); a dialect
@@ -349,6 +371,11 @@ class BaseDialect:
 
     fork_joins: bool = False
     join_tag: str = ""
+    #: How this dialect's clean text keeps tag text from forming again after a kept lone opener
+    #: (:class:`Rejoin`; read by :mod:`pasta_engine.core.render` and by the dialect's
+    #: ``clean_text``). None: PASTA-LANG's (``<`` read by :class:`~pasta_engine.lang.tags.TagParser`),
+    #: the default. Private: not one of the members docs/DESIGN.md lists.
+    _rejoin: Rejoin | None = None
 
     def branches(self, fork: Promise) -> list[tuple[Promise, str]]:
         """The threads ``fork`` starts, in fork order: ``(promise, inserted text)`` each (the

@@ -45,7 +45,11 @@ Where the line between tag and text falls (character by character):
 * ``</Path>`` inside a path closes it with whatever it left open (a nested block cut by the
   path's end or cap: the interpreter's ``</Path>`` follows it), as HTML's implied end tags do;
 * so is a partial tag (``<`` and at least one more character of a tag) cut by another ``<``
-  (``<Concl</Path>``: what a path cut inside a tag and closed by the interpreter reads as);
+  (``<Concl</Path>``: what a path cut inside a tag and closed by the interpreter reads as); a
+  lone ``<`` never is: the model's ``<`` right before a tag (``x <</Path>``) stays in the clean
+  text, and the shown text after the left-out tag that would complete it into a tag
+  (``Parallel>`` in ``<</Parallel>Parallel>``), read wherever a reader sees it, is left out of
+  the clean text instead (:data:`MULTIVERSE_REJOIN`, :func:`~pasta_engine.lang.tags.drop_empty_items`);
 * a name followed by a word character is a word, and text (``<Pathway>``, ``<Goals>``), and so is
   anything else that stops short of a name (``<P>``, ``a < b``);
 * at the end of the text, what is held back is tag-like when it is at least ``<`` and one more
@@ -63,14 +67,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence
 
-from .dialect import (AsyncClose, BaseDialect, Chunk, Malformed, Markup, Parsed, Promise, TagText, Text, Threads,
-                      TraceFork, TraceThread, register_dialect, source_text)
+from .dialect import (AsyncClose, BaseDialect, Chunk, Malformed, Markup, Parsed, Promise, Rejoin, TagText, Text,
+                      Threads, TraceFork, TraceThread, register_dialect, source_text)
 from .prompts import PastaPrompt
 from .tags import clean_from_items
 
 __all__ = [
     "PARALLEL", "GOAL", "OUTLINE", "PATH", "CONCLUSION", "GoalFork", "MultiverseParser", "MultiverseDialect",
-    "MULTIVERSE", "MULTIVERSE_PROMPT", "path_header", "MAX_LABEL_CHARS",
+    "MULTIVERSE", "MULTIVERSE_PROMPT", "MULTIVERSE_REJOIN", "path_header", "MAX_LABEL_CHARS",
 ]
 
 PARALLEL, GOAL, OUTLINE, PATH, CONCLUSION = "Parallel", "Goal", "Outline", "Path", "Conclusion"
@@ -129,17 +133,20 @@ def _label_ok(rest: str) -> bool:
 class MultiverseParser:
     """An incremental parser of one thread's Multiverse text (the module docstring draws the
     lines). ``all_forks``: every ``</Goal>`` with outlines is a fork (a trace's tree: nested
-    blocks included), not only the thread's outermost block's (what a decoding thread acts on)."""
+    blocks included), not only the thread's outermost block's (what a decoding thread acts on).
+    ``flat``: every tag is :class:`~.dialect.Markup` wherever it stands and every text is shown
+    (no context: how a reader's text is read for tags, :data:`MULTIVERSE_REJOIN`)."""
 
-    __slots__ = ("_buf", "_count", "_stack", "_outlines", "_outline", "_all_forks")
+    __slots__ = ("_buf", "_count", "_stack", "_outlines", "_outline", "_all_forks", "_flat")
 
-    def __init__(self, all_forks: bool = False) -> None:
+    def __init__(self, all_forks: bool = False, flat: bool = False) -> None:
         self._buf = ""
         self._count = 0  # characters consumed
         self._stack: list[str] = []
         self._outlines: list[list[str]] = []  # per open goal, its outlines' text
         self._outline: list[str] | None = None
         self._all_forks = all_forks
+        self._flat = flat
 
     @property
     def pending(self) -> str:
@@ -243,6 +250,9 @@ class MultiverseParser:
             self._text(ch, out)
 
     def _tag(self, raw: str, out: list[Parsed], end: int) -> None:
+        if self._flat:
+            out.append(Markup(raw, end))
+            return
         name, opening = _TAGS[raw] if raw in _TAGS else (PATH, True)
         st = self._stack
         top = st[-1] if st else None
@@ -311,6 +321,17 @@ def _merge(items: list[Parsed]) -> list[Parsed]:
     return out
 
 
+def _flat_parser() -> MultiverseParser:
+    return MultiverseParser(flat=True)
+
+
+#: Multiverse's :class:`~pasta_engine.lang.dialect.Rejoin`: a kept lone ``<`` and the shown text
+#: after a drop, read by a context-free parser (any of the ten tags is a tag there: in a reader's
+#: text even ``<Goal>`` is tag text), a drop read as ``<Parallel>`` (``<</Parallel>Parallel>``
+#: shows ``<``).
+MULTIVERSE_REJOIN = Rejoin("<", _flat_parser, f"<{PARALLEL}>")
+
+
 class MultiverseDialect(BaseDialect):
     """Multiverse (module docstring): forks at ``</Goal>``, one path per outline, joins its
     paths at once and concludes after them; nests. It overrides every default of
@@ -322,6 +343,7 @@ class MultiverseDialect(BaseDialect):
     join_tag = f"<{CONCLUSION}>"
     nesting = True
     fork_joins = True
+    _rejoin = MULTIVERSE_REJOIN
 
     def parser(self) -> MultiverseParser:
         """A fresh parser for one decoding thread."""
@@ -465,8 +487,9 @@ class MultiverseDialect(BaseDialect):
     def clean_text(self, annotated: str) -> str:
         """What a reader sees (module docstring): the text outside blocks, the paths' bodies
         and the conclusions, no tag and no tag-like text, and no list item a left-out tag
-        emptied (:func:`~pasta_engine.lang.tags.drop_empty_items`, as for PASTA-LANG)."""
-        return clean_from_items(self.parse(annotated))
+        emptied (:func:`~pasta_engine.lang.tags.drop_empty_items`, as for PASTA-LANG), nor
+        text that would rejoin a kept lone ``<`` into a tag (:data:`MULTIVERSE_REJOIN`)."""
+        return clean_from_items(self.parse(annotated), MULTIVERSE_REJOIN)
 
     def prompt(self, pasta_prompt: PastaPrompt) -> PastaPrompt:
         """:data:`MULTIVERSE_PROMPT` (``pasta_prompt``, PASTA-LANG's, would teach the wrong tags)."""

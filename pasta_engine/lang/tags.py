@@ -62,7 +62,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .dialect import AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, Sync, TagText, Text, Threads, source_text
+from .dialect import (AsyncClose, AsyncOpen, Chunk, Malformed, Parsed, Promise, Rejoin, Sync, TagText, Text, Threads,
+                      source_text)
 
 __all__ = [
     "Text",
@@ -80,6 +81,7 @@ __all__ = [
     "clean_from_items",
     "thread_text",
     "drop_empty_items",
+    "PASTA_REJOIN",
     "held_line_start",
     "is_empty_list_item",
     "split_threads",
@@ -428,6 +430,12 @@ class TagParser:
                 out.append(TagText(rest))
 
 
+#: PASTA-LANG's :class:`~pasta_engine.lang.dialect.Rejoin`: a kept lone ``<`` and the text after a
+#: drop read by :class:`TagParser`, a drop read as ``<sync/>`` (the default of every function
+#: here that takes ``rejoin``, and of :attr:`BaseDialect._rejoin <pasta_engine.lang.dialect.BaseDialect>`).
+PASTA_REJOIN = Rejoin("<", TagParser, Sync.raw)
+
+
 def _merge_text(items: list[Parsed]) -> list[Parsed]:
     """Adjacent text of one kind (:class:`Text` or :class:`TagText`) merged, empty text dropped
     (each run joined once: linear in the text, also for a million one-character items)."""
@@ -503,7 +511,7 @@ def held_line_start(text: str) -> int:
     return last if _MARKER_START.fullmatch(text, last) else len(text)
 
 
-def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str:
+def drop_empty_items(text: str, drops: Iterable[int], final: bool = True, rejoin: Rejoin | None = None) -> str:
     """``text`` without the list items that something left out of it has emptied.
 
     A line of ``text`` (its characters between line breaks) that is an empty list item
@@ -519,6 +527,7 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str
     text after the drop that, read after that ``<``, is a tag or tag-like text (``sync/>`` in
     ``x <<sync/>sync/>``, or at the start of the chunk spliced after ``a <<promise .../>``) is
     left out too, so a reader never sees ``<sync/>``; text that is not (``a <<sync/> b``) stays.
+    Another dialect's opener and tags are its ``rejoin`` (APAR: ``[[Fork]Fork]`` shows ``[``).
 
     Args:
         text: a clean text.
@@ -528,11 +537,13 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str
             after a kept ``<`` that may still become tag text; every line before it is decided
             for good (used to stream: what is returned is a prefix of what a longer text
             returns, as long as no drop lands before its last line).
+        rejoin: the dialect's opener and parser (:class:`~pasta_engine.lang.dialect.Rejoin`);
+            None: PASTA-LANG's (:data:`PASTA_REJOIN`).
 
     Returns the text a reader sees. Raises nothing for any text and drops (a drop past the end
     of ``text`` counts as at its end).
     """
-    text, drops, hold = _cut_rejoined(text, drops, final)
+    text, drops, hold = _cut_rejoined(text, drops, final, rejoin or PASTA_REJOIN)
     end = hold if hold is not None else len(text) if final else held_line_start(text)
     cuts: list[tuple[int, int]] = []
     seen: set[int] = set()
@@ -557,28 +568,26 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True) -> str
     return "".join(parts)
 
 
-#: What stands for a drop while text after a kept ``<`` is read: a tag, so a partial tag that a
-#: drop cuts short is tag-like, as in the annotated text.
-_DROP_MARK = Sync.raw
-
-
-def _cut_rejoined(text: str, drops: Iterable[int], final: bool) -> tuple[str, Sequence[int], int | None]:
+def _cut_rejoined(text: str, drops: Iterable[int], final: bool,
+                  rejoin: Rejoin = PASTA_REJOIN) -> tuple[str, Sequence[int], int | None]:
     """``text`` less the text after each kept lone ``<`` right before a drop that would read,
     after that ``<``, as a tag or tag-like text (the :class:`TagParser`'s rules, a drop read as a
     tag), repeated while a ``<`` stands before what was left out (``<<sync/>sync/>sync/>``
     shows ``<``). Returns the text, the drops moved to it (a cut is a drop: every cut starts at
     one), and where the text must be held back when not ``final`` (text after a kept ``<``
     that may still become tag text; None: nothing held). O(len(drops)) when no ``<`` stands
-    before a drop."""
+    before a drop. ``rejoin``: the dialect's opener and parser (PASTA-LANG's ``<`` and
+    :class:`TagParser`, a drop read as ``<sync/>``)."""
     drops = drops if isinstance(drops, (list, tuple)) else list(drops)
-    ds, cuts, hold = _rejoin_cuts(text, drops, final)
+    ds, cuts, hold = _rejoin_cuts(text, drops, final, rejoin)
     if not cuts:
         return text, ds, hold
     moved = _mover(cuts)
     return _without(text, cuts), [moved(o) for o in ds], None if hold is None else moved(hold)
 
 
-def thread_text(text: str, drops: Sequence[int], final: bool, after_lt: bool = False) -> tuple[str, Callable[[int], int]]:
+def thread_text(text: str, drops: Sequence[int], final: bool, after_lt: bool = False,
+                rejoin: Rejoin | None = None) -> tuple[str, Callable[[int], int]]:
     """One thread's clean text as a reader may see it on its own (the per-thread text of a
     stream): ``text`` less the text that would rejoin a kept lone ``<`` into tag text (as
     :func:`drop_empty_items` cuts it from the spliced text: ``x <<sync/>sync/> y`` shows
@@ -589,14 +598,17 @@ def thread_text(text: str, drops: Sequence[int], final: bool, after_lt: bool = F
         final: the thread has ended (its text is complete).
         after_lt: the thread is a chunk whose promise stands right after a ``<`` of its
             parent's clean text: its text is read after that ``<`` and the promise
-            (``a <<promise .../>`` then a chunk ``sync/> b`` shows `` b``).
+            (``a <<promise .../>`` then a chunk ``sync/> b`` shows `` b``); the dialect's
+            opener for another dialect (``rejoin``).
+        rejoin: the dialect's opener and parser; None: PASTA-LANG's (:data:`PASTA_REJOIN`).
 
     Returns the text and a function moving an offset of ``text`` to the returned text (an
     offset inside a cut goes to the cut's start; one past a hold stays past the returned
     text's end). O(len(drops)) when no ``<`` stands before a drop."""
+    rejoin = rejoin or PASTA_REJOIN
     if after_lt:
-        lead = "<" + text
-        ds, cuts, hold = _rejoin_cuts(lead, [1] + [d + 1 for d in drops], final)
+        lead = rejoin.opener + text
+        ds, cuts, hold = _rejoin_cuts(lead, [1] + [d + 1 for d in drops], final, rejoin)
         if not cuts and hold is None:
             return text, _same
         moved = _mover(cuts)
@@ -604,7 +616,7 @@ def thread_text(text: str, drops: Sequence[int], final: bool, after_lt: bool = F
         if hold is not None:
             out = out[: moved(hold) - 1]
         return out, lambda o: moved(o + 1) - 1
-    ds, cuts, hold = _rejoin_cuts(text, drops, final)
+    ds, cuts, hold = _rejoin_cuts(text, drops, final, rejoin)
     if not cuts and hold is None:
         return text, _same
     moved = _mover(cuts)
@@ -616,11 +628,13 @@ def _same(o: int) -> int:
     return o
 
 
-def _rejoin_cuts(text: str, drops: Sequence[int], final: bool) -> tuple[Sequence[int], list[tuple[int, int]], int | None]:
-    """:func:`_cut_rejoined`'s work: the drops (sorted, each once, when a ``<`` stands before
+def _rejoin_cuts(text: str, drops: Sequence[int], final: bool,
+                 rejoin: Rejoin) -> tuple[Sequence[int], list[tuple[int, int]], int | None]:
+    """:func:`_cut_rejoined`'s work: the drops (sorted, each once, when the opener stands before
     one; else as given), the ``(start, end)`` spans to cut, and the hold offset (or None)."""
     n = len(text)
-    if not any(0 < d <= n and text[d - 1] == "<" for d in drops):  # the common case: as they are
+    opener = rejoin.opener
+    if not any(0 < d <= n and text[d - 1] == opener for d in drops):  # the common case: as they are
         return drops, [], None
     ds = sorted({min(max(d, 0), n) for d in drops})
     marks = set(ds)
@@ -628,11 +642,11 @@ def _rejoin_cuts(text: str, drops: Sequence[int], final: bool) -> tuple[Sequence
     hold: int | None = None
     done_to = 0  # drops before this are inside a cut (or its restart point)
     for d in ds:
-        if d < done_to or d == 0 or (d == done_to and cuts) or text[d - 1] != "<":
+        if d < done_to or d == 0 or (d == done_to and cuts) or text[d - 1] != opener:
             continue
         at = d
         while True:
-            end = _rejoined_end(text, at, marks, final)
+            end = _rejoined_end(text, at, marks, final, rejoin)
             if end is None:  # may still become tag text: hold the text from here
                 hold = at
                 break
@@ -668,12 +682,14 @@ def _mover(cuts: Sequence[tuple[int, int]]) -> Callable[[int], int]:
     return moved
 
 
-def _rejoined_end(text: str, at: int, marks: set[int], final: bool) -> int | None:
-    """Where the tag or tag-like text that ``text[at:]`` forms after a ``<`` ends (``at`` when it
-    forms none: the ``<`` is text then), reading each offset in ``marks`` past ``at`` as a tag;
-    None when not ``final`` and the end of ``text`` leaves it undecided."""
-    p = TagParser()
-    p.feed("<")
+def _rejoined_end(text: str, at: int, marks: set[int], final: bool, rejoin: Rejoin) -> int | None:
+    """Where the tag or tag-like text that ``text[at:]`` forms after the opener (``<``) ends
+    (``at`` when it forms none: the opener is text then), reading each offset in ``marks`` past
+    ``at`` as a tag (``rejoin.mark``); None when not ``final`` and the end of ``text`` leaves it
+    undecided."""
+    p = rejoin.parser()
+    p.feed(rejoin.opener)
+    mark = rejoin.mark
     offsets = [at - 1]  # the text offset of each character fed, a mark's at its drop
     mark_at: set[int] = set()  # where in what is fed a mark starts
     run_end: int | None = None  # what is fed so far that is tag-like, from its start
@@ -699,9 +715,9 @@ def _rejoined_end(text: str, at: int, marks: set[int], final: bool) -> int | Non
     while j < len(text):
         if j in marks and j > at:
             mark_at.add(fed)
-            offsets += [j] * len(_DROP_MARK)
-            fed += len(_DROP_MARK)
-            if read(p.feed(_DROP_MARK)):
+            offsets += [j] * len(mark)
+            fed += len(mark)
+            if read(p.feed(mark)):
                 break
         offsets.append(j)
         fed += 1
@@ -727,10 +743,12 @@ def clean_text(annotated: str) -> str:
     return clean_from_items(parse(annotated))
 
 
-def clean_from_items(items: Iterable[Parsed]) -> str:
+def clean_from_items(items: Iterable[Parsed], rejoin: Rejoin | None = None) -> str:
     """The clean text of a parsed response (any dialect's items, :mod:`pasta_engine.lang.dialect`):
     its :class:`Text` runs, less the list items that the other items (tags, tag-like text) left
-    empty (:func:`drop_empty_items`). Diagnostics (:class:`Malformed`) take no place."""
+    empty and the text that would rejoin a kept lone opener into tag text
+    (:func:`drop_empty_items`; ``rejoin``: the dialect's opener and parser, None for
+    PASTA-LANG's). Diagnostics (:class:`Malformed`) take no place."""
     parts: list[str] = []
     drops: list[int] = []
     n = 0
@@ -740,7 +758,7 @@ def clean_from_items(items: Iterable[Parsed]) -> str:
             n += len(e.text)
         elif not isinstance(e, Malformed):
             drops.append(n)
-    return drop_empty_items("".join(parts), drops)
+    return drop_empty_items("".join(parts), drops, rejoin=rejoin)
 
 
 # --------------------------------------------------------------------------- threads
