@@ -203,7 +203,7 @@ def splice_clean(main: str, main_drops: Sequence[int], chunks: Sequence[tuple["T
             a chunk that has not ended (after its first line, which holds the chunk's
             ``<async>`` and so is dropped when it is only a marker).
         stop_after: the text ends after this chunk (a reading-order prefix).
-        rejoin: the dialect's opener and parser (``dialect._rejoin``); None: PASTA-LANG's.
+        rejoin: the dialect's opener and parser (``dialect.rejoin``); None: PASTA-LANG's.
 
     A main-thread drop at a chunk's splice offset goes before the chunk when it was made
     before the fork (``fork_drop``), after it otherwise, as in the annotated text."""
@@ -250,7 +250,7 @@ def clean_text(interp: "Interpreter", final: bool | None = None) -> str:
     end it equals :func:`final_text`."""
     final = interp.done if final is None else final
     text, drops, _ = _clean_tree(interp.main, final, False)
-    return drop_empty_items(text, drops, final, interp.dialect._rejoin)
+    return drop_empty_items(text, drops, final, interp.dialect.rejoin)
 
 
 #: Thread finishes the request's end imposed: a chunk cut off mid-way, or never run.
@@ -308,7 +308,7 @@ def _uncut_final_text(interp: "Interpreter", annotated: str | None = None) -> st
     if interp.length_end and interp.limits.length_cut == "prefix" and \
             any(c.finish in _CUT for c in interp.threads[1:]):
         text, drops, _ = _clean_tree(interp.main, True, False, cut=True)
-        return drop_empty_items(text, drops, True, interp.dialect._rejoin)
+        return drop_empty_items(text, drops, True, interp.dialect.rejoin)
     return interp.dialect.clean_text(annotated_text(interp) if annotated is None else annotated)
 
 
@@ -338,7 +338,7 @@ def reading_order_prefix(interp: "Interpreter") -> str:
     (its text so far included), less a last line that may still become an empty list item.
     Every later prefix of the same run extends it, and :func:`final_text` at the end does."""
     text, drops, _ = _clean_tree(interp.main, False, True)
-    return drop_empty_items(text, drops, False, interp.dialect._rejoin)
+    return drop_empty_items(text, drops, False, interp.dialect.rejoin)
 
 
 # --------------------------------------------------------------------------- stop strings
@@ -591,7 +591,7 @@ class OutputRenderer:
         staged_text: dict[int, int] = {}
         before0 = text_sent.get(0, 0)
         main_view = None
-        rejoin = interp.dialect._rejoin
+        rejoin = interp.dialect.rejoin
         for t in threads:
             s, moved = _thread_view(t, finish_reason is not None, rejoin)
             if t.tid == 0:

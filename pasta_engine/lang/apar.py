@@ -261,7 +261,7 @@ class AparDialect(BaseDialect):
     open_tag = CHILD
     close_tag = CHILD_CLOSE
     nesting = False
-    _rejoin = APAR_REJOIN
+    rejoin = APAR_REJOIN
 
     def __init__(self, reserve: int = DEFAULT_RESERVE) -> None:
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:

@@ -367,15 +367,17 @@ class BaseDialect:
         fork_joins: a fork is also a join: the forking thread forwards the fork marker's token,
             then waits for the threads it just forked (default False).
         join_tag: text inserted into a thread when its join completes, forwarded with the
-            children's KV visible (default ``""``: none)."""
+            children's KV visible (default ``""``: none).
+        rejoin: the opener, parser and mark with which the clean text cuts text that would
+            complete a kept lone opener into a tag (:class:`Rejoin`; default None: PASTA-LANG's)."""
 
     fork_joins: bool = False
     join_tag: str = ""
     #: How this dialect's clean text keeps tag text from forming again after a kept lone opener
     #: (:class:`Rejoin`; read by :mod:`pasta_engine.core.render` and by the dialect's
-    #: ``clean_text``). None: PASTA-LANG's (``<`` read by :class:`~pasta_engine.lang.tags.TagParser`),
-    #: the default. Private: not one of the members docs/DESIGN.md lists.
-    _rejoin: Rejoin | None = None
+    #: ``clean_text``). Default None: PASTA-LANG's (``<`` read by
+    #: :class:`~pasta_engine.lang.tags.TagParser`).
+    rejoin: Rejoin | None = None
 
     def branches(self, fork: Promise) -> list[tuple[Promise, str]]:
         """The threads ``fork`` starts, in fork order: ``(promise, inserted text)`` each (the

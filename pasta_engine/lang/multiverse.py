@@ -343,7 +343,7 @@ class MultiverseDialect(BaseDialect):
     join_tag = f"<{CONCLUSION}>"
     nesting = True
     fork_joins = True
-    _rejoin = MULTIVERSE_REJOIN
+    rejoin = MULTIVERSE_REJOIN
 
     def parser(self) -> MultiverseParser:
         """A fresh parser for one decoding thread."""

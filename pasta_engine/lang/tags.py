@@ -432,7 +432,7 @@ class TagParser:
 
 #: PASTA-LANG's :class:`~pasta_engine.lang.dialect.Rejoin`: a kept lone ``<`` and the text after a
 #: drop read by :class:`TagParser`, a drop read as ``<sync/>`` (the default of every function
-#: here that takes ``rejoin``, and of :attr:`BaseDialect._rejoin <pasta_engine.lang.dialect.BaseDialect>`).
+#: here that takes ``rejoin``, and of :attr:`BaseDialect.rejoin <pasta_engine.lang.dialect.BaseDialect>`).
 PASTA_REJOIN = Rejoin("<", TagParser, Sync.raw)
 
 

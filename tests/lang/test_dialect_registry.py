@@ -23,7 +23,7 @@ from pasta_engine.lang.prompts import DEFAULT_PASTA_PROMPT, NO_PROMPT
 #: What the protocol asks of every dialect, and what the base class gives a default for.
 PROTOCOL = ("name", "open_tag", "close_tag", "nesting", "parser", "parse", "grammar_state", "child_cap",
             "reserved_positions", "split_threads", "splice", "clean_text")
-DEFAULTED = ("fork_joins", "join_tag", "branches", "join_position", "inserted_bytes", "split_tree", "prompt")
+DEFAULTED = ("fork_joins", "join_tag", "branches", "join_position", "inserted_bytes", "split_tree", "prompt", "rejoin")
 
 SAMPLES = {
     "pasta": '1. <promise topic="a" tokens="10"/><async>x</async>\n<sync/>done',

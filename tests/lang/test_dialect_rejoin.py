@@ -290,7 +290,7 @@ def test_the_engines_streamed_text_never_holds_marker_text(name, seed, max_new, 
             for a, b in zip(prefixes, prefixes[1:] + [final]):
                 assert b.startswith(a), (a, b)  # never taken back
             for t in it.threads:
-                assert texts.get(t.tid, "") == render._thread_view(t, True, dialect._rejoin)[0], t.tid
+                assert texts.get(t.tid, "") == render._thread_view(t, True, dialect.rejoin)[0], t.tid
             texts_shown += prefixes + list(texts.values())
         bad = [(s, markers(dialect, s)) for s in texts_shown if markers(dialect, s)]
         assert not bad, (it.annotated_text(), bad)
