@@ -257,7 +257,8 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
     CheckpointError (a ParameterError naming the adapter) for an ``adapter_config.json`` that is
     not JSON or has no valid rank ``r``, a ``rank_pattern``/``alpha_pattern`` that is not an
     object of regular expressions to positive numbers, a module whose tensors' rank is not its
-    configured one, or weights that cannot be read (truncated); ParameterError
+    configured one, a lora_A or lora_B without its partner, or weights that cannot be read
+    (truncated); ParameterError
     naming ``lora_scale`` for a scale outside ``[0, 1]``."""
     lora_scale = check_lora_scale(lora_scale)
     adapter_dir = Path(adapter_dir)
@@ -309,6 +310,11 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
     if unknown:
         raise UnsupportedModelError(f"adapter {str(adapter_dir)!r}: tensor {unknown[0]} is not supported (the merge "
                                     "reads lora_A/lora_B weights and trainable token rows only)")
+    # a lora_B whose lora_A is missing (a truncated or partial adapter) is refused, never skipped
+    orphan = next((n for n in tensors if ".lora_B." in n and n.replace(".lora_B.", ".lora_A.") not in tensors), None)
+    if orphan is not None:
+        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: {orphan} has no "
+                              "lora_A partner")
     merged = _merge_token_rows(weights, cfg, tensors, adapter_dir)
     for name, a in tensors.items():
         if ".lora_A." not in name:
@@ -316,7 +322,8 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
         module = name.split(".lora_A.")[0]
         b = tensors.get(name.replace(".lora_A.", ".lora_B."))
         if b is None:
-            raise ParameterError("adapter", str(adapter_dir), message=f"{name} has no lora_B partner")
+            raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: {name} has no "
+                                  "lora_B partner")
         base = module.removeprefix("base_model.model.") + ".weight"
         if tied_head and base == "lm_head.weight":
             raise UnsupportedModelError(f"adapter {str(adapter_dir)!r} adapts lm_head, which the model ties to its "
