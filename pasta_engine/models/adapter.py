@@ -109,16 +109,32 @@ def added_tokens(manifest: dict[str, Any] | None) -> dict[str, int]:
     return dict(spec)
 
 
+def _check_token_indices(cfg: dict[str, Any], adapter_dir: Path) -> None:
+    """Raises CheckpointError naming the adapter and ``trainable_token_indices`` unless the field
+    is absent or peft's shape: a list of integers, or an object of module names to such lists
+    (a bool or a float is no row index: ``int()`` would turn ``True`` and ``1.7`` into row 1)."""
+    spec = cfg.get("trainable_token_indices")
+
+    def rows(ids: Any) -> bool:
+        return isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+
+    if spec is not None and not rows(spec) and not (isinstance(spec, dict) and all(map(rows, spec.values()))):
+        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: adapter_config.json "
+                              f"has trainable_token_indices={spec!r:.200}: expected a list of integer row "
+                              "indices, or an object of module names to such lists")
+
+
 def _token_indices(cfg: dict[str, Any], module: str) -> list[int]:
-    """The row indices peft's ``trainable_token_indices`` gives ``module`` (a list applies to
-    the input embedding; a dict maps a module-name suffix to its list)."""
+    """The row indices peft's ``trainable_token_indices`` (checked by :func:`_check_token_indices`)
+    gives ``module`` (a list applies to the input embedding; a dict maps a module-name suffix to
+    its list)."""
     spec = cfg.get("trainable_token_indices")
     if isinstance(spec, list):
-        return [int(i) for i in spec]
+        return list(spec)
     if isinstance(spec, dict):
         for name, ids in spec.items():
             if module == name or module.endswith("." + name):
-                return [int(i) for i in ids]
+                return list(ids)
     return []
 
 
@@ -137,7 +153,7 @@ def _merge_token_rows(weights: dict[str, torch.Tensor], cfg: dict[str, Any], ten
             raise ParameterError("adapter", str(adapter_dir), message=f"trainable token rows {name} "
                                  f"{tuple(values.shape)} do not fit {base!r} with indices {idx}")
         w = weights[base]
-        if any(isinstance(i, bool) or i < 0 or i >= w.shape[0] + MAX_ADDED_ROWS for i in idx):
+        if any(i < 0 or i >= w.shape[0] + MAX_ADDED_ROWS for i in idx):
             raise ParameterError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: "
                                  f"trainable_token_indices of {name} must be "
                                  f"rows in [0, {w.shape[0] + MAX_ADDED_ROWS}) ({base} has {w.shape[0]} rows), got "
@@ -256,9 +272,10 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
     ParameterError when a LoRA pair names a weight the checkpoint does not have or shapes disagree,
     CheckpointError (a ParameterError naming the adapter) for an ``adapter_config.json`` that is
     not JSON or has no valid rank ``r``, a ``rank_pattern``/``alpha_pattern`` that is not an
-    object of regular expressions to positive numbers, a module whose tensors' rank is not its
-    configured one, a lora_A or lora_B without its partner, or weights that cannot be read
-    (truncated); ParameterError
+    object of regular expressions to positive numbers, a ``trainable_token_indices`` that is not
+    a list of integers (or an object of module names to such lists), a module whose tensors'
+    rank is not its configured one, a lora_A or lora_B without its partner, or weights that
+    cannot be read (truncated); ParameterError
     naming ``lora_scale`` for a scale outside ``[0, 1]``."""
     lora_scale = check_lora_scale(lora_scale)
     adapter_dir = Path(adapter_dir)
@@ -298,6 +315,7 @@ def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: str | Path, lora_s
     alpha = float(alpha)
     rank_pattern = _pattern(cfg, "rank_pattern", adapter_dir)
     alpha_pattern = _pattern(cfg, "alpha_pattern", adapter_dir)
+    _check_token_indices(cfg, adapter_dir)
     tensors = _adapter_tensors(adapter_dir)
     # tensors this merge has no rule for are refused, never dropped: LoRA on an embedding
     # (lora_embedding_A/B), a LoRA bias (lora_B.bias)

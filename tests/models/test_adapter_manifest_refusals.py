@@ -45,3 +45,26 @@ def test_a_lora_b_without_its_lora_a_is_refused_not_skipped(tmp_path):
         merge_lora(w, d)
     assert e.value.param == "adapter" and str(d) in str(e.value)
     assert torch.equal(w["model.layers.0.self_attn.q_proj.weight"], torch.ones(4, 3))  # nothing merged
+
+
+@pytest.mark.parametrize("indices", [["abc"], [1.7], [True], 5, {"embed_tokens": 5}, {"embed_tokens": [2.0]},
+                                     [[1]], "1"])
+def test_trainable_token_indices_that_are_not_integer_rows_are_refused(tmp_path, indices):
+    """``["abc"]`` and ``{"embed_tokens": 5}`` raised a raw ValueError/TypeError from ``int()``;
+    ``[1.7]`` and ``[True]`` were truncated to row 1 and overwrote it."""
+    d = _adapter(tmp_path, {A0: torch.zeros(2, 3), B0: torch.zeros(4, 2), ROWS: torch.full((1, 3), 7.0)},
+                 trainable_token_indices=indices)
+    w = _weights()
+    with pytest.raises(CheckpointError, match="trainable_token_indices") as e:
+        merge_lora(w, d)
+    assert e.value.param == "adapter" and str(d) in str(e.value)
+    assert torch.equal(w["model.embed_tokens.weight"], torch.zeros(5, 3))  # no row written
+
+
+@pytest.mark.parametrize("indices", [[1], {"embed_tokens": [1]}])
+def test_trainable_token_indices_of_integer_rows_still_merge(tmp_path, indices):
+    d = _adapter(tmp_path, {A0: torch.zeros(2, 3), B0: torch.zeros(4, 2), ROWS: torch.full((1, 3), 7.0)},
+                 trainable_token_indices=indices)
+    w = _weights()
+    merge_lora(w, d)
+    assert torch.equal(w["model.embed_tokens.weight"][1], torch.full((3,), 7.0))
