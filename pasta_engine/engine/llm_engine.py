@@ -199,7 +199,7 @@ class Engine:
         ``cuda_graphs=True`` where graphs cannot run: each before any weight loads; an adapter
         trained for another base model), CheckpointError (a ParameterError: a truncated
         or inconsistent checkpoint, adapter or tokenizer, naming the file)."""
-        from ..models.adapter import check_lora_scale, manifest_lora_scale, read_manifest
+        from ..models.adapter import check_lora_scale, manifest_lora_scale, manifest_pasta_prompt, read_manifest
         from ..models.loader import add_adapter_tokens, load_tokenizer, resolve_adapter
 
         if model is not None and not isinstance(model, (str, os.PathLike)):
@@ -221,9 +221,10 @@ class Engine:
                                  "but this engine loads none (adapter=None): drop lora_scale or name an adapter")
         if lora_scale is None:
             lora_scale = manifest_lora_scale(manifest, adapter_dir) if adapter_dir is not None else 1.0
+        manifest_prompt = manifest_pasta_prompt(manifest, adapter_dir)  # checked even when options override it
         if config is None:
-            if manifest and "pasta_prompt" not in options and manifest.get("pasta_prompt"):
-                options["pasta_prompt"] = PastaPrompt.from_dict(manifest["pasta_prompt"])
+            if manifest_prompt is not None and "pasta_prompt" not in options:
+                options["pasta_prompt"] = manifest_prompt
             config = EngineConfig.from_kwargs(**options)
         device = check_device(device)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import ParameterError
+
 __all__ = ["PastaPrompt", "NO_PROMPT", "DEFAULT_PASTA_PROMPT", "LEARNED_PASTA_PROMPT", "LEARNED_SYSTEM", "SAMPLE_PROMPT"]
 
 SAMPLE_PROMPT = "What are different drawers I should have for clothes?"
@@ -42,8 +44,30 @@ class PastaPrompt:
 
     @classmethod
     def from_dict(cls, d: dict) -> "PastaPrompt":
-        """From ``{"system": str, "examples": [[user, assistant], ...]}`` (an adapter manifest's)."""
-        return cls(system=d.get("system", ""), examples=tuple(tuple(x) for x in d.get("examples", ())))
+        """From ``{"system": str, "examples": [[user, assistant], ...]}`` (an adapter manifest's;
+        either key may be left out: no system prompt, no examples). Raises ParameterError naming
+        ``pasta_prompt`` and what is wrong for anything else: not an object, another key, a
+        system prompt that is not a string, an example that is not a [user, assistant] pair of
+        strings (each request in pasta mode would fail on it)."""
+
+        def refuse(why: str) -> ParameterError:
+            return ParameterError("pasta_prompt", d, message=f"pasta_prompt {why}: expected {{\"system\": str, "
+                                  f"\"examples\": [[user, assistant], ...]}}")
+
+        if not isinstance(d, dict):
+            raise refuse(f"is a {type(d).__name__} ({d!r:.80}), not an object")
+        other = sorted(set(d) - {"system", "examples"}, key=str)
+        if other:
+            raise refuse(f"has the key {other[0]!r}, which is not honoured")
+        system, examples = d.get("system", ""), d.get("examples", [])
+        if not isinstance(system, str):
+            raise refuse(f"system is {system!r:.80}, not a string")
+        if not isinstance(examples, (list, tuple)):
+            raise refuse(f"examples is {examples!r:.80}, not a list")
+        for i, x in enumerate(examples):
+            if not isinstance(x, (list, tuple)) or len(x) != 2 or not all(isinstance(t, str) for t in x):
+                raise refuse(f"examples[{i}] is {x!r:.80}, not a [user, assistant] pair of strings")
+        return cls(system=system, examples=tuple(tuple(x) for x in examples))
 
     def to_dict(self) -> dict:
         """The inverse of :meth:`from_dict`."""

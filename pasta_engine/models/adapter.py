@@ -41,8 +41,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ParameterError, UnsupportedModelError
+from ..lang.prompts import PastaPrompt
 
-__all__ = ["merge_lora", "check_lora_scale", "manifest_lora_scale", "read_manifest", "added_tokens", "file_sha256", "SHIPPED_ADAPTERS", "shipped_adapter"]
+__all__ = ["merge_lora", "check_lora_scale", "manifest_lora_scale", "manifest_pasta_prompt", "read_manifest", "added_tokens", "file_sha256", "SHIPPED_ADAPTERS", "shipped_adapter"]
 
 #: Folder of the adapters shipped in the package.
 SHIPPED_ADAPTERS = Path(__file__).resolve().parents[1] / "adapters"
@@ -211,6 +212,24 @@ def manifest_lora_scale(manifest: dict[str, Any] | None, adapter_dir: str | Path
     except ParameterError:
         raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: manifest.json has "
                               f"lora_scale={value!r}: expected a number in [0, 1]") from None
+
+
+def manifest_pasta_prompt(manifest: dict[str, Any] | None, adapter_dir: str | Path | None = None) -> PastaPrompt | None:
+    """The :class:`~pasta_engine.lang.prompts.PastaPrompt` an adapter's manifest sets
+    (``pasta_prompt``; None when it sets none, or an empty object: the engine's default).
+    Raises CheckpointError naming the adapter and ``pasta_prompt`` for a value
+    :meth:`PastaPrompt.from_dict <pasta_engine.lang.prompts.PastaPrompt.from_dict>` refuses
+    (not an object, another key, a system prompt that is no string, an example that is no
+    [user, assistant] pair of strings), so that a bad manifest fails at load, not in every
+    pasta-mode request."""
+    value = (manifest or {}).get("pasta_prompt")
+    if value is None or value == {}:
+        return None
+    try:
+        return PastaPrompt.from_dict(value)
+    except ParameterError as e:
+        raise CheckpointError("adapter", str(adapter_dir), message=f"adapter {str(adapter_dir)!r}: manifest.json: "
+                              f"{e}") from None
 
 
 def _pattern(cfg: dict[str, Any], field: str, adapter_dir: Path) -> dict[str, float]:

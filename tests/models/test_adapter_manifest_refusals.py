@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pasta_engine import Engine
 from pasta_engine.errors import CheckpointError
@@ -68,3 +68,44 @@ def test_trainable_token_indices_of_integer_rows_still_merge(tmp_path, indices):
     w = _weights()
     merge_lora(w, d)
     assert torch.equal(w["model.embed_tokens.weight"][1], torch.full((3,), 7.0))
+
+
+@pytest.mark.parametrize("prompt, why", [
+    ("Write promises.", "pasta_prompt is a str"),
+    ({"system": "s", "examples": [["only a question"]]}, r"pasta_prompt examples\[0\] is \['only a question'\]"),
+    ({"system": 5}, "pasta_prompt system is 5, not a string"),
+    ({"system": "s", "examples": "q a"}, "pasta_prompt examples is 'q a', not a list"),
+    ({"system": "s", "examples": [["q", 1]]}, r"pasta_prompt examples\[0\]"),
+    ({"sytem": "s"}, "pasta_prompt has the key 'sytem'"),
+    ("", "pasta_prompt is a str"),
+])
+def test_a_manifest_pasta_prompt_of_another_shape_is_refused_at_load(tiny_llama, tmp_path, prompt, why):
+    """A string made from_pretrained fail with a raw AttributeError; a one-element example and a
+    system prompt of 5 loaded, and then every pasta-mode request failed with a raw
+    ValueError/TypeError."""
+    from sample_adapters import tiny_adapter
+
+    d = tiny_adapter(tmp_path)
+    (d / "manifest.json").write_text(json.dumps({"pasta_prompt": prompt}))
+    with pytest.raises(CheckpointError, match=why) as e:
+        Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20, threads=1)
+    assert e.value.param == "adapter" and str(d) in str(e.value) and "manifest.json" in str(e.value)
+    # a pasta_prompt given to the engine does not let the adapter's broken one through
+    from pasta_engine.lang.prompts import NO_PROMPT
+
+    with pytest.raises(CheckpointError, match=why):
+        Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20, threads=1, pasta_prompt=NO_PROMPT)
+
+
+def test_a_manifest_pasta_prompt_of_the_expected_shape_is_the_engines(tiny_llama, tmp_path):
+    from sample_adapters import tiny_adapter
+
+    from pasta_engine.lang.prompts import DEFAULT_PASTA_PROMPT, PastaPrompt
+
+    d = tiny_adapter(tmp_path)
+    (d / "manifest.json").write_text(json.dumps({"pasta_prompt": {"system": "s", "examples": [["q", "a"]]}}))
+    engine = Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20, threads=1)
+    assert engine.config.pasta_prompt == PastaPrompt(system="s", examples=(("q", "a"),))
+    (d / "manifest.json").write_text(json.dumps({"pasta_prompt": {}}))  # none set: the engine's default
+    engine = Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20, threads=1)
+    assert engine.config.pasta_prompt == DEFAULT_PASTA_PROMPT
