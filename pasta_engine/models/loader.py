@@ -136,7 +136,9 @@ def load_model(
     architecture (checked from config.json before any weight is read), CheckpointError (a
     ParameterError naming the path) for a file that cannot be read as what it claims to be
     (a truncated ``.gguf`` or safetensors file, a ``config.json`` that is not JSON or has
-    impossible sizes, weights whose shapes disagree with the config, a broken tokenizer);
+    impossible sizes, weights whose shapes disagree with the config, tensors the config has no
+    place for, ``tie_word_embeddings`` over a file whose own head is unlike its embedding, a
+    broken tokenizer);
     ParameterError naming ``tensor_parallel_size`` when ``tp_size`` does not divide the KV heads
     or the intermediate size, ``dtype`` for one other than float32, float16 or bfloat16."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # float8 failed as an unreadable checkpoint
@@ -164,8 +166,10 @@ def load_model(
     if weights is None:
         weights = _read_weights(path, where, dtype, kw)
         sliced = False
-    else:  # read here, not by transformers: the same checks it makes (missing tensors, biases unused)
+    else:  # read here, not by transformers: the same checks it makes (missing tensors, tensors unused)
         _check_tensor_names(hf_cfg, weights, where)
+    if adapter is not None and cfg.tie_word_embeddings and _is_embedding(weights.get("lm_head.weight"), weights):
+        del weights["lm_head.weight"]  # the embedding itself: the merge grows it alone, the head stays tied
     if adapter is not None:
         merge_lora(weights, adapter, lora_scale, tied_head=cfg.tie_word_embeddings or "lm_head.weight" not in weights)
     _check_finite(weights, where, adapter)
@@ -258,6 +262,15 @@ def _check_finite(weights: dict[str, torch.Tensor], where: Path, adapter: Any) -
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             why = f" after merging the adapter {adapter} (its tensors, or lora_alpha / r too large)" if adapter else ""
             raise CheckpointError("model", str(where), message=f"{where}: weight {name} holds NaN or inf{why}")
+
+
+def _is_embedding(head: torch.Tensor | None, weights: dict[str, torch.Tensor]) -> bool:
+    """``head`` (a state dict's ``lm_head.weight``) is the embedding: its very tensor (a head
+    ``transformers`` tied) or the same values (a file that stores both)."""
+    embed = weights.get("model.embed_tokens.weight")
+    if head is None or embed is None or head.shape != embed.shape:
+        return False
+    return head.data_ptr() == embed.data_ptr() or torch.equal(head, embed)
 
 
 def _first_line(e: BaseException) -> str:
@@ -369,28 +382,38 @@ def _read_weights(path: Path, where: Path, dtype: torch.dtype, kw: dict[str, Any
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError("model", str(where), message=f"the weights of {where} lack {missing[0]}{more}")
-    _refuse_unused_biases(sorted(info.get("unexpected_keys") or ()), where)
+    _refuse_unused_tensors(sorted(info.get("unexpected_keys") or ()), where)
     weights = dict(hf_model.state_dict())
     del hf_model
     return weights
 
 
-def _refuse_unused_biases(unexpected: list[str], where: Path) -> None:
-    """A bias in the file that the config does not declare (``attention_bias``, ``mlp_bias``)
-    would be dropped: a Qwen2-style file under a Llama config loses its q/k/v biases. Raise
-    CheckpointError naming it (other unexpected entries, such as stored RoPE buffers, carry no
-    weight)."""
-    biases = [n for n in unexpected if n.endswith(".bias")]
-    if biases:
-        more = f" (and {len(biases) - 1} more)" if len(biases) > 1 else ""
-        raise CheckpointError("model", str(where), message=f"the weights of {where} hold {biases[0]}{more}, which its "
-                              "config does not use (set attention_bias / mlp_bias in config.json if the model has them)")
+#: Entries a checkpoint may hold that are buffers, not weights (RoPE frequencies some older
+#: Llama files stored): unused, and dropped without loss.
+_NON_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _refuse_unused_tensors(unexpected: list[str], where: Path) -> None:
+    """A tensor in the file that the config's model has no place for would be dropped: a bias the
+    config does not declare (``attention_bias``, ``mlp_bias``: a Qwen2-style file under a Llama
+    config loses its q/k/v biases), layers past ``num_hidden_layers``, the q/k norms of a Qwen3
+    file relabelled ``model_type: llama``. Raise CheckpointError naming the first such tensor and
+    how many more there are (only stored buffers, :data:`_NON_WEIGHT_SUFFIXES`, carry no weight)."""
+    unused = [n for n in unexpected if not n.endswith(_NON_WEIGHT_SUFFIXES)]
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        why = ("set attention_bias / mlp_bias in config.json if the model has them" if unused[0].endswith(".bias")
+               else "its model_type, num_hidden_layers or other fields disagree with the file")
+        raise CheckpointError("model", str(where), message=f"the weights of {where} hold {unused[0]}{more}, which its "
+                              f"config does not use ({why})")
 
 
 def _check_tensor_names(hf_cfg: Any, weights: dict[str, torch.Tensor], where: Path) -> None:
     """For weights read without ``transformers`` (a tensor-parallel shard): the parameters the
-    config's model has (built on the meta device, no memory) must all be there, and no bias it
-    does not use; as :func:`_read_weights` checks through ``transformers``. Raises
+    config's model has (built on the meta device, no memory) must all be there, and no tensor it
+    does not use (:func:`_refuse_unused_tensors`; a tied model's ``lm_head.weight`` is left to
+    :func:`~pasta_engine.models.weights.adapt_checkpoint`, which refuses one unlike the
+    embedding); as :func:`_read_weights` checks through ``transformers``. Raises
     CheckpointError."""
     from transformers import AutoModelForCausalLM
 
@@ -401,7 +424,10 @@ def _check_tensor_names(hf_cfg: Any, weights: dict[str, torch.Tensor], where: Pa
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError("model", str(where), message=f"the weights of {where} lack {missing[0]}{more}")
-    _refuse_unused_biases(sorted(set(weights) - expected), where)
+    unused = set(weights) - expected
+    if getattr(hf_cfg, "tie_word_embeddings", False):
+        unused.discard("lm_head.weight")
+    _refuse_unused_tensors(sorted(unused), where)
 
 
 #: Files that hold a Hugging Face tokenizer (any of them present: the checkpoint has one).

@@ -101,9 +101,16 @@ def adapt_checkpoint(state: dict[str, torch.Tensor], config: ModelConfig, device
 
     Raises UnsupportedModelError naming a tensor the checkpoint lacks, or biases on only some of
     q/k/v (gate/up); CheckpointError naming a tensor whose shape disagrees with the config (an
-    adapter's added rows included: ``config.vocab_size`` must count them)."""
+    adapter's added rows included: ``config.vocab_size`` must count them), or naming
+    ``tie_word_embeddings`` and ``lm_head.weight`` when the config ties the head but the
+    checkpoint holds its own head unlike the embedding (it would be dropped)."""
     c = config
     ck = _Checkpoint(state, torch.device(device), dtype, c.norm_unit_offset, c.architecture.fused_checkpoint)
+    if c.tie_word_embeddings and "lm_head.weight" in state and not _same(state["lm_head.weight"],
+                                                                         state.get("model.embed_tokens.weight")):
+        raise CheckpointError("model", None, message="the config sets tie_word_embeddings=true but the checkpoint "
+                              "holds its own lm_head.weight, unlike model.embed_tokens.weight: it would be dropped "
+                              "(set tie_word_embeddings to false in config.json if the model has its own head)")
     tied = c.tie_word_embeddings or "lm_head.weight" not in state
     embed = ck.take("model.embed_tokens.weight")
     lm_head = embed if tied else ck.take("lm_head.weight")
@@ -145,6 +152,13 @@ class _Checkpoint:
         if len(have) != len(names):
             raise UnsupportedModelError(f"checkpoint has biases {have} but not {sorted(set(names) - set(have))}")
         return torch.cat([self.take(n) for n in names])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """``a`` is ``b`` (a tied head shares the embedding's storage) or holds the same values."""
+    if b is None or a.shape != b.shape:
+        return False
+    return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()) or torch.equal(a, b.to(a.dtype))
 
 
 def _check(name: str, t: torch.Tensor | None, *shape: int) -> None:
