@@ -472,8 +472,9 @@ def load_tokenizer(tokenizer: str | os.PathLike) -> Any:
 
 def add_adapter_tokens(tokenizer: Any, adapter: str | os.PathLike) -> list[int]:
     """Give ``tokenizer`` (in place) the tokens adapter folder ``adapter`` added (its manifest's
-    ``added_tokens``, added as special tokens, i.e. user text never becomes them), each at the id
-    the adapter trained. Returns the ids added (none when the adapter added no tokens).
+    ``added_tokens``, added as special tokens, i.e. user text never becomes them, in the order of
+    their ids whatever the order of the manifest's keys), each at the id the adapter trained.
+    Returns the ids added (none when the adapter added no tokens).
 
     Raises ParameterError when the tokenizer gives a token another id than the adapter's (the
     adapter was trained with another tokenizer)."""
@@ -483,7 +484,7 @@ def add_adapter_tokens(tokenizer: Any, adapter: str | os.PathLike) -> list[int]:
         want = added_tokens(read_manifest(adapter))
     except ParameterError as e:
         raise ParameterError("adapter", str(adapter), message=f"adapter {str(adapter)!r}: {e}") from None
-    todo = [t for t in want if len(tokenizer.encode(t, add_special_tokens=False)) != 1]
+    todo = [t for t in sorted(want, key=want.get) if len(tokenizer.encode(t, add_special_tokens=False)) != 1]
     if todo:
         tokenizer.add_tokens([AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False) for t in todo],
                              special_tokens=True)

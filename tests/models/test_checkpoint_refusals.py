@@ -117,3 +117,13 @@ def test_a_tied_model_grown_by_an_adapters_tokens_keeps_its_head_tied(tiny_qwen2
     m, tok, _ = load_model(tiny_qwen2, adapter=d)
     assert m.config.vocab_size == 322 and m.weights.lm_head is m.weights.embed
     assert tok.convert_tokens_to_ids(["<sync/>", "<async>"]) == [320, 321]
+
+
+def test_added_tokens_in_another_key_order_load_at_their_ids(tiny_llama, tmp_path):
+    """A manifest rewritten with sorted keys ({'<async>': 321, '<sync/>': 320}) was refused as
+    trained with another tokenizer: the tokens were added in key order."""
+    d = _adapter(tmp_path, "sorted", cfg={"trainable_token_indices": [320, 321]},
+                 tensors={ROWS: torch.randn(2, 64, generator=torch.Generator().manual_seed(1))},
+                 manifest={"added_tokens": {"<async>": 321, "<sync/>": 320}})
+    e = Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**21)
+    assert e.tokenizer.convert_tokens_to_ids(["<sync/>", "<async>"]) == [320, 321]
