@@ -507,7 +507,9 @@ def resolve_adapter(model: str | Path | None, adapter: str | Path | None) -> tup
     name. Loading the adapter onto another file is an error. (A folder without such a file, e.g. a
     converted copy, is not hashed: the merge still checks every shape.)
 
-    Raises ParameterError for a wrong type, a missing folder or a base-model mismatch."""
+    Raises ParameterError for a wrong type, a missing folder or a base-model mismatch;
+    CheckpointError (a ParameterError naming the adapter) for a manifest whose
+    ``base_model_file`` is not a string."""
     if adapter is None:
         return None, None
     if not isinstance(adapter, (str, os.PathLike)):
@@ -525,7 +527,11 @@ def resolve_adapter(model: str | Path | None, adapter: str | Path | None) -> tup
                                  f"folder (adapter_config.json missing)")
     manifest = read_manifest(path)
     want = (manifest or {}).get("base_model_sha256")
-    base = _base_model_file(model, (manifest or {}).get("base_model_file")) if want else None
+    named = (manifest or {}).get("base_model_file")
+    if named is not None and not isinstance(named, str):
+        raise CheckpointError("adapter", str(path), message=f"adapter {str(path)!r}: manifest.json has "
+                              f"base_model_file={named!r}: expected the name of the base model's file (a string)")
+    base = _base_model_file(model, named) if want else None
     if base is not None:
         got = file_sha256(base)
         if got != want:

@@ -127,3 +127,12 @@ def test_added_tokens_in_another_key_order_load_at_their_ids(tiny_llama, tmp_pat
                  manifest={"added_tokens": {"<async>": 321, "<sync/>": 320}})
     e = Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**21)
     assert e.tokenizer.convert_tokens_to_ids(["<sync/>", "<async>"]) == [320, 321]
+
+
+@pytest.mark.parametrize("named", [5, ["model.safetensors"]])
+def test_a_base_model_file_that_is_not_a_string_is_refused(tiny_llama, tmp_path, named):
+    """base_model_file: 5 gave a raw TypeError from pathlib."""
+    d = _adapter(tmp_path, "file", manifest={"base_model_file": named, "base_model_sha256": "ab" * 32})
+    with pytest.raises(CheckpointError, match="base_model_file") as e:
+        Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20)
+    assert e.value.param == "adapter" and "file" in str(e.value)
