@@ -138,7 +138,8 @@ def load_model(
     (a truncated ``.gguf`` or safetensors file, a ``config.json`` that is not JSON or has
     impossible sizes, weights whose shapes disagree with the config, tensors the config has no
     place for, ``tie_word_embeddings`` over a file whose own head is unlike its embedding, a
-    broken tokenizer);
+    broken tokenizer, an adapter adding embedding rows its manifest's ``added_tokens`` does not
+    name);
     ParameterError naming ``tensor_parallel_size`` when ``tp_size`` does not divide the KV heads
     or the intermediate size, ``dtype`` for one other than float32, float16 or bfloat16."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # float8 failed as an unreadable checkpoint
@@ -176,6 +177,7 @@ def load_model(
     if adapter is not None:
         rows = weights["model.embed_tokens.weight"].shape[0] if "model.embed_tokens.weight" in weights else cfg.vocab_size
         if rows != cfg.vocab_size:  # the adapter added tokens (rows of the embedding)
+            _check_added_rows(adapter, cfg.vocab_size, rows)
             cfg = dataclasses.replace(cfg, vocab_size=rows)
     if tp_size > 1:
         if not sliced:
@@ -494,6 +496,22 @@ def add_adapter_tokens(tokenizer: Any, adapter: str | os.PathLike) -> list[int]:
             raise ParameterError("adapter", str(adapter), message=f"the adapter's token {text!r} has id {tid}, but the "
                                  f"tokenizer gives {got}: the adapter was trained with another tokenizer")
     return [want[t] for t in todo]
+
+
+def _check_added_rows(adapter: str | os.PathLike, vocab: int, rows: int) -> None:
+    """Raise CheckpointError naming the adapter and the rows when it grew the embedding from
+    ``vocab`` to ``rows`` rows with rows its manifest's ``added_tokens`` does not name: the
+    tokenizer has no token for them (it decodes them to ''), yet the model would sample them."""
+    try:
+        named = set(added_tokens(read_manifest(adapter)).values())
+    except ParameterError as e:
+        raise CheckpointError("adapter", str(adapter), message=f"adapter {str(adapter)!r}: {e}") from None
+    unnamed = [i for i in range(vocab, rows) if i not in named]
+    if unnamed:
+        shown = ", ".join(map(str, unnamed[:8])) + (f", ... ({len(unnamed)} rows)" if len(unnamed) > 8 else "")
+        raise CheckpointError("adapter", str(adapter), message=f"adapter {str(adapter)!r} adds embedding rows "
+                              f"{shown} past the model's {vocab} tokens that its manifest.json's added_tokens does "
+                              "not name: the tokenizer would have no token for them")
 
 
 def resolve_adapter(model: str | Path | None, adapter: str | Path | None) -> tuple[Path | None, dict[str, Any] | None]:

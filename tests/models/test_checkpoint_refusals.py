@@ -136,3 +136,15 @@ def test_a_base_model_file_that_is_not_a_string_is_refused(tiny_llama, tmp_path,
     with pytest.raises(CheckpointError, match="base_model_file") as e:
         Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**20)
     assert e.value.param == "adapter" and "file" in str(e.value)
+
+
+@pytest.mark.parametrize("manifest", [None, {"added_tokens": {"<sync/>": 320, "<async>": 322}}])
+def test_embedding_rows_the_manifest_does_not_name_are_refused(tiny_llama, tmp_path, manifest):
+    """An adapter growing the embedding 320 -> 326 whose manifest names none (or some) of the new
+    rows loaded: the model then sampled ids the tokenizer decodes to ''."""
+    d = _adapter(tmp_path, "rows", cfg={"trainable_token_indices": list(range(320, 326))},
+                 tensors={ROWS: torch.randn(6, 64, generator=torch.Generator().manual_seed(1))}, manifest=manifest)
+    unnamed = "320, 321, 322, 323, 324, 325" if manifest is None else "321, 323, 324, 325"
+    with pytest.raises(CheckpointError, match=f"adds embedding rows {unnamed} past") as e:
+        Engine.from_pretrained(tiny_llama, adapter=d, kv_cache_bytes=2**21)
+    assert e.value.param == "adapter" and "rows" in str(e.value)
