@@ -48,7 +48,6 @@ from ..core.request import Request, interpreter_factory
 from ..core.scheduler import Scheduler
 from ..errors import ContextLengthError, ParameterError
 from ..lang.dialect import Dialect
-from ..lang.prompts import PastaPrompt
 from ..lang.detokenizer import token_bytes_table
 from ..lang.grammar import state_masks, tag_tokens_of
 from ..lang.tags import ASYNC_CLOSE, ASYNC_OPEN
