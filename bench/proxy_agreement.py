@@ -6,8 +6,11 @@ candidate is better than the baseline's where the reader preferred the candidate
 0.5), worse where the reader preferred the baseline. Prompts the reader found even, and prompts
 the proxy cannot separate (equal values), are left out and counted. Proxies: the base model's
 mean log-likelihood per token of the clean answer (``--likelihood``; loads the embedded model),
-distinct-2, repeated lines (fewer is better), empty list items (fewer is better), answer length
-in words (more is "better": the length bias a judge must avoid), and cut by the token budget.
+distinct-2, repeated lines (fewer is better), empty list items (fewer is better), and answer
+length in words (more is "better": the length bias a judge must avoid). Each summary row is
+joined to its answers through its id's question in ``pairs.jsonl`` (never by position); a
+question missing from either answers file, a missing file, or a reading with no verdict is an
+error naming it. Rows no reader judged are left out and counted (``unread``).
 
     python bench/proxy_agreement.py --judge bench/results/judge-vicuna-stage4 [--likelihood]
 """
@@ -40,6 +43,20 @@ def agreement(cand: list[float], base: list[float], reader: list[float], higher_
     return {"agreement": agree / n if n else None, "decided": n, "reader_even": even, "proxy_even": unseparated}
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise SystemExit(f"proxy_agreement: cannot read {path}: {e.strerror or e}") from None
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(_read(path))
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"proxy_agreement: {path} is not JSON: {e}") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--judge", type=Path, required=True, help="a bench/judge_pairs.py folder (joined)")
@@ -47,16 +64,34 @@ def main() -> None:
     a = ap.parse_args()
     from pasta_engine.metrics import distinct_n, empty_list_items, repeated_line_fraction
 
-    s = json.loads((a.judge / "summary.json").read_text())
-    key = json.loads((a.judge / "key.json").read_text())
-    cand = json.loads((ROOT / key["candidate"]).read_text())
-    by_instruction = {r["instruction"]: r for r in json.loads((ROOT / key["baseline"]).read_text())}
-    base = [by_instruction[r["instruction"]] for r in cand]  # as judge_pairs.py paired them
+    s, key = _read_json(a.judge / "summary.json"), _read_json(a.judge / "key.json")
+    question = {}
+    for line in _read(a.judge / "pairs.jsonl").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            question[row["id"]] = row["question"]
+    answers = {}
+    for side in ("candidate", "baseline"):
+        path = ROOT / key[side]
+        answers[side] = {r["instruction"]: r for r in _read_json(path)}
     score = {"win": 1.0, "tie": 0.5, "loss": 0.0}
-    reader = []
+    reader, cand, base, unread = [], [], [], 0
     for r in s["rows"]:
         xs = [score[x] for x in (r["first_order"], r["reversed_order"]) if x]
+        if not xs:
+            unread += 1
+            continue
+        q = question.get(r["id"])
+        if q is None:
+            raise SystemExit(f"proxy_agreement: {a.judge / 'pairs.jsonl'} has no row {r['id']} of summary.json")
+        for side, into in (("candidate", cand), ("baseline", base)):
+            if q not in answers[side]:
+                raise SystemExit(f"proxy_agreement: {key[side]} has no answer to pairs.jsonl row {r['id']}'s question "
+                                 f"{q[:60]!r}: it is not the file this reading was made from")
+            into.append(answers[side][q])
         reader.append(sum(xs) / len(xs))
+    if not reader:
+        raise SystemExit(f"proxy_agreement: {a.judge / 'summary.json'} joins no verdict: read the pairs first")
     texts_c = [r["output"] for r in cand]
     texts_b = [r["output"] for r in base]
     proxies = {
@@ -74,7 +109,7 @@ def main() -> None:
         q = LikelihoodQuality(hf.eval(), tok)
         proxies["likelihood"] = ([q.mean_loglik(r["instruction"], r["output"]) for r in cand],
                                  [q.mean_loglik(r["instruction"], r["output"]) for r in base], True)
-    out = {"judge": str(a.judge), "label": s.get("label"), "prompts": len(reader),
+    out = {"judge": str(a.judge), "label": s.get("label"), "prompts": len(reader), "unread": unread,
            "reader_prefers_candidate": sum(r > 0.5 for r in reader), "reader_prefers_baseline": sum(r < 0.5 for r in reader),
            "proxies": {name: agreement(c, b, reader, hib) for name, (c, b, hib) in proxies.items()},
            "method": "share of the prompts the reader decided (mean of both orders not 0.5) on which the proxy prefers "
