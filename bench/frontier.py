@@ -147,7 +147,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--base", type=Path, default=ROOT, help="folder the points' paths are relative to")
     a = ap.parse_args()
-    points = [point(p, a.base) for p in json.loads(a.points.read_text())]
+    try:
+        points = [point(p, a.base) for p in json.loads(a.points.read_text())]
+    except (OSError, ValueError, KeyError) as e:  # a missing file, a partial reading, a point without a field
+        what = f"cannot read {e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else \
+            f"a point has no {e}" if isinstance(e, KeyError) else str(e)
+        raise SystemExit(f"frontier: {what}") from None
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "frontier.json").write_text(json.dumps({"points": points, "command": "python bench/frontier.py "
                                                      f"--points {a.points} --out {a.out}"}, indent=1) + "\n")

@@ -1,5 +1,6 @@
-"""bench/proxy_agreement.py joins each verdict to its answers through the question of its id, not
-by position, and says what is missing instead of a traceback."""
+"""The scripts that read blind pairwise readings: bench/proxy_agreement.py joins each verdict to
+its answers through the question of its id, not by position; it and bench/frontier.py say what is
+missing in one line instead of a traceback."""
 
 from __future__ import annotations
 
@@ -71,3 +72,14 @@ def test_a_reading_without_verdicts_or_files_is_named_not_a_traceback(tmp_path):
     (tmp_path / "b.json").unlink()
     run = _run(str(BENCH / "proxy_agreement.py"), "--judge", str(judge))
     assert run.returncode == 1 and "cannot read" in run.stderr and "b.json" in run.stderr
+
+
+def test_frontier_names_a_missing_file_or_a_partial_reading_in_one_line(tmp_path):
+    """bench/frontier.py printed its own named errors (and a missing folder's) as tracebacks."""
+    (tmp_path / "points.json").write_text(json.dumps([{"label": "p", "screen": "nowhere", "judge": "nowhere"}]))
+    run = _run(str(BENCH / "frontier.py"), "--points", str(tmp_path / "points.json"), "--out", str(tmp_path / "o"),
+               "--base", str(tmp_path))
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("frontier: cannot read") and "nowhere" in run.stderr
+    run = _run(str(BENCH / "frontier.py"), "--points", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o"))
+    assert run.returncode == 1 and "missing.json" in run.stderr and "Traceback" not in run.stderr
