@@ -63,10 +63,24 @@ def measure(engine: Engine, width: int, prompt_len: int, chunk: int, bw: float) 
     }
 
 
+def widths_list(text: str) -> list[int]:
+    """argparse type of ``--widths``: comma-separated integers >= 1, at least one (checked while
+    the flags are parsed, before the bandwidth, checkpoint and engine work)."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        widths = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None
+    if not widths or any(w < 1 for w in widths):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return widths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2-135m,llama-3-8b")
-    ap.add_argument("--widths", default="1,2,4,8,16")
+    ap.add_argument("--widths", type=widths_list, default="1,2,4,8,16",
+                    help="comma-separated thread counts, each >= 1 (default 1,2,4,8,16)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=96, help="words per chunk (and of the main thread)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing result (default: a new -2 file)")
@@ -82,7 +96,7 @@ def main() -> None:
             engine = Engine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, attention_backend="triton",
                                             cuda_graphs=graphs, limits=Limits(max_threads=None, max_forks=64),
                                             kv_cache_bytes=8 * 2**30)
-            for w in (int(x) for x in args.widths.split(",")):
+            for w in args.widths:
                 r = {"model": name, "cuda_graphs": graphs, **measure(engine, w, args.prompt_len, args.chunk, bw)}
                 rows.append(r)
                 print(r, flush=True)

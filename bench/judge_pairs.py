@@ -55,6 +55,9 @@ def make(candidate: Path, baseline: Path, out: Path, seed: int, label: str) -> N
     SystemExit naming the problem: an outputs file that is not a list of ``{instruction,
     output}`` strings, an instruction twice or in one file only, or a folder that already holds
     a reading (its verdicts would be joined against the new key)."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"judge_pairs make: --out {out} is a file, not a folder: give a folder (new or made by "
+                         "make) for the pairs and their key")
     stale = [n for n in READING_FILES if (out / n).exists()]
     if stale:
         raise SystemExit(f"judge_pairs make: {out} already holds a reading ({', '.join(stale)}): its verdicts were "
@@ -71,13 +74,16 @@ def make(candidate: Path, baseline: Path, out: Path, seed: int, label: str) -> N
     if sorted(r["instruction"] for r in cand) != sorted(by_instruction):
         raise SystemExit("the two outputs files must hold the same instructions")
     base = [by_instruction[r["instruction"]] for r in cand]  # paired by instruction, in the candidate's order
-    write_blind_pairs([r["instruction"] for r in cand], [r["output"] for r in cand], [b["output"] for b in base], out,
-                      seed, {"candidate": str(candidate), "baseline": str(baseline), "label": label})
+    try:
+        write_blind_pairs([r["instruction"] for r in cand], [r["output"] for r in cand], [b["output"] for b in base],
+                          out, seed, {"candidate": str(candidate), "baseline": str(baseline), "label": label})
+    except OSError as e:  # a parent that is a file, no permission, a full disk
+        raise SystemExit(f"judge_pairs make: cannot write the pairs into --out {out}: {e}") from None
 
 
 def join(out: Path) -> dict:
+    rows = read_blind_sides(out, complete=True)  # checks key.json first: ValueError naming it
     key = json.loads((out / "key.json").read_text())
-    rows = read_blind_sides(out, complete=True)
 
     def rate(xs: list) -> dict:
         xs = [x for x in xs if x is not None]

@@ -21,12 +21,38 @@ from pathlib import Path
 from pasta_engine.train.evaluate import format_quality_proxies, quality_proxies
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a run's ``prompts.jsonl``. Raises ValueError naming the file when it is missing
+    (not a ``bench learned`` output folder), holds no row, or a line that is not a JSON object."""
+    if not path.is_file():
+        raise ValueError(f"{path} not found: RUN must be a bench learned output folder (with prompts.jsonl)")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {n} is not a JSON object: {line[:80]!r}")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no row: the run wrote no answer to summarize")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=Path, help="a bench learned output folder (with prompts.jsonl)")
     args = ap.parse_args(argv)
-    rows = [json.loads(line) for line in (args.run / "prompts.jsonl").read_text().splitlines() if line.strip()]
-    table = quality_proxies(rows)
+    path = args.run / "prompts.jsonl"
+    try:
+        rows = read_rows(path)
+        table = quality_proxies(rows)
+    except (OSError, ValueError) as e:
+        print(f"quality_proxies: error: {e}", file=sys.stderr)
+        return 2
     print(format_quality_proxies(table), file=sys.stderr)
     print(json.dumps({"run": str(args.run), "prompts": len(rows), "quality_proxies": table}, indent=2))
     return 0

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from pasta_engine.entrypoints.args import nonneg_int, positive_int
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -49,12 +51,55 @@ def main() -> None:
                     "one at its cap mid-sentence may finish it (default on)")
     ap.add_argument("--independent-topics", action=argparse.BooleanOptionalAction, default=False,
                     help="Limits.independent_topics: a topic may not open with a leaning word (default off)")
-    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=512)
     ap.add_argument("--repetition-penalty", type=float, default=1.1)
-    ap.add_argument("--max-running-requests", type=int, default=16)
-    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--max-running-requests", type=positive_int, default=16)
+    # >= 0 here; 0 (no row to screen) is refused below with the prompts file's name
+    ap.add_argument("--limit", type=nonneg_int, default=None, help="screen only the first N vicuna rows")
     args = ap.parse_args()
+    refuse_sequential_knobs(args)
 
+    from pasta_engine.errors import ParameterError
+
+    try:
+        screen(args)
+    except ParameterError as e:  # a bad flag value (Limits, SamplingParams, the engine): one line naming the flag
+        print(f"screen_adapter: error: {flag_of(e, args)}{e}", file=sys.stderr)
+        sys.exit(2)
+
+
+#: The flags that act only while the model samples in pasta (or inline) mode, each with the value
+#: that leaves it out: in ``--mode sequential`` nothing reads them (no tag is acted on), so one set
+#: there is refused rather than recorded in the settings as if applied.
+PASTA_ONLY_FLAGS = {"fork_threshold": None, "max_forks": None, "independent_topics": False,
+                    "distinct_topics": True, "chunk_clean_end": True}
+
+
+def refuse_sequential_knobs(args: argparse.Namespace) -> None:
+    """Exit 2 with one line naming the first flag of :data:`PASTA_ONLY_FLAGS` set in ``--mode
+    sequential`` (before the model loads), as the package CLI refuses them."""
+    if args.mode != "sequential":
+        return
+    for name, off in PASTA_ONLY_FLAGS.items():
+        value = getattr(args, name)
+        if value != off:
+            flag = "--" + ("no-" if value is False else "") + name.replace("_", "-")
+            shown = flag if isinstance(value, bool) else f"{flag} {value}"
+            print(f"screen_adapter: error: {shown} acts while the model samples in pasta mode, and this screen "
+                  "decodes sequentially (--mode sequential): leave it out", file=sys.stderr)
+            sys.exit(2)
+
+
+def flag_of(e: Exception, args: argparse.Namespace) -> str:
+    """``"--flag: "`` for a ParameterError's field when it is one of this script's flags (the
+    field's name as a flag), else ``""``."""
+    param = getattr(e, "param", None)
+    if isinstance(param, str) and param.startswith("--"):
+        return ""  # already a flag (its message names it)
+    return f"--{param.replace('_', '-')}: " if isinstance(param, str) and hasattr(args, param) else ""
+
+
+def screen(args: argparse.Namespace) -> None:
     import torch
 
     from pasta_engine import Engine, Limits, SamplingParams
@@ -66,13 +111,14 @@ def main() -> None:
         raise SystemExit(f"screen_adapter: {args.prompts} has no row with dataset 'vicuna'"
                          + (f" within --limit {args.limit}" if args.limit is not None else ""))
     adapter = None if args.adapter == "none" else args.adapter
+    # both checked before the model loads: a bad value is a ParameterError naming its field
     limits = Limits(fork_threshold=args.fork_threshold, distinct_topics=args.distinct_topics,
                     chunk_clean_end=args.chunk_clean_end, independent_topics=args.independent_topics,
                     **({} if args.max_forks is None else {"max_forks": args.max_forks}))
-    engine = Engine.from_pretrained(None, adapter=adapter, max_running_requests=args.max_running_requests,
-                                    limits=limits, lora_scale=args.lora_scale)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0,
                             repetition_penalty=args.repetition_penalty)
+    engine = Engine.from_pretrained(None, adapter=adapter, max_running_requests=args.max_running_requests,
+                                    limits=limits, lora_scale=args.lora_scale)
     t0 = time.time()
     results = engine.generate([r["instruction"] for r in rows], params, mode=args.mode, progress=True)
     seconds = time.time() - t0

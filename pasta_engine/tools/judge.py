@@ -186,6 +186,31 @@ def _verdict_file(path: Path, ids: set[int]) -> dict[int, str]:
     return out
 
 
+def _read_key(path: Path) -> dict[str, Any]:
+    """The key of :func:`write_blind_pairs` at ``path``, checked (see :func:`read_blind_sides`)."""
+    try:
+        key = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e.msg} at line {e.lineno}): it must be the key write_blind_pairs "
+                         "wrote") from None
+    if not isinstance(key, dict) or not isinstance(key.get("rows"), list):
+        what = "has no 'rows' list" if isinstance(key, dict) else f"is a JSON {type(key).__name__}, not an object"
+        raise ValueError(f"{path} {what}: a key is an object whose 'rows' list says per row which side the "
+                         "candidate is in each pairs file")
+    seen: set[int] = set()
+    for n, k in enumerate(key["rows"]):
+        if not isinstance(k, dict) or type(k.get("id")) is not int:
+            raise ValueError(f"{path} row {n} has no int 'id': {json.dumps(k)[:80]}")
+        for side in ("candidate_in_pairs", "candidate_in_pairs_reversed"):
+            if k.get(side) not in ("A", "B"):
+                raise ValueError(f"{path} row {n} (id {k['id']}): {side!r} must be \"A\" or \"B\", got "
+                                 f"{k.get(side)!r}")
+        if k["id"] in seen:
+            raise ValueError(f"{path} row {n}: id {k['id']} is on an earlier row already")
+        seen.add(k["id"])
+    return key
+
+
 def read_blind_sides(out: Path, complete: bool = False) -> list[dict[str, Any]]:
     """The readers' verdicts of :func:`write_blind_pairs`' files joined with its key, from the
     candidate's side: per row ``{"id", "first_order", "reversed_order"}``, each ``"win"``,
@@ -197,8 +222,13 @@ def read_blind_sides(out: Path, complete: bool = False) -> list[dict[str, Any]]:
     ``complete``: a verdict file that is there must judge every row of the key, else ValueError
     naming the file and the ids it misses (a reader who stopped early; ``bench/judge_pairs.py
     join`` asks for this, since a win rate over fewer rows in one order than in the other is not
-    the figure it says). Off by default: BoNBoN's readings judge slices of their keys."""
-    key = json.loads((out / "key.json").read_text())
+    the figure it says). Off by default: BoNBoN's readings judge slices of their keys.
+
+    A ``key.json`` that is not :func:`write_blind_pairs`' key (not JSON, not an object with a
+    ``rows`` list, a row without an int ``id`` or whose ``candidate_in_pairs`` /
+    ``candidate_in_pairs_reversed`` is not A or B, an id twice) is a ValueError naming the file
+    and what is wrong; a missing one, FileNotFoundError."""
+    key = _read_key(out / "key.json")
     files = [out / "verdicts.jsonl", out / "verdicts_reversed.jsonl"]
     ids = {k["id"] for k in key["rows"]}
     fwd, rev = (_verdict_file(f, ids) if f.exists() else {} for f in files)
