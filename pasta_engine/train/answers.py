@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .common import check_resume_record
+from .common import check_resume_record, read_row_log
 from ..config import SamplingParams
 from ..errors import ParameterError
 from ..tools.traces import PromptRow
@@ -39,34 +39,18 @@ MODEL_CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 def _read_log(path: Path) -> tuple[dict[str, dict[str, Any]], list[str] | None]:
     """The rows of ``answers.jsonl`` by instruction, and the lines to write back when the file
-    does not end with a whole row (None when it does): its last line cut off part-way by an
-    interrupted run (the row in flight, left out: it is answered again), or a whole last row
-    without its line end.
-
-    Raises ValueError naming the file and the line when a line other than the last is not a
-    JSON row (the file was edited or two runs wrote it: nothing an interrupted run leaves)."""
-    rows: dict[str, dict[str, Any]] = {}
+    does not end with a whole row (None when it does; :func:`~pasta_engine.train.common.read_row_log`:
+    a row an interrupted run cut off is left out and answered again). Raises ValueError naming
+    the file and the line when a line other than the last is not a JSON row."""
     if not path.exists():
-        return rows, None
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-            if not isinstance(r, dict) or not isinstance(r.get("instruction"), str):
-                raise ValueError("not an answer row (an object with an 'instruction')")
-        except ValueError as e:
-            if i != last:
-                raise ValueError(
-                    f"{path}: line {i + 1} is not a JSON row ({e}), and it is not the last line (the one an "
-                    f"interrupted run was writing): delete that line to resume (its prompt is answered again), "
-                    f"or remove {path} (or answer into a new --out) to start over") from None
-            return rows, lines[:i]  # cut off part-way by an interrupted run: that row is answered again
-        rows[r["instruction"]] = r
-    return rows, (lines if text and not text.endswith("\n") else None)
+        return {}, None
+    kept, rewrite = read_row_log(
+        path, path.read_text(encoding="utf-8"),
+        lambda r: isinstance(r, dict) and isinstance(r.get("instruction"), str),
+        "an answer row (an object with an 'instruction')",
+        f"delete that line to resume (its prompt is answered again), or remove {path} (or answer into a new --out) "
+        "to start over")
+    return {r["instruction"]: r for r, _ in kept}, ([line for _, line in kept] if rewrite else None)
 
 
 def _sampling(generator: str, max_new_tokens: int, temperature: float, top_p: float, repetition_penalty: float,

@@ -11,7 +11,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -28,6 +28,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "checkpoint_state",
+    "read_row_log",
     "git_commit",
     "machine",
     "base_manifest",
@@ -348,6 +349,41 @@ def base_manifest(model: str | os.PathLike | None, command: str) -> dict[str, An
     if model is None or (gguf.is_file() and gguf.suffix == ".gguf"):  # a one-file base model: its hash is checked
         out.update(base_model_file=gguf.name, base_model_sha256=file_sha256(gguf))
     return out
+
+
+def read_row_log(path: Path, text: str, is_row: Callable[[Any], bool], what: str,
+                 fix: str) -> tuple[list[tuple[dict[str, Any], str]], bool]:
+    """The whole rows of an append-only JSONL log (``text``, read from ``path``), each with its
+    line, in file order, and whether the file must be written back from them before a row
+    appends cleanly: its last line was cut off part-way by an interrupted run (the row in
+    flight, left out: the caller redoes it) or its last row lacks its line end.
+
+    Args:
+        path: the log (named in the error).
+        text: its text (a caller may pass a decompressed copy).
+        is_row: whether a parsed line is one of the log's rows.
+        what: what a row is, for the error ("an answer row (an object with an 'instruction')").
+        fix: how to go on, for the error.
+
+    Raises ValueError naming the file and line when a line other than the last is not a row
+    (the file was edited, or two runs wrote it: nothing an interrupted run leaves)."""
+    rows: list[tuple[dict[str, Any], str]] = []
+    lines = text.splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if not is_row(r):
+                raise ValueError(f"not {what}")
+        except ValueError as e:
+            if i != last:
+                raise ValueError(f"{path}: line {i + 1} is not a JSON row ({e}), and it is not the last line (the one "
+                                 f"an interrupted run was writing): {fix}") from None
+            return rows, True
+        rows.append((r, line))
+    return rows, bool(text) and not text.endswith("\n")
 
 
 def check_resume_record(out: Path, record: dict[str, Any], holds: str, new_out: str) -> None:

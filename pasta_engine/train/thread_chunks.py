@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from .common import check_resume_record
+from .common import check_resume_record, read_row_log
 from ..errors import ParameterError
 from ..lang.dialect import source_text
 from ..lang.tags import AsyncClose, AsyncOpen, Promise, Sync, Text, parse, promise_tag, strip_tags
@@ -295,27 +295,14 @@ def check_chunks_resume(out: Path, *, repetition_penalty: float = 1.1, max_new_t
 
 def _read_log(log: Path, text: str) -> tuple[dict[tuple[str, str], tuple[dict[str, Any], str]], bool]:
     """The rows of ``examples.jsonl`` (its ``text``) by ``(prompt, source)``, each with its line,
-    and whether the text ends in a line an interrupted run cut off part-way (left out: that
-    answer is rewritten again) or a row without its line end.
-
-    Raises ValueError naming the file and line when a line other than the last is not a JSON row."""
-    rows: dict[tuple[str, str], tuple[dict[str, Any], str]] = {}
-    lines = text.splitlines()
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-            if not isinstance(r, dict) or not isinstance(r.get("prompt"), str) or not isinstance(r.get("source"), str):
-                raise ValueError("not a row with a 'prompt' and a 'source'")
-        except ValueError as e:
-            if i != last:
-                raise ValueError(f"{log}: line {i + 1} is not a JSON row ({e}); remove the file to start "
-                                 "over") from None
-            return rows, True  # cut off by an interrupted run
-        rows[(r["prompt"], r["source"])] = (r, line)
-    return rows, bool(text) and not text.endswith("\n")
+    and whether the file must be written back (:func:`~pasta_engine.train.common.read_row_log`:
+    a row an interrupted run cut off is left out and rewritten again). Raises ValueError naming
+    the file and line when a line other than the last is not a JSON row."""
+    kept, rewrite = read_row_log(
+        log, text, lambda r: isinstance(r, dict) and isinstance(r.get("prompt"), str)
+        and isinstance(r.get("source"), str), "a row with a 'prompt' and a 'source'",
+        "remove the file to start over")
+    return {(r["prompt"], r["source"]): (r, line) for r, line in kept}, rewrite
 
 
 def _check_rewriting(out: Path, rewriting: dict[str, Any]) -> None:
