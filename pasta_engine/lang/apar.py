@@ -61,7 +61,7 @@ from .dialect import (AsyncClose, AsyncOpen, BaseDialect, Chunk, Malformed, Pars
                       Threads, policy_reserve, register_dialect, source_text)
 from .grammar import GrammarState
 from .prompts import PastaPrompt
-from .tags import clean_from_items
+from .tags import clean_from_items, left_out_broken
 
 __all__ = ["AparDialect", "AparParser", "APAR", "APAR_PROMPT", "APAR_REJOIN", "FORK", "CHILD", "CHILD_CLOSE",
            "DEFAULT_RESERVE", "MAX_MARKER_JUNK"]
@@ -175,13 +175,7 @@ class AparParser:
         keeps ``[`` and leaves ``[Fo`` out), as :class:`~pasta_engine.lang.tags.TagParser` does."""
         if self._broken:
             broken, self._broken = self._broken, []
-            lone = max((k for k, b in enumerate(broken) if b == "["), default=-1)
-            if lone >= 0:
-                out.append(Text("".join(broken[: lone + 1])))
-            rest = "".join(broken[lone + 1:])
-            if rest:
-                out.append(Malformed(raw=rest, reason="partial marker cut short by a marker"))
-                out.append(TagText(rest))
+            left_out_broken(broken, "[", "partial marker cut short by a marker", out)
 
     def _push(self, ch: str, out: list[Parsed], at: int) -> None:
         """Consume ``ch``, found at offset ``at`` of the input."""

@@ -81,6 +81,7 @@ __all__ = [
     "clean_from_items",
     "thread_text",
     "drop_empty_items",
+    "left_out_broken",
     "PASTA_REJOIN",
     "held_line_start",
     "is_empty_list_item",
@@ -421,13 +422,23 @@ class TagParser:
         (:func:`drop_empty_items`)."""
         if self._broken:
             broken, self._broken = self._broken, []
-            lone = max((k for k, b in enumerate(broken) if b == "<"), default=-1)
-            if lone >= 0:
-                out.append(Text("".join(broken[: lone + 1])))
-            rest = "".join(broken[lone + 1:])
-            if rest:
-                out.append(Malformed(raw=rest, reason="partial tag cut short by a tag"))
-                out.append(TagText(rest))
+            left_out_broken(broken, "<", "partial tag cut short by a tag", out)
+
+
+def left_out_broken(broken: Sequence[str], opener: str, reason: str, out: list[Parsed]) -> None:
+    """Emit onto ``out`` what an incremental parser held as ``broken`` (partial tags, or lone
+    ``opener`` characters, each cut short by the next ``opener``) once the tag the last one
+    started is left out: everything up to the last lone ``opener`` is the model's text, the
+    rest is tag-like text (a ``Malformed`` diagnostic with ``reason``, then ``TagText``). The
+    rule :class:`TagParser` (``<``) and :class:`~pasta_engine.lang.apar.AparParser` (``[``)
+    share. Raises nothing."""
+    lone = max((k for k, b in enumerate(broken) if b == opener), default=-1)
+    if lone >= 0:
+        out.append(Text("".join(broken[: lone + 1])))
+    rest = "".join(broken[lone + 1:])
+    if rest:
+        out.append(Malformed(raw=rest, reason=reason))
+        out.append(TagText(rest))
 
 
 #: PASTA-LANG's :class:`~pasta_engine.lang.dialect.Rejoin`: a kept lone ``<`` and the text after a
