@@ -23,9 +23,11 @@ from pasta_engine.core.interpreter import Interpreter
 from pasta_engine.core.request import Request
 from pasta_engine.core.scheduler import SampledTokens, Scheduler
 from pasta_engine.lang.apar import APAR, APAR_REJOIN, AparParser
-from pasta_engine.lang.dialect import Malformed, Text
+from pasta_engine.lang.dialect import Text
 from pasta_engine.lang.multiverse import MULTIVERSE, MULTIVERSE_REJOIN, MultiverseParser
 from pasta_engine.lang.tags import PASTA_REJOIN, TagParser, clean_text, drop_empty_items
+
+from clean_stream import streamed_cleans as stream_cleans  # noqa: E402  (tests/clean_stream.py)
 
 DIALECTS = {"apar": (APAR, AparParser, APAR_REJOIN), "multiverse": (MULTIVERSE, MultiverseParser, MULTIVERSE_REJOIN)}
 
@@ -48,24 +50,8 @@ def is_subsequence(small: str, big: str) -> bool:
 
 
 def streamed_cleans(dialect, parser_cls, rejoin, pieces):
-    """The clean text after each piece as a stream shows it (``drop_empty_items(final=False)``
-    over the parser's text so far), and the final one (test_tags.py's harness, any dialect)."""
-    p = parser_cls()
-    text, drops, out = "", [], []
-
-    def take(items):
-        nonlocal text
-        for e in items:
-            if type(e) is Text:
-                text += e.text
-            elif not isinstance(e, Malformed):
-                drops.append(len(text))
-
-    for piece in pieces:
-        take(p.feed(piece))
-        out.append(drop_empty_items(text, drops, final=False, rejoin=rejoin))
-    take(p.finish())
-    return out, drop_empty_items(text, drops, final=True, rejoin=rejoin)
+    """tests/clean_stream.py's harness with ``parser_cls``'s parser and ``rejoin``."""
+    return stream_cleans(parser_cls(), pieces, rejoin)
 
 
 # --------------------------------------------------------------------------- the reviewer's cases

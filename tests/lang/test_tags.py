@@ -28,6 +28,8 @@ from pasta_engine.lang.tags import (
     strip_tags,
 )
 
+from clean_stream import streamed_cleans as stream_cleans  # noqa: E402  (tests/clean_stream.py)
+
 TAGS = [
     '<promise topic="a list" tokens="30"/>',
     "<promise topic='x' tokens='0' />",
@@ -411,24 +413,8 @@ def test_a_partial_tag_cut_short_by_async_close_goes_with_it(text, clean):
 
 
 def streamed_cleans(pieces, special_tokens=None):
-    """The clean text after each piece as a stream shows it (the parser's text so far, what may
-    still change held back: ``drop_empty_items(final=False)``), and the final clean text."""
-    p = TagParser(special_tokens=dict(special_tokens or {}))
-    text, drops, shown = "", [], []
-
-    def take(items):
-        nonlocal text
-        for e in items:
-            if type(e) is Text:
-                text += e.text
-            elif not isinstance(e, Malformed):
-                drops.append(len(text))
-
-    for piece in pieces:
-        take(p.feed(piece))
-        shown.append(drop_empty_items(text, drops, final=False))
-    take(p.finish())
-    return shown, drop_empty_items(text, drops, final=True)
+    """The clean text after each piece as a stream shows it, and the final one (PASTA-LANG)."""
+    return stream_cleans(TagParser(special_tokens=dict(special_tokens or {})), pieces)
 
 
 LONE = ["<", "<<", "a<", "x <", "a <<", "<p<", "\n- <"]  # text that ends with a lone '<' (or several)
