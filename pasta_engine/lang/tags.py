@@ -571,12 +571,7 @@ def drop_empty_items(text: str, drops: Iterable[int], final: bool = True, rejoin
     if not cuts:
         return text if end == len(text) else text[:end]
     cuts.sort()
-    parts, at = [], 0
-    for s, e in cuts:
-        parts.append(text[at:s])
-        at = e
-    parts.append(text[at:end])
-    return "".join(parts)
+    return _without(text[:end], cuts)
 
 
 def _cut_rejoined(text: str, drops: Iterable[int], final: bool,
