@@ -106,7 +106,7 @@ def adapt_checkpoint(state: dict[str, torch.Tensor], config: ModelConfig, device
     checkpoint holds its own head unlike the embedding (it would be dropped)."""
     c = config
     ck = _Checkpoint(state, torch.device(device), dtype, c.norm_unit_offset, c.architecture.fused_checkpoint)
-    if c.tie_word_embeddings and "lm_head.weight" in state and not same_tensor(state["lm_head.weight"],
+    if c.tie_word_embeddings and "lm_head.weight" in state and not _same(state["lm_head.weight"],
                                                                          state.get("model.embed_tokens.weight")):
         raise CheckpointError("model", None, message="the config sets tie_word_embeddings=true but the checkpoint "
                               "holds its own lm_head.weight, unlike model.embed_tokens.weight: it would be dropped "
@@ -154,10 +154,9 @@ class _Checkpoint:
         return torch.cat([self.take(n) for n in names])
 
 
-def same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """``a`` is ``b`` (a tied head shares the embedding's storage) or holds the same values
-    (shapes equal, ``b`` cast to ``a``'s dtype); False when either is None."""
-    if a is None or b is None or a.shape != b.shape:
+def _same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """``a`` is ``b`` (a tied head shares the embedding's storage) or holds the same values."""
+    if b is None or a.shape != b.shape:
         return False
     return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()) or torch.equal(a, b.to(a.dtype))
 
