@@ -339,19 +339,31 @@ def _check_round_inputs(rdir: Path, rows: Sequence[Mapping[str, Any]], inputs: M
         kept = json.loads(kept_path.read_text(encoding="utf-8"))
     else:
         kept = {"prompts": [r["prompt"] for r in rows][:: max(1, inputs["n"])]}
-    differ = []
-    for key, now in inputs.items():
-        if key not in kept or kept[key] == now:
-            continue
-        if key == "prompts":
-            other = sum(1 for a, b in zip(kept[key], now) if a != b) + abs(len(kept[key]) - len(now))
-            differ.append(f"prompts ({other} of {len(now)} differ: another --limit, --sample-prompts or --seed?)")
-        elif key in ("pasta_prompt", "quality"):
-            differ.append(f"{key} (was {str(kept[key])[:80]!r})")
-        else:
-            differ.append(f"{key} {kept[key]!r} (now {now!r})")
+    differ = _differences(kept, inputs)
     if differ:
-        raise ValueError(f"{rdir}: its samples were drawn or scored under other settings: {'; '.join(differ)}: {fix}")
+        raise ValueError(f"{rdir}: its samples were drawn or scored under other settings: "
+                         f"{'; '.join(text for _, text in differ)}: {fix}")
+
+
+def _differences(kept: Mapping[str, Any], now: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Each key of ``now`` that ``kept`` (a round's record) holds with another value, in
+    ``now``'s order, with a few words naming its flag and both values (the prompts as a count of
+    those that differ; a pasta prompt or quality term cut to 80 characters). A key ``kept`` lacks
+    (a record from an older version) is not compared."""
+    out = []
+    for k, is_ in now.items():
+        if k not in kept or kept[k] == is_:
+            continue
+        was, flag = kept[k], _round_flag(k)
+        if k == "prompts":
+            other = sum(1 for a, b in zip(was, is_) if a != b) + abs(len(was) - len(is_))
+            out.append((k, f"{flag}: {other} of {len(is_)} prompts differ (another --prompts, --limit, "
+                           "--sample-prompts or --seed?)"))
+        elif k in ("pasta_prompt", "quality"):
+            out.append((k, f"{flag}: {k} {str(was)[:80]!r} then, {str(is_)[:80]!r} now"))
+        else:
+            out.append((k, f"{flag} {was!r} then, {is_!r} now"))
+    return out
 
 
 def _training_inputs(settings: BonbonSettings, reader: bool) -> dict[str, Any]:
@@ -365,6 +377,11 @@ def _training_inputs(settings: BonbonSettings, reader: bool) -> dict[str, Any]:
 #: The ``train bonbon`` flag that sets a recorded round input, where it is not the input's own name.
 _ROUND_FLAGS = {"prompts": "--prompts", "start_adapter": "--adapter", "pasta_prompt": "--adapter",
                 "quality": "--judge-url"}
+
+
+def _round_flag(key: str) -> str:
+    """The ``train bonbon`` flag that sets the recorded round input ``key``."""
+    return _ROUND_FLAGS.get(key, "--" + key.replace("_", "-"))
 
 
 def _check_done_round(rdir: Path, inputs: Mapping[str, Any], training: Mapping[str, Any], seed_offset: int) -> None:
@@ -383,24 +400,13 @@ def _check_done_round(rdir: Path, inputs: Mapping[str, Any], training: Mapping[s
     for record in (kept, now):  # the --seed given, not the round's
         if isinstance(record.get("seed"), int):
             record["seed"] -= seed_offset
-    differ = [k for k in now if k in kept and kept[k] != now[k]]
+    differ = _differences(kept, now)
     if not differ:
         return
-    flag = {k: _ROUND_FLAGS.get(k, "--" + k.replace("_", "-")) for k in differ}
-    shown = []
-    for k in differ:
-        was, is_ = kept[k], now[k]
-        if k == "prompts":
-            other = sum(1 for a, b in zip(was, is_) if a != b) + abs(len(was) - len(is_))
-            shown.append(f"{flag[k]}: {other} of {len(is_)} prompts differ (another --prompts, --limit, "
-                         "--sample-prompts or --seed?)")
-        elif k in ("pasta_prompt", "quality"):
-            shown.append(f"{flag[k]}: {k} {str(was)[:80]!r} then, {str(is_)[:80]!r} now")
-        else:
-            shown.append(f"{flag[k]} {was!r} then, {is_!r} now")
-    raise ParameterError(flag[differ[0]], now[differ[0]], message=(
-        f"{rdir} is a finished round sampled and trained under other flags ({'; '.join(shown)}): rerun with the "
-        "same flags to go on from it, or train into a new --out"))
+    first = differ[0][0]
+    raise ParameterError(_round_flag(first), now[first], message=(
+        f"{rdir} is a finished round sampled and trained under other flags ({'; '.join(t for _, t in differ)}): "
+        "rerun with the same flags to go on from it, or train into a new --out"))
 
 
 def _score_pending(rows: list[dict[str, Any]], rdir: Path, scorer: Scorer, quality_weight: float) -> None:

@@ -111,12 +111,12 @@ def test_resume_refuses_other_settings_and_keeps_a_failing_judges_scores(tiny_ll
     assert len(rows) == 4 and all(r["score"] is None for r in rows)  # the samples are kept
     assert len((rdir / "scores.jsonl").read_text().splitlines()) == 3  # and the three verdicts paid for
 
-    for kw, what in (({"max_new_tokens": 7}, "max_new_tokens 6 \\(now 7\\)"), ({"temperature": 0.3}, "temperature"),
+    for kw, what in (({"max_new_tokens": 7}, "--max-new-tokens 6 then, 7 now"), ({"temperature": 0.3}, "temperature"),
                      ({"seed": 5}, "seed")):
         with pytest.raises(ValueError, match=f"other settings: .*{what}.*remove .*round1"):
             train_bonbon(prompts, sft_adapter, out, _settings(**kw), base=str(tiny_llama), scorer=_Judge(),
                          progress=False)
-    with pytest.raises(ValueError, match="prompts \\(2 of 2 differ"):
+    with pytest.raises(ValueError, match="--prompts: 2 of 2 prompts differ"):
         train_bonbon(["other", "questions"], sft_adapter, out, _settings(), base=str(tiny_llama), scorer=_Judge(),
                      progress=False)
 
