@@ -31,7 +31,7 @@ import torch
 
 from ..config import Limits, SamplingParams
 from ..lang.prompts import LEARNED_PASTA_PROMPT, PastaPrompt
-from ..models.adapter import read_manifest
+from ..models.adapter import manifest_pasta_prompt, read_manifest
 from .common import LossCurve, export_adapter, git_commit, load_base, load_config, load_tokenizer, lr_lambda, machine, \
     wrap_lora
 from .forward import forward_logprobs, layout_for
@@ -204,12 +204,14 @@ def read_round_picks(round_dir: Path, min_win: float = 0.75) -> list[Any]:
 
 def adapter_pasta_prompt(adapter: Path, given: PastaPrompt | None = None) -> PastaPrompt:
     """The context an adapter samples and trains in: ``given`` when set, else the ``pasta_prompt`` its
-    manifest records (``train sft --system-prompt``), else :data:`LEARNED_PASTA_PROMPT` (adapters
-    trained before the manifest kept one)."""
+    manifest records (``train sft --system-prompt``; read as the engine reads it,
+    :func:`~pasta_engine.models.adapter.manifest_pasta_prompt`, so an empty object sets none), else
+    :data:`LEARNED_PASTA_PROMPT` (adapters trained before the manifest kept one, with that line).
+    Raises CheckpointError naming the adapter for a ``pasta_prompt`` the engine would refuse."""
     if given is not None:
         return given
-    recorded = (read_manifest(adapter) or {}).get("pasta_prompt")
-    return PastaPrompt.from_dict(recorded) if recorded is not None else LEARNED_PASTA_PROMPT
+    recorded = manifest_pasta_prompt(read_manifest(adapter), adapter)
+    return recorded if recorded is not None else LEARNED_PASTA_PROMPT
 
 
 def bonbon_memory_estimate(prompts: Sequence[str], adapter: Path, settings: BonbonSettings,

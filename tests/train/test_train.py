@@ -863,6 +863,23 @@ def test_bonbon_runs_a_continued_adapter_in_its_own_context(tmp_path):
     assert adapter_pasta_prompt(tmp_path / "none") == LEARNED_PASTA_PROMPT  # an adapter from before the manifest kept it
 
 
+def test_bonbon_reads_a_manifest_pasta_prompt_as_the_engine_does(tmp_path):
+    """An empty ``pasta_prompt`` object sets none for the engine (its default), so BoNBoN's
+    fallback holds, not the empty context from_dict would read; a bad value is the engine's
+    CheckpointError naming the adapter, not a bare ParameterError."""
+    from pasta_engine.errors import CheckpointError
+    from pasta_engine.lang.prompts import LEARNED_PASTA_PROMPT
+    from pasta_engine.models.adapter import manifest_pasta_prompt
+    from pasta_engine.train.bonbon import adapter_pasta_prompt
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"pasta_prompt": {}}))
+    assert manifest_pasta_prompt({"pasta_prompt": {}}) is None
+    assert adapter_pasta_prompt(tmp_path) == LEARNED_PASTA_PROMPT
+    (tmp_path / "manifest.json").write_text(json.dumps({"pasta_prompt": {"system": 3}}))
+    with pytest.raises(CheckpointError, match=str(tmp_path)):
+        adapter_pasta_prompt(tmp_path)
+
+
 def test_a_bonbon_round_trains_every_pair_once_per_epoch(tiny_llama, tmp_path, monkeypatch):
     """5 pairs at 4 a step: the floor over all epochs trained one step of 4 and never the fifth
     pair, and with 2 epochs a step spanned both. Each epoch now ends with a short step."""
