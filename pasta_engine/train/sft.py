@@ -294,7 +294,6 @@ def train_sft(
             # (epochs, max_steps) stretches the schedule, so its next step takes the new one's
             for group, base_lr in zip(opt.param_groups, sched.base_lrs):
                 group["lr"] = base_lr * lr_lambda(sched.last_epoch, settings.warmup, total)
-            sched._last_lr = [group["lr"] for group in opt.param_groups]
             if scaler is not None and "grad_scaler" in state:
                 scaler.load_state_dict(state["grad_scaler"])
             if (out / "loss.json").exists():
