@@ -72,6 +72,7 @@ __all__ = [
     "distinct_n",
     "empty_list_items",
     "has_tag_text",
+    "opens_with_refusal",
     "text_proxies",
     "summarize_text_proxies",
     "empty_list_items_from_tags",
@@ -401,6 +402,25 @@ def has_tag_text(text: str) -> bool:
     shows the user a tag (for example a partial promise at a length cut), or a promise's length
     and close (``20"/>``)."""
     return _MARKER.search(text) is not None or _LENGTH_CLOSE.search(text) is not None
+
+
+#: An apology or a capability disclaimer, the way a small chat model declines ("I'm sorry for any
+#: misunderstanding, but as an AI ... I don't have the ability to ..."), matched case-blind.
+_REFUSAL = re.compile(r"\b(?:I['’]m sorry|I am sorry|I apologi[sz]e|as an AI\b|I can(?:no|['’])t (?:help|assist|provide|"
+                      r"create|write|do|fulfil)|I(?:['’]m| am) (?:not able|unable) to|I do(?:n['’]t| not) have "
+                      r"(?:the ability|the capability|access|personal))", re.IGNORECASE)
+
+
+def opens_with_refusal(text: str, window_chars: int = 300) -> bool:
+    """Whether the opening ``window_chars`` characters of an answer apologise or disclaim a
+    capability (:data:`_REFUSAL`: "I'm sorry", "I apologize", "as an AI", "I can't help",
+    "I'm unable to", "I don't have the ability"): a small model's decline, which blind readers
+    hold against an answer. A phrase later in the answer does not count (a story may have a
+    character apologise). Used to leave such answers out of training data
+    (``train sft --drop-refusals``). Raises ValueError for ``window_chars < 1``."""
+    if window_chars < 1:
+        raise ValueError(f"window_chars must be >= 1, got {window_chars}")
+    return _REFUSAL.search(text[:window_chars]) is not None
 
 
 def text_proxies(text: str) -> dict[str, Any]:

@@ -171,3 +171,25 @@ def test_content_tokens_never_exceed_what_the_run_sampled():
     assert content_token_count(3, 0, 0) == 0
     with pytest.raises(ValueError):
         content_token_count(-1, 4, 0)
+
+
+@pytest.mark.parametrize("text, declines", [
+    ("I'm sorry for any misunderstanding, but as an AI designed to assist with sewing, I can't help.", True),
+    ("Sure, I'd be happy to help. However, I don't have the ability to browse the web.", True),
+    ("I’m unable to provide medical advice.", True),
+    ("I apologize for the confusion.", True),
+    ("Here are five tips for better sleep:\n1. Keep a schedule.", False),
+    ("Sorrow is a theme of the poem.", False),
+    ("The villain sneered. " * 20 + "\"I'm sorry,\" she said at last.", False),  # past the opening
+])
+def test_opens_with_refusal(text, declines):
+    from pasta_engine.metrics import opens_with_refusal
+
+    assert opens_with_refusal(text) is declines
+
+
+def test_opens_with_refusal_refuses_an_empty_window():
+    from pasta_engine.metrics import opens_with_refusal
+
+    with pytest.raises(ValueError, match="window_chars"):
+        opens_with_refusal("I'm sorry", 0)

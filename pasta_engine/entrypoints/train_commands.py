@@ -187,6 +187,10 @@ def add_train_parser(subparsers: Any) -> None:
     s.add_argument("--drop-repeats", action="store_true",
                    help="leave out answers that repeat a whole line (a small model's own answers loop; training on "
                    "them teaches the loop)")
+    s.add_argument("--drop-refusals", action="store_true",
+                   help="leave out answers that open with an apology or a capability disclaimer (\"I'm sorry ... as "
+                   "an AI ...\"; pasta_engine.metrics.opens_with_refusal): training on a small model's declines "
+                   "teaches it to decline")
     s.add_argument("--tag-tokens", action="store_true",
                    help="a fresh adapter adds the PASTA-LANG pieces to the tokenizer as tokens and trains their "
                    "embedding rows (a promise costs ~7 tokens instead of ~17; the engine then masks what the grammar "
@@ -419,6 +423,11 @@ def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dty
 
         examples = [e for e in examples if repeated_line_fraction(strip_tags(e.annotated)) == 0]
         counts["without_repeated_lines"] = len(examples)
+    if args.drop_refusals:
+        from ..metrics import opens_with_refusal
+
+        examples = [e for e in examples if not opens_with_refusal(strip_tags(e.annotated))]
+        counts["without_refusals"] = len(examples)
     min_promises = max(args.min_promises, 1 if args.forked_only else 0)
     if min_promises:
         examples = [e for e in examples if e.promises >= min_promises]

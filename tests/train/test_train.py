@@ -592,6 +592,17 @@ def test_train_sft_drop_repeats_and_tag_tokens(tiny_llama, tmp_path, capsys):
     assert set(manifest["added_tokens"]) == {'<promise topic="', '" tokens="', '"/>', "<async>", "</async>", "<sync/>"}
 
 
+def test_train_sft_drop_refusals(tiny_llama, tmp_path, capsys):
+    declining = "I'm sorry for any misunderstanding, but as an AI I don't have the ability to sleep."
+    _, out, err = _sft_command(tiny_llama, tmp_path, capsys,
+                               [{"instruction": PROMPT, "dataset": "koala", "output": LISTED},
+                                {"instruction": "decline", "dataset": "koala", "output": declining}],
+                               "--drop-refusals")
+    rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [PROMPT]  # the declining answer is gone
+    assert "'without_refusals': 1" in err
+
+
 def test_annotation_content_speedup_counts_tags_as_overhead(tiny_llama):
     from pasta_engine.lang.grammar import add_tag_tokens
     from pasta_engine.lang.tokenization import encode_text
