@@ -651,6 +651,8 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     _no_torchrun("chunks")
     device, dtype = _device_dtype(args)
     rows = _train_rows(args, need_output=True)
+    # word weights from every training answer: a --limit trial writes the topics the full run writes
+    idf = document_frequencies(r.output for r in rows if r.output)
     if args.limit is not None:
         rows = rows[: args.limit]
     check_chunks_resume(args.out, repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_chunk_tokens,
@@ -662,7 +664,6 @@ def _chunks(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     count = count_tokens_fn(engine.tokenizer)
     examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
                                       annotator=args.annotator)
-    idf = document_frequencies(r.output for r in rows if r.output)
     _, chunk_counts = rewrite_chunks(engine, examples, args.out, count_tokens=count, idf=idf,
                                      repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_chunk_tokens,
                                      batch=args.batch, model=str(args.model or "SmolLM2-135M-Instruct"),

@@ -111,3 +111,29 @@ def test_chunks_resume_records_the_annotation_flags_and_drops_rows_of_other_answ
     got, counts = rewrite_chunks(Engine(), [other], tmp_path, count_tokens=words, progress=False)
     assert [r["annotator"] for r in _rows(tmp_path / "examples.jsonl")] == ["none+thread-rewrite"]
     assert counts["answers"] == 1 and got[0].annotated == "Tips: no forks."
+
+
+def test_train_chunks_limit_weighs_topic_words_over_every_training_answer(tiny_llama, tmp_path, capsys, monkeypatch):
+    """The topics' word weights (idf) came from the --limit rows only, so a trial run on a few
+    answers wrote other topics than the full run writes for the same answers."""
+    import pasta_engine.train.thread_chunks as tc
+    from pasta_engine.tools.annotate_independent import document_frequencies
+
+    answers = [LISTED, "Drink water.\n\nWalk every day, outside if you can.", "Read a book before bed."]
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps([{"instruction": f"How to sleep better {k}?", "dataset": "koala", "output": a}
+                                   for k, a in enumerate(answers)]))
+    seen = {}
+
+    def fake_rewrite(engine, examples, out, **kw):
+        seen.update(kw, examples=len(examples))
+        out.mkdir(parents=True, exist_ok=True)
+        return [], {"answers": len(examples), "stop": 0, "cut": 0, "original": 0}
+
+    monkeypatch.setattr(tc, "rewrite_chunks", fake_rewrite)
+    cmd = ["train", "chunks", "--prompts", str(prompts), "--model", str(tiny_llama), "--out", str(tmp_path / "c"),
+           "--max-chunk-tokens", "8", "--device", "cpu", "--limit", "1"]
+    rc, err = _main(cmd, capsys)
+    assert rc == 0, err
+    assert seen["examples"] == 1
+    assert seen["idf"] == document_frequencies(answers) != document_frequencies(answers[:1])
