@@ -32,8 +32,8 @@ import torch
 from ..config import Limits, SamplingParams
 from ..lang.prompts import LEARNED_PASTA_PROMPT, PastaPrompt
 from ..models.adapter import manifest_pasta_prompt, read_manifest
-from .common import LossCurve, export_adapter, git_commit, load_base, load_config, load_tokenizer, lr_lambda, machine, \
-    wrap_lora
+from .common import LossCurve, differing_keys, export_adapter, git_commit, load_base, load_config, load_tokenizer, \
+    lr_lambda, machine, wrap_lora
 from .forward import forward_logprobs, layout_for
 from .losses import bonbon_loss
 from .quality import LikelihoodQuality, Scorer, speedup_plus_quality
@@ -353,10 +353,8 @@ def _differences(kept: Mapping[str, Any], now: Mapping[str, Any]) -> list[tuple[
     those that differ; a pasta prompt or quality term cut to 80 characters). A key ``kept`` lacks
     (a record from an older version) is not compared."""
     out = []
-    for k, is_ in now.items():
-        if k not in kept or kept[k] == is_:
-            continue
-        was, flag = kept[k], _round_flag(k)
+    for k in differing_keys(kept, now):
+        was, is_, flag = kept[k], now[k], _round_flag(k)
         if k == "prompts":
             other = sum(1 for a, b in zip(was, is_) if a != b) + abs(len(was) - len(is_))
             out.append((k, f"{flag}: {other} of {len(is_)} prompts differ (another --prompts, --limit, "

@@ -11,7 +11,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -386,6 +386,14 @@ def read_row_log(path: Path, text: str, is_row: Callable[[Any], bool], what: str
     return rows, bool(text) and not text.endswith("\n")
 
 
+def differing_keys(kept: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The keys of ``now`` that ``kept`` (a resumed run's record) holds with another value, in
+    ``now``'s order. A key ``kept`` lacks (a record written by an older version) is not compared,
+    so an old run resumes as before. The one rule of the resume records of ``train answers``,
+    ``train chunks`` and ``train bonbon`` rounds."""
+    return [k for k in now if k in kept and kept[k] != now[k]]
+
+
 def check_resume_record(out: Path, record: dict[str, Any], holds: str, new_out: str) -> None:
     """Refuse to resume ``out`` when ``out/sampling.json`` (the flags its rows were made under)
     differs from ``record`` in a key both have: a resume reuses the rows, so they would mix two
@@ -398,7 +406,7 @@ def check_resume_record(out: Path, record: dict[str, Any], holds: str, new_out: 
     if not path.exists():
         return
     kept = json.loads(path.read_text(encoding="utf-8"))
-    differ = [k for k in record if k in kept and kept[k] != record[k]]
+    differ = differing_keys(kept, record)
     if differ:
         shown = "; ".join(f"--{k.replace('_', '-')} {kept[k]!r} then, {record[k]!r} now" for k in differ)
         raise ParameterError("--" + differ[0].replace("_", "-"), record[differ[0]], message=(
