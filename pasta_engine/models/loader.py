@@ -23,6 +23,7 @@ from .adapter import added_tokens, file_sha256, merge_lora, read_manifest, shipp
 from .config import ARCHITECTURES, ModelConfig, check_sizes
 from .protocol import CausalLM
 from .sharding import shard_checkpoint, shard_config, shard_spec, shard_tensor
+from .tensors import same_tensor
 
 __all__ = ["resolve_adapter", "add_adapter_tokens", "load_model", "read_hf_config", "build_model", "decoder_class", "load_tokenizer", "resolve_model_path", "embedded_model_dir", "embedded_gguf_path", "cache_root", "EMBEDDED_MODEL"]
 
@@ -169,7 +170,8 @@ def load_model(
         sliced = False
     else:  # read here, not by transformers: the same checks it makes (missing tensors, tensors unused)
         _check_tensor_names(hf_cfg, weights, where)
-    if adapter is not None and cfg.tie_word_embeddings and _is_embedding(weights.get("lm_head.weight"), weights):
+    if adapter is not None and cfg.tie_word_embeddings and same_tensor(weights.get("lm_head.weight"),
+                                                                       weights.get("model.embed_tokens.weight")):
         del weights["lm_head.weight"]  # the embedding itself: the merge grows it alone, the head stays tied
     if adapter is not None:
         merge_lora(weights, adapter, lora_scale, tied_head=cfg.tie_word_embeddings or "lm_head.weight" not in weights)
@@ -264,15 +266,6 @@ def _check_finite(weights: dict[str, torch.Tensor], where: Path, adapter: Any) -
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             why = f" after merging the adapter {adapter} (its tensors, or lora_alpha / r too large)" if adapter else ""
             raise CheckpointError("model", str(where), message=f"{where}: weight {name} holds NaN or inf{why}")
-
-
-def _is_embedding(head: torch.Tensor | None, weights: dict[str, torch.Tensor]) -> bool:
-    """``head`` (a state dict's ``lm_head.weight``) is the embedding: its very tensor (a head
-    ``transformers`` tied) or the same values (a file that stores both)."""
-    embed = weights.get("model.embed_tokens.weight")
-    if head is None or embed is None or head.shape != embed.shape:
-        return False
-    return head.data_ptr() == embed.data_ptr() or torch.equal(head, embed)
 
 
 def _first_line(e: BaseException) -> str:

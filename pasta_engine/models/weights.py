@@ -19,6 +19,7 @@ import torch
 
 from ..errors import CheckpointError, UnsupportedModelError
 from .config import ModelConfig
+from .tensors import same_tensor
 
 __all__ = ["LayerWeights", "DecoderWeights", "adapt_checkpoint"]
 
@@ -106,8 +107,8 @@ def adapt_checkpoint(state: dict[str, torch.Tensor], config: ModelConfig, device
     checkpoint holds its own head unlike the embedding (it would be dropped)."""
     c = config
     ck = _Checkpoint(state, torch.device(device), dtype, c.norm_unit_offset, c.architecture.fused_checkpoint)
-    if c.tie_word_embeddings and "lm_head.weight" in state and not _same(state["lm_head.weight"],
-                                                                         state.get("model.embed_tokens.weight")):
+    if c.tie_word_embeddings and "lm_head.weight" in state and not same_tensor(state["lm_head.weight"],
+                                                                               state.get("model.embed_tokens.weight")):
         raise CheckpointError("model", None, message="the config sets tie_word_embeddings=true but the checkpoint "
                               "holds its own lm_head.weight, unlike model.embed_tokens.weight: it would be dropped "
                               "(set tie_word_embeddings to false in config.json if the model has its own head)")
@@ -152,13 +153,6 @@ class _Checkpoint:
         if len(have) != len(names):
             raise UnsupportedModelError(f"checkpoint has biases {have} but not {sorted(set(names) - set(have))}")
         return torch.cat([self.take(n) for n in names])
-
-
-def _same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """``a`` is ``b`` (a tied head shares the embedding's storage) or holds the same values."""
-    if b is None or a.shape != b.shape:
-        return False
-    return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()) or torch.equal(a, b.to(a.dtype))
 
 
 def _check(name: str, t: torch.Tensor | None, *shape: int) -> None:
