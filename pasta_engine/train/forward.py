@@ -17,7 +17,7 @@ from ..lang.tokenization import encode_prompt, eos_token_ids
 from ..models.config import ModelConfig
 from .layout import PastaLayout, pasta_layout
 
-__all__ = ["layout_for", "forward_log_softmax", "forward_logprobs", "pasta_logprobs"]
+__all__ = ["layout_for", "forward_logits", "forward_log_softmax", "forward_logprobs", "pasta_logprobs"]
 
 
 def _model_config(model: Any) -> Any:
@@ -53,16 +53,16 @@ def layout_for(
                         max_positions=getattr(cfg, "max_position_embeddings", None), dialect=dialect)
 
 
-def forward_log_softmax(model: Any, layout: PastaLayout) -> torch.Tensor:
-    """Log-softmax ``[S, V]`` float32 (with gradient when the model has trainable parameters)
-    of the query rows that predict the sampled tokens of ``layout``, in spliced order
-    (``layout.sampled()``): the model's whole next-token distribution there.
+def forward_logits(model: Any, layout: PastaLayout) -> torch.Tensor:
+    """Logits ``[S, V]`` float32 (with gradient when the model has trainable parameters) of the
+    query rows that predict the sampled tokens of ``layout``, in spliced order
+    (``layout.sampled()``), before any softmax: what a sampler's penalties act on.
 
     One forward of ``model`` over ``layout.input_ids`` ``[1, T]`` int64 with a ``[1, 1, T, T]``
     additive mask (model dtype) and ``[1, T]`` int64 position ids on the model's device (no
     sliding window: transformers does not apply one to a given 4D mask, so windowed models are
-    trained on responses shorter than their window); the log-softmax is taken in
-    float32 only at the query rows that predict a sampled token.
+    trained on responses shorter than their window); cast to float32 only at the query rows that
+    predict a sampled token.
 
     Raises ValueError when the layout reaches a position at or past the model's sliding window:
     the dense mask would train other log-probabilities than the engine's windowed attention
@@ -85,7 +85,15 @@ def forward_log_softmax(model: Any, layout: PastaLayout) -> torch.Tensor:
     mask = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill(~keep, torch.finfo(dtype).min)
     qs, _ = layout.sampled()
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-    return torch.log_softmax(out.logits[0, torch.tensor(qs, device=dev)].float(), dim=-1)
+    return out.logits[0, torch.tensor(qs, device=dev)].float()
+
+
+def forward_log_softmax(model: Any, layout: PastaLayout) -> torch.Tensor:
+    """Log-softmax ``[S, V]`` float32 (with gradient when the model has trainable parameters)
+    of the query rows that predict the sampled tokens of ``layout``, in spliced order
+    (``layout.sampled()``): the model's whole next-token distribution there
+    (:func:`forward_logits`, whose ValueError it raises)."""
+    return torch.log_softmax(forward_logits(model, layout), dim=-1)
 
 
 def forward_logprobs(model: Any, layout: PastaLayout) -> torch.Tensor:

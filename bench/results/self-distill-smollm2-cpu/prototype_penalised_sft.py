@@ -6,7 +6,7 @@ The base model's training answers were chosen by greedy decoding under CTRL's re
 penalty. Plain SFT raises it without the penalty, and the engine applies the penalty again when
 it decodes. Here each query row's logits get the penalty over the tokens that row has seen (the
 prompt and the answer so far, :func:`pasta_engine.layers.sampler.apply_repetition_penalty`'s
-rule) before the log-softmax, so the base model's own choices leave little to learn.
+rule) before the log-softmax. (Measured: the penalty explains about 0.05 of 1.0 nats per token; README.)
 
     python bench/results/self-distill-smollm2-cpu/prototype_penalised_sft.py train sft --prompts ... \\
         --examples ... --out ... (the flags of `pasta-engine train sft`)
@@ -23,31 +23,24 @@ import torch
 
 import pasta_engine.train.sft as sft
 from pasta_engine.entrypoints.cli import main
+from pasta_engine.layers.sampler import apply_repetition_penalty
+from pasta_engine.train.forward import forward_logits
 
 PENALTY = float(os.environ.get("PENALTY", "1.1"))
 
 
 def penalised(model, layout) -> torch.Tensor:
-    """``[S]`` float32 log-probabilities of the sampled tokens of a one-thread layout under
-    penalised logits (the training forward's one dense pass, as ``forward_log_softmax``)."""
+    """``[S]`` float32 log-probabilities of the sampled tokens of a one-thread layout under the
+    engine's repetition penalty: the training forward's logits (``forward_logits``) penalised by
+    the sampler's own rule (``apply_repetition_penalty``) over what each row has seen."""
     qs, toks = layout.sampled()
     if any(b - a != 1 for a, b in zip(qs, qs[1:])):
         raise ValueError("penalised SFT prototype: examples must be one thread (no promise)")
-    param = next(model.parameters())
-    dev = param.device
-    ids = torch.tensor([layout.input_ids], dtype=torch.long, device=dev)
-    pos = torch.tensor([layout.position_ids], dtype=torch.long, device=dev)
-    keep = layout.mask().to(dev)[None, None]
-    mask = torch.zeros(keep.shape, dtype=param.dtype, device=dev).masked_fill(~keep, torch.finfo(param.dtype).min)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-    logits = out.logits[0, torch.tensor(qs, device=dev)].float()
-    seen = torch.zeros(logits.shape, dtype=torch.bool)
-    seen[:, torch.tensor(sorted(set(layout.input_ids[: qs[0] + 1])), dtype=torch.long)] = True
-    for i, q in enumerate(qs[1:], start=1):
-        seen[i:, layout.input_ids[q]] = True  # row i predicts the token after position q, having seen it
-    seen = seen.to(dev)
-    pen = torch.where(seen, torch.where(logits > 0, logits / PENALTY, logits * PENALTY), logits)
-    return torch.log_softmax(pen, dim=-1).gather(1, torch.tensor(toks, device=dev)[:, None]).squeeze(1)
+    logits = forward_logits(model, layout)
+    ids = layout.input_ids
+    seen = [ids[: q + 1] for q in qs]  # row i predicts the token after position qs[i], having seen it
+    pen = apply_repetition_penalty(logits, list(range(len(qs))), seen, [PENALTY] * len(qs))
+    return torch.log_softmax(pen, dim=-1).gather(1, torch.tensor(toks, device=pen.device)[:, None]).squeeze(1)
 
 
 if __name__ == "__main__":
