@@ -212,10 +212,10 @@ def build_checkpoint(
         overrides: config fields replacing the preset's.
         shard_bytes: largest shard in bytes.
 
-    Returns the folder. Raises KeyError naming the known presets for an unknown name."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    Processes that build the same folder at once take turns on a lock file beside it
+    (``.NAME-SEED.lock``, filelock): the first builds, the others wait and reuse it.
 
+    Returns the folder. Raises KeyError naming the known presets for an unknown name."""
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}: known {sorted(PRESETS)}")
     fields = {**PRESETS[name], **(overrides or {})}
@@ -226,6 +226,25 @@ def build_checkpoint(
     )
     if (out / "preset.json").exists() and (out / "preset.json").read_text() == stamp:
         return out
+    from filelock import FileLock
+
+    # One builder per folder: processes started together (bench_dialects' jobs, torchrun ranks) on
+    # a fresh cache each found no stamp, and one deleted model.safetensors while another loaded it.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        if (out / "preset.json").exists() and (out / "preset.json").read_text() == stamp:
+            return out  # built by another process while this one waited
+        _write_checkpoint(out, name, fields, stamp, seed=seed, dtype=dtype, shard_bytes=shard_bytes)
+    return out
+
+
+def _write_checkpoint(out: Path, name: str, fields: dict[str, Any], stamp: str, *, seed: int, dtype: torch.dtype,
+                      shard_bytes: int) -> None:
+    """Write :func:`build_checkpoint`'s folder ``out`` (the caller holds its lock); ``preset.json``
+    (``stamp``) last, so a folder without it is incomplete."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     fields = dict(fields)
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     cfg.eos_token_id = 2
@@ -260,4 +279,3 @@ def build_checkpoint(
     cfg.save_pretrained(out)
     preset_tokenizer(name).save_pretrained(out)
     (out / "preset.json").write_text(stamp)
-    return out

@@ -396,3 +396,28 @@ def test_presets_are_seeded_sharded_and_load_through_the_normal_loader(tmp_path)
     assert (one / "preset.json").stat().st_mtime_ns == stamp
     half = build_checkpoint("tiny-qwen2", tmp_path / "one", dtype=torch.bfloat16)  # new stamp: rebuilt
     assert load_file(half / "model.safetensors")["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_a_preset_folder_is_built_by_one_process_at_a_time(tmp_path):
+    """bench_dialects' jobs started together on a fresh cache each found no stamp, and one deleted
+    model.safetensors while another loaded it: a builder now waits on the folder's lock file and
+    then reuses what the holder built."""
+    import threading
+
+    from filelock import FileLock
+
+    from pasta_engine.tools.presets import build_checkpoint
+
+    out = tmp_path / "tiny-llama-0"
+    got = []
+    with FileLock(str(tmp_path / ".tiny-llama-0.lock")):  # another process building this folder
+        t = threading.Thread(target=lambda: got.append(build_checkpoint("tiny-llama", out)))
+        t.start()
+        t.join(timeout=1.0)
+        assert t.is_alive() and not (out / "preset.json").exists()  # waits; writes nothing meanwhile
+    t.join(timeout=120)
+    assert got == [out] and (out / "preset.json").exists() and (out / "model.safetensors").exists()
+    stamp = (out / "preset.json").stat().st_mtime_ns
+    with FileLock(str(tmp_path / ".tiny-llama-0.lock"), timeout=0):
+        assert build_checkpoint("tiny-llama", out) == out  # complete: reused without taking the lock
+    assert (out / "preset.json").stat().st_mtime_ns == stamp
