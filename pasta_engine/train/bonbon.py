@@ -513,7 +513,8 @@ def train_bonbon(
     ``out/round{k}/reader/``, and a run again goes on from the kept samples. ``max_memory_gib``: the memory the estimate (:func:`bonbon_memory_estimate`, the
     larger of sampling and training) must fit in (None: the device's). ``summary.json`` says what
     the quality term was (``quality_term``: ``likelihood proxy``, ``judge``, ``reader`` or
-    ``scorer``; ``quality``: its description). Raises ValueError when a
+    ``scorer``; ``quality``: its description) and the resolved ``device`` and ``dtype`` it ran
+    under (``float32``, ``bfloat16``, ...). Raises ValueError when a
     round yields no pair; ParameterError (naming the flag to change) when the estimate does not
     fit, before anything loads."""
     from tqdm import tqdm
@@ -677,6 +678,7 @@ def train_bonbon(
         del policy, policy_base
     summary = {"stage": "bonbon", "rounds": rounds, "settings": {**asdict(settings),
                                                                   "pasta_prompt": pasta_prompt.to_dict()},
+               "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                "train_seconds": round(time.perf_counter() - t_start, 1), "machine": machine(device), "commit": git_commit()}
     if reader_references is not None:
         summary.update(quality_term="reader", quality=READER_QUALITY, quality_proxy=quality)

@@ -69,6 +69,8 @@ def test_summary_names_the_judge_not_the_likelihood_proxy(tiny_llama, sft_adapte
     assert on_disk["quality_term"] == s["quality_term"] == "judge"
     assert "judge-model at http://127.0.0.1:9/v1" in on_disk["quality"]
     assert "log-likelihood" not in json.dumps(on_disk)
+    # the resolved dtype and device (settings keep None for "the device's default")
+    assert (on_disk["device"], on_disk["dtype"]) == ("cpu", "float32")
     rows = [json.loads(x) for x in (tmp_path / "bb" / "round1" / "samples.jsonl").read_text().splitlines()]
     assert all(r["quality"] in (0.0, 1.0) for r in rows)
 
