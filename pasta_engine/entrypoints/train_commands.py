@@ -122,8 +122,9 @@ def add_train_parser(subparsers: Any) -> None:
         "CPU, NCCL on CUDA); rank 0 logs, checkpoints and exports; --resume works on any number of ranks.",
     )
     _add_io_args(s, "AlpacaEval JSON with reference answers (e.g. results/gpt4_1106_preview/model_outputs.json)")
-    s.add_argument("--annotator", choices=("mixed", "sot", "apar", "independent", "endpoint"), default="mixed",
-                   help="how answers get their tags (mixed: sot where a list forks, apar otherwise; independent: list "
+    s.add_argument("--annotator", choices=("mixed", "sot", "apar", "independent", "endpoint", "none"), default="mixed",
+                   help="how answers get their tags (none: no tag, plain SFT of the writer on the answers; mixed: sot "
+                   "where a list forks, apar otherwise; independent: list "
                    "items and paragraphs forked only where they do not lean on the chunks beside them, a sync where "
                    "later text does, topics that say what a chunk covers; endpoint: a larger model behind "
                    "--endpoint-url, prompted with docs/annotation_prompt.md, an annotation kept only when its "
@@ -142,6 +143,9 @@ def add_train_parser(subparsers: Any) -> None:
                    "bench/reader_independence.py collect); they decide the labelled pieces, the lexical measure the rest")
     s.add_argument("--max-response-tokens", type=positive_int, default=448,
                    help="answers are cut at a line boundary to at most this many tokens")
+    s.add_argument("--drop-long", action="store_true",
+                   help="leave out answers longer than --max-response-tokens instead of cutting them (a cut answer "
+                   "still teaches its length, and a long writer's answers are then cut by the token budget)")
     s.add_argument("--epochs", type=positive_int, default=2)
     s.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (AdamW, warm-up then cosine)")
     s.add_argument("--grad-accum", type=positive_int, default=8, help="examples per optimizer step")
@@ -353,7 +357,7 @@ def _refuse_unused_sft_flags(args: argparse.Namespace) -> None:
     unused = []
     if args.examples is not None:
         unused += [(f, f"--examples {args.examples} holds annotated examples already")
-                   for f in ("annotator", "independence_labels", "max_response_tokens")
+                   for f in ("annotator", "independence_labels", "max_response_tokens", "drop_long")
                    + tuple(k for k in defaults if k.startswith("endpoint"))]
     if args.adapter is not None:
         unused += [(f, f"training goes on from --adapter {args.adapter}, with its own shape and tokens")
@@ -417,7 +421,7 @@ def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dty
     else:
         examples, counts = build_examples(rows, count, max_response_tokens=args.max_response_tokens,
                                           annotator=args.annotator, seed=args.seed, independence_labels=labels,
-                                          annotate_fn=annotate_fn)
+                                          annotate_fn=annotate_fn, drop_long=args.drop_long)
     if args.drop_repeats:
         from ..train.quality import repeated_line_fraction
 
@@ -468,7 +472,7 @@ def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dty
     manifest["data"] = {"prompts_file": str(args.prompts), "split": f"every dataset but {EVAL_DATASET}",
                         "annotator": (sorted({e.annotator for e in examples}) if args.examples is not None else
                                       args.annotator if endpoint is None else f"endpoint: {endpoint.name}"),
-                        "max_response_tokens": args.max_response_tokens,
+                        "max_response_tokens": args.max_response_tokens, "drop_long": args.drop_long,
                         "independence_labels": None if labels is None else str(args.independence_labels), **counts}
     summary = train_sft(examples, args.out, settings, base=args.model, resume=args.resume, manifest=manifest,
                         data_parallel=dp, max_memory_gib=args.max_memory_gib)

@@ -98,9 +98,15 @@ def build_examples(
     seed: int = 0,
     independence_labels: Mapping[str, Mapping[str, Any]] | None = None,
     annotate_fn: Callable[[str, str], Any] | None = None,
+    drop_long: bool = False,
 ) -> tuple[list[TrainExample], dict[str, int]]:
     """Annotated training examples of ``rows`` (which must carry ``output``), shuffled with
     ``seed``.
+
+    ``annotator`` ``none`` keeps every answer as it is, with no tag (plain SFT: the writer alone,
+    e.g. a stronger model's answers, or self-distillation). ``drop_long``: an answer of more than
+    ``max_response_tokens`` tokens is left out (counted ``too_long``) instead of cut at a line
+    break: a cut answer still teaches its length, which a token budget then cuts.
 
     ``independence_labels`` (annotator ``independent`` only): instruction -> a row of
     ``bench/reader_independence.py collect`` (``response``: the cut answer, ``pieces``: each
@@ -130,7 +136,7 @@ def build_examples(
             counts["no_output"] += 1
             continue
         cut = cut_response(r.output, count_tokens, max_response_tokens)
-        if cut is None:
+        if cut is None or (drop_long and cut != r.output):
             counts["too_long"] += 1
             continue
         if annotator == "independent":
@@ -140,6 +146,10 @@ def build_examples(
                 dep = table_dependence(row["pieces"], default=dep)
                 counts["reader_labelled"] = counts.get("reader_labelled", 0) + 1
             a, _ = annotate_independent(cut, dep, count_tokens, idf=idf)
+        elif annotator == "none":
+            from ..tools.annotate import Annotation
+
+            a = Annotation(cut, note="no tags (annotator none)")
         elif annotator == "endpoint":
             if annotate_fn is None:
                 raise ValueError("annotator 'endpoint' needs annotate_fn (an endpoint's annotator)")

@@ -329,6 +329,28 @@ def test_data_split_never_trains_on_vicuna():
     assert counts["kept"] == 1 and math.isclose(ex[0].response_tokens, count(rows[0].output))
 
 
+def test_plain_answers_and_long_ones_left_out():
+    """--annotator none keeps an answer as it is (no tag even where sot would fork a list);
+    --drop-long leaves out an answer over the budget instead of training its cut."""
+    from pasta_engine.tools.traces import PromptRow
+    from pasta_engine.train.data import build_examples
+
+    count = lambda t: len(t.split())  # noqa: E731
+    listed = ("Two things:\n1. a thing to do every single morning before the sun comes up over the hills\n"
+              "2. another thing to do every night after the dishes are washed and put away")
+    long = "first line of a long answer\nsecond line of that long answer\n" + "third line of it " * 10
+    rows = [PromptRow("q1", listed, "koala"), PromptRow("q2", long, "koala")]
+    forked, _ = build_examples(rows[:1], count, annotator="sot")
+    assert forked[0].promises >= 1  # the same answer, forked by sot
+    plain, counts = build_examples(rows, count, max_response_tokens=40, annotator="none")
+    by = {e.prompt: e for e in plain}
+    assert by["q1"].annotated == listed and by["q1"].promises == 0 and by["q1"].annotator == "none"
+    assert by["q2"].annotated == "first line of a long answer\nsecond line of that long answer"  # cut
+    assert not by["q2"].ended and counts["too_long"] == 0
+    kept, counts = build_examples(rows, count, max_response_tokens=40, annotator="none", drop_long=True)
+    assert [e.prompt for e in kept] == ["q1"] and counts["too_long"] == 1 and counts["kept"] == 1
+
+
 def test_best_and_worst_pairs():
     from pasta_engine.train.bonbon import best_and_worst
 

@@ -58,6 +58,7 @@ def test_bonbon_checks_its_optimizer_flags_before_sampling(flag, value, tiny_lla
 @pytest.mark.parametrize("extra, flag", [
     (["--examples", "EX", "--annotator", "sot"], "--annotator"),
     (["--examples", "EX", "--max-response-tokens", "3"], "--max-response-tokens"),
+    (["--examples", "EX", "--drop-long"], "--drop-long"),
     (["--adapter", "AD", "--lora-r", "8"], "--lora-r"),
     (["--adapter", "AD", "--tag-tokens"], "--tag-tokens"),
     (["--distill-hard-open", "2"], "--distill-hard-open"),
