@@ -34,6 +34,8 @@ from pasta_engine.entrypoints.args import nonneg_int, positive_int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", required=True, type=Path, help="AlpacaEval JSON (its vicuna rows are used)")
+    ap.add_argument("--model", default=None,
+                    help="base model the adapter was trained on (checkpoint folder); default the embedded SmolLM2-135M")
     ap.add_argument("--adapter", default="auto", help="adapter folder; 'none' for the base model; default the shipped")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--mode", default="pasta", choices=("pasta", "sequential", "inline"),
@@ -117,7 +119,7 @@ def screen(args: argparse.Namespace) -> None:
                     **({} if args.max_forks is None else {"max_forks": args.max_forks}))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0,
                             repetition_penalty=args.repetition_penalty)
-    engine = Engine.from_pretrained(None, adapter=adapter, max_running_requests=args.max_running_requests,
+    engine = Engine.from_pretrained(args.model, adapter=adapter, max_running_requests=args.max_running_requests,
                                     limits=limits, lora_scale=args.lora_scale)
     t0 = time.time()
     results = engine.generate([r["instruction"] for r in rows], params, mode=args.mode, progress=True)
