@@ -196,9 +196,10 @@ def add_train_parser(subparsers: Any) -> None:
                    "an AI ...\"; pasta_engine.metrics.opens_with_refusal): training on a small model's declines "
                    "teaches it to decline")
     s.add_argument("--tag-tokens", action="store_true",
-                   help="a fresh adapter adds the PASTA-LANG pieces to the tokenizer as tokens and trains their "
-                   "embedding rows (a promise costs ~7 tokens instead of ~17; the engine then masks what the grammar "
-                   "forbids); the manifest records the added tokens")
+                   help="add the PASTA-LANG pieces to the tokenizer as tokens and train their embedding rows (a "
+                   "promise costs ~7 tokens instead of ~17; the engine then masks what the grammar forbids); the "
+                   "manifest records the added tokens. With --adapter: that adapter must have none (a plain "
+                   "writer's, trained with --annotator none), and goes on with them")
     s.add_argument("--example-seeds", action="store_true",
                    help="seed torch's RNG per example (from --seed, the step and its place in the global batch), so "
                    "LoRA dropout draws the same masks however many ranks share a step: one process then gives the "
@@ -349,10 +350,13 @@ def _refuse_unused_sft_flags(args: argparse.Namespace) -> None:
     """Refuse a ``train sft`` flag set where nothing reads it (ParameterError naming it, before
     any model loads; the manifest recorded such flags as if applied): the annotation flags with
     ``--examples`` (its rows are annotated already), the new adapter's shape and tag tokens with
-    ``--adapter`` (training goes on from that adapter's), ``--distill-hard-open`` without
+    ``--adapter`` (training goes on from that adapter's; ``--tag-tokens`` only when it has no
+    added tokens), ``--distill-hard-open`` without
     ``--content-loss distill``, ``--lora-r`` / ``--lora-alpha`` with ``--tokens-only`` (the LoRA
     matrices stay frozen at zero), ``--forked-only`` with ``--min-promises`` (it is
     ``--min-promises 1``, which the larger count overrides)."""
+    from ..models.adapter import added_tokens, read_manifest
+
     defaults = _sft_defaults()
     unused = []
     if args.examples is not None:
@@ -360,8 +364,10 @@ def _refuse_unused_sft_flags(args: argparse.Namespace) -> None:
                    for f in ("annotator", "independence_labels", "max_response_tokens", "drop_long")
                    + tuple(k for k in defaults if k.startswith("endpoint"))]
     if args.adapter is not None:
-        unused += [(f, f"training goes on from --adapter {args.adapter}, with its own shape and tokens")
-                   for f in ("tag_tokens", "lora_r", "lora_alpha")]
+        unused += [(f, f"training goes on from --adapter {args.adapter}, with its own shape")
+                   for f in ("lora_r", "lora_alpha")]
+        if added_tokens(read_manifest(args.adapter)):
+            unused.append(("tag_tokens", f"--adapter {args.adapter} has its added tokens already"))
     if args.tokens_only:
         unused += [(f, "--tokens-only trains the tag tokens' rows alone; the LoRA matrices stay frozen at zero")
                    for f in ("lora_r", "lora_alpha")]
@@ -519,7 +525,7 @@ def _fast_examples(examples: Sequence[Any], args: argparse.Namespace, tokenizer:
 
     if args.adapter is not None:
         add_adapter_tokens(tokenizer, args.adapter)
-    elif args.tag_tokens:
+    if args.tag_tokens:  # a fresh adapter's, or a tokenless --adapter's (refused when it has them)
         add_tag_tokens(tokenizer)
     eos = replay_eos_id(tokenizer, eos_token_ids(tokenizer))
     return [e for e in examples if annotation_content_speedup(tokenizer, e.annotated, eos) >= args.min_content_speedup]

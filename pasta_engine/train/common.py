@@ -123,9 +123,15 @@ def wrap_lora(model: Any, settings: LoraSettings = LoraSettings(), adapter: str 
     PASTA-LANG pieces (:func:`~pasta_engine.lang.grammar.add_tag_tokens`) to ``tokenizer`` (in
     place), grows the embedding to ``len(tokenizer)`` rows, starts each new row at the mean of its
     text's token rows (:func:`init_token_rows`) and trains those rows with the adapter (peft's
-    ``trainable_token_indices``; with tied embeddings the LM head shares them).
+    ``trainable_token_indices``; with tied embeddings the LM head shares them). An ``adapter``
+    without added tokens continued with ``tag_tokens`` (a plain writer's adapter, taught the
+    tags next) gets the same new rows and a fresh adapter of its own shape (``r``, ``lora_alpha``,
+    ``lora_dropout``, ``target_modules`` of its ``adapter_config.json``) holding its LoRA weights.
 
-    Raises ValueError when added tokens are asked for without a ``tokenizer``."""
+    Raises ValueError when added tokens are asked for without a ``tokenizer``, when ``tag_tokens``
+    is asked of an ``adapter`` that has added tokens already, or when such an adapter has a
+    per-module rank or alpha (``rank_pattern``/``alpha_pattern``) or LoRA weights the fresh
+    adapter has no place for."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from ..lang.grammar import TAG_PIECES, add_tag_tokens
@@ -134,11 +140,15 @@ def wrap_lora(model: Any, settings: LoraSettings = LoraSettings(), adapter: str 
 
     if adapter is not None:
         if added_tokens(read_manifest(adapter)):
+            if tag_tokens:
+                raise ValueError(f"adapter {adapter} has added tokens already: continue it without tag_tokens")
             if tokenizer is None:
                 raise ValueError(f"adapter {adapter} added tokens: wrap_lora needs the tokenizer")
             add_adapter_tokens(tokenizer, adapter)
             model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+        if not tag_tokens:
+            return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+        return _continue_with_tag_tokens(model, Path(adapter), tokenizer)
     extra: dict[str, Any] = {}
     if tag_tokens:
         if tokenizer is None:
@@ -157,6 +167,32 @@ def wrap_lora(model: Any, settings: LoraSettings = LoraSettings(), adapter: str 
     cfg = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                      target_modules=list(settings.targets), bias="none", task_type="CAUSAL_LM", **extra)
     return get_peft_model(model, cfg)
+
+
+def _continue_with_tag_tokens(model: Any, adapter: Path, tokenizer: Any) -> Any:
+    """:func:`wrap_lora` of a tokenless ``adapter`` with ``tag_tokens``: a fresh adapter of its
+    shape with the PASTA-LANG pieces as tokens, loaded with its LoRA weights (every one placed:
+    ValueError otherwise)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise ValueError(f"adapter {adapter} has a per-module rank or alpha (rank_pattern/alpha_pattern): "
+                         "continuing it with tag tokens takes one r and lora_alpha")
+    targets = cfg["target_modules"]
+    shape = LoraSettings(r=int(cfg["r"]), alpha=cfg["lora_alpha"], dropout=float(cfg.get("lora_dropout", 0.0)),
+                         targets=tuple(sorted(targets) if isinstance(targets, (list, set)) else (targets,)))
+    wrapped = wrap_lora(model, shape, tokenizer=tokenizer, tag_tokens=True)
+    weights = load_file(adapter / "adapter_model.safetensors")  # peft's names, without the adapter's name
+    params = {n.replace(".default.", "."): p for n, p in wrapped.named_parameters() if "lora_" in n}
+    missing, unexpected = sorted(params.keys() - weights.keys()), sorted(weights.keys() - params.keys())
+    if missing or unexpected:
+        raise ValueError(f"adapter {adapter}'s weights do not fit a fresh adapter of its shape "
+                         f"(unexpected {unexpected[:3]}, missing {missing[:3]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name].to(p.dtype))
+    return wrapped
 
 
 def export_adapter(peft_model: Any, out: Path, manifest: dict[str, Any]) -> Path:

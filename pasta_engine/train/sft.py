@@ -78,7 +78,7 @@ class SFTSettings:
     pasta_prompt: PastaPrompt = LEARNED_PASTA_PROMPT
     tag_weight: float = 1.0
     init_adapter: str | None = None
-    tag_tokens: bool = False  # a fresh adapter adds the PASTA-LANG pieces as tokens (lang.grammar)
+    tag_tokens: bool = False  # add the PASTA-LANG pieces as tokens (lang.grammar): a fresh adapter, or an init_adapter without them
     content_loss: str = "nll"  # "distill": the base model's distribution at content tokens (train.distill)
     end_target: str = "always"  # "ended": no end-of-sequence target where the answer was cut (TrainExample.ended)
     distill_hard_open: int = 0  # with content_loss="distill": a chunk's first this many content tokens stay one-hot
@@ -151,7 +151,7 @@ def sft_memory_estimate(examples: Sequence[TrainExample], settings: SFTSettings,
     added = 0
     if settings.init_adapter is not None:
         added = len(added_tokens(read_manifest(settings.init_adapter)) or {})
-    elif settings.tag_tokens:
+    if not added and settings.tag_tokens:
         added = 6  # at most the six PASTA-LANG pieces (lang.grammar.TAG_PIECES)
     dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
     return estimate_training_memory(
@@ -245,7 +245,7 @@ def train_sft(
     model, tok, path = load_base(base, dtype, device=device if device.type == "cuda" else None)
     eos_ids = eos_token_ids(tok, model.config)
     model = wrap_lora(model, settings.lora, adapter=settings.init_adapter, tokenizer=tok,
-                      tag_tokens=settings.tag_tokens and settings.init_adapter is None)
+                      tag_tokens=settings.tag_tokens)
     if settings.tokens_only:
         # the LoRA matrices stay at their start (B = 0: no change to any weight); only the added
         # tag-token rows learn, so the model writes the base model's content wherever no tag is in

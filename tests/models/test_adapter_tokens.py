@@ -615,3 +615,23 @@ def test_inside_a_topics_character_only_as_many_continuation_bytes_as_it_needs()
     assert [topic_cont_state(b) for b in (b"\xc3", b"Caf\xe2", b"\xe2\x82", b"\xf0", b"\xf0\x9f\x98")] == \
         [G.TOPIC_CONT1, G.TOPIC_CONT2, G.TOPIC_CONT1, G.TOPIC_CONT3, G.TOPIC_CONT1]
     assert topic_cont_state(b"abc") == topic_cont_state(b"\x80\x80\x80\x80") == G.TOPIC_CONT  # not inside one
+
+
+def test_a_tokenless_adapter_goes_on_with_the_pieces_only_if_its_weights_all_fit(tiny_llama, tmp_path):
+    """wrap_lora(adapter=..., tag_tokens=True) of a plain writer's adapter: a LoRA weight the fresh
+    adapter of its shape has no place for (or lacks) is an error, not a silently fresh adapter;
+    an adapter with the pieces already is refused."""
+    from sample_adapters import tiny_adapter
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    partial = tiny_adapter(tmp_path)  # q_proj of layer 0 only: the other layers' LoRA would start fresh
+    with pytest.raises(ValueError, match="do not fit"):
+        wrap_lora(hf, adapter=partial, tokenizer=AutoTokenizer.from_pretrained(tiny_llama), tag_tokens=True)
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    tagged_out = tmp_path / "tagged"
+    model = wrap_lora(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32),
+                      LoraSettings(r=4, alpha=8, dropout=0.0), tokenizer=tok, tag_tokens=True)
+    export_adapter(model, tagged_out, {"added_tokens": tag_tokens_of(tok).as_dict()})
+    with pytest.raises(ValueError, match="added tokens already"):
+        wrap_lora(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32), adapter=tagged_out,
+                  tokenizer=AutoTokenizer.from_pretrained(tiny_llama), tag_tokens=True)

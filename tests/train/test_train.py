@@ -614,6 +614,40 @@ def test_train_sft_drop_repeats_and_tag_tokens(tiny_llama, tmp_path, capsys):
     assert set(manifest["added_tokens"]) == {'<promise topic="', '" tokens="', '"/>', "<async>", "</async>", "<sync/>"}
 
 
+def test_train_sft_teaches_a_plain_writers_adapter_the_tags_as_tokens(tiny_llama, tmp_path, capsys):
+    """The writer first (--annotator none: no tag, no added token), then the same adapter goes on
+    with the PASTA-LANG pieces as tokens: the second stage starts from the writer's LoRA weights
+    (not a fresh adapter), adds the pieces and keeps both stages in its manifest."""
+    from safetensors.torch import load_file
+
+    from pasta_engine.entrypoints.cli import main
+
+    rows = [{"instruction": PROMPT, "dataset": "koala", "output": LISTED}]
+    _, writer, _ = _sft_command(tiny_llama, tmp_path, capsys, rows, "--annotator", "none")
+    assert "added_tokens" not in json.loads((writer / "adapter" / "manifest.json").read_text())
+    out = tmp_path / "tags"
+    rc = main(["train", "sft", "--prompts", str(tmp_path / "p.json"), "--model", str(tiny_llama), "--out", str(out),
+               "--grad-accum", "1", "--max-steps", "1", "--lr", "1e-9", "--adapter", str(writer / "adapter"),
+               "--tag-tokens"])
+    assert rc == 0, capsys.readouterr().err
+    manifest = json.loads((out / "adapter" / "manifest.json").read_text())
+    assert set(manifest["added_tokens"]) == {'<promise topic="', '" tokens="', '"/>', "<async>", "</async>", "<sync/>"}
+    assert [s["stage"] for s in manifest["stages"]] == ["sft", "sft"]
+    before, after = load_file(writer / "adapter" / "adapter_model.safetensors"), load_file(
+        out / "adapter" / "adapter_model.safetensors")
+    lora = [k for k in before if "lora_B" in k]
+    assert lora and set(lora) <= set(after)
+    for k in lora:  # one step at lr 1e-9: the writer's weights, not a fresh adapter's zeros
+        assert before[k].abs().max() > 0
+        torch.testing.assert_close(after[k].float(), before[k].float(), rtol=0, atol=1e-3)
+    # an adapter that has the pieces already is refused, before any work
+    rc = main(["train", "sft", "--prompts", str(tmp_path / "p.json"), "--model", str(tiny_llama), "--out",
+               str(tmp_path / "again"), "--adapter", str(out / "adapter"), "--tag-tokens"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: --tag-tokens " in err and "added tokens already" in err, err
+    assert not (tmp_path / "again").exists()
+
+
 def test_train_sft_drop_refusals(tiny_llama, tmp_path, capsys):
     declining = "I'm sorry for any misunderstanding, but as an AI I don't have the ability to sleep."
     _, out, err = _sft_command(tiny_llama, tmp_path, capsys,

@@ -60,7 +60,7 @@ def test_bonbon_checks_its_optimizer_flags_before_sampling(flag, value, tiny_lla
     (["--examples", "EX", "--max-response-tokens", "3"], "--max-response-tokens"),
     (["--examples", "EX", "--drop-long"], "--drop-long"),
     (["--adapter", "AD", "--lora-r", "8"], "--lora-r"),
-    (["--adapter", "AD", "--tag-tokens"], "--tag-tokens"),
+    (["--adapter", "TAGGED", "--tag-tokens"], "--tag-tokens"),
     (["--distill-hard-open", "2"], "--distill-hard-open"),
     (["--tag-tokens", "--tokens-only", "--lora-r", "64"], "--lora-r"),
     (["--tag-tokens", "--tokens-only", "--lora-alpha", "128"], "--lora-alpha"),
@@ -72,7 +72,11 @@ def test_train_sft_refuses_flags_nothing_reads(extra, flag, tiny_llama, tmp_path
     prompts.write_text(json.dumps([{"instruction": "q", "dataset": "koala", "output": "a"}]))
     examples = tmp_path / "ex.jsonl"
     examples.write_text("")
-    extra = [str(examples) if x == "EX" else str(tiny_adapter(tmp_path)) if x == "AD" else x for x in extra]
+    if "TAGGED" in extra:  # an adapter with the pieces as added tokens already
+        tagged = tiny_adapter(tmp_path)
+        (tagged / "manifest.json").write_text(json.dumps({"added_tokens": {"<async>": 2000}}))
+    extra = [str(examples) if x == "EX" else str(tiny_adapter(tmp_path)) if x == "AD"
+             else str(tmp_path / "adapter") if x == "TAGGED" else x for x in extra]
     rc, err = _run(["train", "sft", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--model",
                     str(tiny_llama), *extra], capsys)
     assert rc == 2 and f"error: {flag} " in err and "leave it out" in err, err
