@@ -353,8 +353,8 @@ class Limits:
             promised the same topic (docs/DESIGN.md section 2). False: the model's topics as
             it samples them.
         chunk_clean_end: where the sampler enforces the grammar, a chunk (an async thread)
-            may not end (``</async>`` or end-of-sequence) empty or at a colon, comma or
-            semicolon (:func:`~pasta_engine.lang.grammar.chunk_may_end`), and a chunk at its
+            may not end (``</async>`` or end-of-sequence) empty, at a colon, comma or
+            semicolon, or on a bare list marker (:func:`~pasta_engine.lang.grammar.chunk_may_end`), and a chunk at its
             cap mid-sentence gets up to ``SENTENCE_GRACE_TOKENS`` (32,
             :mod:`pasta_engine.core.interpreter`) more tokens to end its sentence
             (:func:`~pasta_engine.lang.grammar.ends_sentence`) (issue 30). False: chunks end

@@ -31,8 +31,8 @@ applied to a whole step's logits in one tensor operation by the model runner):
   ``" tokens="``; once the fork cap is reached, no ``<promise topic="`` either;
 * async thread (inside a chunk): no ``<promise topic="`` (no nesting), no ``<sync/>``, no
   ``<async>``, no ``" tokens="``; with a tail (``Limits.chunk_clean_end``), no ``</async>`` and
-  no end-of-sequence while the chunk is empty or its text stops at a colon, a comma or a
-  semicolon (:func:`chunk_may_end`; ``CHUNK_OPEN``): "Some popular items include:" and nothing
+  no end-of-sequence while the chunk is empty, its text stops at a colon, a comma or a
+  semicolon, or its last line is a bare list marker (:func:`chunk_may_end`; ``CHUNK_OPEN``): "Some popular items include:" and nothing
   after, the defect blind readers named in forked answers (a chunk at its cap mid-sentence is the
   interpreter's to finish, :func:`ends_sentence`);
 * inside a promise's topic: only tokens whose text holds none of ``" < > newline`` (at least one;
@@ -72,7 +72,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Sequence
 
-from .tags import MAX_TOKENS_DIGITS
+from .tags import MAX_TOKENS_DIGITS, is_empty_list_item
 
 __all__ = [
     "PROMISE_OPEN",
@@ -224,8 +224,9 @@ def ends_sentence(tail: str) -> bool:
     its last line is finished (``tail`` ends with a newline after some text) or its last
     non-space character ends a sentence (``. ! ? …``, possibly followed by closing quotes,
     brackets or emphasis: ``"Yes."``, ``(see below.)``, ``**Done!**``). False for an empty
-    chunk, and for one that stops at a colon, a comma or inside a sentence."""
-    if not tail.strip():
+    chunk, for one that stops at a colon, a comma or inside a sentence, and for one whose last
+    line is an empty list item (``"...\n\n1."``: :func:`chunk_may_end`)."""
+    if not tail.strip() or is_empty_list_item(tail.rstrip().rpartition("\n")[2]):
         return False
     if tail.endswith("\n"):
         return True
@@ -238,12 +239,15 @@ _OPENERS = ":,;"
 
 def chunk_may_end(tail: str) -> bool:
     """Whether a chunk whose text ends with ``tail`` (its last characters, tags left out) may end
-    there: not when it is empty, and not when its last non-space character is ``:``, ``,`` or
-    ``;`` (it announced more than it wrote). A chunk that ends without a full stop ("...for
-    every budget") may end: forcing it on taught nothing and, on a degenerate chunk, made it
-    repeat itself to the token limit."""
+    there: not when it is empty, not when its last non-space character is ``:``, ``,`` or
+    ``;`` (it announced more than it wrote), and not when its last line is an empty list item
+    (:func:`~pasta_engine.lang.tags.is_empty_list_item`: ``"...\n\n1."``, ``"- "``; the item it
+    opened would reach the reader empty; a year alone on its last line, ``"1949."``, reads the
+    same and goes on too). A chunk that ends without a full stop ("...for every budget") may
+    end: forcing it on taught nothing and, on a degenerate chunk, made it repeat itself to the
+    token limit."""
     text = tail.rstrip()
-    return bool(text) and text[-1] not in _OPENERS
+    return bool(text) and text[-1] not in _OPENERS and not is_empty_list_item(text.rpartition("\n")[2])
 
 
 def _cont_fits(token: bytes, need: int) -> bool:

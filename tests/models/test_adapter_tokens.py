@@ -200,7 +200,7 @@ def test_a_topic_already_promised_may_not_end_there():
     assert allow and set(ids) == {0, 1, 3}  # topic text, never the piece that would end it (nor EOS)
 
 
-def test_a_chunk_may_not_end_empty_or_at_a_colon():
+def test_a_chunk_may_not_end_empty_at_a_colon_or_on_a_bare_list_marker():
     """Issue 30: blind readers named chunks that stop at a colon ("Some popular items include:"
     and nothing after) or cut off among the defects of forked answers. With a tail, an async
     thread whose text is empty or stops at ``:``, ``,`` or ``;`` is ``CHUNK_OPEN``: no
@@ -211,9 +211,13 @@ def test_a_chunk_may_not_end_empty_or_at_a_colon():
     for done in ("It helps.", "Really?", "Go!", 'He said "yes."', "(see below.)", "**Done!**", "Wait\u2026",
                  "1. Apples\n", "It helps.  "):
         assert ends_sentence(done) and chunk_may_end(done), done
-    for open_ in ("", "  ", "\n", "Some popular items include:", "apples, pears,", "first; "):
+    # a last line that is only a list marker: the item it opens would reach the reader empty
+    # (two chunks of the GPT-4-data adapter ended "...\n\n1." and "...:<br />\n\n1)")
+    for open_ in ("", "  ", "\n", "Some popular items include:", "apples, pears,", "first; ", "functions.\n\n1.",
+                  "<br />\n\n1)", "Tips.\n- ", "x\n  - 1) "):
         assert not ends_sentence(open_) and not chunk_may_end(open_), open_
-    for fragment in ("which could include wheelchair-accessible", "It is 3", "**Bold**", "= 6ml"):
+    for fragment in ("which could include wheelchair-accessible", "It is 3", "**Bold**", "= 6ml", "It was 1949",
+                     "---"):
         assert chunk_may_end(fragment) and not ends_sentence(fragment), fragment
     assert grammar_state(False, "", tail="Some items include:") is GrammarState.CHUNK_OPEN
     assert grammar_state(False, "", tail="") is GrammarState.CHUNK_OPEN  # an empty chunk may not end
