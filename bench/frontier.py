@@ -6,7 +6,10 @@ both orders, ties half) with a bootstrap interval over prompts.
 Reads stored rows only, so the table and the plot can be redrawn without running anything. The
 points file is a JSON list of ``{"label", "screen", "judge", "timed"?}``: ``screen`` a folder of
 ``bench/screen_adapter.py`` (theoretical content speedup, fork rate, independence checks),
-``judge`` a folder of ``bench/judge_pairs.py join`` (``summary.json``), ``timed`` (optional) a
+``judge`` a folder of ``bench/judge_pairs.py join`` (``summary.json``), or a list of such folders
+(independent readings of the same answers, by other readers in another order: each prompt's
+verdicts are pooled, so the bootstrap interval is over prompts with every reader's verdicts on
+each), ``timed`` (optional) a
 ``bench speedup`` or ``bench learned`` summary.json with the realized content speedup. Writes
 ``frontier.json``, ``frontier.md`` (the table) and ``frontier.png`` to ``--out``.
 
@@ -53,6 +56,22 @@ def win_rate_interval(rows: list[dict], draws: int = 2000, seed: int = 0) -> tup
     return sum(per) / len(per), means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
 
 
+def _pooled_interval(rows: list[dict], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """:func:`win_rate_interval` over pooled rows (each with every reading's verdicts in
+    ``orders``, None where an order was not judged): each prompt's mean over its verdicts, then
+    the mean over prompts and its 95% bootstrap interval."""
+    per = []
+    for r in rows:
+        s = [x for x in map(_score, r["orders"]) if x is not None]
+        if s:
+            per.append(sum(s) / len(s))
+    if not per:
+        raise ValueError("no judged rows")
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(per) for _ in per) / len(per) for _ in range(draws))
+    return sum(per) / len(per), means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+
+
 def _realized(timed: Path) -> dict | None:
     """The realized content speedup of a timed run's summary (``bench learned``'s adapter side, or
     ``bench speedup``'s), with ``realized_spread_over_repeats`` (the geomean's min / median / max
@@ -76,22 +95,47 @@ def _realized(timed: Path) -> dict | None:
     return None
 
 
+def _pooled_rows(readings: list[dict], where: list[Path]) -> list[dict]:
+    """One row per prompt holding every reading's verdicts (``orders``), for
+    :func:`win_rate_interval`. Raises ValueError when the readings do not judge the same ids."""
+    ids = [sorted(r["id"] for r in j["rows"]) for j in readings]
+    if any(i != ids[0] for i in ids):
+        raise ValueError(f"{', '.join(map(str, where))}: the readings of one point must judge the same prompts")
+    by = {i: [] for i in ids[0]}
+    for j in readings:
+        for r in j["rows"]:
+            by[r["id"]] += [r.get("first_order"), r.get("reversed_order")]
+    return [{"id": i, "orders": v} for i, v in by.items()]
+
+
 def point(p: dict, base: Path) -> dict:
     screen = json.loads((base / p["screen"] / "summary.json").read_text())
-    judge = json.loads((base / p["judge"] / "summary.json").read_text())
-    try:
-        mean, lo, hi = win_rate_interval(judge["rows"])
-    except ValueError as e:
-        raise ValueError(f"{base / p['judge'] / 'summary.json'}: {e}") from None
+    folders = p["judge"] if isinstance(p["judge"], list) else [p["judge"]]
+    where = [base / f / "summary.json" for f in folders]
+    readings = [json.loads(w.read_text()) for w in where]
+    for j, w in zip(readings, where):
+        try:
+            mean, lo, hi = win_rate_interval(j["rows"])  # each reading whole in each order it has
+        except ValueError as e:
+            raise ValueError(f"{w}: {e}") from None
+    if len(readings) > 1:
+        mean, lo, hi = _pooled_interval(_pooled_rows(readings, where))
+
+    def avg(order: str) -> float | None:
+        rates = [j[order]["win_rate"] for j in readings]
+        return None if None in rates else sum(rates) / len(rates)
+
     out = {"label": p["label"], "theoretical_content_speedup": screen["geomean_content_speedup"],
            "fork_rate": screen["fork_rate"], "mean_threads": screen["mean_threads"],
            "forks_passing_independence": screen.get("forks_passing_independence"),
-           "win_rate": mean, "win_rate_ci95": [lo, hi], "win_rate_first_order": judge["first_order"]["win_rate"],
-           "win_rate_reversed_order": judge["reversed_order"]["win_rate"],
-           "wins_losses_ties": [judge["first_order"]["wins"] + judge["reversed_order"]["wins"],
-                                judge["first_order"]["losses"] + judge["reversed_order"]["losses"],
-                                judge["first_order"]["ties"] + judge["reversed_order"]["ties"]],
+           "win_rate": mean, "win_rate_ci95": [lo, hi], "win_rate_first_order": avg("first_order"),
+           "win_rate_reversed_order": avg("reversed_order"),
+           "wins_losses_ties": [sum(j[o][k] for j in readings for o in ("first_order", "reversed_order"))
+                                for k in ("wins", "losses", "ties")],
            "screen": p["screen"], "judge": p["judge"]}
+    if len(readings) > 1:
+        out["readings"] = [{"first_order": j["first_order"]["win_rate"],
+                            "reversed_order": j["reversed_order"]["win_rate"]} for j in readings]
     if p.get("timed"):
         out.update(_realized(base / p["timed"]) or {})
         out["timed"] = p["timed"]
@@ -100,7 +144,7 @@ def point(p: dict, base: Path) -> dict:
 
 def table(points: list[dict]) -> str:
     lines = ["| operating point | theoretical | realized | forked | win rate (both orders) | 95% interval | "
-             "first / reversed | W-L-T |", "|---|---|---|---|---|---|---|---|"]
+             "first / reversed (per reading) | W-L-T |", "|---|---|---|---|---|---|---|---|"]
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{v:.1%}"  # an order nobody has judged yet
 
@@ -108,9 +152,12 @@ def table(points: list[dict]) -> str:
         real = f"{q['realized']:.2f}x" if q.get("realized") else "-"
         theo = q["theoretical_content_speedup"]  # None: every answer of the screen was empty
         theo = "-" if theo is None else f"{theo:.2f}x"
+        orders = "; ".join(f"{pct(r['first_order'])} / {pct(r['reversed_order'])}"  # each reading's two orders
+                           for r in q.get("readings", [{"first_order": q["win_rate_first_order"],
+                                                        "reversed_order": q["win_rate_reversed_order"]}]))
         lines.append(f"| {q['label']} | {theo} | {real} | {q['fork_rate']:.0%} | "
                      f"{q['win_rate']:.1%} | {q['win_rate_ci95'][0]:.1%}-{q['win_rate_ci95'][1]:.1%} | "
-                     f"{pct(q['win_rate_first_order'])} / {pct(q['win_rate_reversed_order'])} | "
+                     f"{orders} | "
                      f"{'-'.join(map(str, q['wins_losses_ties']))} |")
     return "\n".join(lines) + "\n"
 

@@ -229,6 +229,34 @@ def test_frontier_writes_its_table_and_plot_from_stored_rows(tmp_path):
     assert got[0]["realized"] == 1.38 and got[0]["realized_spread_over_repeats"] == {"min": 1.31, "median": 1.38,
                                                                                       "max": 1.42}
     assert "| p1 | - | - |" in (out / "frontier.md").read_text()
+    # a point read twice (a second reading of the same answers): every prompt's four verdicts
+    # pooled; the table shows each reading's two orders
+    j2 = tmp_path / "j0b"
+    j2.mkdir()
+    rows = [{"id": i, "first_order": "win", "reversed_order": "loss"} for i in range(4)]
+    (j2 / "summary.json").write_text(json.dumps({"rows": rows, "first_order": {"win_rate": 1.0, "wins": 4, "losses": 0,
+                                                                               "ties": 0},
+                                                 "reversed_order": {"win_rate": 0.0, "wins": 0, "losses": 4, "ties": 0}}))
+    j = json.loads((tmp_path / "j0" / "summary.json").read_text())
+    j["rows"] = [{"id": i, "first_order": o, "reversed_order": o} for i, o in enumerate(["win", "tie", "loss", "win"])]
+    j["reversed_order"]["win_rate"] = 0.625
+    (tmp_path / "j0" / "summary.json").write_text(json.dumps(j))
+    points[0]["judge"] = ["j0", "j0b"]
+    (tmp_path / "points.json").write_text(json.dumps(points))
+    run = subprocess.run([sys.executable, str(BENCH / "frontier.py"), "--points", str(tmp_path / "points.json"),
+                          "--out", str(out), "--base", str(tmp_path)], capture_output=True, text=True, env=ENV,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads((out / "frontier.json").read_text())["points"][0]
+    # per prompt (w, w, W, L), (t, t, W, L), (l, l, W, L), (w, w, W, L): 0.75, 0.5, 0.25, 0.75
+    assert got["win_rate"] == 0.5625 and got["wins_losses_ties"] == [8, 6, 2]
+    assert "62.5% / 62.5%; 100.0% / 0.0% |" in (out / "frontier.md").read_text()
+    rows.pop()  # readings of other prompts are refused, naming the files
+    (j2 / "summary.json").write_text(json.dumps({**json.loads((j2 / "summary.json").read_text()), "rows": rows}))
+    run = subprocess.run([sys.executable, str(BENCH / "frontier.py"), "--points", str(tmp_path / "points.json"),
+                          "--out", str(out), "--base", str(tmp_path)], capture_output=True, text=True, env=ENV,
+                         timeout=300)
+    assert run.returncode != 0 and "must judge the same prompts" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_run_gpu_fails_without_a_gpu_and_when_a_stage_fails(tmp_path):
