@@ -31,38 +31,47 @@ def _score(outcome: str | None) -> float | None:
     return {"win": 1.0, "tie": 0.5, "loss": 0.0}.get(outcome) if outcome else None
 
 
-def win_rate_interval(rows: list[dict], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Mean win rate over both orders (ties half) and its 95% bootstrap interval over prompts
-    (each prompt's two verdicts stay together).
-
-    Each order must be judged on every row or on none (an order nobody has judged yet leaves the
-    other's rate): then the mean over prompts is the summary's ``mean_win_rate``, the mean of the
-    two orders' rates. Raises ValueError naming the order and how many rows it misses when it
-    judged only some rows (a reading that skipped rows would give a figure that is neither)."""
+def _check_whole_orders(rows: list[dict]) -> None:
+    """Raises ValueError naming the order and how many rows it judged when an order of one reading
+    judged only some of its rows (a figure over such a reading would be neither order's)."""
     for order in ("first_order", "reversed_order"):
         judged = sum(r.get(order) is not None for r in rows)
         if 0 < judged < len(rows):
             raise ValueError(f"{order} judged {judged} of {len(rows)} rows: the win rate over both orders needs "
                              "each order judged on every row (or not at all)")
-    per = []
-    for r in rows:
-        s = [x for x in (_score(r.get("first_order")), _score(r.get("reversed_order"))) if x is not None]
-        if s:
-            per.append(sum(s) / len(s))
-    if not per:
-        raise ValueError("no judged rows")
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choice(per) for _ in per) / len(per) for _ in range(draws))
-    return sum(per) / len(per), means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
 
 
-def _pooled_interval(rows: list[dict], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """:func:`win_rate_interval` over pooled rows (each with every reading's verdicts in
-    ``orders``, None where an order was not judged): each prompt's mean over its verdicts, then
-    the mean over prompts and its 95% bootstrap interval."""
+def win_rate_interval(rows: list[dict], draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean win rate over both orders (ties half) and its 95% bootstrap interval over prompts
+    (each prompt's two verdicts stay together): :func:`pooled_win_rate_interval` of one reading.
+
+    Each order must be judged on every row or on none (an order nobody has judged yet leaves the
+    other's rate): then the mean over prompts is the summary's ``mean_win_rate``, the mean of the
+    two orders' rates. Raises ValueError naming the order and how many rows it misses when it
+    judged only some rows (a reading that skipped rows would give a figure that is neither)."""
+    return pooled_win_rate_interval([rows], draws, seed)
+
+
+def pooled_win_rate_interval(readings: list[list[dict]], draws: int = 2000,
+                             seed: int = 0) -> tuple[float, float, float]:
+    """Mean win rate (ties half) over several readings of the same answers (each a ``join``
+    summary's ``rows``: ``id``, ``first_order``, ``reversed_order``) and its 95% bootstrap
+    interval over prompts: each prompt's score is the mean of all its verdicts, so a prompt's
+    verdicts stay together. Raises ValueError when an order of a reading judged only some rows
+    (:func:`_check_whole_orders`), when the readings judge different prompts, or when no row is
+    judged."""
+    for rows in readings:
+        _check_whole_orders(rows)
+    ids = [sorted(r["id"] for r in rows) for rows in readings]
+    if any(i != ids[0] for i in ids):
+        raise ValueError("the readings of one point must judge the same prompts")
+    verdicts: dict = {i: [] for i in ids[0]}
+    for rows in readings:
+        for r in rows:
+            verdicts[r["id"]] += [_score(r.get("first_order")), _score(r.get("reversed_order"))]
     per = []
-    for r in rows:
-        s = [x for x in map(_score, r["orders"]) if x is not None]
+    for v in verdicts.values():
+        s = [x for x in v if x is not None]
         if s:
             per.append(sum(s) / len(s))
     if not per:
@@ -95,19 +104,6 @@ def _realized(timed: Path) -> dict | None:
     return None
 
 
-def _pooled_rows(readings: list[dict], where: list[Path]) -> list[dict]:
-    """One row per prompt holding every reading's verdicts (``orders``), for
-    :func:`win_rate_interval`. Raises ValueError when the readings do not judge the same ids."""
-    ids = [sorted(r["id"] for r in j["rows"]) for j in readings]
-    if any(i != ids[0] for i in ids):
-        raise ValueError(f"{', '.join(map(str, where))}: the readings of one point must judge the same prompts")
-    by = {i: [] for i in ids[0]}
-    for j in readings:
-        for r in j["rows"]:
-            by[r["id"]] += [r.get("first_order"), r.get("reversed_order")]
-    return [{"id": i, "orders": v} for i, v in by.items()]
-
-
 def point(p: dict, base: Path) -> dict:
     screen = json.loads((base / p["screen"] / "summary.json").read_text())
     folders = p["judge"] if isinstance(p["judge"], list) else [p["judge"]]
@@ -115,11 +111,13 @@ def point(p: dict, base: Path) -> dict:
     readings = [json.loads(w.read_text()) for w in where]
     for j, w in zip(readings, where):
         try:
-            mean, lo, hi = win_rate_interval(j["rows"])  # each reading whole in each order it has
+            _check_whole_orders(j["rows"])  # each reading whole in each order it has
         except ValueError as e:
             raise ValueError(f"{w}: {e}") from None
-    if len(readings) > 1:
-        mean, lo, hi = _pooled_interval(_pooled_rows(readings, where))
+    try:
+        mean, lo, hi = pooled_win_rate_interval([j["rows"] for j in readings])
+    except ValueError as e:
+        raise ValueError(f"{', '.join(map(str, where))}: {e}") from None
 
     def avg(order: str) -> float | None:
         rates = [j[order]["win_rate"] for j in readings]
