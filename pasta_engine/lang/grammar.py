@@ -226,7 +226,7 @@ def ends_sentence(tail: str) -> bool:
     brackets or emphasis: ``"Yes."``, ``(see below.)``, ``**Done!**``). False for an empty
     chunk, for one that stops at a colon, a comma or inside a sentence, and for one whose last
     line is an empty list item (``"...\n\n1."``: :func:`chunk_may_end`)."""
-    if not tail.strip() or is_empty_list_item(tail.rstrip().rpartition("\n")[2]):
+    if not tail.strip() or _ends_on_bare_marker(tail):
         return False
     if tail.endswith("\n"):
         return True
@@ -247,7 +247,14 @@ def chunk_may_end(tail: str) -> bool:
     end: forcing it on taught nothing and, on a degenerate chunk, made it repeat itself to the
     token limit."""
     text = tail.rstrip()
-    return bool(text) and text[-1] not in _OPENERS and not is_empty_list_item(text.rpartition("\n")[2])
+    return bool(text) and text[-1] not in _OPENERS and not _ends_on_bare_marker(text)
+
+
+def _ends_on_bare_marker(tail: str) -> bool:
+    """Whether the last line of ``tail`` (trailing spaces and newlines left out) is only list
+    markers (:func:`~pasta_engine.lang.tags.is_empty_list_item`): one regex match on a few
+    characters, per chunk and step where the grammar holds chunks open."""
+    return is_empty_list_item(tail.rstrip().rpartition("\n")[2])
 
 
 def _cont_fits(token: bytes, need: int) -> bool:
