@@ -149,6 +149,9 @@ def table(points: list[dict]) -> str:
     for q in points:
         real = f"{q['realized']:.2f}x" if q.get("realized") else "-"
         theo = q["theoretical_content_speedup"]  # None: every answer of the screen was empty
+        timed = q.get("theoretical_timed")  # a subset's realized figure is read against that subset's theoretical
+        if q.get("realized") and timed and (theo is None or abs(timed - theo) >= 0.005):
+            real += f" ({timed:.2f}x theoretical on the {q.get('prompts') or '?'} timed)"
         theo = "-" if theo is None else f"{theo:.2f}x"
         orders = "; ".join(f"{pct(r['first_order'])} / {pct(r['reversed_order'])}"  # each reading's two orders
                            for r in q.get("readings", [{"first_order": q["win_rate_first_order"],

@@ -229,6 +229,8 @@ def test_frontier_writes_its_table_and_plot_from_stored_rows(tmp_path):
     assert got[0]["realized"] == 1.38 and got[0]["realized_spread_over_repeats"] == {"min": 1.31, "median": 1.38,
                                                                                       "max": 1.42}
     assert "| p1 | - | - |" in (out / "frontier.md").read_text()
+    # timed on a subset whose theoretical speedup is not the screen's: the cell says so
+    assert "| p0 | 1.20x | 1.38x (1.50x theoretical on the 40 timed) |" in (out / "frontier.md").read_text()
     # a point read twice (a second reading of the same answers): every prompt's four verdicts
     # pooled; the table shows each reading's two orders
     j2 = tmp_path / "j0b"
