@@ -174,6 +174,10 @@ def add_train_parser(subparsers: Any) -> None:
     s.add_argument("--min-content-speedup", type=float, default=0.0,
                    help="train only on annotations whose theoretical content speedup (content tokens / critical path, "
                    "tags as tokens when the model has them) is at least this: the structures the model should learn")
+    s.add_argument("--max-decoded-tokens", type=positive_int, default=None, metavar="N",
+                   help="train only on annotations that decode to at most N tokens, tags included (counted with the "
+                   "tokenizer the adapter will have): the budget the answers are served under, since max_new_tokens "
+                   "counts every thread's tokens and tags too; an answer that does not fit teaches a cut answer")
     s.add_argument("--forked-only", action="store_true",
                    help="the same as --min-promises 1 (kept so earlier manifests' commands run unchanged)")
     s.add_argument("--distill-hard-open", type=nonneg_int, default=0, metavar="K",
@@ -442,9 +446,18 @@ def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dty
     if min_promises:
         examples = [e for e in examples if e.promises >= min_promises]
         counts[f"min_promises_{min_promises}"] = len(examples)
+    if args.min_content_speedup > 0 or args.max_decoded_tokens is not None:
+        _with_adapter_tokens(tokenizer, args)
     if args.min_content_speedup > 0:
         examples = _fast_examples(examples, args, tokenizer)
         counts[f"min_content_speedup_{args.min_content_speedup:g}"] = len(examples)
+    if args.max_decoded_tokens is not None:
+        from ..lang.tokenization import eos_token_ids, replay_eos_id
+        from ..train.data import annotation_decoded_tokens
+
+        eos = replay_eos_id(tokenizer, eos_token_ids(tokenizer))
+        examples = [e for e in examples if annotation_decoded_tokens(tokenizer, e.annotated, eos) <= args.max_decoded_tokens]
+        counts[f"max_decoded_tokens_{args.max_decoded_tokens}"] = len(examples)
     if dp.is_main:
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "examples.jsonl").open("w") as f:
@@ -514,19 +527,25 @@ def _read_examples(args: argparse.Namespace, training: set[str]) -> tuple[list[A
                       "ended": sum(e.ended for e in examples), "examples_file": str(args.examples)}
 
 
-def _fast_examples(examples: Sequence[Any], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
-    """The examples whose annotation's theoretical content speedup is >= --min-content-speedup,
-    measured with the tokenizer the adapter will have: ``tokenizer`` (the base model's) gets the
-    adapter's added tag tokens, or the PASTA-LANG pieces with --tag-tokens, in place."""
+def _with_adapter_tokens(tokenizer: Any, args: argparse.Namespace) -> None:
+    """Give ``tokenizer`` (the base model's) the tokens the adapter will have, in place: the
+    ``--adapter``'s added tag tokens, or the PASTA-LANG pieces with ``--tag-tokens``, so the
+    annotation filters count tokens as the trained model will decode them."""
     from ..lang.grammar import add_tag_tokens
-    from ..lang.tokenization import eos_token_ids, replay_eos_id
     from ..models.loader import add_adapter_tokens
-    from ..train.data import annotation_content_speedup
 
     if args.adapter is not None:
         add_adapter_tokens(tokenizer, args.adapter)
     if args.tag_tokens:  # a fresh adapter's, or a tokenless --adapter's (refused when it has them)
         add_tag_tokens(tokenizer)
+
+
+def _fast_examples(examples: Sequence[Any], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    """The examples whose annotation's theoretical content speedup is >= --min-content-speedup,
+    measured with ``tokenizer`` as the adapter will have it (``_with_adapter_tokens``)."""
+    from ..lang.tokenization import eos_token_ids, replay_eos_id
+    from ..train.data import annotation_content_speedup
+
     eos = replay_eos_id(tokenizer, eos_token_ids(tokenizer))
     return [e for e in examples if annotation_content_speedup(tokenizer, e.annotated, eos) >= args.min_content_speedup]
 

@@ -16,7 +16,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from ..core.replay import trace_content_figures
+from ..core.replay import replay_script, trace_content_figures
 from ..lang.tags import strip_tags
 from ..metrics import content_speedup
 from ..tools.annotate import annotate
@@ -171,6 +171,22 @@ def build_examples(
     random.Random(seed).shuffle(out)
     return out, counts
 
+
+
+def annotation_decoded_tokens(tokenizer: Any, annotated: str, eos_id: int) -> int:
+    """The tokens an annotated answer samples when every promise forks, all threads together:
+    content, tags and the end-of-sequence tokens (the inserted ``<async>`` tags are not sampled).
+    This is what ``max_new_tokens`` counts (docs/DESIGN.md section 8), so an annotation above a
+    token budget teaches an answer that the budget cuts.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer (with the added tag tokens when the model has them).
+        annotated: the annotated answer (malformed tags are text).
+        eos_id: the end-of-sequence token id the main thread ends with (counted).
+
+    Never raises on content."""
+    structure = replay_script(tokenizer, annotated, eos_id).structure
+    return structure.main_tokens + sum(length for _, length in structure.forks)
 
 
 def annotation_content_speedup(tokenizer: Any, annotated: str, eos_id: int) -> float:

@@ -692,6 +692,40 @@ def test_train_sft_min_content_speedup_keeps_the_parallel_answers(tiny_llama, tm
     assert "min_content_speedup_1.2" in err
 
 
+def test_annotation_decoded_tokens_counts_every_thread_with_its_tags(tiny_llama):
+    """What max_new_tokens counts: main thread (with its promise tags and EOS) + each chunk (with
+    its closing tag), the inserted <async> not sampled; by hand from the replay's pieces."""
+    from pasta_engine.lang.grammar import add_tag_tokens
+    from pasta_engine.lang.tokenization import encode_text
+    from pasta_engine.train.common import load_tokenizer
+    from pasta_engine.train.data import annotation_decoded_tokens
+
+    tok = load_tokenizer(tiny_llama)
+    add_tag_tokens(tok)
+    eos = tok.eos_token_id
+    plain = "Go to bed early and avoid screens."
+    assert annotation_decoded_tokens(tok, plain, eos) == len(encode_text(tok, plain)) + 1
+    promise, chunk = '<promise topic="bed" tokens="10"/>', "Go to bed early, every day."
+    forked = f"Tips:\n1. {promise}<async>{chunk}</async>"
+    promise_ids = tok.encode(promise, add_special_tokens=False)  # the tag pieces are added tokens
+    assert len(promise_ids) < len(encode_text(tok, promise))  # '<promise topic="', ..., '"/>' one token each
+    main = len(encode_text(tok, "Tips:\n1. ")) + len(promise_ids) + 1  # + EOS
+    assert annotation_decoded_tokens(tok, forked, eos) == main + len(encode_text(tok, chunk)) + 1  # + </async>
+    assert annotation_decoded_tokens(tok, forked, eos) > len(encode_text(tok, "Tips:\n1. " + chunk)) + 1  # tags cost
+
+
+def test_train_sft_max_decoded_tokens_leaves_out_answers_the_budget_would_cut(tiny_llama, tmp_path, capsys):
+    long_items = "Tips:\n" + "".join(f"{i}. " + "Go to bed early, and get up at the same time every day. " * 3 + "\n"
+                                     for i in range(1, 5))
+    _, out, err = _sft_command(tiny_llama, tmp_path, capsys,
+                               [{"instruction": PROMPT, "dataset": "koala", "output": long_items},
+                                {"instruction": "plain", "dataset": "koala", "output": "Sleep well."}],
+                               "--max-decoded-tokens", "40", "--tag-tokens")
+    rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["plain"]  # the long forked answer decodes > 40 tokens
+    assert "max_decoded_tokens_40': 1" in err
+
+
 def test_an_answer_that_was_cut_trains_no_end(tiny_llama, tmp_path):
     """``end_target="ended"`` (issue 30): an answer cut to fit, or generated up to a token budget,
     trains every token but its end-of-sequence; an answer that ended by itself trains its end."""

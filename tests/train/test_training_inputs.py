@@ -97,6 +97,7 @@ def test_train_sft_refuses_a_learning_rate_that_trains_nothing_before_any_work(l
 @pytest.mark.parametrize("extra, says", [
     (["--tag-weight", "inf"], "invalid --tag-weight=inf"),
     (["--min-content-speedup", "inf"], "invalid --min-content-speedup=inf"),
+    (["--max-decoded-tokens", "0"], "--max-decoded-tokens"),
     (["--tokens-only"], "--tokens-only trains a fresh adapter's tag-token rows: it needs --tag-tokens"),
     (["--tokens-only", "--tag-tokens", "--adapter", "AD"], "and no --adapter"),
 ])
