@@ -53,6 +53,9 @@ def main() -> None:
                     "one at its cap mid-sentence may finish it (default on)")
     ap.add_argument("--independent-topics", action=argparse.BooleanOptionalAction, default=False,
                     help="Limits.independent_topics: a topic may not open with a leaning word (default off)")
+    ap.add_argument("--fork-headroom-tokens", type=nonneg_int, default=None, metavar="N",
+                    help="Limits.fork_headroom_tokens: a promise opens only while the tokens left cover the running "
+                    "chunks' promised tokens plus N (default off)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=512)
     ap.add_argument("--repetition-penalty", type=float, default=1.1)
     ap.add_argument("--max-running-requests", type=positive_int, default=16)
@@ -73,7 +76,7 @@ def main() -> None:
 #: The flags that act only while the model samples in pasta (or inline) mode, each with the value
 #: that leaves it out: in ``--mode sequential`` nothing reads them (no tag is acted on), so one set
 #: there is refused rather than recorded in the settings as if applied.
-PASTA_ONLY_FLAGS = {"fork_threshold": None, "max_forks": None, "independent_topics": False,
+PASTA_ONLY_FLAGS = {"fork_threshold": None, "max_forks": None, "independent_topics": False, "fork_headroom_tokens": None,
                     "distinct_topics": True, "chunk_clean_end": True}
 
 
@@ -116,6 +119,7 @@ def screen(args: argparse.Namespace) -> None:
     # both checked before the model loads: a bad value is a ParameterError naming its field
     limits = Limits(fork_threshold=args.fork_threshold, distinct_topics=args.distinct_topics,
                     chunk_clean_end=args.chunk_clean_end, independent_topics=args.independent_topics,
+                    fork_headroom_tokens=args.fork_headroom_tokens,
                     **({} if args.max_forks is None else {"max_forks": args.max_forks}))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0,
                             repetition_penalty=args.repetition_penalty)
@@ -164,7 +168,7 @@ def screen(args: argparse.Namespace) -> None:
                      "repetition_penalty": args.repetition_penalty, "mode": args.mode,
                      "fork_threshold": args.fork_threshold, "distinct_topics": args.distinct_topics,
                      "chunk_clean_end": args.chunk_clean_end, "independent_topics": args.independent_topics,
-                     "max_forks": limits.max_forks,
+                     "fork_headroom_tokens": args.fork_headroom_tokens, "max_forks": limits.max_forks,
                      "max_running_requests": args.max_running_requests,
                      "adapter": args.adapter, "lora_scale": engine.lora_scale, "torch_threads": torch.get_num_threads(), "device": "cpu",
                      "dtype": "float32", "seconds": round(seconds, 1)},

@@ -368,6 +368,14 @@ class Limits:
             blind the answers win 39.1% against 42.8% without it (issue 30,
             bench/results/leaning-topics-smollm2-cpu/). False: the model's topics as it samples
             them.
+        fork_headroom_tokens: where the sampler enforces the grammar while a model samples in
+            pasta or inline mode, the main thread may open a promise only while the tokens left
+            under ``max_new_tokens`` (every thread's together, docs/DESIGN.md section 8) are at
+            least the tokens the running chunks were promised and have not written yet, plus
+            this headroom (for the new promise's tags and chunk). A chunk the budget cannot
+            finish is cut, and under ``length_cut="prefix"`` every sibling after it is lost to
+            the reader: past this point the main thread writes on, or ends, instead of forking.
+            ``None`` (default): off, the model forks while ``max_forks`` allows.
 
     The response's total length is :attr:`SamplingParams.max_new_tokens`."""
 
@@ -382,6 +390,7 @@ class Limits:
     distinct_topics: bool = True
     chunk_clean_end: bool = True
     independent_topics: bool = False
+    fork_headroom_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_threads", self.max_threads, 1, none_ok=True)
@@ -400,6 +409,7 @@ class Limits:
             raise ParameterError("chunk_clean_end", self.chunk_clean_end, "True or False")
         if not isinstance(self.independent_topics, bool):
             raise ParameterError("independent_topics", self.independent_topics, "True or False")
+        check_int("fork_headroom_tokens", self.fork_headroom_tokens, 0, 2**31 - 1, none_ok=True)
         if self.length_cut not in LENGTH_CUTS:
             raise ParameterError("length_cut", self.length_cut, " or ".join(repr(x) for x in LENGTH_CUTS))
 
@@ -408,7 +418,8 @@ class Limits:
     #: the value that leaves it off. Where they cannot act they are refused if asked for, or
     #: dropped if they are the engine's default (``InputProcessor``, ``Engine``, the CLI).
     #: Read-only: ``name -> off``.
-    GRAMMAR_KNOBS = MappingProxyType({"fork_threshold": None, "independent_topics": False})
+    GRAMMAR_KNOBS = MappingProxyType({"fork_threshold": None, "independent_topics": False,
+                                      "fork_headroom_tokens": None})
 
     def grammar_knobs(self) -> dict[str, Any]:
         """The :attr:`GRAMMAR_KNOBS` set away from off, ``name -> value`` (empty: none)."""
@@ -439,7 +450,7 @@ def limits_without_effect(mode: str, *, nesting: bool = False, replay: bool = Fa
     * ``distinct_topics``, ``chunk_clean_end``: where the sampler enforces the grammar (not in
       sequential mode, not in a replay).
 
-    ``fork_threshold`` and ``independent_topics`` are not here: the input processor checks them
+    ``fork_threshold``, ``independent_topics`` and ``fork_headroom_tokens`` are not here: the input processor checks them
     (it also knows whether the model has the tag tokens)."""
     one_thread = f"mode {mode!r} (one thread decodes the whole response: only pasta mode forks)"
     out: dict[str, str] = {}

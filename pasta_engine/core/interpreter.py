@@ -477,7 +477,8 @@ class Interpreter:
         is_main = t.is_main and not t.inline
         tail = _clean_tail(t) if self.limits.chunk_clean_end and not is_main else None
         acted = self.n_inline if self.mode == "inline" else self.n_forks
-        state = self.dialect.grammar_state(is_main, t.parser.pending, acted < self.limits.max_forks,
+        may_fork = acted < self.limits.max_forks and (not is_main or self._fork_fits())
+        state = self.dialect.grammar_state(is_main, t.parser.pending, may_fork,
                                            self.topics_taken if self.limits.distinct_topics else (), tail)
         if state in _TOPIC_STATES and t.detok.mid_character:  # the cheap test first: this runs per step
             # inside a UTF-8 character of a topic (the first bytes of an emoji, say): only a token
@@ -487,6 +488,19 @@ class Interpreter:
         if state == GrammarState.TOPIC_EMPTY and self.limits.independent_topics:
             return GrammarState.TOPIC_OPENING  # no leaning first word (LEANING_WORDS)
         return state
+
+    def _fork_fits(self) -> bool:
+        """Whether a new promise fits the tokens left under ``max_new_tokens``
+        (``Limits.fork_headroom_tokens``; True when it is off): the running chunks' promised
+        tokens not written yet, plus the headroom. A chunk promised no length owes nothing."""
+        headroom = self.limits.fork_headroom_tokens
+        if headroom is None:
+            return True
+        owed = 0
+        for c in self.threads:
+            if c.promise is not None and not c.ended:
+                owed += max(0, min(c.promise.tokens, self.limits.max_promise_tokens) - c.n_sampled)
+        return self.max_new_tokens - self.total_sampled >= owed + headroom
 
     def _topic_cont(self, t: Thread) -> int:
         """The state of thread ``t``'s topic inside a UTF-8 character: by the continuation bytes

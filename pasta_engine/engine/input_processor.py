@@ -481,7 +481,8 @@ class InputProcessor:
 
     def _limits(self, limits: Limits | None, mode: str, lang: Dialect, replay: bool) -> Limits:
         """The request's limits: its own or the engine's, the grammar knobs
-        (``Limits.GRAMMAR_KNOBS``: ``fork_threshold``, ``independent_topics``) checked where they
+        (``Limits.GRAMMAR_KNOBS``: ``fork_threshold``, ``independent_topics``,
+        ``fork_headroom_tokens``) checked where they
         apply: one the request asks for that cannot apply is refused (ParameterError naming
         it); the engine's default is dropped there."""
         if limits is not None and not isinstance(limits, Limits):

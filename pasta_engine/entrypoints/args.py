@@ -172,6 +172,10 @@ def add_pasta_args(p: argparse.ArgumentParser) -> None:
                    help="a promise's topic may not open with a word that leans on what came before (Another, "
                         "Furthermore, This, Finally, ...; a model with the tag tokens; default off: faster, more "
                         "independent chunks, not read better)")
+    g.add_argument("--fork-headroom-tokens", type=nonneg_int, default=None, metavar="N",
+                   help="the main thread opens a promise only while the tokens left under --max-new-tokens cover "
+                        "what the running chunks were promised and have not written, plus N (fewer answers cut by "
+                        "the budget; a model with the tag tokens; default off)")
     # the defaults of the flags in `added` (the grammar knobs' are Limits.GRAMMAR_KNOBS)
     p.set_defaults(pasta_defaults={a.dest: a.default for a in added})
 
@@ -353,7 +357,8 @@ def build_engine(args: argparse.Namespace, max_running_requests: int = 1, adapte
                                    length_cut=getattr(args, "length_cut", "prefix"),
                                    distinct_topics=getattr(args, "distinct_topics", True),
                                    chunk_clean_end=getattr(args, "chunk_clean_end", True),
-                                   independent_topics=getattr(args, "independent_topics", False))
+                                   independent_topics=getattr(args, "independent_topics", False),
+                                   fork_headroom_tokens=getattr(args, "fork_headroom_tokens", None))
         options["position_policy"] = args.position_policy
     if args.kv_cache_mb is not None:
         options["kv_cache_bytes"] = args.kv_cache_mb * 2**20

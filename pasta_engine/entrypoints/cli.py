@@ -932,7 +932,7 @@ def _dispatch(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
 def _refuse_unused_pasta_flags(args: argparse.Namespace) -> None:
     """Refuse a grammar knob's flag (``Limits.GRAMMAR_KNOBS``: ``--fork-threshold``,
-    ``--independent-topics``) set away from off in a command that only replays annotated
+    ``--independent-topics``, ``--fork-headroom-tokens``) set away from off in a command that only replays annotated
     responses, or generates sequentially only: it would be ignored there, as the engine's default
     (the engine refuses the same fields of a request's ``Limits`` there); and where the pasta
     weights are known to have no PASTA-LANG tag tokens (the embedded model with

@@ -269,6 +269,20 @@ def test_independent_topics_is_a_request_field_refused_where_it_cannot_apply(ser
             assert r.json()["error"]["param"] == "pasta.independent_topics", r.text
 
 
+def test_fork_headroom_tokens_is_a_request_field_refused_where_it_cannot_apply(server):
+    """``pasta.fork_headroom_tokens`` is in the schema; a count on this server's model (no tag
+    pieces as tokens) is a 400 naming it, so are a negative count and a string; null is served."""
+    doc = httpx.get(server.url + "/openapi.json", headers=auth(server)).json()
+    assert "fork_headroom_tokens" in doc["components"]["schemas"]["PastaOptions"]["properties"]
+    for value, want in ((64, 400), (-1, 400), ("many", 400), (None, 200)):
+        body = {"model": server.model, "messages": [{"role": "user", "content": "Hi."}], "temperature": 0,
+                "max_tokens": 4, "pasta": {"fork_headroom_tokens": value}}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(server), timeout=120)
+        assert r.status_code == want, (value, r.text)
+        if want == 400:
+            assert r.json()["error"]["param"] == "pasta.fork_headroom_tokens", r.text
+
+
 def test_length_cut_is_a_request_field(server):
     """``pasta.length_cut`` (issue 31 item 9) is in the schema, ``prefix`` or ``keep``; anything
     else is a 400 naming it."""
@@ -293,7 +307,8 @@ def test_each_pasta_limit_field_reaches_the_request_limits():
     base = Limits(max_threads=4)
     assert request_limits(PastaOptions(), base) is None
     changed = {"max_threads": 0, "max_forks": 3, "max_fork_depth": 1, "fork_threshold": 0.25, "length_cut": "keep",
-               "distinct_topics": False, "chunk_clean_end": False, "independent_topics": True}
+               "distinct_topics": False, "chunk_clean_end": False, "independent_topics": True,
+               "fork_headroom_tokens": 64}
     assert set(changed) == set(PASTA_LIMITS)
     for name, value in changed.items():
         got = request_limits(PastaOptions(**{name: value}), base)

@@ -445,7 +445,7 @@ def test_fork_threshold_forks_exactly_where_the_promise_is_likely_enough(tagged)
     assert res.error is None and res.stats.finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("name", ["fork_threshold", "independent_topics"])
+@pytest.mark.parametrize("name", ["fork_threshold", "independent_topics", "fork_headroom_tokens"])
 def test_grammar_knobs_are_refused_where_they_cannot_apply(tagged, tiny_engine, name):
     """The fork knob and the topic rule act on the PASTA-LANG grammar's states: each is refused by
     name where no promise is sampled under the grammar (sequential, a replay, another dialect, a
@@ -456,7 +456,7 @@ def test_grammar_knobs_are_refused_where_they_cannot_apply(tagged, tiny_engine, 
 
     ckpt, adapter, _, _ = tagged
     engine = Engine.from_pretrained(ckpt, adapter=adapter, kv_cache_bytes=8 * 2**20)
-    knob = Limits(**{name: {"fork_threshold": 0.5, "independent_topics": True}[name]})
+    knob = Limits(**{name: {"fork_threshold": 0.5, "independent_topics": True, "fork_headroom_tokens": 64}[name]})
     two = SamplingParams(max_new_tokens=2)
     with pytest.raises(ParameterError, match=f"{name}.*sequential"):
         engine.add_request("Hi", two, "sequential", limits=knob)
@@ -549,6 +549,43 @@ def test_the_engine_keeps_a_leaning_word_out_of_a_topics_opening_when_asked(tagg
     assert got == lean
     got, lean = first_topic_token(True)
     assert got != lean
+
+
+def test_a_promise_opens_only_while_the_budget_covers_the_running_chunks_and_the_headroom():
+    """Limits.fork_headroom_tokens: after a fork promised 30 tokens, the main thread may promise
+    again only while tokens left (max_new_tokens - sampled, all threads) >= 30 - the chunk's
+    sampled tokens + the headroom; off (None), only max_forks decides."""
+    from pasta_engine.config import Limits
+    from pasta_engine.core.interpreter import Interpreter
+    from pasta_engine.errors import ParameterError
+
+    pieces = ["<EOS>", "<async>", '<promise topic="', "Sleep", '" tokens="', "3", "0", '"/>', "a"]
+    decode = lambda ids: "".join(pieces[i] for i in ids if i != 0)  # noqa: E731
+
+    def main_state(headroom: int | None, chunk_tokens: int = 0) -> GrammarState:
+        it = Interpreter([8], decode=decode, eos_ids=[0], open_ids=[1], close_len=1, grammar=True, max_new_tokens=100,
+                         limits=Limits(max_threads=None, fork_headroom_tokens=headroom))
+        it.step_done(it.runnable_threads())
+        it.take_kv_ops()
+        for tok in (8, 2, 3, 4, 5, 6, 7):  # "a", then the promise: 7 tokens sampled, 93 left, 30 owed
+            it.on_token(0, tok)
+        it.take_kv_ops()
+        for _ in range(chunk_tokens):  # the chunk writes: it owes less, and the budget shrinks as much
+            it.step_done([s for s in it.runnable_threads() if s.tid == 1])
+            it.on_token(1, 8)
+        assert len(it.threads) == 2 and it.threads[1].promise.tokens == 30
+        [main] = [s for s in it.runnable_threads() if s.tid == 0]
+        return GrammarState(main.grammar)
+
+    assert main_state(None) is GrammarState.MAIN
+    assert main_state(63) is GrammarState.MAIN  # 93 >= 30 + 63
+    assert main_state(64) is GrammarState.MAIN_NO_FORK
+    assert main_state(64, chunk_tokens=10) is GrammarState.MAIN_NO_FORK  # 83 < 20 + 64
+    assert main_state(53, chunk_tokens=10) is GrammarState.MAIN  # 83 >= 20 + 53
+    assert Limits().fork_headroom_tokens is None
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ParameterError, match="fork_headroom_tokens"):
+            Limits(fork_headroom_tokens=bad)
 
 
 def test_the_leaning_words_are_the_independence_measurements_openings():

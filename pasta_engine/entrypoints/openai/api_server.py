@@ -21,7 +21,8 @@ event logs), :mod:`.metrics` (Prometheus), :mod:`.auth` (API key, ``Host`` check
 * the ``pasta`` extension: in a request, ``{"mode": "pasta" | "sequential" | "inline", "dialect": "pasta" |
   "apar" | "multiverse", "position_policy": ..., "max_threads": N (0 = unlimited), "max_forks":
   N, "max_fork_depth": N (>= 1), "fork_threshold": p (0 < p <= 1), "length_cut": "prefix" | "keep",
-  "distinct_topics": bool, "chunk_clean_end": bool, "independent_topics": bool, "events": bool
+  "distinct_topics": bool, "chunk_clean_end": bool, "independent_topics": bool,
+  "fork_headroom_tokens": N, "events": bool
   (stream=true only), "annotated_response": str}`` (:class:`.schema.PastaOptions` has each
   field's meaning; ``dialect``: the language the model writes,
   :data:`~pasta_engine.lang.dialect.DIALECT_NAMES`, default PASTA-LANG; ``annotated_response``

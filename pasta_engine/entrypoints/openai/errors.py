@@ -22,6 +22,7 @@ _PARAM_NAMES = {
     "distinct_topics": "pasta.distinct_topics",
     "chunk_clean_end": "pasta.chunk_clean_end",
     "independent_topics": "pasta.independent_topics",
+    "fork_headroom_tokens": "pasta.fork_headroom_tokens",
     "annotated_response": "pasta.annotated_response",
     "mode": "pasta.mode",
     "dialect": "pasta.dialect",

@@ -145,6 +145,11 @@ class PastaOptions(BaseModel):
     independent_topics: bool | None = Field(
         None, description="a promise's topic may not open with a word that leans on what came before (Another, "
         "Furthermore, This, Finally, ...; default false; where the sampler enforces the PASTA-LANG grammar)")
+    fork_headroom_tokens: int | None = Field(
+        None, ge=0, lt=2**31, description="the main thread may open a promise only while the tokens left under "
+        "max_tokens cover what the running chunks were promised and have not written, plus this many (a chunk the "
+        "budget cannot finish is cut, and the text after it lost); unset: off; where the sampler enforces the "
+        "PASTA-LANG grammar")
     events: bool = Field(False, description="stream the thread events of each step (pasta.events)")
     annotated_response: str | None = Field(None, description=(
         "replay this annotated response (forced decoding): a sampling field or seed is refused, so is n > 1 "

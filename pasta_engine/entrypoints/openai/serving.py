@@ -53,8 +53,8 @@ def request_limits(pasta: PastaOptions, base: Limits) -> Limits | None:
 def check_pasta_fields(pasta: PastaOptions) -> None:
     """Refuse a ``pasta`` field the request sets (not null) that has no effect in its mode and
     dialect (:func:`~pasta_engine.config.limits_without_effect`, the rule the CLI's flags follow
-    too), raising ParameterError naming ``pasta.<field>``. ``fork_threshold`` and
-    ``independent_topics`` are checked by the engine
+    too), raising ParameterError naming ``pasta.<field>``. ``fork_threshold``,
+    ``independent_topics`` and ``fork_headroom_tokens`` are checked by the engine
     (:meth:`~pasta_engine.engine.input_processor.InputProcessor.process`). The dialect must be
     valid (:func:`_check_dialect`)."""
     unused = limits_without_effect(pasta.mode, nesting=get_dialect(pasta.dialect).nesting,
