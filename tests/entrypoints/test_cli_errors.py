@@ -217,18 +217,19 @@ def test_fork_threshold_where_it_cannot_apply_is_one_line(tiny_llama, capsys, ar
     _one_error_line(err, "fork_threshold", "tag-tokens")
 
 
+@pytest.mark.parametrize("flag", [["--independent-topics"], ["--fork-headroom-tokens", "64"]])
 @pytest.mark.parametrize("argv", [
     ["generate", "Hi", "--mode", "sequential"],
     ["bench", "speedup", "--annotator", "sot", "--responses", "x.json", "--out", "o"],
 ])
-def test_independent_topics_where_nothing_samples_in_pasta_mode_is_refused(tiny_llama, capsys, argv):
-    """--independent-topics acts only while the model samples in pasta mode: a sequential
-    generate or a replay refuses it by name before any model loads, instead of ignoring it."""
-    flag = "--independent-topics"
-    code = main([*argv, flag, "--model", str(tiny_llama), "--kv-cache-mb", "8"])
+def test_grammar_flags_where_nothing_samples_in_pasta_mode_are_refused(tiny_llama, capsys, argv, flag):
+    """--independent-topics and --fork-headroom-tokens act only while the model samples in pasta
+    mode: a sequential generate or a replay refuses each by name before any model loads, instead
+    of ignoring it."""
+    code = main([*argv, *flag, "--model", str(tiny_llama), "--kv-cache-mb", "8"])
     _, err = capsys.readouterr()
     assert code == 2
-    _one_error_line(err, flag)
+    _one_error_line(err, flag[0])
 
 
 @pytest.mark.parametrize("argv, flag", [
