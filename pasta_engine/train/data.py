@@ -172,7 +172,6 @@ def build_examples(
     return out, counts
 
 
-
 def annotation_decoded_tokens(tokenizer: Any, annotated: str, eos_id: int) -> int:
     """The tokens an annotated answer samples when every promise forks, all threads together:
     content, tags and the end-of-sequence tokens (the inserted ``<async>`` tags are not sampled).
