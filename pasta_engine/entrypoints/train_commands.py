@@ -447,17 +447,7 @@ def _sft_rank(args: argparse.Namespace, argv: Sequence[str] | None, dp: Any, dty
         examples = [e for e in examples if e.promises >= min_promises]
         counts[f"min_promises_{min_promises}"] = len(examples)
     if args.min_content_speedup > 0 or args.max_decoded_tokens is not None:
-        _with_adapter_tokens(tokenizer, args)
-    if args.min_content_speedup > 0:
-        examples = _fast_examples(examples, args, tokenizer)
-        counts[f"min_content_speedup_{args.min_content_speedup:g}"] = len(examples)
-    if args.max_decoded_tokens is not None:
-        from ..lang.tokenization import eos_token_ids, replay_eos_id
-        from ..train.data import annotation_decoded_tokens
-
-        eos = replay_eos_id(tokenizer, eos_token_ids(tokenizer))
-        examples = [e for e in examples if annotation_decoded_tokens(tokenizer, e.annotated, eos) <= args.max_decoded_tokens]
-        counts[f"max_decoded_tokens_{args.max_decoded_tokens}"] = len(examples)
+        examples = _annotation_filters(examples, args, tokenizer, counts)
     if dp.is_main:
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "examples.jsonl").open("w") as f:
@@ -527,27 +517,31 @@ def _read_examples(args: argparse.Namespace, training: set[str]) -> tuple[list[A
                       "ended": sum(e.ended for e in examples), "examples_file": str(args.examples)}
 
 
-def _with_adapter_tokens(tokenizer: Any, args: argparse.Namespace) -> None:
-    """Give ``tokenizer`` (the base model's) the tokens the adapter will have, in place: the
-    ``--adapter``'s added tag tokens, or the PASTA-LANG pieces with ``--tag-tokens``, so the
-    annotation filters count tokens as the trained model will decode them."""
+def _annotation_filters(examples: Sequence[Any], args: argparse.Namespace, tokenizer: Any,
+                        counts: dict[str, Any]) -> list[Any]:
+    """The examples that pass ``--min-content-speedup`` (theoretical content speedup at least
+    that) and ``--max-decoded-tokens`` (at most that many tokens sampled, tags and every thread
+    included), each recorded in ``counts`` with the examples left after it. Tokens are counted
+    as the trained model will decode them: ``tokenizer`` (the base model's) gets, in place, the
+    ``--adapter``'s added tag tokens or, with ``--tag-tokens``, the PASTA-LANG pieces."""
     from ..lang.grammar import add_tag_tokens
+    from ..lang.tokenization import eos_token_ids, replay_eos_id
     from ..models.loader import add_adapter_tokens
+    from ..train.data import annotation_content_speedup, annotation_decoded_tokens
 
     if args.adapter is not None:
         add_adapter_tokens(tokenizer, args.adapter)
     if args.tag_tokens:  # a fresh adapter's, or a tokenless --adapter's (refused when it has them)
         add_tag_tokens(tokenizer)
-
-
-def _fast_examples(examples: Sequence[Any], args: argparse.Namespace, tokenizer: Any) -> list[Any]:
-    """The examples whose annotation's theoretical content speedup is >= --min-content-speedup,
-    measured with ``tokenizer`` as the adapter will have it (``_with_adapter_tokens``)."""
-    from ..lang.tokenization import eos_token_ids, replay_eos_id
-    from ..train.data import annotation_content_speedup
-
     eos = replay_eos_id(tokenizer, eos_token_ids(tokenizer))
-    return [e for e in examples if annotation_content_speedup(tokenizer, e.annotated, eos) >= args.min_content_speedup]
+    kept = list(examples)
+    if args.min_content_speedup > 0:
+        kept = [e for e in kept if annotation_content_speedup(tokenizer, e.annotated, eos) >= args.min_content_speedup]
+        counts[f"min_content_speedup_{args.min_content_speedup:g}"] = len(kept)
+    if args.max_decoded_tokens is not None:
+        kept = [e for e in kept if annotation_decoded_tokens(tokenizer, e.annotated, eos) <= args.max_decoded_tokens]
+        counts[f"max_decoded_tokens_{args.max_decoded_tokens}"] = len(kept)
+    return kept
 
 
 def _judge_references(path: Path, prompts: Sequence[str]) -> dict[str, str]:
