@@ -255,32 +255,23 @@ def test_fork_threshold_is_a_request_field_refused_where_it_cannot_apply(server)
     assert code == 200 and ok["choices"][0]["message"]["content"] is not None
 
 
-def test_independent_topics_is_a_request_field_refused_where_it_cannot_apply(server):
-    """``pasta.independent_topics`` is in the schema; true on this server's model (no tag pieces as
-    tokens) is a 400 naming it, false is served, a non-boolean is a 400 naming it."""
+@pytest.mark.parametrize("field, cases", [
+    ("independent_topics", ((True, 400), ("maybe", 400), (False, 200))),
+    ("fork_headroom_tokens", ((64, 400), (-1, 400), ("many", 400), (None, 200))),
+])
+def test_a_grammar_knob_is_a_request_field_refused_where_it_cannot_apply(server, field, cases):
+    """``pasta.independent_topics`` and ``pasta.fork_headroom_tokens`` are in the schema; set on
+    this server's model (no tag pieces as tokens) each is a 400 naming it, so is a value of the
+    wrong kind; off (false, or null) is served."""
     doc = httpx.get(server.url + "/openapi.json", headers=auth(server)).json()
-    assert "independent_topics" in doc["components"]["schemas"]["PastaOptions"]["properties"]
-    for value, want in ((True, 400), ("maybe", 400), (False, 200)):
+    assert field in doc["components"]["schemas"]["PastaOptions"]["properties"]
+    for value, want in cases:
         body = {"model": server.model, "messages": [{"role": "user", "content": "Hi."}], "temperature": 0,
-                "max_tokens": 4, "pasta": {"independent_topics": value}}
+                "max_tokens": 4, "pasta": {field: value}}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(server), timeout=120)
         assert r.status_code == want, (value, r.text)
         if want == 400:
-            assert r.json()["error"]["param"] == "pasta.independent_topics", r.text
-
-
-def test_fork_headroom_tokens_is_a_request_field_refused_where_it_cannot_apply(server):
-    """``pasta.fork_headroom_tokens`` is in the schema; a count on this server's model (no tag
-    pieces as tokens) is a 400 naming it, so are a negative count and a string; null is served."""
-    doc = httpx.get(server.url + "/openapi.json", headers=auth(server)).json()
-    assert "fork_headroom_tokens" in doc["components"]["schemas"]["PastaOptions"]["properties"]
-    for value, want in ((64, 400), (-1, 400), ("many", 400), (None, 200)):
-        body = {"model": server.model, "messages": [{"role": "user", "content": "Hi."}], "temperature": 0,
-                "max_tokens": 4, "pasta": {"fork_headroom_tokens": value}}
-        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=auth(server), timeout=120)
-        assert r.status_code == want, (value, r.text)
-        if want == 400:
-            assert r.json()["error"]["param"] == "pasta.fork_headroom_tokens", r.text
+            assert r.json()["error"]["param"] == f"pasta.{field}", r.text
 
 
 def test_length_cut_is_a_request_field(server):

@@ -680,16 +680,22 @@ def test_annotation_content_speedup_counts_tags_as_overhead(tiny_llama):
     assert token_tags > 1.0
 
 
-def test_train_sft_min_content_speedup_keeps_the_parallel_answers(tiny_llama, tmp_path, capsys):
+@pytest.mark.parametrize("flag, kept, count", [
+    (["--min-content-speedup", "1.2"], PROMPT, "min_content_speedup_1.2': 1"),  # the unforked answer (< 1x) goes
+    (["--max-decoded-tokens", "40"], "plain", "max_decoded_tokens_40': 1"),  # the long forked one decodes > 40
+])
+def test_train_sft_annotation_filters_keep_what_they_name(flag, kept, count, tiny_llama, tmp_path, capsys):
+    """--min-content-speedup keeps the parallel answers; --max-decoded-tokens leaves out the
+    answers the token budget would cut (tags and every thread counted)."""
     long_items = "Tips:\n" + "".join(f"{i}. " + "Go to bed early, and get up at the same time every day. " * 3 + "\n"
                                      for i in range(1, 5))
     _, out, err = _sft_command(tiny_llama, tmp_path, capsys,
                                [{"instruction": PROMPT, "dataset": "koala", "output": long_items},
                                 {"instruction": "plain", "dataset": "koala", "output": "Sleep well."}],
-                               "--min-content-speedup", "1.2", "--tag-tokens")
+                               *flag, "--tag-tokens")
     rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
-    assert [r["prompt"] for r in rows] == [PROMPT]  # the unforked answer (speedup < 1) is gone
-    assert "min_content_speedup_1.2" in err
+    assert [r["prompt"] for r in rows] == [kept]
+    assert count in err
 
 
 def test_annotation_decoded_tokens_counts_every_thread_with_its_tags(tiny_llama):
@@ -712,18 +718,6 @@ def test_annotation_decoded_tokens_counts_every_thread_with_its_tags(tiny_llama)
     main = len(encode_text(tok, "Tips:\n1. ")) + len(promise_ids) + 1  # + EOS
     assert annotation_decoded_tokens(tok, forked, eos) == main + len(encode_text(tok, chunk)) + 1  # + </async>
     assert annotation_decoded_tokens(tok, forked, eos) > len(encode_text(tok, "Tips:\n1. " + chunk)) + 1  # tags cost
-
-
-def test_train_sft_max_decoded_tokens_leaves_out_answers_the_budget_would_cut(tiny_llama, tmp_path, capsys):
-    long_items = "Tips:\n" + "".join(f"{i}. " + "Go to bed early, and get up at the same time every day. " * 3 + "\n"
-                                     for i in range(1, 5))
-    _, out, err = _sft_command(tiny_llama, tmp_path, capsys,
-                               [{"instruction": PROMPT, "dataset": "koala", "output": long_items},
-                                {"instruction": "plain", "dataset": "koala", "output": "Sleep well."}],
-                               "--max-decoded-tokens", "40", "--tag-tokens")
-    rows = [json.loads(x) for x in (out / "examples.jsonl").read_text().splitlines()]
-    assert [r["prompt"] for r in rows] == ["plain"]  # the long forked answer decodes > 40 tokens
-    assert "max_decoded_tokens_40': 1" in err
 
 
 def test_an_answer_that_was_cut_trains_no_end(tiny_llama, tmp_path):
