@@ -76,7 +76,8 @@ def main() -> None:
 #: The flags that act only while the model samples in pasta (or inline) mode, each with the value
 #: that leaves it out: in ``--mode sequential`` nothing reads them (no tag is acted on), so one set
 #: there is refused rather than recorded in the settings as if applied.
-PASTA_ONLY_FLAGS = {"fork_threshold": None, "max_forks": None, "independent_topics": False, "fork_headroom_tokens": None,
+PASTA_ONLY_FLAGS = {"fork_threshold": None, "max_forks": None, "independent_topics": False,
+                    "fork_headroom_tokens": None,
                     "distinct_topics": True, "chunk_clean_end": True}
 
 

@@ -450,8 +450,8 @@ def limits_without_effect(mode: str, *, nesting: bool = False, replay: bool = Fa
     * ``distinct_topics``, ``chunk_clean_end``: where the sampler enforces the grammar (not in
       sequential mode, not in a replay).
 
-    ``fork_threshold``, ``independent_topics`` and ``fork_headroom_tokens`` are not here: the input processor checks them
-    (it also knows whether the model has the tag tokens)."""
+    ``fork_threshold``, ``independent_topics`` and ``fork_headroom_tokens`` are not here: the
+    input processor checks them (it also knows whether the model has the tag tokens)."""
     one_thread = f"mode {mode!r} (one thread decodes the whole response: only pasta mode forks)"
     out: dict[str, str] = {}
     if mode != "pasta":
