@@ -4,7 +4,10 @@ answers for a blind pairwise reading, their theoretical content speedup, and the
 The 80 vicuna prompts (never trained on) through the engine, ``--max-running-requests`` at a
 time, greedy with repetition penalty 1.1, 512 tokens, CPU float32 (the evaluation's settings;
 batching changes no greedy answer: the stage 3 screen reproduced its batch-1 evaluation figure
-for figure). Optionally at a fork threshold (``Limits.fork_threshold``). Writes to ``--out``:
+for figure). Optionally at a fork threshold (``Limits.fork_threshold``). ``--split`` screens
+another ``dataset`` of ``--prompts`` instead (``all``: every row), e.g. prompts that no stage of
+an adapter trained on, as a check that a choice made on the vicuna readings holds elsewhere.
+Writes to ``--out``:
 
 - ``model_outputs.json``: the clean answers in AlpacaEval's format (for ``bench/judge_pairs.py``);
 - ``rows.jsonl``: per prompt the annotated answer, forks, threads, content tokens, critical path,
@@ -33,7 +36,11 @@ from pasta_engine.entrypoints.args import nonneg_int, positive_int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", required=True, type=Path, help="AlpacaEval JSON (its vicuna rows are used)")
+    ap.add_argument("--prompts", required=True, type=Path,
+                    help="AlpacaEval JSON (its rows of the --split dataset are used)")
+    ap.add_argument("--split", default="vicuna",
+                    help="the rows' `dataset` value to screen (default vicuna, the evaluation split); "
+                         "'all' for every row of --prompts")
     ap.add_argument("--model", default=None,
                     help="base model the adapter was trained on (checkpoint folder); default the embedded SmolLM2-135M")
     ap.add_argument("--adapter", default="auto", help="adapter folder; 'none' for the base model; default the shipped")
@@ -60,7 +67,7 @@ def main() -> None:
     ap.add_argument("--repetition-penalty", type=float, default=1.1)
     ap.add_argument("--max-running-requests", type=positive_int, default=16)
     # >= 0 here; 0 (no row to screen) is refused below with the prompts file's name
-    ap.add_argument("--limit", type=nonneg_int, default=None, help="screen only the first N vicuna rows")
+    ap.add_argument("--limit", type=nonneg_int, default=None, help="screen only the first N rows of the split")
     args = ap.parse_args()
     refuse_sequential_knobs(args)
 
@@ -112,9 +119,10 @@ def screen(args: argparse.Namespace) -> None:
     from pasta_engine.metrics import geomean_positive, summarize_text_proxies
     from pasta_engine.tools.annotate_independent import LexicalDependence, check_forks
 
-    rows = [r for r in json.loads(args.prompts.read_text()) if r.get("dataset") == "vicuna"][: args.limit]
+    rows = [r for r in json.loads(args.prompts.read_text())
+            if args.split == "all" or r.get("dataset") == args.split][: args.limit]
     if not rows:  # before the model loads and anything is written
-        raise SystemExit(f"screen_adapter: {args.prompts} has no row with dataset 'vicuna'"
+        raise SystemExit(f"screen_adapter: --split {args.split!r}: {args.prompts} has no row with that dataset"
                          + (f" within --limit {args.limit}" if args.limit is not None else ""))
     adapter = None if args.adapter == "none" else args.adapter
     # both checked before the model loads: a bad value is a ParameterError naming its field
@@ -144,13 +152,13 @@ def screen(args: argparse.Namespace) -> None:
     label = f"adapter={args.adapter} mode={args.mode} fork_threshold={args.fork_threshold}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "model_outputs.json").write_text(json.dumps(
-        [{"instruction": r["instruction"], "output": o["text"], "generator": label, "dataset": "vicuna"}
+        [{"instruction": r["instruction"], "output": o["text"], "generator": label, "dataset": r.get("dataset", args.split)}
          for r, o in zip(rows, out_rows)], indent=1) + "\n")
     (args.out / "rows.jsonl").write_text("".join(json.dumps(o) + "\n" for o in out_rows))
     forked = [o for o in out_rows if o["forks"]]
     decoded = sum(o["tokens_decoded"] for o in out_rows)
     summary = {
-        "what": "untimed screen on the vicuna split (see bench/screen_adapter.py)",
+        "what": f"untimed screen on the {args.split} split of {args.prompts.name} (see bench/screen_adapter.py)",
         "label": label, "prompts": len(out_rows),
         # an answer without content has no speedup: left out of the means, counted in empty_answers
         "geomean_content_speedup": geomean_positive(o["content_speedup"] for o in out_rows),

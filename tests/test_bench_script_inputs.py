@@ -72,6 +72,23 @@ def test_screen_adapter_runs_with_good_flags(screen):
     assert s["prompts"] == 2 and s["settings"]["mode"] == "sequential"
 
 
+def test_screen_adapter_screens_the_split_asked_for(screen, tmp_path):
+    """``--split`` picks the rows of one ``dataset`` (``all``: every row) and keeps each row's
+    dataset in model_outputs.json; a split with no row is one error before the model loads."""
+    (tmp_path / "p.json").write_text(json.dumps([{"instruction": "a", "dataset": "vicuna"},
+                                                 {"instruction": "b", "dataset": "koala"},
+                                                 {"instruction": "c", "dataset": "koala"}]))
+    for split, want in [("koala", ["b", "c"]), ("all", ["a", "b", "c"]), ("vicuna", ["a"])]:
+        code, err, loaded = screen("--split", split)
+        assert code is None and loaded, err
+        rows = json.loads((screen.out / "model_outputs.json").read_text())
+        assert [r["instruction"] for r in rows] == want
+        assert [r["dataset"] for r in rows] == ["vicuna" if x == "a" else "koala" for x in want]
+    code, err, loaded = screen("--split", "oasst", "--out", str(tmp_path / "none"))
+    assert code and "--split 'oasst'" in str(code) and not loaded, (code, err)
+    assert not (tmp_path / "none").exists()
+
+
 @pytest.mark.parametrize("flags", [["--fork-threshold", "0.2"], ["--max-forks", "0"], ["--independent-topics"],
                                    ["--no-distinct-topics"], ["--no-chunk-clean-end"]])
 def test_screen_adapter_refuses_pasta_flags_in_sequential_mode(screen, flags):
