@@ -1,7 +1,7 @@
 """Load curves at the Llama-3-8B shape on an H100, from decode steps and MODELLED step costs
 (issue 33 item 3; no GPU run: every time here is computed, none is measured).
 
-The evaluation traces of the shipped adapter (its pasta-mode answers to the 80 vicuna prompts,
+The evaluation traces of the stage-5 adapter (shipped from 2026-11-27; its pasta-mode answers to the 80 vicuna prompts,
 ``bench/results/nosys-smollm2-cpu/screen/rows.jsonl``, and the base model's sequential answers to
 the same prompts, ``bench/results/learned-smollm2-tags-cpu-stage4-repeats2/
 model_outputs_base_sequential.json``) are replayed (forced decoding, docs/DESIGN.md section 3)
@@ -287,7 +287,7 @@ WORKLOADS = {
 
 
 def load_jobs(workload: str, n: int, traces: Path = PASTA_TRACES, base: Path = BASE_ANSWERS) -> list[Job]:
-    """The first ``n`` prompts of the shipped adapter's screen (``traces``, JSON lines with
+    """The first ``n`` prompts of the stage-5 adapter's screen (``traces``, JSON lines with
     ``instruction`` and ``annotated``) as jobs of ``workload`` (a key of :data:`WORKLOADS`); the
     base model's answers (``base``, AlpacaEval format) are matched by instruction.
 
