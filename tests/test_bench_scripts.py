@@ -339,7 +339,7 @@ def test_screen_adapter_counts_an_empty_answer_instead_of_crashing(tmp_path, mon
         (tmp_path / "none.json").write_text(json.dumps([{"instruction": "a", "dataset": "koala"}]))
         monkeypatch.setattr(sys, "argv", ["screen_adapter.py", "--prompts", str(prompts), "--out",
                                           str(tmp_path / "out2"), "--adapter", "none", *argv])
-        with pytest.raises(SystemExit, match="no row with dataset 'vicuna'"):
+        with pytest.raises(SystemExit, match="--split 'vicuna'.* has no row with that dataset"):
             runpy.run_path(str(BENCH / "screen_adapter.py"), run_name="__main__")
         assert not (tmp_path / "out2").exists()
 
