@@ -363,9 +363,9 @@ class Limits:
             open with a word that leans on what came before ("Another", "Furthermore", "This",
             "Finally", ...: :data:`~pasta_engine.lang.grammar.LEANING_WORDS`). A chunk opens with
             its topic's words, so such a topic makes it lean on a sibling it cannot see. Off by
-            default: on the shipped adapter it raises the forks passing the lexical independence
-            test from 70% to 93% and the theoretical content speedup from 1.52x to 1.57x, but read
-            blind the answers win 39.1% against 42.8% without it (issue 30,
+            default: on the adapter shipped before 2026-11-29 it raised the forks passing the lexical
+            independence test from 70% to 93% and the theoretical content speedup from 1.52x to 1.57x, but read
+            blind the answers won 39.1% against 42.8% without it (issue 30,
             bench/results/leaning-topics-smollm2-cpu/). False: the model's topics as it samples
             them.
         fork_headroom_tokens: where the sampler enforces the grammar while a model samples in

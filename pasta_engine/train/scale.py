@@ -551,9 +551,10 @@ class RecipeAssumptions:
     68 tokens on average and 538 at most over AlpacaEval's 725 training prompts (SmolLM2's
     tokenizer; the others' differ by some percent); answers are capped at ``answer_tokens``;
     SFT examples are cut to ``response_tokens``. The longest training forward is
-    ``538 + 448 + tags`` <= ``longest_tokens``. Stage sizes are the shipped adapter's
-    (docs/learning.md; its manifest's stages): SFT 1 on 340 examples, 2 epochs; BoNBoN 2 rounds of
-    48 prompts x 4 samples, ~45 pairs a round; SFT 3 on 190 examples x 2 epochs; SFT 4 on 140 x 1.
+    ``538 + 448 + tags`` <= ``longest_tokens``. Stage sizes are those of the adapter shipped
+    before 2026-11-29 (docs/learning.md; its manifest's stages, commit 997f896): SFT 1 on 340
+    examples, 2 epochs; BoNBoN 2 rounds of 48 prompts x 4 samples, ~45 pairs a round; SFT 3 on
+    190 examples x 2 epochs; SFT 4 on 140 x 1.
     Utilisation: ``train_mfu`` of the dense bf16 peak for training and ``sample_mfu`` for the
     forward-only passes; a decode step is at least one read of the weights at the HBM bandwidth
     (:data:`H100_HBM_BYTES_PER_S`) for ``batch`` requests at once."""
