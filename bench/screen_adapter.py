@@ -152,8 +152,8 @@ def screen(args: argparse.Namespace) -> None:
     label = f"adapter={args.adapter} mode={args.mode} fork_threshold={args.fork_threshold}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "model_outputs.json").write_text(json.dumps(
-        [{"instruction": r["instruction"], "output": o["text"], "generator": label, "dataset": r.get("dataset", args.split)}
-         for r, o in zip(rows, out_rows)], indent=1) + "\n")
+        [{"instruction": r["instruction"], "output": o["text"], "generator": label,
+          "dataset": r.get("dataset", args.split)} for r, o in zip(rows, out_rows)], indent=1) + "\n")
     (args.out / "rows.jsonl").write_text("".join(json.dumps(o) + "\n" for o in out_rows))
     forked = [o for o in out_rows if o["forks"]]
     decoded = sum(o["tokens_decoded"] for o in out_rows)
@@ -173,7 +173,7 @@ def screen(args: argparse.Namespace) -> None:
         "chunks_opening_with_topic": sum(c.opens_with_topic for c in checks) / len(checks) if checks else None,
         "proxies": summarize_text_proxies([o["text"] for o in out_rows], [o["finish_reason"] for o in out_rows],
                                           [o["annotated"] for o in out_rows]),
-        "settings": {"max_new_tokens": args.max_new_tokens, "temperature": 0.0,
+        "settings": {"split": args.split, "max_new_tokens": args.max_new_tokens, "temperature": 0.0,
                      "repetition_penalty": args.repetition_penalty, "mode": args.mode,
                      "fork_threshold": args.fork_threshold, "distinct_topics": args.distinct_topics,
                      "chunk_clean_end": args.chunk_clean_end, "independent_topics": args.independent_topics,
