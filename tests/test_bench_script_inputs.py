@@ -85,6 +85,7 @@ def test_screen_adapter_screens_the_split_asked_for(screen, tmp_path):
         assert [r["instruction"] for r in rows] == want
         assert [r["dataset"] for r in rows] == ["vicuna" if x == "a" else "koala" for x in want]
         assert json.loads((screen.out / "summary.json").read_text())["settings"]["split"] == split
+    # a second --out overrides the fixture's (argparse keeps the last): nothing may be written there
     code, err, loaded = screen("--split", "oasst", "--out", str(tmp_path / "none"))
     assert code and "--split 'oasst'" in str(code) and not loaded, (code, err)
     assert not (tmp_path / "none").exists()
